@@ -1,0 +1,1 @@
+"""Benchmarks and the aio tuning tool (`tensorio-bench`)."""
