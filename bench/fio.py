@@ -1,0 +1,284 @@
+"""Run the real `fio` binary for one job and parse its JSON output.
+
+This is our own wrapper (the PyPI package named ``fio-wrapper`` is unrelated; never install it).
+Other benchmarks import it to put our figures next to fio's on the same disk::
+
+    from bench.fio import FioJob, run_fio
+    result = run_fio(FioJob(directory="/nvme/swap", rw="read", size=256 << 20,
+                            block_size=1 << 20, queue_depth=32))
+    print(result.bw_bytes / 1e9, "GB/s")
+
+How settings map onto fio (see ``FioJob.command``):
+
+- ``numjobs`` jobs share one file, job *i* moving the *i*-th slice (``offset_increment``), as our
+  ``thread_count`` workers split one request; ``--group_reporting`` sums them.
+- ``single_submit`` → ``iodepth_batch_submit=1`` (one submission per I/O), else ``=queue_depth``.
+- ``overlap_events`` → ``iodepth_batch_complete_min=1`` (refill as each completion arrives), else
+  ``=queue_depth`` (lock-step batches that drain the queue).
+- For reads fio lays the file out (writes it) before the job starts; that pass is not part of the
+  timed run, the read job's runtime and bytes cover the reads only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ENGINES",
+    "FioError",
+    "FioJob",
+    "FioNotFound",
+    "FioResult",
+    "fio_path",
+    "job_for_config",
+    "run_fio",
+]
+
+#: fio engines we drive: io_uring first, libaio where io_uring is disabled, psync as the plain baseline.
+ENGINES = ("io_uring", "libaio", "psync")
+
+INSTALL_HINT = "install it with `apt-get install fio` (Debian/Ubuntu) or `dnf install fio`"
+
+# Data files get this prefix so that cleanup removes exactly ours.
+FILE_PREFIX = "tensorio-fio-"
+
+
+class FioError(RuntimeError):
+    """fio ran but failed, or its output could not be understood."""
+
+
+class FioNotFound(FioError):
+    """The fio binary is not on PATH."""
+
+
+def fio_path() -> str | None:
+    """Return the path of the fio binary on PATH, or None when fio is not installed."""
+    return shutil.which("fio")
+
+
+@dataclass(kw_only=True, slots=True)
+class FioJob:
+    """One sequential fio job: read or write ``size`` bytes in one file under ``directory``."""
+
+    directory: str | os.PathLike
+    """Existing directory on the disk to measure; fio's data file is created and removed there."""
+
+    rw: str
+    """"read" or "write" (sequential)."""
+
+    size: int
+    """Total bytes moved, over all jobs. A positive multiple of ``numjobs * block_size``."""
+
+    block_size: int = 1 << 20
+    """Bytes per I/O (fio ``bs``). A positive multiple of 512."""
+
+    queue_depth: int = 8
+    """I/Os in flight per job (fio ``iodepth``). At least 1."""
+
+    numjobs: int = 1
+    """Jobs splitting the file between them, like our ``thread_count``. At least 1."""
+
+    single_submit: bool = False
+    """One submission per I/O instead of one per batch."""
+
+    overlap_events: bool = True
+    """Refill the queue as each I/O completes instead of waiting for the whole batch."""
+
+    direct: bool = True
+    """O_DIRECT; False measures the page cache as well as the disk."""
+
+    ioengine: str = "io_uring"
+    """One of ``ENGINES``."""
+
+    runtime_s: float | None = None
+    """Stop after this many seconds even if ``size`` has not been moved (None: no limit)."""
+
+    def __post_init__(self) -> None:
+        if self.rw not in ("read", "write"):
+            raise ValueError(f"FioJob.rw: {self.rw!r} is not allowed; use 'read' or 'write'")
+        if self.ioengine not in ENGINES:
+            raise ValueError(f"FioJob.ioengine: {self.ioengine!r} is not allowed; use one of {', '.join(ENGINES)}")
+        for key in ("size", "block_size", "queue_depth", "numjobs"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"FioJob.{key}: {value!r} is not allowed; use an integer >= 1")
+        if self.block_size % 512:
+            raise ValueError(f"FioJob.block_size: {self.block_size} is not a multiple of 512")
+        if self.size % (self.numjobs * self.block_size):
+            raise ValueError(
+                f"FioJob.size: {self.size} is not a multiple of numjobs * block_size "
+                f"({self.numjobs} * {self.block_size}); round it to one"
+            )
+        for key in ("single_submit", "overlap_events", "direct"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"FioJob.{key}: expected True or False, got {getattr(self, key)!r}")
+        if self.runtime_s is not None and not self.runtime_s > 0:
+            raise ValueError(f"FioJob.runtime_s: {self.runtime_s!r} is not allowed; use None or seconds > 0")
+
+    def command(self, fio: str, filename: str | os.PathLike) -> list[str]:
+        """The fio command line that runs this job on ``filename``."""
+        batch_submit = 1 if self.single_submit else self.queue_depth
+        batch_complete = 1 if self.overlap_events else self.queue_depth
+        slice_bytes = self.size // self.numjobs
+        cmd = [
+            fio,
+            "--output-format=json",
+            "--name=tensorio",
+            f"--filename={filename}",
+            f"--rw={self.rw}",
+            f"--filesize={self.size}",
+            f"--size={slice_bytes}",
+            f"--offset_increment={slice_bytes}",
+            f"--numjobs={self.numjobs}",
+            f"--bs={self.block_size}",
+            f"--iodepth={self.queue_depth}",
+            f"--iodepth_batch_submit={batch_submit}",
+            f"--iodepth_batch_complete_min={batch_complete}",
+            f"--ioengine={self.ioengine}",
+            f"--direct={int(self.direct)}",
+            "--thread",  # jobs as threads of one process, so that killing fio stops them all
+            "--group_reporting",
+        ]
+        if self.runtime_s is not None:
+            cmd.append(f"--runtime={max(1, round(self.runtime_s * 1000))}ms")
+        return cmd
+
+
+@dataclass(kw_only=True, slots=True)
+class FioResult:
+    """What one fio job measured, with fio's own field names where it has them."""
+
+    rw: str
+    bw_bytes: int
+    """Bytes per second over the job's runtime (fio ``bw_bytes``)."""
+    iops: float
+    io_bytes: int
+    """Bytes actually moved (less than the job's size only when ``runtime_s`` cut it short)."""
+    runtime_s: float
+    """Time the I/O took, without fio's start-up and file layout."""
+    clat_ns_p50: int
+    """Median completion latency of one I/O, in nanoseconds (from submission to completion)."""
+    clat_ns_p99: int
+    clat_ns_mean: float
+    command: list[str]
+    fio_version: str
+    job: dict[str, Any] = field(repr=False)
+    """fio's whole JSON record of the (group-reported) job, for fields not copied above."""
+
+    @property
+    def gb_per_s(self) -> float:
+        """Bandwidth in GB/s (10**9 bytes per second)."""
+        return self.bw_bytes / 1e9
+
+
+def job_for_config(config: Any, *, directory: str | os.PathLike, rw: str, size: int,
+                   ioengine: str = "io_uring") -> FioJob:
+    """The fio job matching an ``AioConfig`` (anything with its attributes) for ``size`` bytes.
+
+    ``thread_count`` becomes ``numjobs``; ``direct="auto"`` becomes O_DIRECT. ``size`` is rounded down
+    to a multiple of ``thread_count * block_size``. Raises ValueError when that leaves nothing to move.
+    """
+    unit = config.thread_count * config.block_size
+    rounded = size // unit * unit
+    if rounded == 0:
+        raise ValueError(f"size {size} is smaller than thread_count * block_size ({unit}); use a larger size")
+    return FioJob(
+        directory=directory,
+        rw=rw,
+        size=rounded,
+        block_size=config.block_size,
+        queue_depth=config.queue_depth,
+        numjobs=config.thread_count,
+        single_submit=config.single_submit,
+        overlap_events=config.overlap_events,
+        direct=config.direct is not False,
+        ioengine=ioengine,
+    )
+
+
+def run_fio(job: FioJob, *, fio: str | None = None, timeout_s: float | None = None) -> FioResult:
+    """Run ``job`` with the fio binary (``fio`` or the one on PATH) and parse its JSON output.
+
+    fio's data file is created in ``job.directory`` and removed afterwards, also when fio fails, the
+    call times out or the caller is interrupted (KeyboardInterrupt stops fio first).
+
+    Raises FioNotFound when fio is not installed, FileNotFoundError / NotADirectoryError for a bad
+    directory (checked first: fio would silently create it), and FioError, naming the command and
+    fio's error output, when fio fails, times out or reports no I/O.
+    """
+    fio = fio or fio_path()
+    if fio is None:
+        raise FioNotFound(f"fio is not installed (not found on PATH); {INSTALL_HINT}")
+    directory = Path(job.directory)
+    if not directory.exists():
+        raise FileNotFoundError(f"{directory}: no such directory; create it or pick one on the disk to measure")
+    if not directory.is_dir():
+        raise NotADirectoryError(f"{directory}: not a directory; pass the directory to put fio's file in")
+    filename = directory / f"{FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}.dat"
+    cmd = job.command(fio, filename)
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise FioError(f"fio did not finish within {timeout_s} s: {' '.join(cmd)}") from None
+        except BaseException:
+            proc.kill()  # KeyboardInterrupt and the like: stop fio before removing its file
+            proc.communicate()
+            raise
+    finally:
+        filename.unlink(missing_ok=True)
+    if proc.returncode != 0:
+        raise FioError(
+            f"fio failed with exit status {proc.returncode}: {' '.join(cmd)}\n{_tail(stderr or stdout)}"
+        )
+    return _parse(job.rw, stdout, cmd, stderr)
+
+
+def _tail(text: str, lines: int = 20) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _parse(rw: str, stdout: str, cmd: list[str], stderr: str) -> FioResult:
+    """Build a FioResult from fio's JSON output; fio may print warnings before the JSON."""
+    start = stdout.find("{")
+    try:
+        data = json.loads(stdout[start:]) if start >= 0 else None
+    except json.JSONDecodeError:
+        data = None
+    if not isinstance(data, dict) or not data.get("jobs"):
+        raise FioError(f"fio printed no JSON job report: {' '.join(cmd)}\n{_tail(stderr or stdout)}")
+    job = data["jobs"][0]
+    if job.get("error"):
+        raise FioError(f"fio reported error {job['error']}: {' '.join(cmd)}\n{_tail(stderr)}")
+    try:
+        stats = job[rw]
+        clat = stats["clat_ns"]
+        percentiles = clat.get("percentile", {})
+        result = FioResult(
+            rw=rw,
+            bw_bytes=int(stats["bw_bytes"]),
+            iops=float(stats["iops"]),
+            io_bytes=int(stats["io_bytes"]),
+            runtime_s=stats["runtime"] / 1000.0,
+            clat_ns_p50=int(percentiles.get("50.000000", 0)),
+            clat_ns_p99=int(percentiles.get("99.000000", 0)),
+            clat_ns_mean=float(clat["mean"]),
+            command=cmd,
+            fio_version=str(data.get("fio version", "")),
+            job=job,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FioError(f"fio's JSON lacks {exc} for {rw}: {' '.join(cmd)}") from None
+    if result.io_bytes == 0:
+        raise FioError(f"fio moved no bytes: {' '.join(cmd)}\n{_tail(stderr)}")
+    return result

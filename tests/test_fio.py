@@ -1,0 +1,161 @@
+"""The fio wrapper against the real fio binary, at tiny sizes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from bench.fio import FILE_PREFIX, FioError, FioJob, FioNotFound, fio_path, job_for_config, run_fio
+from tensorio._config import AioConfig
+
+MiB = 1 << 20
+REPO = Path(__file__).resolve().parents[1]
+
+needs_fio = pytest.mark.skipif(fio_path() is None, reason="fio not installed: apt-get install fio")
+
+
+@pytest.fixture
+def disk_dir(tmp_path) -> Path:
+    """An empty directory for fio's file; TENSORIO_TEST_DIR moves it onto a chosen disk."""
+    if "TENSORIO_TEST_DIR" not in os.environ:
+        yield tmp_path
+        return
+    d = Path(os.environ["TENSORIO_TEST_DIR"]) / f"fio-{os.getpid()}-{time.monotonic_ns()}"
+    d.mkdir(parents=True)
+    yield d
+    for p in d.iterdir():
+        p.unlink()
+    d.rmdir()
+
+
+@needs_fio
+@pytest.mark.parametrize("rw", ["read", "write"])
+@pytest.mark.parametrize("engine", ["io_uring", "libaio", "psync"])
+def test_run_fio_parses_real_output_and_removes_its_file(disk_dir, rw, engine):
+    job = FioJob(directory=disk_dir, rw=rw, size=8 * MiB, block_size=128 * 1024, queue_depth=4, ioengine=engine)
+    result = run_fio(job)
+    assert result.rw == rw
+    assert result.io_bytes == 8 * MiB
+    assert result.bw_bytes > 0 and result.iops > 0
+    assert 0 < result.clat_ns_p50 <= result.clat_ns_p99
+    assert result.clat_ns_mean > 0
+    assert result.fio_version.startswith("fio-")
+    assert f"--rw={rw}" in result.command and f"--ioengine={engine}" in result.command
+    # 8 MiB in 128 KiB blocks: fio counts 64 I/Os, and its IOPS agree with its bandwidth.
+    assert result.job[rw]["total_ios"] == 64
+    assert result.iops == pytest.approx(result.bw_bytes / (128 * 1024), rel=0.01)
+    assert list(disk_dir.iterdir()) == []
+
+
+@needs_fio
+def test_read_job_does_not_time_the_layout(disk_dir):
+    """fio writes the file before a read job; that pass must not show up in the read job's report."""
+    result = run_fio(FioJob(directory=disk_dir, rw="read", size=8 * MiB, block_size=MiB))
+    assert result.job["write"]["io_bytes"] == 0
+    assert result.job["read"]["io_bytes"] == 8 * MiB
+
+
+@needs_fio
+def test_numjobs_split_one_file(disk_dir):
+    result = run_fio(FioJob(directory=disk_dir, rw="write", size=8 * MiB, block_size=MiB, numjobs=2))
+    assert result.io_bytes == 8 * MiB  # group_reporting sums both jobs; each moved half
+    assert "--size=4194304" in result.command and "--offset_increment=4194304" in result.command
+
+
+@needs_fio
+def test_runtime_limit_stops_early(disk_dir):
+    job = FioJob(directory=disk_dir, rw="write", size=4096 * MiB, block_size=4096, queue_depth=1,
+                 ioengine="psync", runtime_s=0.2)
+    result = run_fio(job)
+    assert 0 < result.io_bytes < 4096 * MiB
+    assert result.runtime_s < 2
+
+
+def test_command_maps_submit_and_completion_batching():
+    base = dict(directory="/x", rw="read", size=8 * MiB, block_size=MiB, queue_depth=16)
+    lockstep = FioJob(**base, single_submit=True, overlap_events=False).command("fio", "/x/f")
+    assert "--iodepth_batch_submit=1" in lockstep and "--iodepth_batch_complete_min=16" in lockstep
+    sliding = FioJob(**base).command("fio", "/x/f")
+    assert "--iodepth_batch_submit=16" in sliding and "--iodepth_batch_complete_min=1" in sliding
+    assert "--direct=1" in sliding
+    assert "--direct=0" in FioJob(**base, direct=False).command("fio", "/x/f")
+
+
+def test_job_for_config_matches_aio_settings():
+    cfg = AioConfig(block_size=256 * 1024, queue_depth=32, thread_count=2, single_submit=True,
+                    overlap_events=False, direct="auto")
+    job = job_for_config(cfg, directory="/d", rw="write", size=10 * MiB + 5)
+    assert (job.block_size, job.queue_depth, job.numjobs) == (256 * 1024, 32, 2)
+    assert job.single_submit is True and job.overlap_events is False and job.direct is True
+    assert job.size == 10 * MiB  # rounded down to a multiple of 2 * 256 KiB
+    assert job_for_config(AioConfig(direct=False), directory="/d", rw="read", size=MiB).direct is False
+    with pytest.raises(ValueError, match="smaller than thread_count"):
+        job_for_config(cfg, directory="/d", rw="read", size=4096)
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [({"rw": "randread"}, "rw"), ({"ioengine": "spdk"}, "ioengine"), ({"size": 0}, "size"),
+     ({"block_size": 1000}, "block_size"), ({"size": 3 * MiB, "numjobs": 2}, "size"),
+     ({"queue_depth": True}, "queue_depth"), ({"direct": "yes"}, "direct"), ({"runtime_s": 0}, "runtime_s")],
+)
+def test_job_validation_names_the_key(change, key):
+    args = dict(directory="/d", rw="read", size=8 * MiB, block_size=MiB) | change
+    with pytest.raises(ValueError, match=f"FioJob.{key}"):
+        FioJob(**args)
+
+
+def test_missing_fio_says_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert fio_path() is None
+    with pytest.raises(FioNotFound, match="apt-get install fio"):
+        run_fio(FioJob(directory=tmp_path, rw="read", size=MiB))
+
+
+@needs_fio
+def test_missing_directory_is_refused_not_created(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match="nope"):
+        run_fio(FioJob(directory=missing, rw="write", size=MiB))
+    assert not missing.exists()
+
+
+def test_failing_fio_names_command_and_stderr(tmp_path):
+    fake = tmp_path / "fio"
+    fake.write_text("#!/bin/sh\necho 'fio: engine went away' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    with pytest.raises(FioError, match="engine went away") as info:
+        run_fio(FioJob(directory=tmp_path, rw="read", size=MiB), fio=str(fake))
+    assert "--rw=read" in str(info.value)
+    assert [p.name for p in tmp_path.iterdir()] == ["fio"]
+
+
+@needs_fio
+def test_interrupted_run_stops_fio_and_removes_its_file(disk_dir):
+    # A read of 2 GiB spends seconds laying its file out; interrupt it while the file exists.
+    script = (
+        "from bench.fio import FioJob, run_fio\n"
+        f"run_fio(FioJob(directory={str(disk_dir)!r}, rw='read', size={2048 * MiB}, block_size={MiB}))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not any(p.name.startswith(FILE_PREFIX) for p in disk_dir.iterdir()):
+        assert proc.poll() is None and time.monotonic() < deadline, "fio never created its file"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, stderr = proc.communicate(timeout=5)  # fio is killed, not waited for (its layout takes longer)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("run_fio waited for fio to finish instead of stopping it on KeyboardInterrupt")
+    assert "KeyboardInterrupt" in stderr
+    assert list(disk_dir.iterdir()) == []
+    still_running = [p.pid for p in psutil.process_iter(["cmdline"]) if str(disk_dir) in " ".join(p.info["cmdline"] or [])]
+    assert still_running == [], "fio kept running after the interrupt"
