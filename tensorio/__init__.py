@@ -1,0 +1,27 @@
+"""tensorio: asynchronous reads and writes of tensors to files, at the disk's full speed.
+
+It knows files, buffers and bytes, nothing of models. See docs/tensorio.md.
+"""
+
+from ._buffers import aligned_tensor, free_locked_tensor, lock_status, locked_tensor
+from ._config import AioConfig
+from ._errors import TensorIOError
+from ._fs import DIRECT_ALIGN, filesystem_type, probe_direct
+from ._handle import AioHandle
+from ._request import IOFuture
+from ._uring import probe_io_uring
+
+__all__ = [
+    "DIRECT_ALIGN",
+    "AioConfig",
+    "AioHandle",
+    "IOFuture",
+    "TensorIOError",
+    "aligned_tensor",
+    "filesystem_type",
+    "free_locked_tensor",
+    "lock_status",
+    "locked_tensor",
+    "probe_direct",
+    "probe_io_uring",
+]

@@ -1,0 +1,109 @@
+"""Host buffers: page-aligned tensors, locked (pinned) where the system allows, and the staging pool."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import threading
+import weakref
+
+import torch
+
+log = logging.getLogger("tensorio")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+# data_ptr -> how the buffer is locked ("cuda-registered", "mlocked" or "not locked: <reason>").
+_lock_status: dict[int, str] = {}
+_status_lock = threading.Lock()
+
+
+def _mapped_tensor(num_elem: int, dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
+    if num_elem < 0:
+        raise ValueError(f"num_elem must be >= 0, got {num_elem}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    region = mmap.mmap(-1, max(num_elem * itemsize, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # The tensor (and every view of it) keeps the mapping alive through the buffer it was made from.
+    return torch.frombuffer(region, dtype=torch.uint8)[: num_elem * itemsize].view(dtype), region
+
+
+def aligned_tensor(num_elem: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """A zero-filled 1-D CPU tensor whose storage starts on a page boundary (any dtype).
+
+    The memory is an anonymous mapping: pages are only touched, and so only count toward RSS,
+    once written. Raises ValueError for a negative ``num_elem``.
+    """
+    return _mapped_tensor(num_elem, dtype)[0]
+
+
+def _lock(tensor: torch.Tensor) -> str:
+    ptr, nbytes = tensor.data_ptr(), tensor.untyped_storage().nbytes()
+    if nbytes == 0:
+        return "not locked: empty"
+    if torch.cuda.is_available():  # CUDA path: page-locked and registered for fast H2D/D2H copies.
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        if int(err) == 0:
+            return "cuda-registered"
+        reason = f"cudaHostRegister failed ({err})"
+    else:
+        if _libc.mlock(ptr, nbytes) == 0:
+            return "mlocked"
+        err = ctypes.get_errno()
+        reason = f"mlock refused {nbytes} bytes ({os.strerror(err)}; raise `ulimit -l` to lock)"
+    return "not locked: " + reason
+
+
+def _unlock(ptr: int, nbytes: int, status: str) -> None:
+    if status == "mlocked":
+        _libc.munlock(ptr, nbytes)
+    elif status == "cuda-registered":
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def locked_tensor(num_elem: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """A page-aligned tensor locked in RAM: CUDA-registered when CUDA is available, else mlock'ed.
+
+    Where locking is refused (the memlock limit), the tensor is plain aligned memory; the reason is
+    logged once and reported by ``lock_status(tensor)``. Release with ``free_locked_tensor``; a
+    locked tensor that is simply dropped is unlocked when its memory is freed.
+    """
+    tensor, region = _mapped_tensor(num_elem, dtype)
+    status = _lock(tensor)
+    ptr, nbytes = tensor.data_ptr(), tensor.untyped_storage().nbytes()
+    with _status_lock:
+        _lock_status[ptr] = status
+    if status.startswith("not locked") and not getattr(locked_tensor, "_warned", False):
+        locked_tensor._warned = True  # type: ignore[attr-defined]
+        log.warning("tensorio: buffers are %s", status)
+    # Unlock when the memory goes away: the mapping lives exactly as long as the last view.
+    weakref.finalize(region, _forget, ptr, nbytes, status)
+    return tensor
+
+
+def _forget(ptr: int, nbytes: int, status: str) -> None:
+    with _status_lock:
+        if _lock_status.pop(ptr, None) is not None:
+            _unlock(ptr, nbytes, status)
+
+
+def lock_status(tensor: torch.Tensor) -> str:
+    """How ``tensor``'s memory is locked: "cuda-registered", "mlocked" or "not locked: <reason>"."""
+    with _status_lock:
+        return _lock_status.get(tensor.untyped_storage().data_ptr(), "not locked: not a tensorio locked buffer")
+
+
+def free_locked_tensor(tensor: torch.Tensor) -> None:
+    """Unlock a tensor from ``locked_tensor`` now; its memory is freed with its last reference.
+
+    Raises ValueError for a tensor that ``locked_tensor`` did not make.
+    """
+    ptr = tensor.untyped_storage().data_ptr()
+    with _status_lock:
+        status = _lock_status.pop(ptr, None)
+    if status is None:
+        raise ValueError("free_locked_tensor: this tensor was not made by locked_tensor/new_cpu_locked_tensor")
+    _unlock(ptr, tensor.untyped_storage().nbytes(), status)

@@ -1,0 +1,324 @@
+"""`AioHandle`: reads and writes of tensors to files, asynchronous first.
+
+Two surfaces over one engine: the Pythonic ``read``/``write`` returning futures, and the
+method-for-method surface of DeepSpeed's ``aio_handle`` (``sync_pread``, ``async_pwrite``,
+``wait``, ...) for code written against DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+
+import torch
+
+from ._buffers import free_locked_tensor, locked_tensor
+from ._config import MiB, AioConfig
+from ._errors import TensorIOError
+from ._fs import DIRECT_ALIGN, direct_supported, fd_is_direct, open_for_io, probe_direct, reopen_buffered
+from ._plan import Mode, piece_size, plan_pieces
+from ._request import IOFuture, Request, Task
+from ._threads import ThreadBackend
+from ._uring import UringBackend, probe_io_uring
+
+log = logging.getLogger("tensorio")
+
+PathOrFd = str | os.PathLike | int
+
+
+def _make_backend(config: AioConfig, piece_bytes: int):
+    if config.backend in ("auto", "io_uring"):
+        available, reason = probe_io_uring()
+        if available:
+            return UringBackend(config, piece_bytes=piece_bytes, align=DIRECT_ALIGN)
+        if config.backend == "io_uring":
+            raise RuntimeError(f"aio.backend is \"io_uring\" but io_uring cannot run here: {reason}")
+        log.info("tensorio: using the thread-pool backend: %s", reason)
+    return ThreadBackend(config, piece_bytes=piece_bytes, align=DIRECT_ALIGN)
+
+
+def _check_tensor(tensor: object, name: str = "buffer") -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{name} is on {tensor.device}; tensorio moves CPU tensors (copy it to a locked "
+                         f"CPU buffer first, e.g. with new_cpu_locked_tensor)")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} is not contiguous (shape {tuple(tensor.shape)}, stride {tensor.stride()}); "
+                         f"pass tensor.contiguous()")
+    return tensor
+
+
+class AioHandle:
+    """Asynchronous tensor reads and writes with the aio settings of an `AioConfig`.
+
+    The buffer may be any contiguous CPU tensor of any dtype: locked or not, aligned or not, a view
+    at any offset. Page-aligned buffers (``new_cpu_locked_tensor``) at page-aligned file offsets
+    move straight between memory and disk with O_DIRECT; anything else goes through this handle's
+    staging buffers (tc x qd x block_size bytes at most, allocated once) or the page cache for
+    unaligned heads and tails. A write changes exactly the bytes [offset, offset + nbytes) of the
+    file (created with mode 0600, never truncated); a read fills the whole tensor or fails.
+
+    Raises RuntimeError when ``backend="io_uring"`` is asked for and io_uring cannot run here.
+    """
+
+    def __init__(self, block_size: int = MiB, queue_depth: int = 8, single_submit: bool = False,
+                 overlap_events: bool = True, thread_count: int = 1, *, backend: str = "auto",
+                 direct: bool | str = "auto", intra_op_parallelism: int | None = None) -> None:
+        if intra_op_parallelism is not None:
+            thread_count = intra_op_parallelism
+        self.config = AioConfig(block_size=block_size, queue_depth=queue_depth, single_submit=single_submit,
+                                overlap_events=overlap_events, thread_count=thread_count,
+                                backend=backend, direct=direct)
+        piece_bytes = piece_size(self.config.block_size, True, DIRECT_ALIGN)
+        self._backend = _make_backend(self.config, piece_bytes)
+        self._pending: list[tuple[IOFuture, torch.Tensor | None, PathOrFd, int]] = []  # for wait()
+        self._pending_lock = threading.Lock()
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, config: AioConfig) -> "AioHandle":
+        """A handle with the settings of ``config``."""
+        return cls(config.block_size, config.queue_depth, config.single_submit, config.overlap_events,
+                   config.thread_count, backend=config.backend, direct=config.direct)
+
+    @property
+    def backend_name(self) -> str:
+        """The backend doing the I/O: "io_uring" or "threads"."""
+        return self._backend.name
+
+    # ---- the Pythonic surface -------------------------------------------------------------------
+
+    def read(self, tensor: torch.Tensor, path: PathOrFd, offset: int = 0) -> IOFuture:
+        """Start filling ``tensor`` from ``path`` (a file name or an open fd) at byte ``offset``.
+
+        Returns a future whose ``result()`` is the byte count, or raises TensorIOError (a short
+        file, EIO, ...). Raises at once TypeError/ValueError for a bad tensor or offset and
+        TensorIOError when the file cannot be opened. Do not touch ``tensor`` until it is done.
+        """
+        return self._start(False, tensor, path, offset)
+
+    def write(self, tensor: torch.Tensor, path: PathOrFd, offset: int = 0) -> IOFuture:
+        """Start writing ``tensor``'s bytes to ``path`` (a file name or an open fd) at byte ``offset``.
+
+        Returns a future whose ``result()`` is the byte count, or raises TensorIOError (ENOSPC, EIO,
+        ...). Raises at once TypeError/ValueError for a bad tensor or offset and TensorIOError when
+        the file cannot be created. Do not modify ``tensor`` until it is done.
+        """
+        return self._start(True, tensor, path, offset)
+
+    def _start(self, write: bool, tensor: torch.Tensor, path: PathOrFd, offset: int) -> IOFuture:
+        # 1. Guard the boundary: nothing is opened or queued for a bad argument.
+        if self._closed:
+            raise RuntimeError("this AioHandle is closed")
+        tensor = _check_tensor(tensor)
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"file offset must be an integer >= 0, got {offset!r}")
+        # 2. Open the file (or adopt the caller's fd) and decide on O_DIRECT.
+        direct_fd, buffered_fd, owned, name, direct = self._open(write, path)
+        # 3. Plan the pieces and hand them to the backend.
+        nbytes = tensor.numel() * tensor.element_size()
+        pieces = plan_pieces(offset=offset, nbytes=nbytes, buf_addr=tensor.data_ptr(),
+                             block_size=self.config.block_size, direct=direct, align=DIRECT_ALIGN)
+        if direct and buffered_fd is None and any(p.mode is Mode.BUFFERED for p in pieces):
+            try:
+                buffered_fd = reopen_buffered(direct_fd, write=write)
+            except OSError as exc:
+                for fd in owned:
+                    os.close(fd)
+                raise TensorIOError(exc.errno or errno.EIO, "reopen for unaligned I/O failed", path=name,
+                                    offset=offset, length=nbytes) from None
+            owned.append(buffered_fd)
+        request = Request(write=write, path=name, tensor=tensor, offset=offset, direct_fd=direct_fd,
+                          buffered_fd=buffered_fd if buffered_fd is not None else direct_fd,
+                          owned_fds=owned, pieces=len(pieces))
+        if pieces:
+            self._backend.submit([Task(request, piece) for piece in pieces])
+        return request.future
+
+    def _open(self, write: bool, path: PathOrFd) -> tuple[int, int | None, list[int], str, bool]:
+        """(direct-or-only fd, buffered fd or None, fds to close, name for errors, O_DIRECT?)."""
+        if isinstance(path, bool) or not isinstance(path, (int, str, os.PathLike)):
+            raise TypeError(f"filename must be a path or an open file descriptor, got {type(path).__name__}")
+        if isinstance(path, int):
+            try:
+                direct = fd_is_direct(path)
+            except OSError as exc:
+                raise TensorIOError(exc.errno or errno.EBADF, "bad file descriptor", path=f"fd {path}",
+                                    offset=0, length=0) from None
+            return path, None if direct else path, [], f"fd {path}", direct
+        name = os.fspath(path)
+        directory = os.path.dirname(os.path.abspath(name))
+        direct = self._direct_for(directory, name)
+        fd = open_for_io(name, write=write, direct=direct)
+        return fd, None if direct else fd, [fd], name, direct
+
+    def _direct_for(self, directory: str, name: str) -> bool:
+        mode = self.config.direct
+        if mode is False:
+            return False
+        if not os.path.isdir(directory):
+            raise TensorIOError(errno.ENOENT, "directory does not exist", path=name, offset=0, length=0,
+                                hint=f"create {directory} first")
+        if mode is True:
+            supported, reason = probe_direct(directory)
+            if not supported:
+                raise TensorIOError(errno.EINVAL, "direct=True but O_DIRECT is unavailable", path=name,
+                                    offset=0, length=0, hint=f"{reason}; use direct=\"auto\" or False")
+            return True
+        return direct_supported(directory)
+
+    # ---- the DeepSpeed aio_handle surface ---------------------------------------------------------
+
+    def sync_pread(self, buffer: torch.Tensor, filename: PathOrFd | None = None, file_offset: int = 0, *,
+                   fd: int | None = None) -> int:
+        """Read ``buffer`` from ``filename`` (or ``fd``) at ``file_offset``; returns 1 when done.
+
+        Raises TensorIOError naming the path, offset and length when the read fails.
+        """
+        self.read(buffer, _target(filename, fd), file_offset).result()
+        return 1
+
+    def sync_pwrite(self, buffer: torch.Tensor, filename: PathOrFd | None = None, file_offset: int = 0, *,
+                    fd: int | None = None) -> int:
+        """Write ``buffer`` to ``filename`` (or ``fd``) at ``file_offset``; returns 1 when done.
+
+        Raises TensorIOError naming the path, offset and length when the write fails.
+        """
+        self.write(buffer, _target(filename, fd), file_offset).result()
+        return 1
+
+    def async_pread(self, buffer: torch.Tensor, filename: PathOrFd | None = None, file_offset: int = 0, *,
+                    fd: int | None = None) -> int:
+        """Start a read; returns 0 at once. ``wait()`` reports its completion or raises its error."""
+        return self._start_pending(False, buffer, _target(filename, fd), file_offset, validate=False)
+
+    def async_pwrite(self, buffer: torch.Tensor, filename: PathOrFd | None = None, file_offset: int = 0, *,
+                     fd: int | None = None) -> int:
+        """Start a write; returns 0 at once. ``wait()`` reports its completion or raises its error."""
+        return self._start_pending(True, buffer, _target(filename, fd), file_offset, validate=False)
+
+    def pread(self, buffer: torch.Tensor, filename: PathOrFd | None = None, validate: bool = False,
+              async_op: bool = False, file_offset: int = 0, *, fd: int | None = None) -> int:
+        """DeepSpeed's ``pread``: synchronous (returns 1) or, with ``async_op``, started (returns 0).
+
+        With ``validate`` the bytes are checked against an independent buffered read of the file and
+        a mismatch raises TensorIOError (from here, or from ``wait()`` for an asynchronous read).
+        """
+        return self._validated(False, buffer, _target(filename, fd), validate, async_op, file_offset)
+
+    def pwrite(self, buffer: torch.Tensor, filename: PathOrFd | None = None, validate: bool = False,
+               async_op: bool = False, file_offset: int = 0, *, fd: int | None = None) -> int:
+        """DeepSpeed's ``pwrite``: synchronous (returns 1) or, with ``async_op``, started (returns 0).
+
+        With ``validate`` the file is read back independently and a mismatch raises TensorIOError.
+        """
+        return self._validated(True, buffer, _target(filename, fd), validate, async_op, file_offset)
+
+    def _validated(self, write: bool, buffer: torch.Tensor, path: PathOrFd, validate: bool, async_op: bool,
+                   offset: int) -> int:
+        if async_op:
+            return self._start_pending(write, buffer, path, offset, validate=validate)
+        self._start(write, buffer, path, offset).result()
+        if validate:
+            _validate(buffer, path, offset)
+        return 1
+
+    def _start_pending(self, write: bool, buffer: torch.Tensor, path: PathOrFd, offset: int, *,
+                       validate: bool) -> int:
+        future = self._start(write, buffer, path, offset)
+        with self._pending_lock:
+            self._pending.append((future, buffer if validate else None, path, offset))
+        return 0
+
+    def wait(self) -> int:
+        """Wait for every asynchronous operation started since the last ``wait()``; return their count.
+
+        Raises the first failed operation's TensorIOError once all of them have finished.
+        """
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        first_error: BaseException | None = None
+        for future, validate_buffer, path, offset in pending:
+            error = future.exception()
+            if error is None and validate_buffer is not None:
+                try:
+                    _validate(validate_buffer, path, offset)
+                except TensorIOError as exc:
+                    error = exc
+            first_error = first_error or error
+        if first_error is not None:
+            raise first_error
+        return len(pending)
+
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
+        """A page-aligned, locked CPU tensor of ``num_elem`` elements of ``example_tensor``'s dtype."""
+        return locked_tensor(int(num_elem), example_tensor.dtype)
+
+    def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> None:
+        """Unlock a tensor from ``new_cpu_locked_tensor``. Raises ValueError for any other tensor."""
+        free_locked_tensor(tensor)
+
+    def get_block_size(self) -> int:
+        """The block size in bytes."""
+        return self.config.block_size
+
+    def get_queue_depth(self) -> int:
+        """Pieces in flight per worker."""
+        return self.config.queue_depth
+
+    def get_single_submit(self) -> bool:
+        """Whether each piece is submitted with its own system call."""
+        return self.config.single_submit
+
+    def get_overlap_events(self) -> bool:
+        """Whether the queue is topped up as completions arrive."""
+        return self.config.overlap_events
+
+    def get_intra_op_parallelism(self) -> int:
+        """Workers a request is spread over (DeepSpeed's name for ``thread_count``)."""
+        return self.config.thread_count
+
+    def get_thread_count(self) -> int:
+        """Workers a request is spread over."""
+        return self.config.thread_count
+
+    # ---- lifetime ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Finish every started operation, then stop the workers. Further calls raise RuntimeError."""
+        if not self._closed:
+            self._closed = True
+            self._backend.close()
+
+    def __enter__(self) -> "AioHandle":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def _target(filename: PathOrFd | None, fd: int | None) -> PathOrFd:
+    if (filename is None) == (fd is None):
+        raise TypeError("pass exactly one of filename= and fd=")
+    return fd if fd is not None else filename  # type: ignore[return-value]
+
+
+def _validate(buffer: torch.Tensor, path: PathOrFd, offset: int) -> None:
+    """Compare ``buffer`` with the file's bytes, read independently through the page cache."""
+    nbytes = buffer.numel() * buffer.element_size()
+    if isinstance(path, int):
+        data = os.pread(path, nbytes, offset)
+        name = f"fd {path}"
+    else:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(nbytes)
+        name = os.fspath(path)
+    expected = buffer.reshape(-1).view(torch.uint8).numpy().tobytes() if nbytes else b""
+    if data != expected:
+        first = next((i for i, (a, b) in enumerate(zip(data, expected)) if a != b), min(len(data), nbytes))
+        raise TensorIOError(errno.EIO, f"validation failed: first difference at byte {offset + first}",
+                            path=name, offset=offset, length=nbytes)

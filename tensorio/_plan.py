@@ -1,0 +1,69 @@
+"""Splitting one request into pieces: pure arithmetic on offsets, lengths and addresses."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Mode(enum.Enum):
+    """How a piece reaches the disk."""
+
+    DIRECT = "direct"
+    """O_DIRECT straight from/to the caller's memory (file offset, length and address aligned)."""
+    STAGED = "staged"
+    """O_DIRECT through an aligned staging buffer (file range aligned, the caller's memory is not)."""
+    BUFFERED = "buffered"
+    """Through the page cache (no O_DIRECT, or an unaligned head or tail of the request)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One system call's worth of a request: ``length`` bytes at ``file_offset`` in the file and at
+    ``buf_offset`` in the caller's buffer."""
+
+    file_offset: int
+    buf_offset: int
+    length: int
+    mode: Mode
+
+
+def round_up(value: int, align: int) -> int:
+    """Smallest multiple of ``align`` that is >= ``value``."""
+    return -(-value // align) * align
+
+
+def round_down(value: int, align: int) -> int:
+    """Largest multiple of ``align`` that is <= ``value``."""
+    return value // align * align
+
+
+def piece_size(block_size: int, direct: bool, align: int) -> int:
+    """Bytes per piece: ``block_size``, rounded up to ``align`` under O_DIRECT."""
+    return round_up(block_size, align) if direct else block_size
+
+
+def _split(start: int, end: int, base: int, size: int, mode: Mode) -> list[Piece]:
+    return [Piece(off, off - base, min(size, end - off), mode) for off in range(start, end, size)]
+
+
+def plan_pieces(*, offset: int, nbytes: int, buf_addr: int, block_size: int, direct: bool, align: int) -> list[Piece]:
+    """Split the request [offset, offset + nbytes) into pieces that tile it exactly, in file order.
+
+    Without O_DIRECT: ``block_size`` pieces through the page cache. With O_DIRECT: the part of the
+    range that lies on ``align`` boundaries is cut into ``piece_size`` pieces, DIRECT when the
+    caller's memory at ``buf_addr`` is aligned there too and STAGED otherwise; the unaligned head
+    and tail (each shorter than ``align``) are BUFFERED.
+    """
+    end = offset + nbytes
+    if not direct:
+        return _split(offset, end, offset, block_size, Mode.BUFFERED)
+    body_start, body_end = round_up(offset, align), round_down(end, align)
+    if body_start >= body_end:
+        return _split(offset, end, offset, piece_size(block_size, True, align), Mode.BUFFERED)
+    body_mode = Mode.DIRECT if (buf_addr + body_start - offset) % align == 0 else Mode.STAGED
+    return (
+        _split(offset, body_start, offset, align, Mode.BUFFERED)
+        + _split(body_start, body_end, offset, piece_size(block_size, True, align), body_mode)
+        + _split(body_end, end, offset, align, Mode.BUFFERED)
+    )

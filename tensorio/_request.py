@@ -1,0 +1,222 @@
+"""A request (one read or write of one tensor), its pieces in flight, and the future it resolves."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import threading
+from typing import Callable
+
+import torch
+
+from ._errors import TensorIOError, io_error
+from ._fs import reopen_buffered
+from ._plan import Mode, Piece
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A writable byte memoryview over a contiguous CPU tensor's memory (any dtype, any offset)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray(0))
+    array = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+    array._tensor = tensor  # the view keeps the array alive, and the array keeps the memory alive
+    return memoryview(array).cast("B")
+
+
+class IOFuture:
+    """The outcome of one read or write: ``result()`` waits and returns the bytes moved, or raises.
+
+    Raises TensorIOError from ``result()`` for a failed request, TimeoutError when ``timeout``
+    passes first. Callbacks added with ``add_done_callback`` run in the I/O thread that finished it.
+    """
+
+    __slots__ = ("_event", "_nbytes", "_error", "_callbacks", "_lock")
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._nbytes = 0
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[["IOFuture"], None]] = []
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        """Whether the request has finished (successfully or not)."""
+        return self._event.is_set()
+
+    def result(self, timeout: float | None = None) -> int:
+        """Wait for the request; return the bytes moved. Raises its TensorIOError, or TimeoutError."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"I/O request not finished after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._nbytes
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Wait for the request; return its error, or None when it succeeded."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"I/O request not finished after {timeout} s")
+        return self._error
+
+    def add_done_callback(self, fn: Callable[["IOFuture"], None]) -> None:
+        """Call ``fn(future)`` once the request finishes (at once if it already has)."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _resolve(self, nbytes: int, error: BaseException | None) -> None:
+        with self._lock:
+            self._nbytes, self._error = nbytes, error
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
+
+
+class Request:
+    """One read or write of a whole tensor: owns its file descriptors until its last piece is done."""
+
+    __slots__ = ("write", "path", "tensor", "memory", "direct_fd", "buffered_fd", "owned_fds",
+                 "offset", "nbytes", "future", "error", "_remaining", "_lock")
+
+    def __init__(self, *, write: bool, path: str, tensor: torch.Tensor, offset: int,
+                 direct_fd: int | None, buffered_fd: int | None, owned_fds: list[int], pieces: int) -> None:
+        self.write = write
+        self.path = path
+        self.tensor = tensor  # kept alive until the I/O is done
+        self.memory = byte_view(tensor)
+        self.offset = offset
+        self.nbytes = len(self.memory)
+        self.direct_fd = direct_fd
+        self.buffered_fd = buffered_fd
+        self.owned_fds = owned_fds  # closed when the last piece finishes
+        self.future = IOFuture()
+        self.error: TensorIOError | None = None
+        self._remaining = pieces
+        self._lock = threading.Lock()
+        if pieces == 0:
+            self._finish()
+
+    @property
+    def op(self) -> str:
+        return "write" if self.write else "read"
+
+    def buffered(self) -> int:
+        """The buffered descriptor, opened on first need (a short O_DIRECT transfer's remainder)."""
+        with self._lock:
+            if self.buffered_fd is None:
+                self.buffered_fd = reopen_buffered(self.direct_fd, write=self.write)
+                self.owned_fds.append(self.buffered_fd)
+            return self.buffered_fd
+
+    def piece_finished(self, error: TensorIOError | None) -> None:
+        """Count one piece as finished; the last one closes the files and resolves the future."""
+        with self._lock:
+            if error is not None and self.error is None:
+                self.error = error
+            self._remaining -= 1
+            last = self._remaining == 0
+        if last:
+            self._finish()
+
+    def _finish(self) -> None:
+        for fd in self.owned_fds:
+            os.close(fd)
+        self.tensor = None
+        self.future._resolve(0 if self.error else self.nbytes, self.error)
+
+
+class Task:
+    """One piece of a request as a backend carries it out, including the retries of short transfers."""
+
+    __slots__ = ("request", "file_offset", "buf_offset", "length", "mode", "done", "staging")
+
+    def __init__(self, request: Request, piece: Piece) -> None:
+        self.request = request
+        self.file_offset = piece.file_offset
+        self.buf_offset = piece.buf_offset
+        self.length = piece.length
+        self.mode = piece.mode
+        self.done = 0
+        self.staging: memoryview | None = None
+
+    def begin(self, staging: memoryview) -> None:
+        """Prepare the piece for its first system call (fill the staging buffer for a staged write)."""
+        self.staging = staging if self.mode is Mode.STAGED else None
+        if self.staging is not None and self.request.write:
+            _copy(self.staging, self.request.memory, self.buf_offset, self.length, to_staging=True)
+
+    @property
+    def fd(self) -> int:
+        request = self.request
+        return request.buffered_fd if self.mode is Mode.BUFFERED else request.direct_fd  # type: ignore[return-value]
+
+    @property
+    def position(self) -> int:
+        """File offset of the next byte to move."""
+        return self.file_offset + self.done
+
+    def window(self) -> memoryview:
+        """The memory the next system call moves."""
+        if self.staging is not None:
+            return self.staging[self.done : self.length]
+        start = self.buf_offset + self.done
+        return self.request.memory[start : self.buf_offset + self.length]
+
+    def advance(self, result: int, align: int) -> bool:
+        """Account for a system call's result; True once the whole piece has moved.
+
+        Raises TensorIOError for an error result, EOF on a read, or a write that made no progress.
+        """
+        request = self.request
+        if result < 0:
+            raise io_error(-result, request.op, path=request.path, offset=self.position, length=self.length - self.done)
+        if result == 0:
+            if request.write:
+                raise io_error(errno.EIO, "write", path=request.path, offset=self.position,
+                               length=self.length - self.done)
+            raise TensorIOError(
+                errno.EIO, f"short read: the file ends at byte {self.position}", path=request.path,
+                offset=self.position, length=self.length - self.done,
+                hint=f"the request needs bytes up to {request.offset + request.nbytes}",
+            )
+        self.done += result
+        if self.done == self.length:
+            return True
+        if self.mode is not Mode.BUFFERED and (self.position % align or (self.length - self.done) % align):
+            # A short O_DIRECT transfer left an unaligned remainder: finish it through the page cache.
+            request.buffered()
+            self.mode = Mode.BUFFERED
+        return False
+
+    def error_from(self, exc: BaseException) -> TensorIOError:
+        """The TensorIOError to report for ``exc``, raised while moving this piece."""
+        if isinstance(exc, TensorIOError):
+            return exc
+        err = exc.errno if isinstance(exc, OSError) and exc.errno else errno.EIO
+        return io_error(err, self.request.op, path=self.request.path, offset=self.position,
+                        length=self.length - self.done)
+
+    def finish(self, error: TensorIOError | None) -> None:
+        """Complete the piece (copy a staged read out to the caller) and report it to its request."""
+        if error is None and self.staging is not None and not self.request.write:
+            _copy(self.staging, self.request.memory, self.buf_offset, self.length, to_staging=False)
+        self.staging = None
+        self.request.piece_finished(error)
+
+
+def _address(view: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def _copy(staging: memoryview, memory: memoryview, buf_offset: int, length: int, *, to_staging: bool) -> None:
+    # ctypes.memmove releases the GIL, so staging copies run beside the caller's Python code.
+    user = _address(memory[buf_offset:]) if length else 0
+    stage = _address(staging)
+    if to_staging:
+        ctypes.memmove(stage, user, length)
+    else:
+        ctypes.memmove(user, stage, length)

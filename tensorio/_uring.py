@@ -1,0 +1,220 @@
+"""The io_uring backend, through the `liburing` package.
+
+Each of ``thread_count`` workers is one thread driving its own ring with ``queue_depth`` slots.
+The worker sleeps in a read of an eventfd that the ring signals on every completion and that
+``submit`` signals on new work: liburing's own waits hold the GIL, an eventfd read releases it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import platform
+import threading
+
+from ._buffers import aligned_tensor
+from ._config import AioConfig
+from ._request import Task, byte_view
+
+log = logging.getLogger("tensorio")
+
+MIN_KERNEL = (6, 14)  # the liburing package's own requirement
+
+_probe: tuple[bool, str] | None = None
+_probe_lock = threading.Lock()
+
+
+def _kernel_version() -> tuple[int, int]:
+    parts = platform.release().split(".")
+    try:
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+def probe_io_uring() -> tuple[bool, str]:
+    """Whether the io_uring backend can run here, and why not when it cannot (probed once)."""
+    global _probe
+    with _probe_lock:
+        if _probe is None:
+            _probe = _probe_once()
+        return _probe
+
+
+def _probe_once() -> tuple[bool, str]:
+    kernel = _kernel_version()
+    if kernel < MIN_KERNEL:
+        return False, f"Linux {platform.release()} is older than the {MIN_KERNEL[0]}.{MIN_KERNEL[1]} liburing needs"
+    try:
+        import liburing as L
+    except ImportError as exc:
+        return False, f"the liburing package is not importable ({exc}); pip install liburing"
+    ring = L.Ring()
+    try:
+        L.io_uring_queue_init(2, ring)
+    except OSError as exc:
+        return False, f"io_uring_setup failed ({exc.strerror}); io_uring may be disabled (sysctl or seccomp)"
+    try:
+        sqe = L.io_uring_get_sqe(ring)
+        L.io_uring_prep_nop(sqe)
+        L.io_uring_sqe_set_data64(sqe, 7)
+        L.io_uring_submit(ring)
+        cqe = L.Cqe()
+        L.io_uring_wait_cqe(ring, cqe)
+        entry = cqe[0]
+        ok = entry.user_data == 7 and entry.res == 0
+        L.io_uring_cqe_seen(ring, entry)
+    except OSError as exc:
+        return False, f"an io_uring no-op failed ({exc.strerror})"
+    finally:
+        L.io_uring_queue_exit(ring)
+    if not ok:
+        return False, "an io_uring no-op completed wrongly"
+    return True, f"io_uring works (Linux {platform.release()}, liburing {L.__version__})"
+
+
+class UringBackend:
+    """Pieces go round-robin to the workers' rings."""
+
+    name = "io_uring"
+
+    def __init__(self, config: AioConfig, *, piece_bytes: int, align: int) -> None:
+        self._workers = [_Worker(config, piece_bytes, align, w) for w in range(config.thread_count)]
+        self._next = 0
+        self._lock = threading.Lock()
+        for worker in self._workers:
+            worker.start()
+
+    def submit(self, tasks: list[Task]) -> None:
+        """Queue a request's pieces, spread over the workers."""
+        with self._lock:
+            start = self._next
+            self._next = (start + len(tasks)) % len(self._workers)
+        per_worker: list[list[Task]] = [[] for _ in self._workers]
+        for i, task in enumerate(tasks):
+            per_worker[(start + i) % len(self._workers)].append(task)
+        for worker, share in zip(self._workers, per_worker):
+            if share:
+                worker.enqueue(share)
+
+    def close(self) -> None:
+        """Finish the queued pieces, then stop the workers and free the rings."""
+        for worker in self._workers:
+            worker.stop()
+        for worker in self._workers:
+            worker.join()
+
+
+class _Worker(threading.Thread):
+    def __init__(self, config: AioConfig, piece_bytes: int, align: int, index: int) -> None:
+        super().__init__(name=f"tensorio-uring-{index}", daemon=True)
+        import liburing as L
+
+        self._L = L
+        self._depth = config.queue_depth
+        self._single_submit = config.single_submit
+        self._overlap = config.overlap_events
+        self._align = align
+        self._ring = L.Ring()
+        L.io_uring_queue_init(max(2, 1 << (self._depth - 1).bit_length()), self._ring)
+        self._wakeup = os.eventfd(0, os.EFD_CLOEXEC)
+        L.io_uring_register_eventfd(self._ring, self._wakeup)
+        self._incoming: collections.deque[Task] = collections.deque()
+        self._stopping = False
+        self._broken: BaseException | None = None  # set when the ring itself failed
+        # One staging buffer per slot: anonymous mappings that cost RSS only once used.
+        self._staging = [byte_view(aligned_tensor(piece_bytes)) for _ in range(self._depth)]
+
+    def enqueue(self, tasks: list[Task]) -> None:
+        if self._broken is not None:
+            for task in tasks:
+                task.finish(task.error_from(self._broken))
+            return
+        self._incoming.extend(tasks)
+        os.eventfd_write(self._wakeup, 1)
+
+    def stop(self) -> None:
+        self._stopping = True
+        os.eventfd_write(self._wakeup, 1)
+
+    def run(self) -> None:
+        L, ring = self._L, self._ring
+        free = list(range(self._depth))
+        inflight: dict[int, tuple[Task, object]] = {}  # slot -> (task, the iovec the kernel reads)
+        again: collections.deque[tuple[int, Task]] = collections.deque()  # short transfers to continue
+        cqe = L.Cqe()
+        try:
+            while True:
+                # 1. Reap every completion already posted; never block inside liburing (it holds the GIL).
+                for _ in range(L.io_uring_cq_ready(ring)):
+                    L.io_uring_peek_cqe(ring, cqe)
+                    entry = cqe[0]
+                    slot, result = entry.user_data, entry.res
+                    L.io_uring_cqe_seen(ring, entry)
+                    task = inflight.pop(slot)[0]
+                    try:
+                        if not task.advance(result, self._align):
+                            again.append((slot, task))
+                            continue
+                        error = None
+                    except Exception as exc:
+                        error = task.error_from(exc)
+                    task.finish(error)
+                    free.append(slot)
+
+                # 2. Submit: at once as slots free up (overlap_events), else only once the batch drained.
+                if self._overlap or not inflight:
+                    prepared = 0
+                    while again:
+                        slot, task = again.popleft()
+                        inflight[slot] = (task, self._prep(slot, task))
+                        prepared += self._submit_one()
+                    while free and self._incoming:
+                        task = self._incoming.popleft()
+                        if task.request.error is not None:  # the request already failed: skip
+                            task.finish(None)
+                            continue
+                        slot = free.pop()
+                        try:
+                            task.begin(self._staging[slot])
+                        except Exception as exc:
+                            task.finish(task.error_from(exc))
+                            free.append(slot)
+                            continue
+                        inflight[slot] = (task, self._prep(slot, task))
+                        prepared += self._submit_one()
+                    if prepared:
+                        L.io_uring_submit(ring)
+
+                if self._stopping and not inflight and not again and not self._incoming:
+                    return
+                # 3. Sleep until a completion or new work arrives (releases the GIL).
+                os.eventfd_read(self._wakeup)
+        except Exception as exc:  # the ring itself failed: fail every piece it holds, never hang
+            log.error("tensorio: io_uring worker failed: %r", exc)
+            self._broken = exc
+        finally:
+            L.io_uring_queue_exit(ring)  # waits for or cancels what the kernel still holds
+            os.close(self._wakeup)
+        stranded = [task for task, _ in inflight.values()] + [task for _, task in again] + list(self._incoming)
+        for task in stranded:
+            task.finish(task.error_from(self._broken or RuntimeError("io_uring worker stopped")))
+
+    def _prep(self, slot: int, task: Task) -> object:
+        L = self._L
+        iovec = L.Iovec([task.window()])
+        sqe = L.io_uring_get_sqe(self._ring)
+        if task.request.write:
+            L.io_uring_prep_writev(sqe, task.fd, iovec, task.position)
+        else:
+            L.io_uring_prep_readv(sqe, task.fd, iovec, task.position)
+        L.io_uring_sqe_set_data64(sqe, slot)
+        return iovec
+
+    def _submit_one(self) -> int:
+        """Count a prepared entry; with single_submit, submit it now with its own system call."""
+        if self._single_submit:
+            self._L.io_uring_submit(self._ring)
+            return 0
+        return 1
