@@ -63,6 +63,14 @@ def test_read_job_does_not_time_the_layout(disk_dir):
 
 
 @needs_fio
+def test_overwrite_lays_the_file_out_untimed(disk_dir):
+    result = run_fio(FioJob(directory=disk_dir, rw="write", size=8 * MiB, block_size=MiB, overwrite=True))
+    assert "--overwrite=1" in result.command
+    assert result.job["write"]["io_bytes"] == 8 * MiB  # the layout pass is not counted
+    assert list(disk_dir.iterdir()) == []
+
+
+@needs_fio
 def test_numjobs_split_one_file(disk_dir):
     result = run_fio(FioJob(directory=disk_dir, rw="write", size=8 * MiB, block_size=MiB, numjobs=2))
     assert result.io_bytes == 8 * MiB  # group_reporting sums both jobs; each moved half
@@ -104,7 +112,7 @@ def test_job_for_config_matches_aio_settings():
     ("change", "key"),
     [({"rw": "randread"}, "rw"), ({"ioengine": "spdk"}, "ioengine"), ({"size": 0}, "size"),
      ({"block_size": 1000}, "block_size"), ({"size": 3 * MiB, "numjobs": 2}, "size"),
-     ({"queue_depth": True}, "queue_depth"), ({"direct": "yes"}, "direct"), ({"runtime_s": 0}, "runtime_s")],
+     ({"queue_depth": True}, "queue_depth"), ({"direct": "yes"}, "direct"), ({"overwrite": 1}, "overwrite"), ({"runtime_s": 0}, "runtime_s")],
 )
 def test_job_validation_names_the_key(change, key):
     args = dict(directory="/d", rw="read", size=8 * MiB, block_size=MiB) | change
