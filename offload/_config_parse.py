@@ -1,0 +1,122 @@
+"""Reading a DeepSpeed-style JSON config and checking its values, each error naming the dotted key."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import fields
+from typing import Any, Collection, Mapping
+
+AUTO = "auto"
+
+# The `resolve_auto` argument that fills each key Hugging Face's integration lets users write as "auto"
+# ("" for a key resolve_auto fills without one).
+AUTO_ARGUMENTS = {
+    "train_batch_size": "micro_batch_size",
+    "train_micro_batch_size_per_gpu": "micro_batch_size",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "gradient_clipping": "max_grad_norm",
+    "fp16.enabled": "fp16",
+    "bf16.enabled": "bf16",
+    "bfloat16.enabled": "bf16",
+    "optimizer.params.lr": "lr",
+    "optimizer.params.betas": "betas",
+    "optimizer.params.eps": "eps",
+    "optimizer.params.weight_decay": "weight_decay",
+    "scheduler.params.warmup_min_lr": "",
+    "scheduler.params.warmup_max_lr": "lr",
+    "scheduler.params.warmup_num_steps": "warmup_steps",
+    "scheduler.params.total_num_steps": "total_steps",
+    "zero_optimization.reduce_bucket_size": "hidden_size",
+    "zero_optimization.stage3_prefetch_bucket_size": "hidden_size",
+    "zero_optimization.stage3_param_persistence_threshold": "hidden_size",
+}
+
+
+def read_config(source: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
+    """Return a deep copy of a config given as a mapping, or the JSON object read from a file path.
+
+    Raises FileNotFoundError for a missing file and ValueError for invalid JSON or a non-object.
+    """
+    if isinstance(source, Mapping):
+        return copy.deepcopy(dict(source))
+    with open(source, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{os.fspath(source)}: not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{os.fspath(source)}: expected a JSON object at the top, got {type(data).__name__}")
+    return data
+
+
+def auto_error(key: str) -> ValueError:
+    """The error for an "auto" value that reached a dataclass unresolved."""
+    argument = AUTO_ARGUMENTS.get(key)
+    if argument is None:
+        return ValueError(f'{key}: "auto" is not supported for this key; write a value')
+    call = f"resolve_auto(config, {argument}=...)" if argument else "resolve_auto(config)"
+    return ValueError(f'{key}: "auto" is not resolved; call offload.{call} first')
+
+
+def section_values(section: Any, key: str, allowed: Collection[str]) -> dict[str, Any]:
+    """Return a copy of the JSON object at dotted ``key``, refusing keys not in ``allowed`` and "auto" values."""
+    if not isinstance(section, Mapping):
+        raise ValueError(f"{key or 'config'}: expected a JSON object, got {section!r} ({type(section).__name__})")
+    for name, value in section.items():
+        dotted = f"{key}.{name}" if key else name
+        if name not in allowed:
+            raise ValueError(f"{dotted}: unknown key; allowed keys are {', '.join(sorted(allowed))}")
+        if isinstance(value, str) and value == AUTO:
+            raise auto_error(dotted)
+    return dict(section)
+
+
+def build(cls: Any, section: Any, key: str | None = None) -> Any:
+    """Build dataclass ``cls`` from the JSON object at dotted ``key`` (default ``cls._KEY``), fields as keys."""
+    return cls(**section_values(section, cls._KEY if key is None else key, {f.name for f in fields(cls)}))
+
+
+def renamed(written: str, canonical: str, error: ValueError) -> ValueError:
+    """``error`` with its leading dotted key ``canonical`` replaced by the key as the user ``written`` it."""
+    message = str(error)
+    if message.startswith(canonical) and written != canonical:
+        return ValueError(written + message[len(canonical):])
+    return error
+
+
+def integral(key: str, value: Any, *, minimum: int | None = None) -> int:
+    """Return ``value`` as an int, accepting integral floats such as 1e8 as JSON configs spell them."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key}: expected an integer, got {value!r} ({type(value).__name__})")
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"{key}: expected an integer, got {value!r}; write a whole number")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{key}: {value!r} is not allowed; use an integer >= {minimum}")
+    return int(value)
+
+
+def number(key: str, value: Any, *, minimum: float | None = None, maximum: float | None = None) -> float:
+    """Return ``value`` as a float within ``[minimum, maximum]``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key}: expected a number, got {value!r} ({type(value).__name__})")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        low = "" if minimum is None else f">= {minimum}"
+        high = "" if maximum is None else f"<= {maximum}"
+        raise ValueError(f"{key}: {value!r} is not allowed; use a number {' and '.join(filter(None, (low, high)))}")
+    return float(value)
+
+
+def boolean(key: str, value: Any) -> bool:
+    """Return ``value`` if it is a JSON boolean."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{key}: expected true or false, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
+    """Return ``value`` if it is one of the ``allowed`` strings."""
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"{key}: {value!r} is not allowed; use one of {', '.join(map(repr, allowed))}")
+    return value

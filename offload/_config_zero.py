@@ -1,0 +1,204 @@
+"""The ``zero_optimization`` section: ZeRO stage, parameter and optimizer offload, bucket sizes."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Mapping
+
+from ._config_parse import boolean, build, choice, integral, number, section_values
+
+DEVICES = ("none", "cpu", "nvme")
+
+
+def _check_device(key: str, device: Any, nvme_path: Any) -> None:
+    choice(f"{key}.device", device, DEVICES)
+    if nvme_path is not None and not (isinstance(nvme_path, str) and nvme_path):
+        raise ValueError(f"{key}.nvme_path: expected a directory path as a non-empty string, got {nvme_path!r}")
+    if device == "nvme" and nvme_path is None:
+        raise ValueError(
+            f'{key}.nvme_path: device is "nvme" but nvme_path is missing; add "nvme_path": "<a directory on '
+            f'the NVMe drive>" to {key}'
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class OffloadParamConfig:
+    """Where the parameter partitions live between uses (``zero_optimization.offload_param``)."""
+
+    _KEY: ClassVar[str] = "zero_optimization.offload_param"
+
+    device: str = "none"
+    """"none" keeps parameters in accelerator memory, "cpu" in host memory, "nvme" in files under nvme_path."""
+
+    nvme_path: str | None = None
+    """Directory for the swap files; required with device "nvme". It need not exist until the engine starts."""
+
+    pin_memory: bool = False
+    """Stage parameters through page-locked host buffers."""
+
+    buffer_count: int = 5
+    """Staging buffers for NVMe reads and writes. At least 1."""
+
+    buffer_size: int = 100_000_000
+    """Elements per staging buffer. Must hold the largest parameter partition (see check_against_model)."""
+
+    max_in_cpu: int = 1_000_000_000
+    """With device "nvme": elements kept in host memory before parameters are written to NVMe. At least 0."""
+
+    def __post_init__(self) -> None:
+        _check_device(self._KEY, self.device, self.nvme_path)
+        self.pin_memory = boolean(f"{self._KEY}.pin_memory", self.pin_memory)
+        self.buffer_count = integral(f"{self._KEY}.buffer_count", self.buffer_count, minimum=1)
+        self.buffer_size = integral(f"{self._KEY}.buffer_size", self.buffer_size, minimum=1)
+        self.max_in_cpu = integral(f"{self._KEY}.max_in_cpu", self.max_in_cpu, minimum=0)
+
+
+@dataclass(kw_only=True, slots=True)
+class OffloadOptimizerConfig:
+    """Where the optimizer states and the fp32 master weights live (``zero_optimization.offload_optimizer``)."""
+
+    _KEY: ClassVar[str] = "zero_optimization.offload_optimizer"
+
+    device: str = "none"
+    """"none" keeps optimizer states in accelerator memory, "cpu" in host memory, "nvme" in files under nvme_path."""
+
+    nvme_path: str | None = None
+    """Directory for the swap files; required with device "nvme". It need not exist until the engine starts."""
+
+    pin_memory: bool = False
+    """Stage optimizer states through page-locked host buffers."""
+
+    buffer_count: int = 4
+    """Staging buffers, each the size of the largest sub-group, for NVMe swapping. At least 1."""
+
+    pipeline_read: bool = False
+    """With device "nvme": read the next sub-group's states while the current one is updated."""
+
+    pipeline_write: bool = False
+    """With device "nvme": write the previous sub-group's states while the current one is updated."""
+
+    fast_init: bool = False
+    """With device "nvme": create the swap files without writing initial states through the staging buffers."""
+
+    ratio: float = 1.0
+    """Fraction of the optimizer states offloaded, from 0 to 1."""
+
+    def __post_init__(self) -> None:
+        _check_device(self._KEY, self.device, self.nvme_path)
+        for name in ("pin_memory", "pipeline_read", "pipeline_write", "fast_init"):
+            setattr(self, name, boolean(f"{self._KEY}.{name}", getattr(self, name)))
+        self.buffer_count = integral(f"{self._KEY}.buffer_count", self.buffer_count, minimum=1)
+        self.ratio = number(f"{self._KEY}.ratio", self.ratio, minimum=0, maximum=1)
+        for name in ("pipeline_read", "pipeline_write", "fast_init"):
+            if getattr(self, name) and self.device != "nvme":
+                raise ValueError(
+                    f'{self._KEY}.{name}: true only applies to device "nvme" (device is {self.device!r}); '
+                    f"remove it or set it to false"
+                )
+
+
+@dataclass(kw_only=True, slots=True)
+class ZeroConfig:
+    """ZeRO settings (``zero_optimization``). The engine always partitions as stage 3."""
+
+    _KEY: ClassVar[str] = "zero_optimization"
+
+    stage: int = 0
+    """ZeRO stage as written: 0 to 3. Stages 0 to 2 run as stage 3 (with a warning): parameters,
+    gradients and optimizer states are all partitioned, which changes memory use and communication but
+    not the update."""
+
+    offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
+    """Parameter offload; stage 3 only."""
+
+    offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
+    """Optimizer-state offload; "cpu" from stage 1, "nvme" at stage 3 only."""
+
+    overlap_comm: bool = True
+    """Overlap gradient reduction with the backward pass (DeepSpeed's default at stage 3)."""
+
+    contiguous_gradients: bool = True
+    """Copy reduced gradients into one contiguous buffer as they are produced."""
+
+    sub_group_size: int = 1_000_000_000
+    """Elements per optimizer sub-group: the unit of an optimizer step and of an NVMe swap. At least 1."""
+
+    reduce_bucket_size: int = 500_000_000
+    """Elements reduced together in one gradient reduce-scatter. At least 1."""
+
+    stage3_prefetch_bucket_size: int = 50_000_000
+    """Elements of upcoming parameters fetched ahead of use; 0 turns prefetching off."""
+
+    stage3_param_persistence_threshold: int = 100_000
+    """Parameters with at most this many elements are kept whole on every rank instead of partitioned."""
+
+    stage3_max_live_parameters: int = 1_000_000_000
+    """Most gathered parameter elements held at once before some are released. At least 0."""
+
+    stage3_max_reuse_distance: int = 1_000_000_000
+    """A parameter used again within this many elements of other parameters is kept gathered. At least 0."""
+
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    """Gather the full 16-bit weights when the model is saved, instead of saving only partitions."""
+
+    allgather_partitions: bool = True
+    """Stage-2 key, accepted so stage-2 configs load: gather parameters with all-gather (always true at stage 3)."""
+
+    allgather_bucket_size: int = 500_000_000
+    """Stage-2 key, accepted so stage-2 configs load: elements per all-gather bucket. At least 1."""
+
+    reduce_scatter: bool = True
+    """Stage-2 key, accepted so stage-2 configs load: reduce gradients with reduce-scatter (always at stage 3)."""
+
+    def __post_init__(self) -> None:
+        key = self._KEY
+        self.stage = integral(f"{key}.stage", self.stage, minimum=0)
+        if self.stage > 3:
+            raise ValueError(f"{key}.stage: {self.stage} is not allowed; use 0, 1, 2 or 3")
+        for name in ("overlap_comm", "contiguous_gradients", "stage3_gather_16bit_weights_on_model_save",
+                     "allgather_partitions", "reduce_scatter"):
+            setattr(self, name, boolean(f"{key}.{name}", getattr(self, name)))
+        for name, minimum in (("sub_group_size", 1), ("reduce_bucket_size", 1), ("allgather_bucket_size", 1),
+                              ("stage3_prefetch_bucket_size", 0), ("stage3_param_persistence_threshold", 0),
+                              ("stage3_max_live_parameters", 0), ("stage3_max_reuse_distance", 0)):
+            setattr(self, name, integral(f"{key}.{name}", getattr(self, name), minimum=minimum))
+        self._check_stage()
+
+    def _check_stage(self) -> None:
+        # DeepSpeed ignores offload_param below stage 3, ignores offload_optimizer at stage 0, and quietly
+        # offloads to host memory instead of NVMe at stages 1 and 2; each of those is refused here.
+        key = self._KEY
+        if self.stage == 3:
+            return
+        if self.offload_param.device != "none":
+            raise ValueError(
+                f'{key}.offload_param.device: "{self.offload_param.device}" needs {key}.stage 3 (stage is '
+                f'{self.stage}); set stage to 3 or the device to "none"'
+            )
+        if self.offload_optimizer.device == "nvme" or (self.stage == 0 and self.offload_optimizer.device != "none"):
+            allowed = '"none"' if self.stage == 0 else '"cpu" or "none"'
+            raise ValueError(
+                f'{key}.offload_optimizer.device: "{self.offload_optimizer.device}" needs {key}.stage 3 (stage is '
+                f"{self.stage}); set stage to 3 or the device to {allowed}"
+            )
+        warnings.warn(
+            f"{key}.stage: {self.stage} runs as stage 3 here (parameters, gradients and optimizer states are all "
+            f"partitioned: the update is the same, memory use and communication differ); set stage to 3 to "
+            f"silence this warning",
+            UserWarning,
+            stacklevel=2,
+        )
+
+    @classmethod
+    def from_dict(cls, section: Mapping[str, Any]) -> "ZeroConfig":
+        """Build from a ``zero_optimization`` section without its ``aio`` entry (EngineConfig reads that).
+
+        Raises ValueError naming the dotted key for an unknown key, a wrong type, a value out of range or
+        a contradiction such as "nvme" without nvme_path or NVMe offload below stage 3.
+        """
+        values = section_values(section, cls._KEY, {f.name for f in fields(cls)})
+        for name, sub in (("offload_param", OffloadParamConfig), ("offload_optimizer", OffloadOptimizerConfig)):
+            if name in values:
+                values[name] = build(sub, values[name])
+        return cls(**values)
