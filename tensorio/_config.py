@@ -31,6 +31,25 @@ def _integral(key: str, value: Any) -> int:
     return int(value)
 
 
+def _aio_section(config: Any) -> Mapping[str, Any]:
+    """The ``aio`` section of ``config``: itself, its "aio" key, or zero_optimization's "aio" key."""
+    if not isinstance(config, Mapping):
+        raise ValueError(f"aio: expected a JSON object, got {type(config).__name__}")
+    zero = config.get("zero_optimization")
+    nested = isinstance(zero, Mapping) and "aio" in zero
+    if "aio" in config and nested:
+        raise ValueError("aio: given both at the top level and inside zero_optimization; keep one "
+                         "(DeepSpeed reads only the top-level one)")
+    if "aio" in config or nested:
+        section = config["aio"] if "aio" in config else zero["aio"]
+        if not isinstance(section, Mapping):
+            raise ValueError(f"aio: expected a JSON object, got {type(section).__name__}")
+        return section
+    if "zero_optimization" in config:
+        return {}  # a whole config without an aio section: the defaults
+    return config
+
+
 @dataclass(kw_only=True, slots=True)
 class AioConfig:
     """Settings of the aio layer, named as DeepSpeed's ``aio`` config section names them."""
@@ -86,14 +105,11 @@ class AioConfig:
     def from_dict(cls, section: Mapping[str, Any]) -> "AioConfig":
         """Build a config from an ``aio`` section, or from a whole DeepSpeed-style config holding one.
 
+        A whole config may hold it at the top level (where DeepSpeed reads it) or inside
+        ``zero_optimization`` (where the Transformers guide prints it), not both.
         Raises ValueError naming the key for an unknown key, a wrong type or a value out of range.
         """
-        if not isinstance(section, Mapping):
-            raise ValueError(f"aio: expected a JSON object, got {type(section).__name__}")
-        if "aio" in section:
-            section = section["aio"]
-            if not isinstance(section, Mapping):
-                raise ValueError(f"aio: expected a JSON object, got {type(section).__name__}")
+        section = _aio_section(section)
         known = {f.name for f in fields(cls)}
         values: dict[str, Any] = {}
         for key, value in section.items():

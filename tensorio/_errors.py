@@ -13,12 +13,13 @@ class TensorIOError(OSError):
     ``path``, ``offset`` and ``length`` say which byte range of which file failed.
     """
 
-    def __init__(self, err: int, what: str, *, path: str, offset: int, length: int, hint: str = "") -> None:
+    def __init__(self, err: int, what: str, *, path: str, offset: int, length: int, hint: str = "",
+                 name_errno: bool = True) -> None:
         self.path = path
         self.offset = offset
         self.length = length
         message = f"{what}: {path} at offset {offset}, length {length}"
-        if err and what != os.strerror(err):
+        if err and name_errno:
             message += f" ({errno_module.errorcode.get(err, err)}: {os.strerror(err)})"
         if hint:
             message += f"; {hint}"

@@ -179,8 +179,8 @@ class Task:
                 raise io_error(errno.EIO, "write", path=request.path, offset=self.position,
                                length=self.length - self.done)
             raise TensorIOError(
-                errno.EIO, f"short read: the file ends at byte {self.position}", path=request.path,
-                offset=self.position, length=self.length - self.done,
+                errno.EIO, f"short read: the file is {os.fstat(self.fd).st_size} bytes long", path=request.path,
+                offset=self.position, length=self.length - self.done, name_errno=False,
                 hint=f"the request needs bytes up to {request.offset + request.nbytes}",
             )
         self.done += result

@@ -8,6 +8,7 @@ The worker sleeps in a read of an eventfd that the ring signals on every complet
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import os
 import platform
@@ -104,6 +105,7 @@ class UringBackend:
             worker.stop()
         for worker in self._workers:
             worker.join()
+            worker.close()
 
 
 class _Worker(threading.Thread):
@@ -135,8 +137,12 @@ class _Worker(threading.Thread):
         os.eventfd_write(self._wakeup, 1)
 
     def stop(self) -> None:
+        """Ask the worker to finish what it holds and exit; ``join`` it, then ``close`` it."""
         self._stopping = True
         os.eventfd_write(self._wakeup, 1)
+
+    def close(self) -> None:
+        os.close(self._wakeup)
 
     def run(self) -> None:
         L, ring = self._L, self._ring
@@ -150,7 +156,11 @@ class _Worker(threading.Thread):
                 for _ in range(L.io_uring_cq_ready(ring)):
                     L.io_uring_peek_cqe(ring, cqe)
                     entry = cqe[0]
-                    slot, result = entry.user_data, entry.res
+                    slot = entry.user_data
+                    try:
+                        result = entry.res
+                    except OSError as exc:  # the binding raises for a negative result
+                        result = -(exc.errno or errno.EIO)
                     L.io_uring_cqe_seen(ring, entry)
                     task = inflight.pop(slot)[0]
                     try:
@@ -196,7 +206,6 @@ class _Worker(threading.Thread):
             self._broken = exc
         finally:
             L.io_uring_queue_exit(ring)  # waits for or cancels what the kernel still holds
-            os.close(self._wakeup)
         stranded = [task for task, _ in inflight.values()] + [task for _, task in again] + list(self._incoming)
         for task in stranded:
             task.finish(task.error_from(self._broken or RuntimeError("io_uring worker stopped")))
