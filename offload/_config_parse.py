@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 from dataclasses import fields
 from typing import Any, Collection, Mapping
@@ -98,9 +99,9 @@ def integral(key: str, value: Any, *, minimum: int | None = None) -> int:
 
 
 def number(key: str, value: Any, *, minimum: float | None = None, maximum: float | None = None) -> float:
-    """Return ``value`` as a float within ``[minimum, maximum]``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{key}: expected a number, got {value!r} ({type(value).__name__})")
+    """Return ``value`` as a finite float within ``[minimum, maximum]``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{key}: expected a finite number, got {value!r} ({type(value).__name__})")
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         low = "" if minimum is None else f">= {minimum}"
         high = "" if maximum is None else f"<= {maximum}"

@@ -278,7 +278,9 @@ def test_unwritable_nvme_path_is_refused(tmp_path):
         ("fp16", {"enabled": "auto"}, r'^fp16\.enabled: "auto" is not resolved; call offload\.resolve_auto\(config, '
          r"fp16=\.\.\.\)"),
         ("gradient_clipping", -1.0, r"^gradient_clipping: -1\.0 is not allowed"),
-        ("gradient_clipping", "1.0", r"^gradient_clipping: expected a number"),
+        ("gradient_clipping", "1.0", r"^gradient_clipping: expected a finite number"),
+        ("gradient_clipping", float("nan"), r"^gradient_clipping: expected a finite number, got nan"),
+        ("optimizer.params.lr", float("inf"), r"^optimizer\.params\.lr: expected a finite number, got inf"),
         ("steps_per_print", 0, r"^steps_per_print: 0 is not allowed"),
         ("wall_clock_breakdown", "false", r"^wall_clock_breakdown: expected true or false"),
         ("train_micro_batch_size_per_gpu", 0, r"^train_micro_batch_size_per_gpu: 0 is not allowed"),
