@@ -31,6 +31,14 @@ def _integral(key: str, value: Any) -> int:
     return int(value)
 
 
+# Top-level keys of a whole DeepSpeed-style config, which tell one from a bare aio section.
+_WHOLE_CONFIG_KEYS = frozenset({
+    "zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "gradient_clipping", "fp16", "bf16", "bfloat16", "optimizer", "scheduler", "steps_per_print",
+    "wall_clock_breakdown",
+})
+
+
 def _aio_section(config: Any) -> Mapping[str, Any]:
     """The ``aio`` section of ``config``: itself, its "aio" key, or zero_optimization's "aio" key."""
     if not isinstance(config, Mapping):
@@ -45,7 +53,7 @@ def _aio_section(config: Any) -> Mapping[str, Any]:
         if not isinstance(section, Mapping):
             raise ValueError(f"aio: expected a JSON object, got {type(section).__name__}")
         return section
-    if "zero_optimization" in config:
+    if _WHOLE_CONFIG_KEYS & set(config):
         return {}  # a whole config without an aio section: the defaults
     return config
 

@@ -74,3 +74,7 @@ def test_from_file_bad_json(tmp_path):
     path.write_text("{nope")
     with pytest.raises(ValueError, match="bad.json: not valid JSON"):
         AioConfig.from_file(path)
+
+
+def test_whole_config_without_aio_gives_defaults():
+    assert AioConfig.from_dict({"train_batch_size": 4, "fp16": {"enabled": True}}) == AioConfig()

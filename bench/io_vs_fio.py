@@ -1,0 +1,119 @@
+"""tensorio against fio on the same directory: GB/s of each backend and the ratio to fio.
+
+Each round writes then reads a locked tensor with every backend and, interleaved with it, runs fio
+with the same block size, queue depth and O_DIRECT on the same directory. Writes overwrite a file
+laid out beforehand (swap files are rewritten in place; fio gets ``--overwrite=1``). The medians of
+the rounds are reported.
+
+    python -m bench.io_vs_fio --dir . --size 1G --block-sizes 1M,128K --queue-depth 32 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+import tensorio
+from bench.fio import FioJob, FioNotFound, fio_path, run_fio
+
+BACKENDS = ("io_uring", "threads")
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "1G", "128K", "4096" (binary units)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def time_ours(handle: tensorio.AioHandle, tensor: torch.Tensor, path: str, write: bool) -> float:
+    """GB/s of one whole-tensor write or read."""
+    start = time.perf_counter()
+    (handle.write if write else handle.read)(tensor, path).result()
+    return tensor.numel() / (time.perf_counter() - start) / 1e9
+
+
+def available_backends() -> list[str]:
+    """The backends that can run here (io_uring only where the probe passes)."""
+    return [b for b in BACKENDS if b != "io_uring" or tensorio.probe_io_uring()[0]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default=".", help="directory on the disk to measure (default: .)")
+    parser.add_argument("--size", default="1G", help="bytes per transfer (default 1G)")
+    parser.add_argument("--block-sizes", default="1M,128K", help="comma-separated block sizes")
+    parser.add_argument("--queue-depth", type=int, default=32)
+    parser.add_argument("--thread-count", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=5, help="repetitions; medians are reported")
+    parser.add_argument("--json", help="also write the medians to this JSON file")
+    args = parser.parse_args(argv)
+
+    size = parse_size(args.size)
+    block_sizes = [parse_size(b) for b in args.block_sizes.split(",")]
+    backends = available_backends()
+    fio = fio_path()
+    print(f"directory {os.path.abspath(args.dir)} ({tensorio.filesystem_type(args.dir)}), size {size} bytes, "
+          f"queue depth {args.queue_depth}, threads {args.thread_count}, O_DIRECT, {args.rounds} rounds")
+    print(f"backends: {', '.join(backends)}; fio: {fio or 'not installed (apt-get install fio)'}")
+
+    samples: dict[tuple[str, int, str], list[float]] = {}
+    tensor = tensorio.locked_tensor(size, torch.uint8)
+    tensor.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
+    handles = {(b, bs): tensorio.AioHandle(block_size=bs, queue_depth=args.queue_depth,
+                                           thread_count=args.thread_count, backend=b, direct=True)
+               for b in backends for bs in block_sizes}
+    scratch = tempfile.mkdtemp(prefix="tio-bench-", dir=args.dir)
+    path = os.path.join(scratch, "data.bin")
+    try:
+        handles[(backends[0], block_sizes[0])].write(tensor, path).result()  # lay the file out, untimed
+        for round_no in range(args.rounds):
+            for bs in block_sizes:
+                for rw in ("write", "read"):
+                    for backend in backends:
+                        gbps = time_ours(handles[(backend, bs)], tensor, path, rw == "write")
+                        samples.setdefault((backend, bs, rw), []).append(gbps)
+                    if fio:
+                        job = FioJob(directory=scratch, rw=rw, size=size, block_size=bs,
+                                     queue_depth=args.queue_depth, numjobs=args.thread_count,
+                                     overwrite=True)
+                        samples.setdefault(("fio", bs, rw), []).append(run_fio(job).gb_per_s)
+            print(f"round {round_no + 1}/{args.rounds} done", file=sys.stderr)
+    except FioNotFound:
+        fio = None
+    finally:
+        for handle in handles.values():
+            handle.close()
+        if os.path.exists(path):
+            os.unlink(path)
+        os.rmdir(scratch)
+
+    medians = {key: statistics.median(values) for key, values in samples.items()}
+    print(f"\n{'block':>8} {'op':>6} {'engine':>9} {'GB/s':>7} {'x fio':>6}")
+    for bs in block_sizes:
+        for rw in ("write", "read"):
+            ref = medians.get(("fio", bs, rw))
+            for engine in (*backends, "fio"):
+                if (engine, bs, rw) not in medians:
+                    continue
+                value = medians[(engine, bs, rw)]
+                ratio = f"{value / ref:6.2f}" if ref else "     -"
+                print(f"{bs >> 10:>7}K {rw:>6} {engine:>9} {value:7.2f} {ratio}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump([{"engine": e, "block_size": bs, "rw": rw, "gb_per_s": v, "samples": samples[(e, bs, rw)]}
+                       for (e, bs, rw), v in medians.items()], f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
