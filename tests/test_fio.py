@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from bench.fio import FILE_PREFIX, FioError, FioJob, FioNotFound, fio_path, job_for_config, run_fio
-from tensorio._config import AioConfig
+from tensorio import AioConfig
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[1]

@@ -1,0 +1,203 @@
+"""The sweep: every configuration of a grid measured on each disk, the best ones, and fio beside them.
+
+``Grid.configs`` and ``best_points`` / ``chosen_config`` are pure; ``sweep_directory`` does the I/O
+inside a scratch directory that is removed on every exit (Ctrl-C and SIGTERM included).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from tensorio import AioConfig
+
+from ._units import format_size
+from .fio import FioError, FioNotFound, INSTALL_HINT, fio_path, job_for_config, run_fio
+from .measure import Buffers, PointResult, measure_point
+from .scratch import scratch_dir
+from .validate import Validation
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+#: The thread backend makes one system call per piece whatever these say, so it is swept once.
+_URING_ONLY_KNOBS = ("single_submit", "overlap_events")
+
+
+@dataclass(frozen=True, slots=True)
+class Grid:
+    """The values of each aio setting to cross, and the test size that suits them."""
+
+    block_sizes: tuple[int, ...]
+    queue_depths: tuple[int, ...]
+    thread_counts: tuple[int, ...]
+    single_submit: tuple[bool, ...] = (False,)
+    overlap_events: tuple[bool, ...] = (True,)
+    backends: tuple[str, ...] = ("io_uring", "threads")
+    size: int = 256 * MiB
+    """Bytes written and read per pass, by default."""
+
+    def configs(self, *, backends: Iterable[str], direct: bool | str = "auto") -> list[AioConfig]:
+        """Every configuration of the grid for the ``backends`` that can run, threads deduplicated."""
+        usable = [b for b in self.backends if b in set(backends)]
+        out: list[AioConfig] = []
+        for backend, bs, qd, tc in itertools.product(usable, self.block_sizes, self.queue_depths, self.thread_counts):
+            flags = itertools.product(self.single_submit, self.overlap_events) if backend == "io_uring" else [(False, True)]
+            out += [AioConfig(block_size=bs, queue_depth=qd, thread_count=tc, single_submit=ss, overlap_events=oe,
+                              backend=backend, direct=direct) for ss, oe in flags]
+        return out
+
+
+GRIDS = {
+    "quick": Grid(block_sizes=(128 * KiB, MiB), queue_depths=(8, 32), thread_counts=(1, 2), size=128 * MiB),
+    "default": Grid(block_sizes=(64 * KiB, 256 * KiB, MiB, 4 * MiB), queue_depths=(4, 16, 64), thread_counts=(1, 2),
+                    single_submit=(False, True), overlap_events=(True, False), size=256 * MiB),
+    "full": Grid(block_sizes=(16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB, 8 * MiB),
+                 queue_depths=(1, 4, 8, 16, 32, 64, 128), thread_counts=(1, 2, 4, 8),
+                 single_submit=(False, True), overlap_events=(True, False), size=GiB),
+}
+
+
+def config_key(config: AioConfig) -> str:
+    """A stable key for a configuration, equal for equal settings."""
+    return json.dumps(config.to_dict(), sort_keys=True)
+
+
+def config_label(config: AioConfig) -> str:
+    """Short label: "io_uring bs=1M qd=32 t=2" plus the non-default flags."""
+    label = f"{config.backend} bs={format_size(config.block_size)} qd={config.queue_depth} t={config.thread_count}"
+    if config.backend != "threads":
+        label += f" ss={'T' if config.single_submit else 'F'} oe={'T' if config.overlap_events else 'F'}"
+    return label
+
+
+def best_points(points: Sequence[PointResult]) -> dict[str, PointResult]:
+    """The point with the highest read, write and round-trip ("both") bandwidth."""
+    if not points:
+        raise ValueError("no points measured")
+    return {
+        "read": max(points, key=lambda p: p.read.bw_bytes),
+        "write": max(points, key=lambda p: p.write.bw_bytes),
+        "both": max(points, key=lambda p: p.both_bw_bytes),
+    }
+
+
+def chosen_config(disks: Sequence[Sequence[PointResult]]) -> AioConfig:
+    """The configuration with the highest round-trip bandwidth summed over every disk it ran on.
+
+    With one disk this is that disk's best "both". Raises ValueError when nothing was measured.
+    """
+    totals: dict[str, float] = {}
+    configs: dict[str, AioConfig] = {}
+    for points in disks:
+        for p in points:
+            key = config_key(p.config)
+            totals[key] = totals.get(key, 0.0) + p.both_bw_bytes
+            configs[key] = p.config
+    if not totals:
+        raise ValueError("no points measured")
+    complete = [k for k in totals if all(any(config_key(p.config) == k for p in d) for d in disks)]
+    return configs[max(complete or totals, key=totals.__getitem__)]
+
+
+@dataclass(kw_only=True, slots=True)
+class FioComparison:
+    """Our bandwidth next to fio's for one of the best configurations, in one direction."""
+
+    role: str
+    """Which best it is: "read", "write" or "both"."""
+    rw: str
+    config: AioConfig
+    ours_bw_bytes: int
+    fio_bw_bytes: int | None = None
+    """Median of fio's runs, as many as the sweep's repeats."""
+    fio_bw_bytes_samples: list[int] = field(default_factory=list)
+    command: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        """Our GB/s as a fraction of fio's (None when fio did not run)."""
+        return self.ours_bw_bytes / self.fio_bw_bytes if self.fio_bw_bytes else None
+
+
+@dataclass(kw_only=True, slots=True)
+class DiskSweep:
+    """Everything measured on one directory."""
+
+    validation: Validation
+    points: list[PointResult]
+    best: dict[str, PointResult]
+    fio: list[FioComparison]
+    fio_missing: str | None = None
+    """Why there is no fio column (fio not installed), or None."""
+
+
+def sweep_directory(validation: Validation, configs: Sequence[AioConfig], buffers: Buffers, *, request_size: int,
+                    repeats: int, with_fio: bool = True,
+                    on_point: Callable[[str, AioConfig, PointResult | None], None] | None = None) -> DiskSweep:
+    """Measure every config in ``validation.directory``, then run fio for the best ones.
+
+    ``on_point(phase, config, result)`` is called with "start" (result None) and "done" around each
+    point, for a progress bar. All files live in a scratch directory removed on every exit.
+    Raises TensorIOError / MeasurementError from a point (the sweep stops: a disk that fails a
+    point is not one to tune) and KeyboardInterrupt when interrupted, after cleaning up.
+    """
+    points: list[PointResult] = []
+    with scratch_dir(validation.directory) as scratch:
+        path = scratch / "sweep.dat"
+        for config in configs:
+            if on_point:
+                on_point("start", config, None)
+            try:
+                result = measure_point(config, path, buffers, request_size=request_size, repeats=repeats,
+                                       direct=validation.direct)
+            finally:
+                path.unlink(missing_ok=True)
+            points.append(result)
+            if on_point:
+                on_point("done", config, result)
+        best = best_points(points)
+        comparisons, missing = (_compare_with_fio(scratch, best, buffers.nbytes, repeats) if with_fio
+                                else ([], "skipped (--no-fio)"))
+    return DiskSweep(validation=validation, points=points, best=best, fio=comparisons, fio_missing=missing)
+
+
+def _compare_with_fio(scratch: Path, best: dict[str, PointResult], size: int,
+                      repeats: int) -> tuple[list[FioComparison], str | None]:
+    """fio with the settings of each best point, in the direction it is best at ("both": each).
+
+    fio runs ``repeats`` times per job and its median is kept, as ours is.
+    """
+    if fio_path() is None:
+        return [], f"fio is not installed; {INSTALL_HINT}"
+    comparisons: list[FioComparison] = []
+    done: dict[tuple[str, str], FioComparison] = {}
+    for role, point in best.items():
+        for rw in ("read", "write") if role == "both" else (role,):
+            ours = point.read if rw == "read" else point.write
+            comparison = FioComparison(role=role, rw=rw, config=point.config, ours_bw_bytes=ours.bw_bytes)
+            key = (config_key(point.config), rw)
+            if key in done:  # the same settings were already run for another role
+                previous = done[key]
+                comparison.fio_bw_bytes, comparison.fio_bw_bytes_samples = previous.fio_bw_bytes, previous.fio_bw_bytes_samples
+                comparison.command, comparison.error = previous.command, previous.error
+            else:
+                # Ours overwrites a laid-out file, so fio does too; O_DIRECT exactly when ours had it.
+                job = replace(job_for_config(point.config, directory=scratch, rw=rw, size=size),
+                              direct=point.direct, overwrite=True)
+                try:
+                    runs = [run_fio(job) for _ in range(repeats)]
+                    comparison.fio_bw_bytes_samples = [r.bw_bytes for r in runs]
+                    comparison.fio_bw_bytes = int(statistics.median(comparison.fio_bw_bytes_samples))
+                    comparison.command = runs[0].command
+                except FioNotFound as exc:
+                    return comparisons, str(exc)
+                except (FioError, OSError) as exc:
+                    comparison.error = str(exc)
+                done[key] = comparison
+            comparisons.append(comparison)
+    return comparisons, None

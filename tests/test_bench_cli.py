@@ -1,0 +1,232 @@
+"""`tensorio-bench` end to end at tiny sizes: validate, run, sweep, fio, and cleanup on interrupt."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.cli import main
+from bench.fio import fio_path
+from bench.scratch import PREFIX
+from tensorio import AioConfig, filesystem_type
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_SWEEP = ["--quick", "--size", "4M", "--request-size", "1M", "--repeats", "1", "--no-progress"]
+
+
+@pytest.fixture
+def disk_dir(tmp_path) -> Path:
+    """A directory on a disk file system (O_DIRECT): tmp_path, unless that is memory."""
+    d = tmp_path / "disk"
+    d.mkdir()
+    if filesystem_type(d) in ("tmpfs", "ramfs"):
+        pytest.skip(f"{tmp_path} is on {filesystem_type(d)}; set --basetemp to a directory on a disk")
+    return d
+
+
+@pytest.fixture
+def shm_dir(tmp_path) -> Path:
+    base = Path("/dev/shm")
+    if not base.is_dir() or filesystem_type(base) != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm")
+    d = base / f"tensorio-test-{os.getpid()}-{tmp_path.name}"
+    d.mkdir()
+    yield d
+    for p in d.iterdir():
+        p.unlink()
+    d.rmdir()
+
+
+def test_sweep_writes_json_csv_png_and_an_aio_section_that_loads_unchanged(disk_dir, tmp_path, capsys):
+    out, aio = tmp_path / "results", tmp_path / "cfg" / "aio_tuned.json"
+    status = main(["sweep", str(disk_dir), *TINY_SWEEP, "--out-dir", str(out), "--config-out", str(aio)])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert printed.startswith("tensorio-bench sweep (quick grid)")  # the configuration comes first
+    assert "best read" in printed and "best write" in printed and "best both" in printed
+
+    doc = json.loads((out / "sweep.json").read_text())
+    (disk,) = doc["disks"]
+    assert disk["direct"] is True and disk["note"] is None
+    backends = {p["backend"] for p in disk["points"]}
+    assert len(disk["points"]) == 8 * len(backends)  # 2 blocks x 2 depths x 2 thread counts per backend
+    for point in disk["points"]:
+        AioConfig.from_dict(point["aio"])
+        for rw in ("write", "read"):
+            stats = point[rw]
+            assert stats["io_bytes"] == 4 << 20 and stats["bw_bytes"] > 0 and stats["iops"] > 0
+            pct = stats["clat_ns"]["percentile"]
+            assert 0 < pct["50.000000"] <= pct["99.000000"]
+    assert set(disk["best"]) == {"read", "write", "both"}
+    assert max(p["read"]["bw_bytes"] for p in disk["points"]) == disk["best"]["read"]["read"]["bw_bytes"]
+
+    with open(out / "sweep.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(disk["points"])
+    assert {int(r["block_size"]) for r in rows} == {128 << 10, 1 << 20}
+    assert all(int(r["read_bw_bytes"]) > 0 and int(r["write_clat_ns_p99"]) > 0 for r in rows)
+
+    png = (out / "sweep.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    import matplotlib.image
+
+    height, width, _ = matplotlib.image.imread(out / "sweep.png").shape
+    assert width > 400 and height > 300
+
+    written = json.loads(aio.read_text())
+    assert list(written) == ["aio"]
+    loaded = AioConfig.from_file(aio)
+    assert loaded.to_dict() == written["aio"] == doc["chosen"]["aio"]
+    assert list(disk_dir.iterdir()) == []  # every benchmark file removed
+
+
+@pytest.mark.skipif(fio_path() is None, reason="fio not installed: apt-get install fio")
+def test_sweep_compares_its_best_with_fio(disk_dir, tmp_path, capsys):
+    assert main(["sweep", str(disk_dir), *TINY_SWEEP, "--backend", "threads", "--out-dir", str(tmp_path / "r"),
+                 "--config-out", str(tmp_path / "a.json")]) == 0
+    assert "of fio" in capsys.readouterr().out
+    fio = json.loads((tmp_path / "r" / "sweep.json").read_text())["disks"][0]["fio"]
+    assert {(c["role"], c["rw"]) for c in fio} == {("read", "read"), ("write", "write"), ("both", "read"),
+                                                   ("both", "write")}
+    assert all(c["fio_bw_bytes"] > 0 and c["ratio"] > 0 and "--overwrite=1" in c["fio_command"] for c in fio)
+    assert list(disk_dir.iterdir()) == []
+
+
+def test_sweep_without_fio_still_runs_and_says_how_to_install(disk_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no fio on PATH
+    assert main(["sweep", str(disk_dir), *TINY_SWEEP, "--backend", "threads", "--out-dir", str(tmp_path / "r"),
+                 "--config-out", str(tmp_path / "a.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "fio column missing" in printed and "apt-get install fio" in printed
+    assert json.loads((tmp_path / "r" / "sweep.json").read_text())["disks"][0]["fio"] == []
+
+
+def test_sweep_refuses_without_room_and_says_how_much_it_needs(disk_dir, tmp_path, capsys):
+    status = main(["sweep", str(disk_dir), "--quick", "--size", "64T", "--out-dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert "needs 70.4 TiB" in err and "free" in err
+    assert list(disk_dir.iterdir()) == [] and not (tmp_path / "r").exists()
+
+
+def test_sweep_on_tmpfs_says_the_figures_are_buffered(shm_dir, tmp_path, capsys):
+    assert main(["sweep", str(shm_dir), *TINY_SWEEP, "--backend", "threads", "--no-fio",
+                 "--out-dir", str(tmp_path / "r"), "--config-out", str(tmp_path / "a.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "buffered I/O (no O_DIRECT)" in printed and "page cache" in printed
+    disk = json.loads((tmp_path / "r" / "sweep.json").read_text())["disks"][0]
+    assert disk["direct"] is False and "page cache" in disk["note"]
+    assert all(p["direct"] is False for p in disk["points"])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_sweep_leaves_no_files(disk_dir, tmp_path, sig):
+    cmd = [sys.executable, "-m", "bench.cli", "sweep", str(disk_dir), "--quick", "--size", "256M", "--no-fio",
+           "--no-progress", "--out-dir", str(tmp_path / "r"), "--config-out", str(tmp_path / "a.json")]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not any(p.is_file() for s in disk_dir.glob(PREFIX + "*") for p in s.iterdir()):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the sweep never started writing"
+        time.sleep(0.01)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted; benchmark files removed" in err
+    assert list(disk_dir.iterdir()) == []
+    assert not (tmp_path / "a.json").exists()
+
+
+def test_validate_tells_tmpfs_from_a_disk(disk_dir, shm_dir, capsys):
+    assert main(["validate", str(disk_dir)]) == 0
+    disk = capsys.readouterr().out
+    assert main(["validate", str(shm_dir)]) == 0  # tmpfs holds files; it is memory and has no O_DIRECT
+    shm = capsys.readouterr().out
+    assert "O_DIRECT     ok" in disk and "file system  ok" in disk
+    assert "O_DIRECT     warn" in shm and "tmpfs: memory, not a disk" in shm
+    for out in (disk, shm):
+        for name in ("io_uring", "memlock", "free space", "CUDA", "fio"):
+            assert f"  {name}" in out
+
+
+def test_validate_fails_for_missing_file_and_unwritable(tmp_path, capsys, monkeypatch):
+    assert main(["validate", str(tmp_path / "missing")]) == 1
+    assert "does not exist; create it with `mkdir -p" in capsys.readouterr().out
+    (tmp_path / "file").write_text("x")
+    assert main(["validate", str(tmp_path / "file")]) == 1
+    assert "is not a directory" in capsys.readouterr().out
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr("bench.validate.tempfile.mkstemp", refuse)
+    assert main(["validate", str(tmp_path)]) == 1
+    assert "cannot create files in" in capsys.readouterr().out
+
+
+def test_run_prints_configuration_then_figures(disk_dir, capsys):
+    status = main(["run", str(disk_dir), "--size", "4M", "--request-size", "1M", "--repeats", "2",
+                   "--bs", "256K", "--qd", "4", "--threads", "2", "--backend", "threads"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    lines = out.splitlines()
+    assert lines[0].startswith(f"tensorio-bench run {disk_dir}: both 4M")
+    assert json.loads(lines[1].removeprefix("aio: "))["thread_count"] == 2
+    assert "backend: threads" in out
+    assert out.count("GB/s") == 2 and "clat p50" in out and "p99" in out and "IOPS (256K)" in out
+    assert list(disk_dir.iterdir()) == []
+
+
+def test_run_read_only_and_config_file(disk_dir, tmp_path, capsys):
+    cfg = tmp_path / "aio.json"
+    cfg.write_text(json.dumps({"aio": {"block_size": 131072, "queue_depth": 2, "backend": "threads"}}))
+    assert main(["run", str(disk_dir), "--rw", "read", "--size", "1M", "--repeats", "1", "--config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert '"block_size": 131072' in out and "read " in out and "write " not in out.split("backend:")[1]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--bs", "1000"], "aio.block_size"), (["--size", "3M", "--request-size", "2M"], "not a multiple"),
+     (["--config", "/nonexistent.json"], "no such file")],
+)
+def test_run_usage_errors_exit_2_with_a_message(disk_dir, capsys, args, message):
+    assert main(["run", str(disk_dir), *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_size_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["run", "/tmp", "--size", "12X"])
+    assert info.value.code == 2
+    assert "is not a size" in capsys.readouterr().err
+
+
+def test_run_in_a_missing_directory_fails_cleanly(tmp_path, capsys):
+    assert main(["run", str(tmp_path / "nope"), "--size", "1M"]) == 1
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "Traceback" not in err
+    assert not (tmp_path / "nope").exists()
+
+
+@pytest.mark.skipif(fio_path() is None, reason="fio not installed: apt-get install fio")
+def test_fio_subcommand_runs_the_matching_job(disk_dir, capsys):
+    assert main(["fio", str(disk_dir), "--rw", "write", "--size", "8M", "--bs", "1M", "--qd", "4", "--threads", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "--numjobs=2" in out and "--iodepth=4" in out and "--overwrite=1" in out
+    assert "fio-" in out and "GB/s" in out and "per 1M I/O" in out
+    assert list(disk_dir.iterdir()) == []
+
+
+def test_fio_subcommand_without_fio(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert main(["fio", str(tmp_path), "--size", "1M"]) == 1
+    assert "apt-get install fio" in capsys.readouterr().err

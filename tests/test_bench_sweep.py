@@ -1,0 +1,84 @@
+"""The sweep's pure parts: grids, picking the best, sizes, percentiles. No disk involved."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench._units import format_size, parse_size
+from bench.measure import Measurement, PointResult, _percentile
+from bench.sweep import GRIDS, Grid, best_points, chosen_config, config_key
+from tensorio import AioConfig
+
+MiB = 1 << 20
+
+
+def _point(bs: int, write_gbs: float, read_gbs: float, backend: str = "io_uring") -> PointResult:
+    def m(rw: str, gbs: float) -> Measurement:
+        bw = int(gbs * 1e9)
+        return Measurement(rw=rw, bw_bytes=bw, iops=bw / bs, clat_ns_p50=1, clat_ns_p99=2, clat_ns_mean=1.5,
+                           bw_bytes_samples=[bw], io_bytes=MiB, request_bytes=MiB)
+
+    return PointResult(config=AioConfig(block_size=bs, backend=backend), backend=backend, direct=True,
+                       write=m("write", write_gbs), read=m("read", read_gbs))
+
+
+def test_grid_crosses_every_knob_for_io_uring_and_sweeps_threads_once():
+    grid = Grid(block_sizes=(4096, MiB), queue_depths=(1, 8), thread_counts=(1, 2, 4),
+                single_submit=(False, True), overlap_events=(True, False))
+    configs = grid.configs(backends=["io_uring", "threads"])
+    uring = [c for c in configs if c.backend == "io_uring"]
+    threads = [c for c in configs if c.backend == "threads"]
+    assert len(uring) == 2 * 2 * 3 * 2 * 2 and len(threads) == 2 * 2 * 3
+    assert len({config_key(c) for c in configs}) == len(configs)
+    assert all(not c.single_submit and c.overlap_events for c in threads)
+
+
+def test_grid_leaves_out_backends_that_cannot_run():
+    configs = GRIDS["quick"].configs(backends=["threads"], direct=True)
+    assert {c.backend for c in configs} == {"threads"} and len(configs) == 8
+    assert all(c.direct is True for c in configs)
+
+
+def test_named_grids_fit_their_sizes():
+    for name, grid in GRIDS.items():
+        assert max(grid.block_sizes) <= 16 * MiB <= grid.size, name  # whole blocks in the default request
+    assert len(GRIDS["quick"].configs(backends=["io_uring", "threads"])) == 16
+
+
+def test_best_points_by_direction_and_round_trip():
+    fast_write, fast_read, balanced = _point(4096, 4.0, 0.5), _point(8192, 1.0, 3.0), _point(MiB, 2.5, 2.0)
+    best = best_points([fast_write, fast_read, balanced])
+    assert best["write"] is fast_write and best["read"] is fast_read and best["both"] is balanced
+    assert balanced.both_bw_bytes == pytest.approx(2 / (1 / 2.5e9 + 1 / 2.0e9))
+    with pytest.raises(ValueError):
+        best_points([])
+
+
+def test_chosen_config_is_best_over_all_disks():
+    disk1 = [_point(4096, 3.0, 3.0), _point(MiB, 2.0, 2.0)]
+    disk2 = [_point(4096, 0.5, 0.5), _point(MiB, 2.0, 2.0)]
+    assert chosen_config([disk1]).block_size == 4096
+    assert chosen_config([disk1, disk2]).block_size == MiB  # 4.0 GB/s summed beats 3.5
+
+
+@pytest.mark.parametrize(("text", "value"), [("4096", 4096), ("128K", 128 << 10), ("1m", MiB), ("2GiB", 2 << 30),
+                                             ("1 G", 1 << 30), ("3KB", 3072)])
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "1.5M", "-1", "12X", "M"])
+def test_parse_size_rejects(text):
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size(text)
+
+
+def test_format_size_round_trips():
+    for value in (512, 4096, 128 << 10, MiB, 3 * MiB, 1 << 30, 1536):
+        assert parse_size(format_size(value)) == value
+
+
+def test_percentile_nearest_rank():
+    values = list(range(1, 101))
+    assert _percentile(values, 50) == 50 and _percentile(values, 99) == 99 and _percentile(values, 100) == 100
+    assert _percentile([7], 50) == 7 and _percentile([7], 99) == 7
