@@ -1,0 +1,73 @@
+"""The main job: check a directory's disk, then write and read a 1 GiB tensor with tensorio beside fio.
+
+    python -m bench.demo [--dir .] [--size 1G]
+
+1. Validate the directory (file system, O_DIRECT, io_uring, memlock, free space, fio).
+2. Write then read one locked tensor with tensorio at the default aio settings and, right after,
+   run fio with the same settings on the same directory; print both in GB/s and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import torch
+
+import tensorio
+from bench.fio import FioError, job_for_config, run_fio
+from bench.io_vs_fio import parse_size, time_ours
+from bench.validate import validate_directory
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="tensorio demo: validate a disk, then tensorio vs fio")
+    parser.add_argument("--dir", default=".", help="directory on the disk to use (default: .)")
+    parser.add_argument("--size", default="1G", help="tensor size (default 1G)")
+    args = parser.parse_args(argv)
+    size = parse_size(args.size)
+
+    print(f"== 1. validate {os.path.abspath(args.dir)}")
+    validation = validate_directory(args.dir, need_bytes=size)
+    print(validation.format())
+    if not validation.usable:
+        return 1
+
+    config = tensorio.AioConfig()
+    print(f"\n== 2. write and read a {size / 2**30:.2f} GiB tensor: {config}")
+    tensor = tensorio.locked_tensor(size, torch.uint8)
+    tensor.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
+    scratch = tempfile.mkdtemp(prefix="tio-demo-", dir=args.dir)
+    path = os.path.join(scratch, "demo.bin")
+    try:
+        with tensorio.AioHandle.from_config(config) as handle:
+            write = time_ours(handle, tensor, path, write=True)
+            back = tensorio.locked_tensor(size, torch.uint8)
+            read = time_ours(handle, back, path, write=False)
+            if not torch.equal(back, tensor):
+                print("FAIL: the tensor read back differs from the one written", file=sys.stderr)
+                return 1
+            backend = handle.backend_name
+        fio = {}
+        for rw in ("write", "read"):
+            try:
+                fio[rw] = run_fio(job_for_config(config, directory=scratch, rw=rw, size=size)).gb_per_s
+            except FioError as exc:
+                print(f"fio {rw}: not measured ({str(exc).splitlines()[0]})")
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+        os.rmdir(scratch)
+    print(f"\n{'':8}{'tensorio (' + backend + ')':>22}{'fio':>10}{'ratio':>8}")
+    for rw, ours in (("write", write), ("read", read)):
+        ref = fio.get(rw)
+        print(f"{rw:<8}{ours:>17.2f} GB/s{(f'{ref:.2f}' if ref else '-'):>10}"
+              f"{(f'{ours / ref:.2f}' if ref else '-'):>8}")
+    print("(one run each, bytes verified; for medians of interleaved runs: python -m bench.io_vs_fio)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
