@@ -1,0 +1,518 @@
+"""`OffloadAdam`: Adam/AdamW whose state lives on NVMe (a chosen share of it) and streams through a few buffers.
+
+Used exactly like ``torch.optim.AdamW`` (``adamw_mode=True``) or ``torch.optim.Adam``. The update is
+torch's fused CPU kernel (``torch._fused_adamw_`` / ``torch._fused_adam_``), called per sub-group, so
+fp32 parameters match ``torch.optim.AdamW(fused=True)`` bit for bit. See docs/optimizer_offload.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import tempfile
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+
+from tensorio import AioConfig
+
+from ._subgroups import Member, ParamSpec, SubGroupPlan, plan_subgroups
+from ._swapper import StateSwapper, SwapConfig, SwapRecord, Where
+
+__all__ = ["OffloadAdam"]
+
+_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+_DTYPES = (torch.float32, *_SIXTEEN_BIT)
+
+
+@dataclass(slots=True, eq=False)
+class _ParamRecord:
+    """One parameter: its tensor, step count and where its elements sit in the sub-groups."""
+
+    param: torch.Tensor
+    group: int
+    index: int
+    step: torch.Tensor | None = None
+    """Committed step count (a float32 0-d tensor, as torch keeps it); None: no state yet."""
+    new_step: torch.Tensor | None = None
+    """This step's count, committed together with the state."""
+    runs: list[tuple[int, Member]] = field(default_factory=list)
+    """(sub-group index, run of elements) for each part of the parameter."""
+
+    @property
+    def master(self) -> bool:
+        return self.param.dtype in _SIXTEEN_BIT
+
+    def name(self) -> str:
+        return f"parameter {self.index} (param group {self.group}, shape {tuple(self.param.shape)})"
+
+
+class OffloadAdam(torch.optim.Optimizer):
+    """Adam / AdamW keeping ``nvme_offload_fraction`` of its state on NVMe, the rest in RAM.
+
+    Args:
+        params, lr, betas, eps, weight_decay: as for ``torch.optim.AdamW``; param groups work.
+        adamw_mode: decoupled weight decay (AdamW) when True, L2 weight decay (Adam) when False.
+        nvme_offload_fraction: share of the state kept on NVMe, 0.0 to 1.0 (by sub-group, in order).
+        nvme_offload_dir: existing writable directory for the swap file; None: a private temporary
+            directory, removed by ``close()`` or at exit.
+        buffer_count, pin_memory, pipeline_read, pipeline_write, sub_group_size: the swap settings,
+            named as DeepSpeed's ``offload_optimizer`` section names them (see `SwapConfig`).
+        aio: tensorio settings for the swap file, an `AioConfig` or a dict of its keys.
+        overlap_backward: update each offloaded sub-group during ``backward()`` as soon as its
+            gradients are final, so that the state's I/O overlaps the backward and forward passes.
+            Then every backward is followed by an update: no gradient accumulation, clipping or
+            scaling between backward and ``step()`` (``step()`` still must be called).
+
+    Host memory held for offloaded state: ``buffer_count`` buffers of the largest offloaded
+    sub-group's state, at most ``buffer_count * 12 * (sub_group_size + 1023)`` bytes, whatever the
+    model's size. 16-bit parameters get an fp32 master copy, part of the state.
+
+    Raises ValueError for amsgrad=True, non-CPU or non-float parameters, parameters on more than one
+    device and bad settings (naming the key); FileNotFoundError / PermissionError for a missing or
+    unwritable ``nvme_offload_dir``.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, adamw_mode: bool = True,
+                 nvme_offload_fraction: float = 0.0, nvme_offload_dir: str | None = None, *,
+                 amsgrad: bool = False, maximize: bool = False, buffer_count: int = 4, pin_memory: bool = True,
+                 pipeline_read: bool = True, pipeline_write: bool = True, sub_group_size: int = 1 << 22,
+                 aio: AioConfig | Mapping[str, Any] | None = None, overlap_backward: bool = False) -> None:
+        if amsgrad:
+            raise ValueError("amsgrad=True is not supported by OffloadAdam; use amsgrad=False")
+        if not 0.0 <= lr:
+            raise ValueError(f"lr: {lr!r} is not allowed; use a number >= 0")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"betas: {betas!r} is not allowed; use two numbers in [0, 1)")
+        if not 0.0 <= eps:
+            raise ValueError(f"eps: {eps!r} is not allowed; use a number >= 0")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"weight_decay: {weight_decay!r} is not allowed; use a number >= 0")
+        fraction = float(nvme_offload_fraction)
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"nvme_offload_fraction: {nvme_offload_fraction!r} is not allowed; use 0.0 to 1.0")
+        self._swap_config = SwapConfig(buffer_count=buffer_count, pin_memory=pin_memory,
+                                       pipeline_read=pipeline_read, pipeline_write=pipeline_write,
+                                       sub_group_size=sub_group_size, aio=aio if aio is not None else AioConfig())
+        # The keys of torch.optim.AdamW's param groups, so that state dicts load into either optimizer.
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False,
+                        maximize=maximize, foreach=None, capturable=False, differentiable=False, fused=None,
+                        decoupled_weight_decay=bool(adamw_mode))
+        self._adamw_mode = bool(adamw_mode)
+        self._planned = False
+        super().__init__(params, defaults)
+
+        # 1. One record per parameter, checked before anything touches the disk.
+        self._params: list[_ParamRecord] = []
+        for g, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                self._params.append(_ParamRecord(param=p, group=g, index=len(self._params)))
+        _check_params(self._params)
+        # 2. Plan the sub-groups (pure), then place their state: in RAM or in the swap file.
+        specs = [[ParamSpec(numel=r.param.numel(), master=r.master) for r in self._params if r.group == g]
+                 for g in range(len(self.param_groups))]
+        self._plans: list[SubGroupPlan] = plan_subgroups(specs, self._swap_config.sub_group_size, fraction)
+        self._planned = True
+        for plan in self._plans:
+            for member in plan.members:
+                self._params[member.param].runs.append((plan.index, member))
+        self._resident: dict[int, torch.Tensor] = {
+            p.index: torch.zeros(p.regions * p.region, dtype=torch.float32) for p in self._plans if not p.offloaded}
+        self._tmpdir = None
+        if any(p.offloaded for p in self._plans) and nvme_offload_dir is None:
+            self._tmpdir = tempfile.mkdtemp(prefix="offload-adam-")
+        directory = self._tmpdir or (str(nvme_offload_dir) if nvme_offload_dir is not None else "")
+        self._swapper = StateSwapper(self._plans, directory, self._swap_config)
+        self._finalizer = weakref.finalize(self, _cleanup, self._swapper, self._tmpdir)
+        # 3. Step bookkeeping: sub-groups updated in the current step, and the order offloaded ones
+        #    become ready in backward (learnt each step; first guess: reverse plan order).
+        self._done: set[int] = set()
+        self._order: list[int] = [p.index for p in reversed(self._plans) if p.offloaded]
+        self._seen: list[int] = []
+        self._uncommitted = False  # writes of the last step still in flight (overlap_backward)
+        self._in_backward = False
+        self._waiting: dict[int, int] = {}
+        self._hooks = []
+        if overlap_backward:
+            for rec in self._params:
+                if rec.param.requires_grad and any(self._plans[i].offloaded for i, _ in rec.runs):
+                    hook = functools.partial(self._on_grad_ready, rec.index)
+                    self._hooks.append(rec.param.register_post_accumulate_grad_hook(hook))
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group; only during construction (the sub-groups are planned once).
+
+        Raises RuntimeError afterwards: pass every group to the constructor instead.
+        """
+        if getattr(self, "_planned", False):
+            raise RuntimeError("OffloadAdam plans its swap file at construction; pass every param group "
+                               "to the constructor instead of calling add_param_group later")
+        super().add_param_group(param_group)
+
+    # ---- the step -------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Update every parameter that has a gradient; return ``closure()``'s loss if given.
+
+        Either the whole step's state is committed or, on failure, none of it: the error (a
+        TensorIOError for the swap file, ValueError for a bad gradient) propagates and a reload
+        reads the previous state. Parameters of sub-groups updated before the failure keep their
+        update (see docs/optimizer_offload.md, "Failures").
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._in_backward = False
+        self._sync()  # write-behind of the previous step, when no backward hook has committed it yet
+        todo = [p for p in self._plans if p.index not in self._done and self._has_grads(p)]
+        for plan in todo:
+            self._check_grads(plan)
+        offloaded = [p.index for p in todo if p.offloaded]
+        resident = [p for p in todo if not p.offloaded]
+        try:
+            # 1. Offloaded sub-groups not updated during backward, pipelined in plan order.
+            if offloaded:
+                self._prefetch(offloaded)
+            for index in offloaded:
+                self._update_offloaded(index, offloaded)
+            # 2. Sync point: resident state may change only once every write has succeeded.
+            if resident or not self._hooks:
+                self._swapper.drain()
+                self._swapper.commit()  # the step counts are committed below, with the resident state
+        except BaseException:
+            self._abort()
+            raise
+        # 3. Resident sub-groups: no I/O, cannot fail.
+        for plan in resident:
+            self._update(plan, self._resident[plan.index])
+        if self._swapper.idle:
+            self._commit()
+        else:
+            self._uncommitted = True  # write-behind: committed at the next sync point
+        if self._seen:
+            self._order = self._seen + [i for i in self._order if i not in self._seen]
+        self._seen, self._done = [], set()
+        return loss
+
+    def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook (overlap_backward): update sub-groups whose gradients are all final."""
+        if not self._in_backward:
+            self._begin_backward()
+        rec = self._params[index]
+        with torch.no_grad():
+            try:
+                for plan_index, _ in rec.runs:
+                    plan = self._plans[plan_index]
+                    if not plan.offloaded:
+                        continue
+                    self._waiting[plan_index] -= 1
+                    if self._waiting[plan_index] == 0:
+                        self._check_grads(plan)
+                        self._update_offloaded(plan_index, self._order)
+            except BaseException:
+                self._abort()
+                raise
+
+    def _begin_backward(self) -> None:
+        self._sync()
+        self._in_backward = True
+        self._waiting = {p.index: sum(1 for m in p.members if self._params[m.param].param.requires_grad)
+                         for p in self._plans if p.offloaded}
+        self._prefetch(self._order)
+
+    def _update_offloaded(self, index: int, order: list[int]) -> None:
+        """Phases of one offloaded sub-group: read, read ahead, update, write behind."""
+        rec = self._swapper.records[index]
+        # 1. Make sure its read has started; if every buffer is held by sub-groups read ahead, give
+        #    the furthest one's buffer up (never "out of swap buffers").
+        if rec.where is Where.ON_DISK or rec.where is Where.WRITING:
+            if rec.where is Where.ON_DISK and not self._swapper.has_free_buffer():
+                self._evict_furthest(order, index)
+            self._swapper.start_read(rec)
+        # 2. Read the next sub-groups ahead while this one is updated.
+        self._done.add(index)
+        self._seen.append(index)
+        self._prefetch(order)
+        # 3. Sync point: wait for this sub-group's state, then update it.
+        state = self._swapper.wait_read(rec)
+        self._update(rec.plan, state)
+        # 4. Write behind: the write runs during the next sub-groups' updates (or, with
+        #    overlap_backward, during the rest of backward and the next forward).
+        self._swapper.start_write(rec)
+        if not self._swap_config.pipeline_write:
+            self._swapper.drain()  # sync point
+
+    def _prefetch(self, order: list[int]) -> None:
+        ahead = self._swap_config.read_ahead
+        records = self._swapper.records
+        in_flight = sum(1 for i in order if i not in self._done and records[i].where in (Where.READING, Where.RESIDENT))
+        for i in order:
+            if in_flight >= ahead:
+                return
+            rec = records[i]
+            if i in self._done or rec.where is not Where.ON_DISK:
+                continue
+            if not self._swapper.has_free_buffer():
+                return
+            self._swapper.start_read(rec)
+            in_flight += 1
+
+    def _evict_furthest(self, order: list[int], needed: int) -> None:
+        records = self._swapper.records
+        for i in reversed(order):
+            if i != needed and i not in self._done and records[i].where in (Where.READING, Where.RESIDENT):
+                self._swapper.evict(records[i])
+                return
+
+    def _sync(self) -> None:
+        """Finish write-behind from the last step and commit it. Raises its TensorIOError, if any."""
+        if self._uncommitted:
+            try:
+                self._swapper.drain()
+            except BaseException:
+                self._abort()
+                raise
+            self._commit()
+
+    def _commit(self) -> None:
+        self._swapper.commit()
+        for rec in self._params:
+            if rec.new_step is not None:
+                rec.step, rec.new_step = rec.new_step, None
+        self._uncommitted = False
+
+    def _abort(self) -> None:
+        self._swapper.abort()
+        for rec in self._params:
+            rec.new_step = None
+        self._uncommitted = False
+        self._in_backward = False
+        self._seen, self._done = [], set()
+
+    def _has_grads(self, plan: SubGroupPlan) -> bool:
+        return any(self._params[m.param].param.grad is not None for m in plan.members)
+
+    def _check_grads(self, plan: SubGroupPlan) -> None:
+        for member in plan.members:
+            rec = self._params[member.param]
+            grad = rec.param.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise ValueError(f"{rec.name()} has a sparse gradient; OffloadAdam needs dense gradients")
+            if grad.device != rec.param.device or grad.dtype != rec.param.dtype or grad.shape != rec.param.shape:
+                raise ValueError(f"{rec.name()} has a gradient of {grad.dtype} {tuple(grad.shape)} on {grad.device}; "
+                                 f"it must match the parameter ({rec.param.dtype} on {rec.param.device})")
+
+    def _update(self, plan: SubGroupPlan, state: torch.Tensor) -> None:
+        """Run the fused Adam/AdamW kernel on one sub-group whose state is ``state``."""
+        group = self.param_groups[plan.group]
+        region = plan.region
+        exp_avg, exp_avg_sq = state[:region], state[region:2 * region]
+        master = state[2 * region:3 * region] if plan.master else None
+        params, grads, exp_avgs, exp_avg_sqs, steps, copy_back = [], [], [], [], [], []
+        for member in plan.members:
+            rec = self._params[member.param]
+            if rec.param.grad is None:
+                continue
+            run = slice(member.offset, member.offset + member.numel)
+            elements = slice(member.start, member.start + member.numel)
+            flat_param = rec.param.detach().view(-1)[elements]
+            flat_grad = rec.param.grad.reshape(-1)[elements]
+            if rec.step is None:  # first update of this parameter: fresh state, as torch makes it
+                exp_avg[run].zero_()
+                exp_avg_sq[run].zero_()
+                if master is not None:
+                    master[run].copy_(flat_param)
+            if rec.new_step is None:
+                rec.new_step = (rec.step.clone() if rec.step is not None else torch.zeros((), dtype=torch.float32)) + 1
+            if master is not None:
+                params.append(master[run])
+                grads.append(flat_grad.float())
+                copy_back.append((flat_param, master[run]))
+            else:
+                params.append(flat_param)
+                grads.append(flat_grad)
+            exp_avgs.append(exp_avg[run])
+            exp_avg_sqs.append(exp_avg_sq[run])
+            steps.append(rec.new_step)
+        if not params:
+            return
+        decoupled = group.get("decoupled_weight_decay", self._adamw_mode)
+        kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        beta1, beta2 = group["betas"]
+        kernel(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=group["lr"], beta1=beta1,
+               beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+               grad_scale=None, found_inf=None)
+        for param_run, master_run in copy_back:
+            param_run.copy_(master_run)
+
+    # ---- state dicts ------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim.AdamW's state dict: per parameter index 'step', 'exp_avg', 'exp_avg_sq'.
+
+        fp32 tensors of the parameter's shape; 16-bit parameters add 'master_param' (fp32). The whole
+        state is gathered in RAM, one sub-group read at a time. Raises TensorIOError.
+        """
+        self._sync()
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for rec in self._params:
+            if rec.step is not None:
+                entry = {"step": rec.step.clone()}
+                keys = ("exp_avg", "exp_avg_sq", "master_param") if rec.master else ("exp_avg", "exp_avg_sq")
+                for key in keys:
+                    entry[key] = torch.zeros(rec.param.shape, dtype=torch.float32)
+                state[rec.index] = entry
+        for plan, region_state in self._each_state():
+            for member in plan.members:
+                entry = state.get(member.param)
+                if entry is None:
+                    continue
+                for r, key in enumerate(("exp_avg", "exp_avg_sq", "master_param")[:plan.regions]):
+                    start = r * plan.region + member.offset
+                    entry[key].view(-1)[member.start:member.start + member.numel] = region_state[start:start + member.numel]
+        return {"state": state, "param_groups": self._packed_groups()}
+
+    def _each_state(self):
+        """Yield (plan, state) for every sub-group; offloaded ones are read into a buffer one at a time."""
+        for plan in self._plans:
+            if not plan.offloaded:
+                yield plan, self._resident[plan.index]
+                continue
+            rec = self._swapper.records[plan.index]
+            try:
+                self._swapper.start_read(rec)
+                yield plan, self._swapper.wait_read(rec)
+            finally:
+                self._swapper.evict(rec)
+
+    def _packed_groups(self) -> list[dict[str, Any]]:
+        groups, start = [], 0
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = list(range(start, start + len(group["params"])))
+            start += len(group["params"])
+            groups.append(packed)
+        return groups
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a state dict from `state_dict` here or from torch.optim.AdamW / Adam for the same parameters.
+
+        Load the model's parameters first: a 16-bit parameter without 'master_param' gets its master
+        copy from the parameter. All or nothing: raises ValueError for a mismatched state dict (naming
+        the group or parameter) and TensorIOError for the swap file, leaving the previous state.
+        """
+        self._sync()
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"the state dict has {len(saved_groups)} param groups, this optimizer {len(self.param_groups)}")
+        for g, (saved, ours) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(ours["params"]):
+                raise ValueError(f"param group {g} has {len(saved['params'])} parameters in the state dict, "
+                                 f"{len(ours['params'])} here")
+            if saved.get("amsgrad", False):
+                raise ValueError(f"param group {g} of the state dict has amsgrad=True, which OffloadAdam does not support")
+        # 1. Map the saved indices onto ours and check every entry before anything changes.
+        saved_to_ours = {s: o for sg, og in zip(saved_groups, self._packed_groups())
+                         for s, o in zip(sg["params"], og["params"])}
+        entries: dict[int, Mapping[str, Any]] = {}
+        for key, entry in state_dict["state"].items():
+            if key not in saved_to_ours:
+                raise ValueError(f"the state dict has state for parameter {key!r}, which no param group lists")
+            rec = self._params[saved_to_ours[key]]
+            for name in ("exp_avg", "exp_avg_sq"):
+                if name not in entry or entry[name].numel() != rec.param.numel():
+                    raise ValueError(f"the state of {rec.name()} has no {name} of {rec.param.numel()} elements")
+            entries[rec.index] = entry
+        # 2. Offloaded state goes to the uncommitted slots, committed only when every write succeeded.
+        try:
+            for plan in self._plans:
+                if plan.offloaded:
+                    rec = self._swapper.records[plan.index]
+                    self._swapper.start_read(rec)
+                    state = self._swapper.wait_read(rec)
+                    _fill(plan, state, entries, self._params)
+                    self._swapper.start_write(rec)
+            self._swapper.drain()
+        except BaseException:
+            self._abort()
+            raise
+        self._swapper.commit()
+        # 3. Then the in-RAM part, the step counts and the hyperparameters.
+        for plan in self._plans:
+            if not plan.offloaded:
+                _fill(plan, self._resident[plan.index], entries, self._params)
+        for rec in self._params:
+            entry = entries.get(rec.index)
+            rec.step = None if entry is None else torch.tensor(float(entry["step"]), dtype=torch.float32)
+        for saved, ours in zip(saved_groups, self.param_groups):
+            params = ours["params"]
+            ours.clear()
+            ours.update({k: v for k, v in saved.items() if k != "params"})
+            ours["params"] = params
+
+    # ---- memory and lifetime ----------------------------------------------------------------------------
+
+    def host_state_bytes(self) -> dict[str, int]:
+        """Host memory held for optimizer state: 'resident' (kept in RAM) and 'buffers' (swap buffers)."""
+        return {"resident": sum(t.numel() * 4 for t in self._resident.values()),
+                "buffers": self._swapper.buffer_bytes}
+
+    @property
+    def swap_path(self) -> str | None:
+        """The swap file's path, or None when nothing is offloaded."""
+        return self._swapper.path if self._swapper.records else None
+
+    def close(self) -> None:
+        """Finish the I/O in flight (committing it), remove the hooks, the swap file and a temporary directory."""
+        try:
+            self._sync()
+        finally:
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks = []
+            self._finalizer()
+
+
+def _fill(plan: SubGroupPlan, state: torch.Tensor, entries: Mapping[int, Mapping[str, Any]],
+          params: list[_ParamRecord]) -> None:
+    """Write loaded state into a sub-group's state tensor (zeros for parameters without state)."""
+    for member in plan.members:
+        entry = entries.get(member.param)
+        param = params[member.param].param
+        elements = slice(member.start, member.start + member.numel)
+        for r, key in enumerate(("exp_avg", "exp_avg_sq", "master_param")[:plan.regions]):
+            run = state[r * plan.region + member.offset:r * plan.region + member.offset + member.numel]
+            if entry is None:
+                run.zero_()
+            elif key in entry:
+                run.copy_(entry[key].reshape(-1)[elements])
+            else:  # a 16-bit parameter's state from torch's AdamW: the master copy is the parameter
+                run.copy_(param.detach().reshape(-1)[elements])
+
+
+def _check_params(records: list[_ParamRecord]) -> None:
+    devices = {rec.param.device for rec in records}
+    for rec in records:
+        if not isinstance(rec.param, torch.Tensor):
+            raise ValueError(f"parameter {rec.index} is a {type(rec.param).__name__}, not a tensor")
+        if rec.param.device.type != "cpu":
+            mixed = f" (the parameters are on {len(devices)} devices: {sorted(map(str, devices))})" if len(devices) > 1 else ""
+            raise ValueError(f"{rec.name()} is on {rec.param.device}{mixed}; OffloadAdam updates CPU parameters: "
+                             "move the model to the CPU first")
+        if rec.param.dtype not in _DTYPES:
+            raise ValueError(f"{rec.name()} is {rec.param.dtype}; OffloadAdam supports float32, float16 and bfloat16")
+        if not rec.param.is_contiguous():
+            raise ValueError(f"{rec.name()} is not contiguous; OffloadAdam updates parameters in place as flat views")
+
+
+def _cleanup(swapper: StateSwapper, tmpdir: str | None) -> None:
+    swapper.close()
+    if tmpdir is not None:
+        shutil.rmtree(tmpdir, ignore_errors=True)
