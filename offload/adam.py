@@ -99,7 +99,7 @@ class OffloadAdam(torch.optim.Optimizer):
                                        sub_group_size=sub_group_size, aio=aio if aio is not None else AioConfig())
         # The keys of torch.optim.AdamW's param groups, so that state dicts load into either optimizer.
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False,
-                        maximize=maximize, foreach=None, capturable=False, differentiable=False, fused=None,
+                        maximize=maximize, foreach=None, capturable=False, differentiable=False, fused=True,
                         decoupled_weight_decay=bool(adamw_mode))
         self._adamw_mode = bool(adamw_mode)
         self._planned = False
@@ -180,14 +180,18 @@ class OffloadAdam(torch.optim.Optimizer):
                 self._prefetch(offloaded)
             for index in offloaded:
                 self._update_offloaded(index, offloaded)
-            # 2. Sync point: resident state may change only once every write has succeeded.
+            # 2. Buffers read ahead for sub-groups that got no gradient this step are given back.
+            for rec in self._swapper.records.values():
+                if rec.where in (Where.READING, Where.RESIDENT):
+                    self._swapper.evict(rec)
+            # 3. Sync point: resident state may change only once every write has succeeded.
             if resident or not self._hooks:
                 self._swapper.drain()
                 self._swapper.commit()  # the step counts are committed below, with the resident state
         except BaseException:
             self._abort()
             raise
-        # 3. Resident sub-groups: no I/O, cannot fail.
+        # 4. Resident sub-groups: no I/O, cannot fail.
         for plan in resident:
             self._update(plan, self._resident[plan.index])
         if self._swapper.idle:
