@@ -209,11 +209,14 @@ def job_for_config(config: Any, *, directory: str | os.PathLike, rw: str, size: 
     )
 
 
-def run_fio(job: FioJob, *, fio: str | None = None, timeout_s: float | None = None) -> FioResult:
+def run_fio(job: FioJob, *, fio: str | None = None, timeout_s: float | None = None,
+            filename: str | os.PathLike | None = None) -> FioResult:
     """Run ``job`` with the fio binary (``fio`` or the one on PATH) and parse its JSON output.
 
     fio's data file is created in ``job.directory`` and removed afterwards, also when fio fails, the
-    call times out or the caller is interrupted (KeyboardInterrupt stops fio first).
+    call times out or the caller is interrupted (KeyboardInterrupt stops fio first). With
+    ``filename`` (inside ``job.directory``) fio uses that file and leaves it for the caller to
+    remove: a warm-up run lays it out, and the timed runs after it skip the layout.
 
     Raises FioNotFound when fio is not installed, FileNotFoundError / NotADirectoryError for a bad
     directory (checked first: fio would silently create it), and FioError, naming the command and
@@ -227,7 +230,11 @@ def run_fio(job: FioJob, *, fio: str | None = None, timeout_s: float | None = No
         raise FileNotFoundError(f"{directory}: no such directory; create it or pick one on the disk to measure")
     if not directory.is_dir():
         raise NotADirectoryError(f"{directory}: not a directory; pass the directory to put fio's file in")
-    filename = directory / f"{FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}.dat"
+    owned = filename is None
+    if owned:
+        filename = directory / f"{FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}.dat"
+    elif Path(filename).resolve().parent != directory.resolve():
+        raise ValueError(f"filename {filename} is not in the job's directory {directory}")
     cmd = job.command(fio, filename)
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -242,7 +249,8 @@ def run_fio(job: FioJob, *, fio: str | None = None, timeout_s: float | None = No
             proc.communicate()
             raise
     finally:
-        filename.unlink(missing_ok=True)
+        if owned:
+            Path(filename).unlink(missing_ok=True)
     if proc.returncode != 0:
         raise FioError(
             f"fio failed with exit status {proc.returncode}: {' '.join(cmd)}\n{_tail(stderr or stdout)}"

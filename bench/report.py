@@ -138,10 +138,12 @@ def format_best(disk: DiskSweep) -> str:
     ]
     if disk.fio_missing:
         lines.append(f"fio column missing: {disk.fio_missing}")
+    if disk.fio:
+        lines.append("ours vs fio, same disk and settings (ours measured again beside fio; medians):")
     for c in disk.fio:
-        head = f"vs fio ({c.role:<5} {c.rw:<5}): ours {c.ours_bw_bytes / 1e9:.2f} GB/s"
+        head = f"  best {c.role:<5} {c.rw:<5} {config_label(c.config):<38} ours {c.ours_bw_bytes / 1e9:5.2f} GB/s"
         if c.ratio is not None:
-            lines.append(f"{head}, fio {c.fio_bw_bytes / 1e9:.2f} GB/s -> {c.ratio:.2f} of fio")
+            lines.append(f"{head}, fio {c.fio_bw_bytes / 1e9:5.2f} GB/s -> {c.ratio:.2f} of fio")
         else:
             lines.append(f"{head}, fio failed: {c.error.splitlines()[0] if c.error else 'no result'}")
     if not disk.validation.direct:

@@ -16,7 +16,7 @@ from pathlib import Path
 from tensorio import AioConfig
 
 from ._units import format_size
-from .fio import FioError, FioNotFound, INSTALL_HINT, fio_path, job_for_config, run_fio
+from .fio import INSTALL_HINT, FioError, FioNotFound, FioResult, fio_path, job_for_config, run_fio
 from .measure import Buffers, PointResult, measure_point
 from .scratch import scratch_dir
 from .validate import Validation
@@ -112,6 +112,7 @@ class FioComparison:
     rw: str
     config: AioConfig
     ours_bw_bytes: int
+    """Ours measured again next to fio (median), not the sweep's figure."""
     fio_bw_bytes: int | None = None
     """Median of fio's runs, as many as the sweep's repeats."""
     fio_bw_bytes_samples: list[int] = field(default_factory=list)
@@ -161,43 +162,64 @@ def sweep_directory(validation: Validation, configs: Sequence[AioConfig], buffer
             if on_point:
                 on_point("done", config, result)
         best = best_points(points)
-        comparisons, missing = (_compare_with_fio(scratch, best, buffers.nbytes, repeats) if with_fio
+        comparisons, missing = (_compare_with_fio(scratch, best, buffers, request_size, repeats) if with_fio
                                 else ([], "skipped (--no-fio)"))
     return DiskSweep(validation=validation, points=points, best=best, fio=comparisons, fio_missing=missing)
 
 
-def _compare_with_fio(scratch: Path, best: dict[str, PointResult], size: int,
+def _compare_with_fio(scratch: Path, best: dict[str, PointResult], buffers: Buffers, request_size: int,
                       repeats: int) -> tuple[list[FioComparison], str | None]:
     """fio with the settings of each best point, in the direction it is best at ("both": each).
 
-    fio runs ``repeats`` times per job and its median is kept, as ours is.
+    Ours is measured again right before fio: the best of many noisy points is flattered by its
+    selection, a fresh measurement is not. fio follows our protocol (``_fio_point``); medians.
     """
     if fio_path() is None:
         return [], f"fio is not installed; {INSTALL_HINT}"
     comparisons: list[FioComparison] = []
-    done: dict[tuple[str, str], FioComparison] = {}
+    measured: dict[str, tuple[PointResult, dict[str, list[FioResult]] | str]] = {}  # fio runs, or its error
     for role, point in best.items():
+        key = config_key(point.config)
+        if key not in measured:
+            path = scratch / "again.dat"
+            try:
+                again = measure_point(point.config, path, buffers, request_size=request_size, repeats=repeats,
+                                      direct=point.direct)
+            finally:
+                path.unlink(missing_ok=True)
+            try:
+                measured[key] = again, _fio_point(point, scratch, buffers.nbytes, repeats)
+            except FioNotFound as exc:
+                return [], str(exc)
+            except (FioError, OSError) as exc:
+                measured[key] = again, str(exc)
+        again, runs = measured[key]
         for rw in ("read", "write") if role == "both" else (role,):
-            ours = point.read if rw == "read" else point.write
+            ours = again.read if rw == "read" else again.write
             comparison = FioComparison(role=role, rw=rw, config=point.config, ours_bw_bytes=ours.bw_bytes)
-            key = (config_key(point.config), rw)
-            if key in done:  # the same settings were already run for another role
-                previous = done[key]
-                comparison.fio_bw_bytes, comparison.fio_bw_bytes_samples = previous.fio_bw_bytes, previous.fio_bw_bytes_samples
-                comparison.command, comparison.error = previous.command, previous.error
+            if isinstance(runs, str):
+                comparison.error = runs
             else:
-                # Ours overwrites a laid-out file, so fio does too; O_DIRECT exactly when ours had it.
-                job = replace(job_for_config(point.config, directory=scratch, rw=rw, size=size),
-                              direct=point.direct, overwrite=True)
-                try:
-                    runs = [run_fio(job) for _ in range(repeats)]
-                    comparison.fio_bw_bytes_samples = [r.bw_bytes for r in runs]
-                    comparison.fio_bw_bytes = int(statistics.median(comparison.fio_bw_bytes_samples))
-                    comparison.command = runs[0].command
-                except FioNotFound as exc:
-                    return comparisons, str(exc)
-                except (FioError, OSError) as exc:
-                    comparison.error = str(exc)
-                done[key] = comparison
+                comparison.fio_bw_bytes_samples = [r.bw_bytes for r in runs[rw]]
+                comparison.fio_bw_bytes = int(statistics.median(comparison.fio_bw_bytes_samples))
+                comparison.command = runs[rw][0].command
             comparisons.append(comparison)
     return comparisons, None
+
+
+def _fio_point(point: PointResult, scratch: Path, size: int, repeats: int) -> dict[str, list[FioResult]]:
+    """fio on ``point``'s settings with our protocol: a warm-up write lays one file out, then each
+    repeat writes it over and reads it back; O_DIRECT exactly when ours had it."""
+    path = scratch / "fio.dat"
+    write = replace(job_for_config(point.config, directory=scratch, rw="write", size=size),
+                    direct=point.direct, overwrite=True)
+    read = replace(write, rw="read")
+    runs: dict[str, list[FioResult]] = {"write": [], "read": []}
+    try:
+        run_fio(write, filename=path)  # untimed warm-up
+        for _ in range(repeats):
+            runs["write"].append(run_fio(write, filename=path))
+            runs["read"].append(run_fio(read, filename=path))
+    finally:
+        path.unlink(missing_ok=True)
+    return runs

@@ -71,6 +71,19 @@ def test_overwrite_lays_the_file_out_untimed(disk_dir):
 
 
 @needs_fio
+def test_given_file_is_used_and_left_to_the_caller(disk_dir):
+    path = disk_dir / "mine.dat"
+    run_fio(FioJob(directory=disk_dir, rw="write", size=8 * MiB, block_size=MiB), filename=path)
+    assert path.stat().st_size == 8 * MiB
+    result = run_fio(FioJob(directory=disk_dir, rw="read", size=8 * MiB, block_size=MiB), filename=path)
+    assert f"--filename={path}" in result.command and result.io_bytes == 8 * MiB
+    assert list(disk_dir.iterdir()) == [path]
+    with pytest.raises(ValueError, match="not in the job's directory"):
+        run_fio(FioJob(directory=disk_dir, rw="read", size=MiB), filename=disk_dir.parent / "elsewhere.dat")
+    path.unlink()
+
+
+@needs_fio
 def test_numjobs_split_one_file(disk_dir):
     result = run_fio(FioJob(directory=disk_dir, rw="write", size=8 * MiB, block_size=MiB, numjobs=2))
     assert result.io_bytes == 8 * MiB  # group_reporting sums both jobs; each moved half
