@@ -1,0 +1,34 @@
+"""The optimizer benchmarks run end to end at tiny sizes, so that they never rot (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.fio import fio_path
+
+
+@pytest.mark.skipif(fio_path() is None, reason="fio not installed: apt-get install fio")
+def test_optimizer_step_benchmark_tiny(tmp_path, capsys):
+    from bench import optimizer_step
+
+    result = optimizer_step.main(["--params", "300000", "--tensors", "3", "--sub-group-size", "65536",
+                                  "--warmup", "1", "--steps", "2", "--fio-size", str(4 << 20), "--dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "offloaded / max(I/O bound, in-memory)" in out
+    assert result["offloaded_s"] > 0 and result["io_bound_s"] > 0 and result["ratio"] > 0
+    assert list(tmp_path.iterdir()) == []  # swap and fio files removed
+
+
+def test_colossal_benchmark_tiny(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from bench import optimizer_colossal
+
+    tiny = json.dumps({"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 256, "n_positions": 16})
+    result = optimizer_colossal.main(["--model-config", tiny, "--batch", "1", "--seq", "8", "--steps", "1",
+                                      "--repeats", "1", "--sub-group-size", "4096", "--dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "full offload / no offload" in out and "OffloadAdam 1.0" in out
+    assert result["time_ratio"] > 0
+    assert list(tmp_path.iterdir()) == []
