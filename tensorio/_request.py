@@ -129,6 +129,25 @@ class Request:
         self.future._resolve(0 if self.error else self.nbytes, self.error)
 
 
+class RoundRobin:
+    """Spreads each request's pieces over ``workers`` workers, continuing where the last one stopped."""
+
+    def __init__(self, workers: int) -> None:
+        self._workers = workers
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def split(self, tasks: list["Task"]) -> list[list["Task"]]:
+        """The tasks for each worker, in order."""
+        with self._lock:
+            start = self._next
+            self._next = (start + len(tasks)) % self._workers
+        shares: list[list[Task]] = [[] for _ in range(self._workers)]
+        for i, task in enumerate(tasks):
+            shares[(start + i) % self._workers].append(task)
+        return shares
+
+
 class Task:
     """One piece of a request as a backend carries it out, including the retries of short transfers."""
 

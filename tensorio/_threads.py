@@ -15,7 +15,7 @@ import threading
 
 from ._buffers import aligned_tensor
 from ._config import AioConfig
-from ._request import Task, byte_view
+from ._request import RoundRobin, Task, byte_view
 
 
 class ThreadBackend:
@@ -27,8 +27,7 @@ class ThreadBackend:
         self._align = align
         self._piece_bytes = piece_bytes
         self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(config.thread_count)]
-        self._next = 0
-        self._lock = threading.Lock()
+        self._spread = RoundRobin(config.thread_count)
         self._threads = [
             threading.Thread(target=self._serve, args=(q,), name=f"tensorio-w{w}-t{t}", daemon=True)
             for w, q in enumerate(self._queues)
@@ -39,11 +38,9 @@ class ThreadBackend:
 
     def submit(self, tasks: list[Task]) -> None:
         """Queue a request's pieces, spread over the workers."""
-        with self._lock:
-            start = self._next
-            self._next = (start + len(tasks)) % len(self._queues)
-        for i, task in enumerate(tasks):
-            self._queues[(start + i) % len(self._queues)].put(task)
+        for q, share in zip(self._queues, self._spread.split(tasks)):
+            for task in share:
+                q.put(task)
 
     def close(self) -> None:
         """Finish the queued pieces, then stop the threads."""

@@ -16,7 +16,7 @@ import threading
 
 from ._buffers import aligned_tensor
 from ._config import AioConfig
-from ._request import Task, byte_view
+from ._request import RoundRobin, Task, byte_view
 
 log = logging.getLogger("tensorio")
 
@@ -82,20 +82,13 @@ class UringBackend:
 
     def __init__(self, config: AioConfig, *, piece_bytes: int, align: int) -> None:
         self._workers = [_Worker(config, piece_bytes, align, w) for w in range(config.thread_count)]
-        self._next = 0
-        self._lock = threading.Lock()
+        self._spread = RoundRobin(config.thread_count)
         for worker in self._workers:
             worker.start()
 
     def submit(self, tasks: list[Task]) -> None:
         """Queue a request's pieces, spread over the workers."""
-        with self._lock:
-            start = self._next
-            self._next = (start + len(tasks)) % len(self._workers)
-        per_worker: list[list[Task]] = [[] for _ in self._workers]
-        for i, task in enumerate(tasks):
-            per_worker[(start + i) % len(self._workers)].append(task)
-        for worker, share in zip(self._workers, per_worker):
+        for worker, share in zip(self._workers, self._spread.split(tasks)):
             if share:
                 worker.enqueue(share)
 
