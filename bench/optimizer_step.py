@@ -3,7 +3,8 @@
     python -m bench.optimizer_step --params 104857600 --dir /work/tmp
 
 The I/O bound is the state's bytes read at fio's read speed plus its bytes written at fio's write
-speed, both measured here on the same directory with the same aio settings. Headline:
+speed, both measured here (before and after the offloaded steps, the faster run counting) on the
+same directory with the same aio settings. Headline:
 offloaded step / max(I/O bound, in-memory step) (target: at most 1.15).
 """
 
@@ -74,18 +75,24 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         del opt
         gc.collect()
 
-        # 2. Fully offloaded step, pipelined.
+        # 2. The disk's speed at fio, before and after the offloaded steps; the faster of the two
+        #    runs counts (the strictest bound on a shared, noisy machine).
+        fio_size = min(args.fio_size, max(8 * args.params, args.block_size * args.thread_count))
+
+        def fio(rw: str) -> float:
+            return run_fio(job_for_config(aio, directory=directory, rw=rw, size=fio_size)).bw_bytes
+        read_bws, write_bws = [fio("read")], [fio("write")]
+
+        # 3. Fully offloaded step, pipelined.
         opt = OffloadAdam(params, lr=1e-4, nvme_offload_fraction=1.0, nvme_offload_dir=directory,
                           sub_group_size=args.sub_group_size, buffer_count=args.buffer_count, aio=aio)
         offloaded = statistics.median(_time_steps(opt, args.warmup, args.steps))
         state_bytes = sum(r.plan.state_bytes for r in opt._swapper.records.values())
         buffers = opt.host_state_bytes()["buffers"]
         opt.close()
-
-        # 3. The I/O bound: the state read and written once at fio's speed, same disk and settings.
-        fio_size = min(args.fio_size, max(state_bytes, args.block_size * args.thread_count))
-        read_bw = run_fio(job_for_config(aio, directory=directory, rw="read", size=fio_size)).bw_bytes
-        write_bw = run_fio(job_for_config(aio, directory=directory, rw="write", size=fio_size)).bw_bytes
+        read_bws.append(fio("read"))
+        write_bws.append(fio("write"))
+    read_bw, write_bw = max(read_bws), max(write_bws)
     io_bound = state_bytes / read_bw + state_bytes / write_bw
     ratio = offloaded / max(io_bound, in_memory)
     print(f"state {state_bytes / 1e9:.3f} GB each way; swap buffers {buffers / 1e6:.0f} MB")
