@@ -2,8 +2,8 @@
 
 Each round writes then reads a locked tensor with every backend and, interleaved with it, runs fio
 with the same block size, queue depth and O_DIRECT on the same directory. Writes overwrite a file
-laid out beforehand (swap files are rewritten in place; fio gets ``--overwrite=1``). The medians of
-the rounds are reported.
+laid out beforehand (swap files are rewritten in place; fio gets ``--overwrite=1``), and fio runs on
+the very file tensorio just wrote and read. The medians of the rounds are reported.
 
     python -m bench.io_vs_fio --dir . --size 1G --block-sizes 1M,128K --queue-depth 32 --rounds 5
 """
@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                         job = FioJob(directory=scratch, rw=rw, size=size, block_size=bs,
                                      queue_depth=args.queue_depth, numjobs=args.thread_count,
                                      overwrite=True)
-                        samples.setdefault(("fio", bs, rw), []).append(run_fio(job).gb_per_s)
+                        result = run_fio(job, filename=path)  # the very file we just moved
+                        samples.setdefault(("fio", bs, rw), []).append(result.gb_per_s)
             print(f"round {round_no + 1}/{args.rounds} done", file=sys.stderr)
     except FioNotFound:
         fio = None
