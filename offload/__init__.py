@@ -3,6 +3,7 @@
 It knows parameters, gradients and optimizer states, and reaches the disk only through tensorio.
 """
 
+from .adam import OffloadAdam
 from .config import (
     AdamParams,
     Bf16Config,
@@ -26,6 +27,7 @@ __all__ = [
     "Bf16Config",
     "EngineConfig",
     "Fp16Config",
+    "OffloadAdam",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
     "OptimizerConfig",
