@@ -1,10 +1,12 @@
-"""The main job: check a directory's disk, then write and read a 1 GiB tensor with tensorio beside fio.
+"""The main job: check a directory's disk, move a 1 GiB tensor beside fio, and tune the aio settings.
 
-    python -m bench.demo [--dir .] [--size 1G]
+    python -m bench.demo [--dir .] [--size 1G] [--out-dir results/demo]
 
 1. Validate the directory (file system, O_DIRECT, io_uring, memlock, free space, fio).
 2. Write then read one locked tensor with tensorio at the default aio settings and, right after,
    run fio with the same settings on the same directory; print both in GB/s and their ratio.
+3. A quick sweep of the aio settings (`tensorio-bench sweep --quick`): the summary table, the best
+   configurations against fio, and the chosen `aio` section, chart and data in ``--out-dir``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import tempfile
 import torch
 
 import tensorio
+from bench import cli
 from bench.fio import FioError, job_for_config, run_fio
 from bench.io_vs_fio import parse_size, time_ours
 from bench.validate import validate_directory
@@ -26,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="tensorio demo: validate a disk, then tensorio vs fio")
     parser.add_argument("--dir", default=".", help="directory on the disk to use (default: .)")
     parser.add_argument("--size", default="1G", help="tensor size (default 1G)")
+    parser.add_argument("--out-dir", default="results/demo", help="where the sweep's results go")
     args = parser.parse_args(argv)
     size = parse_size(args.size)
 
@@ -66,7 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{rw:<8}{ours:>17.2f} GB/s{(f'{ref:.2f}' if ref else '-'):>10}"
               f"{(f'{ours / ref:.2f}' if ref else '-'):>8}")
     print("(one run each, bytes verified; for medians of interleaved runs: python -m bench.io_vs_fio)")
-    return 0
+
+    print(f"\n== 3. quick sweep of the aio settings on {os.path.abspath(args.dir)}")
+    return cli.main(["sweep", args.dir, "--quick", "--out-dir", args.out_dir,
+                     "--config-out", os.path.join(args.out_dir, "aio_tuned.json")])
 
 
 if __name__ == "__main__":
