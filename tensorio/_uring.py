@@ -118,16 +118,19 @@ class _Worker(threading.Thread):
         self._incoming: collections.deque[Task] = collections.deque()
         self._stopping = False
         self._broken: BaseException | None = None  # set when the ring itself failed
+        self._enqueue_lock = threading.Lock()  # orders enqueue against the ring failing
         # One staging buffer per slot: anonymous mappings that cost RSS only once used.
         self._staging = [byte_view(aligned_tensor(piece_bytes)) for _ in range(self._depth)]
 
     def enqueue(self, tasks: list[Task]) -> None:
-        if self._broken is not None:
-            for task in tasks:
-                task.finish(task.error_from(self._broken))
-            return
-        self._incoming.extend(tasks)
-        os.eventfd_write(self._wakeup, 1)
+        with self._enqueue_lock:
+            broken = self._broken
+            if broken is None:
+                self._incoming.extend(tasks)
+                os.eventfd_write(self._wakeup, 1)
+                return
+        for task in tasks:  # the ring failed earlier: fail at once rather than queue for nobody
+            task.finish(task.error_from(broken))
 
     def stop(self) -> None:
         """Ask the worker to finish what it holds and exit; ``join`` it, then ``close`` it."""
@@ -196,10 +199,13 @@ class _Worker(threading.Thread):
                 os.eventfd_read(self._wakeup)
         except Exception as exc:  # the ring itself failed: fail every piece it holds, never hang
             log.error("tensorio: io_uring worker failed: %r", exc)
-            self._broken = exc
+            with self._enqueue_lock:
+                self._broken = exc
         finally:
             L.io_uring_queue_exit(ring)  # waits for or cancels what the kernel still holds
-        stranded = [task for task, _ in inflight.values()] + [task for _, task in again] + list(self._incoming)
+        with self._enqueue_lock:  # from here on enqueue fails tasks itself
+            stranded = [task for task, _ in inflight.values()] + [task for _, task in again] + list(self._incoming)
+            self._incoming.clear()
         for task in stranded:
             task.finish(task.error_from(self._broken or RuntimeError("io_uring worker stopped")))
 
