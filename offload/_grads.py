@@ -1,0 +1,67 @@
+"""Gradients: taken from autograd as each parameter's gradient is final, reduced to the owning rank's
+partition (averaged over ranks), and accumulated in float32 beside the record.
+
+Per parameter and backward, in order:
+1. AccumulateGrad's pre-hook: if the parameter was released, give it a full-shaped zero-stride
+   stand-in so that autograd's shape check passes (no memory is allocated for it);
+2. the post-accumulate-grad hook: take ``param.grad`` (autograd has summed every use of a tied
+   parameter into it), clear it, reduce it to this rank's partition and add it to ``rec.grad``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from ._params import ParamRecord, ParamStore
+
+
+class GradReducer:
+    """Installs the two gradient hooks on every trainable parameter and reduces into ``rec.grad``."""
+
+    def __init__(self, store: ParamStore, *, world_size: int, rank: int, group: object = None) -> None:
+        self.store, self.world_size, self.rank, self.group = store, world_size, rank, group
+        self._nccl = world_size > 1 and dist.get_backend(group) == "nccl"
+        self._hooks = []
+        for rec in store.records:
+            if rec.accumulator is None:
+                continue
+            self._hooks.append(rec.accumulator.register_prehook(functools.partial(self._before_accumulate, rec)))
+            self._hooks.append(rec.param.register_post_accumulate_grad_hook(functools.partial(self._after_accumulate, rec)))
+
+    def _before_accumulate(self, rec: ParamRecord, grads: tuple) -> None:
+        if rec.full is None:  # released: a stand-in of the full shape, zero strides, one element
+            rec.param.data = torch.zeros((), dtype=rec.param.dtype).expand(rec.shape)
+
+    def _after_accumulate(self, rec: ParamRecord, param: torch.Tensor) -> None:
+        grad, param.grad = param.grad, None
+        if rec.full is None:
+            param.data = self.store.placeholder(param.dtype)
+        self.reduce(rec, grad)
+
+    def reduce(self, rec: ParamRecord, grad: torch.Tensor) -> None:
+        """Reduce a full gradient to this rank's partition (mean over ranks) and accumulate it in fp32."""
+        flat = grad.reshape(-1)
+        if self.world_size == 1:
+            part = flat.float()  # no copy for fp32: autograd handed this tensor over
+        else:
+            padded = torch.zeros(rec.partition_numel * self.world_size, dtype=torch.float32)
+            padded[:rec.numel] = flat
+            if self._nccl:
+                part = torch.empty(rec.partition_numel, dtype=torch.float32)
+                dist.reduce_scatter_tensor(part, padded, group=self.group)
+            else:  # gloo has no reduce-scatter: all-reduce, keep this rank's slice
+                dist.all_reduce(padded, group=self.group)
+                part = padded.chunk(self.world_size)[self.rank]
+            part.div_(self.world_size)
+        if rec.grad is None:
+            rec.grad = part if part.is_contiguous() else part.contiguous()
+        else:
+            rec.grad.add_(part)
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []

@@ -1,0 +1,324 @@
+"""Parameter records and the hooks that gather a module's parameters around its use.
+
+One `ParamRecord` per distinct ``nn.Parameter`` (tied parameters share one) holds everything about
+it: its rank's partition (the tensor the optimizer steps), where that partition lives (memory or
+NVMe, and whether a read is in flight), the gathered full tensor while in use, and its accumulated
+gradient partition. Nothing is glued onto the parameter: between uses its ``.data`` is an empty
+placeholder and the record is the only place that knows where its values are.
+
+Gathering happens at three points:
+1. a module's forward pre-hook gathers the module's own parameters; its forward post-hook releases
+   them (unless kept: persistent, or the partition is the whole parameter);
+2. autograd's saved-tensor hooks replace a saved gathered parameter (or a view of it) by a token
+   during forward, and gather it again when backward unpacks the token: so backward needs neither
+   module backward hooks nor the forward's buffers to survive;
+3. the engine's step loads NVMe partitions for the optimizer (see engine.py).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tensorio import IOFuture
+
+from ._param_swap import ParamSwapFile, Prefetcher, SwapBudget, start_prefetch
+from .partition import partition_bounds, partition_numel
+
+
+class Where(enum.Enum):
+    """Where a record's partition is."""
+
+    RESIDENT = "resident"
+    """In host (or accelerator) memory: ``partition`` holds it."""
+    ON_DISK = "on disk"
+    """In the parameter swap file at ``offset``."""
+    IN_FLIGHT = "in flight"
+    """On disk, with a read into ``buffer`` in flight."""
+
+
+@dataclass(slots=True, eq=False)
+class ParamRecord:
+    """Everything about one (possibly tied) parameter."""
+
+    index: int
+    names: list[str]
+    param: nn.Parameter
+    shape: torch.Size
+    numel: int
+    partition: nn.Parameter
+    """This rank's flat partition, ``partition_numel`` elements; an empty placeholder while on disk."""
+    partition_numel: int
+    where: Where
+    keep_full: bool
+    """Never released: persistent (small) parameters, and at world size 1 those in memory (the
+    partition is then a view of the parameter itself)."""
+    offset: int = -1
+    """Byte offset of the partition in the parameter swap file (NVMe records only)."""
+    buffer: torch.Tensor | None = None
+    """The page-aligned buffer a read fills, counted in the swap budget until dropped."""
+    read: IOFuture | None = None
+    full: torch.Tensor | None = None
+    """The gathered flat parameter (``numel`` elements) while in use."""
+    users: int = 0
+    """Modules whose forward is using the gathered parameter now."""
+    saved: int = 0
+    """Tokens saved for backward and not yet unpacked."""
+    grad: torch.Tensor | None = None
+    """Accumulated gradient partition (float32, ``partition_numel`` elements)."""
+    accumulator: object = None
+    """The parameter's AccumulateGrad node, held so that its hooks stay registered."""
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    @property
+    def on_disk(self) -> bool:
+        return self.offset >= 0
+
+
+@dataclass(slots=True, eq=False)
+class _Saved:
+    """A token autograd keeps instead of a gathered parameter (or a view of it)."""
+
+    rec: ParamRecord
+    offset: int
+    size: torch.Size
+    stride: tuple[int, ...]
+
+
+@dataclass(slots=True, eq=False)
+class ParamStore:
+    """The records, the swap file, the budget and the prefetcher: gather and release."""
+
+    records: list[ParamRecord]
+    world_size: int
+    rank: int
+    swap: ParamSwapFile | None
+    budget: SwapBudget
+    prefetcher: Prefetcher
+    group: object = None
+    _live: dict[int, ParamRecord] = field(default_factory=dict)
+    """Storage address of each gathered, releasable parameter -> its record (for the pack hook)."""
+    _placeholders: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    _hooks: list = field(default_factory=list)
+
+    # ---- gather / release ---------------------------------------------------------------------
+
+    def gather(self, rec: ParamRecord) -> torch.Tensor:
+        """Make ``rec.param`` the full tensor; return the flat full tensor."""
+        if rec.full is not None:
+            return rec.full
+        # 1. The partition's data: in memory, or read from NVMe (prefetched or on demand).
+        if rec.on_disk:
+            self.prefetcher.observe(rec.index)
+            if rec.read is None:
+                self.start_read(rec)
+            start_prefetch(self.prefetcher, self.budget, self.records, self.start_read)
+            # Sync point: this partition's bytes must have arrived.
+            rec.read.result()
+            rec.read, rec.where = None, Where.ON_DISK
+            local = rec.buffer
+        else:
+            local = rec.partition.data
+        # 2. All-gather the partitions (at world size 1 the partition is the parameter).
+        if self.world_size == 1:
+            full = local[:rec.numel]
+        else:
+            full = torch.empty(rec.partition_numel * self.world_size, dtype=local.dtype)
+            chunks = list(full.chunk(self.world_size))
+            dist.all_gather(chunks, local.contiguous(), group=self.group)
+            full = full[:rec.numel]
+            self._drop_buffer(rec)
+        rec.full = full
+        rec.param.data = full.view(rec.shape)
+        if not rec.keep_full:
+            self._live[full.untyped_storage().data_ptr()] = rec
+        return full
+
+    def release(self, rec: ParamRecord) -> None:
+        """Drop the gathered tensor (unless kept); the param's data becomes an empty placeholder."""
+        if rec.keep_full or rec.full is None:
+            return
+        self._live.pop(rec.full.untyped_storage().data_ptr(), None)
+        rec.full = None
+        rec.param.data = self.placeholder(rec.param.dtype)
+        self._drop_buffer(rec)
+
+    def start_read(self, rec: ParamRecord) -> None:
+        """Start reading an on-disk partition into a fresh buffer (counted in the budget)."""
+        assert rec.on_disk and rec.read is None and rec.buffer is None, rec.name
+        rec.buffer, rec.read = self.swap.read(rec.partition_numel, rec.partition.dtype, rec.offset)
+        rec.where = Where.IN_FLIGHT
+        self.budget.held += rec.partition_numel
+
+    def _drop_buffer(self, rec: ParamRecord) -> None:
+        if rec.buffer is not None:
+            if rec.read is not None:  # never free memory the kernel may still write to
+                rec.read.result()
+                rec.read = None
+            rec.buffer = None
+            rec.where = Where.ON_DISK
+            self.budget.held -= rec.partition_numel
+
+    def placeholder(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._placeholders:
+            self._placeholders[dtype] = torch.empty(0, dtype=dtype)
+        return self._placeholders[dtype]
+
+    def release_all(self) -> None:
+        """End of a backward or step: release everything not kept and drop unused prefetches."""
+        for rec in self.records:
+            rec.users = rec.saved = 0
+            self.release(rec)
+            self._drop_buffer(rec)
+
+    # ---- the optimizer's view of NVMe partitions ------------------------------------------------
+
+    def load_partitions(self, recs: list[ParamRecord]) -> None:
+        """Read the on-disk partitions of ``recs`` into memory for the optimizer step."""
+        for rec in recs:
+            if rec.on_disk and rec.read is None and rec.buffer is None:
+                self.start_read(rec)
+        for rec in recs:  # sync point: all reads of the chunk
+            if rec.on_disk:
+                rec.read.result()
+                rec.read = None
+                rec.partition.data = rec.buffer
+
+    def store_partitions(self, recs: list[ParamRecord]) -> None:
+        """Write the updated on-disk partitions of ``recs`` back and drop them from memory."""
+        writes = [self.swap.write(rec.partition.data, rec.offset) for rec in recs if rec.on_disk]
+        for future in writes:  # sync point: a partition is dropped only once it is on disk
+            future.result()
+        for rec in recs:
+            if rec.on_disk:
+                rec.partition.data = self.placeholder(rec.partition.dtype)
+                self._drop_buffer(rec)
+
+    def refresh(self, rec: ParamRecord) -> None:
+        """After an update: regather a kept parameter whose partition is not a view of it."""
+        if rec.keep_full and self.world_size > 1:
+            rec.full = None
+            self.gather(rec)
+
+    # ---- hooks ---------------------------------------------------------------------------------
+
+    def install(self, model: nn.Module) -> None:
+        """Register the forward pre/post hooks on every module that owns parameters."""
+        by_param = {id(rec.param): rec for rec in self.records}
+        for module in model.modules():
+            recs = [by_param[id(p)] for p in module.parameters(recurse=False) if id(p) in by_param]
+            if any(not rec.keep_full for rec in recs):
+                self._hooks.append(module.register_forward_pre_hook(_PreForward(self, recs)))
+                self._hooks.append(module.register_forward_hook(_PostForward(self, recs), always_call=True))
+
+    def pack(self, tensor: torch.Tensor) -> object:
+        """Saved-tensor pack hook: a gathered parameter (or a view of it) becomes a token."""
+        if tensor.device.type != "cpu" or tensor.numel() == 0:
+            return tensor
+        rec = self._live.get(tensor.untyped_storage().data_ptr())
+        if rec is None:
+            return tensor
+        rec.saved += 1
+        return _Saved(rec, tensor.storage_offset() - rec.full.storage_offset(), tensor.size(), tensor.stride())
+
+    def unpack(self, saved: object) -> torch.Tensor:
+        """Saved-tensor unpack hook: gather the parameter again and rebuild the saved view."""
+        if not isinstance(saved, _Saved):
+            return saved
+        rec = saved.rec
+        full = self.gather(rec)
+        view = full.as_strided(saved.size, saved.stride, full.storage_offset() + saved.offset)
+        rec.saved = max(0, rec.saved - 1)
+        if rec.saved == 0 and rec.users == 0:
+            self.release(rec)  # the view keeps the memory alive while the backward node runs
+        return view
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+class _PreForward:
+    def __init__(self, store: ParamStore, recs: list[ParamRecord]) -> None:
+        self.store, self.recs = store, recs
+
+    def __call__(self, module: nn.Module, args: object) -> None:
+        for rec in self.recs:
+            rec.users += 1
+            self.store.gather(rec)
+
+
+class _PostForward:
+    def __init__(self, store: ParamStore, recs: list[ParamRecord]) -> None:
+        self.store, self.recs = store, recs
+
+    def __call__(self, module: nn.Module, args: object, output: object) -> None:
+        for rec in self.recs:
+            rec.users = max(0, rec.users - 1)
+            if rec.users == 0:
+                self.store.release(rec)  # saved tokens gather it again in backward
+
+
+def build_records(model: nn.Module, *, world_size: int, rank: int, nvme: bool, max_in_cpu: int,
+                  persistence_threshold: int, swap: ParamSwapFile | None) -> list[ParamRecord]:
+    """Partition every distinct parameter of ``model`` and place this rank's partitions.
+
+    With ``nvme``, partitions go to the swap file in order once ``max_in_cpu`` elements are kept in
+    memory; parameters of at most ``persistence_threshold`` elements stay whole in memory.
+    Raises ValueError for a parameter that is not a floating-point CPU tensor.
+    """
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    records: list[ParamRecord] = []
+    in_cpu = 0
+    writes = []
+    for name, p in model.named_parameters():
+        if not p.is_floating_point() or p.device.type != "cpu":
+            raise ValueError(f"parameter {name!r} is {p.dtype} on {p.device}; the engine partitions floating-point "
+                             f"CPU parameters: build the model on the CPU (model.to('cpu'))")
+        numel = p.numel()
+        part = partition_numel(numel, world_size)
+        start, end = partition_bounds(numel, world_size, rank)
+        persistent = numel <= persistence_threshold
+        to_disk = nvme and not persistent and in_cpu + part > max_in_cpu
+        keep_full = persistent or (world_size == 1 and not to_disk)
+        flat = p.data.reshape(-1)
+        if world_size == 1 and not to_disk:
+            local = flat  # the partition is the parameter itself
+        else:
+            local = torch.zeros(part, dtype=p.dtype)
+            local[:max(0, min(end, numel) - start)] = flat[start:min(end, numel)]
+        if not to_disk:
+            in_cpu += part if nvme and not persistent else 0
+        rec = ParamRecord(index=len(records), names=names[id(p)], param=p, shape=p.shape, numel=numel,
+                          partition=nn.Parameter(local, requires_grad=p.requires_grad), partition_numel=part,
+                          where=Where.RESIDENT, keep_full=keep_full)
+        if p.requires_grad:  # created while the parameter has its full shape: autograd checks it
+            with torch.enable_grad():
+                rec.accumulator = p.view_as(p).grad_fn.next_functions[0][0]
+        if to_disk:
+            rec.offset = swap.allocate(local.nbytes)
+            writes.append((swap.write(local.contiguous(), rec.offset), local))
+            rec.partition.data = torch.empty(0, dtype=p.dtype)
+            rec.where = Where.ON_DISK
+        if keep_full:
+            rec.full = flat
+        else:
+            p.data = torch.empty(0, dtype=p.dtype)
+        records.append(rec)
+        if len(writes) >= 8:  # sync point: bound the memory of initial writes in flight
+            for future, _ in writes:
+                future.result()
+            writes = []
+    for future, _ in writes:
+        future.result()
+    return records

@@ -1,0 +1,377 @@
+"""The ZeRO stage-3 engine: `initialize` and `Engine`, used as DeepSpeed's are.
+
+    engine, optimizer, _, scheduler = offload.initialize(model=model, config="ds_config.json")
+    for batch in data:
+        loss = engine(batch)
+        engine.backward(loss)
+        engine.step()
+
+Every parameter is partitioned over the data-parallel ranks; partitions live in memory or on NVMe
+(``zero_optimization.offload_param``); module hooks gather a module's parameters around its forward
+and autograd's saved-tensor hooks gather them again for its backward; gradients are reduced to their
+partition; `OffloadAdam` steps the partitions with its state in memory or on NVMe
+(``offload_optimizer``). See docs/engine.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import weakref
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._grads import GradReducer
+from ._param_swap import ParamSwapFile, Prefetcher, SwapBudget
+from ._params import ParamRecord, ParamStore, build_records
+from .adam import OffloadAdam
+from .config import EngineConfig, check_against_model, check_nvme_paths, world_size_from_env
+from .loss_scaler import build_loss_scaler
+
+__all__ = ["Engine", "initialize"]
+
+log = logging.getLogger("offload")
+
+
+def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
+               config: Mapping[str, Any] | str | os.PathLike | None = None, optimizer: Any = None,
+               lr_scheduler: Any = None, training_data: Any = None, collate_fn: Callable | None = None,
+               *, config_params: Mapping[str, Any] | None = None,
+               ) -> tuple["Engine", torch.optim.Optimizer, Any, Any]:
+    """Wrap ``model`` in a stage-3 engine, as ``deepspeed.initialize`` does.
+
+    Args:
+        model: any torch.nn.Module on the CPU. Its parameters are partitioned in place: between uses
+            their ``.data`` is empty; use the engine to run it.
+        model_parameters: accepted for DeepSpeed compatibility; every parameter of ``model`` is trained
+            (freeze one with ``requires_grad=False`` instead).
+        config: a DeepSpeed-format dict or JSON path without "auto" values (see `resolve_auto`).
+            ``config_params`` is DeepSpeed's older name for it.
+        optimizer: None (the config's ``optimizer`` section), a ``torch.optim.Adam``/``AdamW`` whose
+            hyperparameters are taken over, or a callable ``f(params) -> optimizer``.
+        lr_scheduler: None (the config's ``scheduler``), a scheduler object, or ``f(optimizer)``.
+        training_data: a dataset; when given, a DataLoader of ``train_micro_batch_size_per_gpu`` is returned.
+
+    Returns ``(engine, optimizer, dataloader or None, lr_scheduler or None)``.
+    Raises ValueError for a bad config (naming the key), a missing optimizer, or a parameter the
+    engine cannot partition; FileNotFoundError / PermissionError for a bad ``nvme_path``.
+    """
+    if config is None:
+        config = config_params
+    if config is None:
+        raise ValueError("config: missing; pass config=<dict or path of a DeepSpeed-format JSON config>")
+    world_size, rank, group = _process_group()
+    if isinstance(config, EngineConfig):
+        cfg = config
+    elif isinstance(config, Mapping):
+        cfg = EngineConfig.from_dict(config, world_size=world_size)
+    else:
+        cfg = EngineConfig.from_file(config, world_size=world_size)
+    engine = _assemble(model, cfg, world_size=world_size, rank=rank, group=group, optimizer=optimizer,
+                       lr_scheduler=lr_scheduler)
+    loader = None
+    if training_data is not None:
+        loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu,
+                                             collate_fn=collate_fn, shuffle=world_size == 1,
+                                             sampler=None if world_size == 1 else
+                                             torch.utils.data.DistributedSampler(training_data, world_size, rank))
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _process_group() -> tuple[int, int, Any]:
+    """World size and rank; starts the default process group when launched by torchrun."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank(), None
+    world_size = world_size_from_env()
+    if world_size == 1:
+        return 1, 0, None  # no process group needed
+    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_world_size(), dist.get_rank(), None
+
+
+def _assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int, group: Any,
+              optimizer: Any, lr_scheduler: Any) -> "Engine":
+    """Build the engine in the order each part needs the one before it."""
+    zero = cfg.zero_optimization
+    offload_param, offload_opt = zero.offload_param, zero.offload_optimizer
+    check_nvme_paths(cfg)
+    if cfg.fp16.enabled:
+        model.half()
+    elif cfg.bf16.enabled:
+        model.to(torch.bfloat16)
+    if world_size > 1:  # every rank starts from rank 0's weights
+        for p in model.parameters():
+            dist.broadcast(p.data, 0, group=group)
+    # 1. Partition, and 2. parameter offload: each rank keeps its slice of every parameter, in memory
+    #    or in the swap file. First, because everything below works on partitions, and so that the
+    #    full parameters are freed before the optimizer allocates its state.
+    nvme = offload_param.device == "nvme"
+    if nvme:
+        check_against_model(cfg, {n: p.numel() for n, p in model.named_parameters()
+                                  if p.numel() > zero.stage3_param_persistence_threshold})
+    swap = ParamSwapFile(offload_param.nvme_path, cfg.aio) if nvme else None
+    records = build_records(model, world_size=world_size, rank=rank, nvme=nvme,
+                            max_in_cpu=offload_param.max_in_cpu if nvme else 0,
+                            persistence_threshold=zero.stage3_param_persistence_threshold, swap=swap)
+    budget = SwapBudget(buffer_elements=offload_param.buffer_count * offload_param.buffer_size,
+                        max_live=zero.stage3_max_live_parameters)
+    store = ParamStore(records=records, world_size=world_size, rank=rank, swap=swap, budget=budget,
+                       prefetcher=Prefetcher(bucket_elements=zero.stage3_prefetch_bucket_size), group=group)
+    # 3. Gradient reduction: hooks on the partitioned parameters' gradient accumulators.
+    reducer = GradReducer(store, world_size=world_size, rank=rank, group=group)
+    # 4. Optimizer offload: OffloadAdam over the partitions; it plans its sub-groups from their sizes,
+    #    so it comes after the partitions exist and before anything runs.
+    trainable = [rec for rec in records if rec.param.requires_grad]
+    with _sized(trainable):
+        opt = _build_optimizer(cfg, optimizer, [rec.partition for rec in trainable])
+    scheduler = _build_scheduler(cfg, lr_scheduler, opt)
+    # 5. Gather hooks and prefetch: last, since they gather the partitions placed above.
+    store.install(model)
+    return Engine(model, cfg, store, reducer, opt, scheduler, world_size=world_size, rank=rank, group=group)
+
+
+class _sized:
+    """Give on-disk partitions an uninitialised tensor of their size (virtual memory only) meanwhile."""
+
+    def __init__(self, recs: list[ParamRecord]) -> None:
+        self.recs = [rec for rec in recs if rec.on_disk and rec.partition.numel() != rec.partition_numel]
+
+    def __enter__(self) -> None:
+        for rec in self.recs:
+            rec.partition.data = torch.empty(rec.partition_numel, dtype=rec.partition.dtype)
+
+    def __exit__(self, *exc: object) -> None:
+        for rec in self.recs:
+            rec.partition.data = torch.empty(0, dtype=rec.partition.dtype)
+
+
+def _build_optimizer(cfg: EngineConfig, client: Any, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """OffloadAdam over ``params`` with the config's or the client optimizer's hyperparameters."""
+    off = cfg.zero_optimization.offload_optimizer
+    swap = dict(nvme_offload_fraction=off.ratio if off.device == "nvme" else 0.0,
+                nvme_offload_dir=off.nvme_path if off.device == "nvme" else None,
+                buffer_count=off.buffer_count, pin_memory=off.pin_memory, pipeline_read=off.pipeline_read,
+                pipeline_write=off.pipeline_write, sub_group_size=max(1024, cfg.zero_optimization.sub_group_size),
+                aio=cfg.aio)
+    if client is None:
+        if cfg.optimizer is None:
+            raise ValueError('optimizer: the config has no "optimizer" section and no optimizer was passed; add '
+                             '"optimizer": {"type": "AdamW", "params": {"lr": ...}} or pass optimizer=')
+        hp = cfg.optimizer.params
+        return OffloadAdam(params, lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
+                           adamw_mode=cfg.optimizer.decoupled_weight_decay, **swap)
+    if cfg.optimizer is not None:
+        raise ValueError('optimizer: given both in the config and as optimizer=; keep one')
+    if isinstance(client, (torch.optim.Adam, torch.optim.AdamW)):
+        d = client.defaults
+        if len(client.param_groups) > 1:
+            raise ValueError("optimizer=: a client optimizer with several param groups cannot be taken over; "
+                             "pass a callable f(params) -> optimizer, or use the config's optimizer section")
+        if d.get("amsgrad"):
+            raise ValueError("optimizer=: amsgrad=True is not supported; use amsgrad=False")
+        adamw = isinstance(client, torch.optim.AdamW) or bool(d.get("decoupled_weight_decay", False))
+        return OffloadAdam(params, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
+                           adamw_mode=adamw, **swap)
+    if callable(client):
+        return client(params)
+    raise ValueError(f"optimizer=: a {type(client).__name__} cannot be taken over; pass a torch.optim.Adam or "
+                     f"AdamW, a callable f(params) -> optimizer, or None with an optimizer section in the config")
+
+
+def _build_scheduler(cfg: EngineConfig, client: Any, opt: torch.optim.Optimizer) -> Any:
+    if client is not None:
+        if cfg.scheduler is not None:
+            raise ValueError('scheduler: given both in the config and as lr_scheduler=; keep one')
+        return client(opt) if callable(client) and not hasattr(client, "step") else client
+    if cfg.scheduler is None:
+        return None
+    from .schedulers import build_scheduler  # the config's schedule
+    return build_scheduler(cfg.scheduler, opt)
+
+
+class Engine:
+    """A model trained with partitioned, offloaded parameters and optimizer state. Made by `initialize`."""
+
+    def __init__(self, module: nn.Module, config: EngineConfig, store: ParamStore, reducer: GradReducer,
+                 optimizer: torch.optim.Optimizer, lr_scheduler: Any, *, world_size: int, rank: int,
+                 group: Any) -> None:
+        self.module = module
+        self.config = config
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.world_size, self.rank, self.group = world_size, rank, group
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self.loss_scaler = build_loss_scaler(config.fp16) if config.fp16.enabled else None
+        self._store = store
+        self._reducer = reducer
+        self._chunks = _step_chunks(store.records, config)
+        self._finalizer = weakref.finalize(self, _close, store, reducer, optimizer)
+
+    # ---- training ---------------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model's forward pass (parameters are gathered module by module)."""
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model's forward pass (parameters are gathered module by module)."""
+        self._store.prefetcher.cursor = 0
+        with torch.autograd.graph.saved_tensors_hooks(self._store.pack, self._store.unpack):
+            return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss`` (divided by gradient_accumulation_steps, times the fp16 loss scale).
+
+        Gradients are reduced to this rank's partitions as they are produced.
+        """
+        if self.config.gradient_accumulation_steps > 1:
+            loss = loss / self.config.gradient_accumulation_steps
+        if self.loss_scaler is not None:
+            loss = self.loss_scaler.scale_loss(loss)
+        try:
+            # Saved-tensor hooks here too: reentrant activation checkpointing re-runs forward in backward.
+            with torch.autograd.graph.saved_tensors_hooks(self._store.pack, self._store.unpack):
+                loss.backward()
+        finally:
+            # Sync point: every gathered parameter and unused prefetch is released.
+            self._store.release_all()
+            self._store.prefetcher.end_step()
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next ``step()`` updates the parameters."""
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def step(self) -> None:
+        """End a micro step; at a gradient-accumulation boundary, update the parameters.
+
+        Raises tensorio.TensorIOError when the swap files fail, RuntimeError when fp16 overflows at
+        the minimum loss scale.
+        """
+        if self.is_gradient_accumulation_boundary():
+            self._optimizer_step()
+            self.global_steps += 1
+        self.micro_steps += 1
+
+    def _optimizer_step(self) -> None:
+        records = [rec for rec in self._store.records if rec.param.requires_grad]
+        grads = [rec.grad for rec in records if rec.grad is not None]
+        # 1. fp16: a step with an inf/NaN gradient on any rank is skipped and the scale lowered.
+        if self.loss_scaler is not None:
+            overflow = self.loss_scaler.has_overflow(grads, group=self.group)
+            self.loss_scaler.update(overflow)
+            if overflow:
+                self.skipped_steps += 1
+                self.zero_grad()
+                return
+            self.loss_scaler.unscale_(grads)
+        # 2. Clip by the global norm over all ranks' partitions.
+        if self.config.gradient_clipping > 0:
+            from .clip import clip_grad_norm_
+            clip_grad_norm_(grads, self.config.gradient_clipping, group=self.group)
+        # 3. The update, chunk by chunk: NVMe partitions are read in, stepped and written back,
+        #    so at most a chunk of them (the swap budget) is in memory at once.
+        for chunk in self._chunks:
+            self._store.load_partitions(chunk)
+            for rec in chunk:
+                if rec.grad is not None:
+                    rec.partition.grad = rec.grad.to(rec.partition.dtype)
+            self.optimizer.step()
+            for rec in chunk:
+                rec.partition.grad = None
+            self._store.store_partitions(chunk)  # sync point: written before being dropped
+        # 4. Kept parameters whose partition is not the parameter itself are gathered again.
+        for rec in records:
+            self._store.refresh(rec)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.zero_grad()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the accumulated gradient partitions."""
+        for rec in self._store.records:
+            rec.grad = None
+            rec.partition.grad = None
+
+    def train(self, mode: bool = True) -> "Engine":
+        """Put the model in training mode."""
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        """Put the model in evaluation mode."""
+        self.module.eval()
+        return self
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of each param group."""
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float:
+        """The global L2 norm of the accumulated gradients over all ranks (before clipping)."""
+        total = torch.zeros((), dtype=torch.float64)
+        for rec in self._store.records:
+            if rec.grad is not None:
+                total += rec.grad.double().pow(2).sum()
+        if self.world_size > 1:
+            dist.all_reduce(total, group=self.group)
+        return float(total.sqrt())
+
+    @property
+    def records(self) -> list[ParamRecord]:
+        """One record per (tied) parameter: partition, location, state (see offload/_params.py)."""
+        return self._store.records
+
+    def io_bytes(self) -> dict[str, int]:
+        """Bytes read from and written to the parameter swap file so far."""
+        swap = self._store.swap
+        return {"read": swap.bytes_read if swap else 0, "written": swap.bytes_written if swap else 0}
+
+    # ---- full parameters ----------------------------------------------------------------------------
+
+    def full_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """Yield (name, full tensor) for every parameter, gathered one at a time (a copy each)."""
+        for rec in self._store.records:
+            kept = rec.full is not None
+            full = self._store.gather(rec).view(rec.shape).clone()
+            if not kept:
+                self._store.release(rec)
+            for name in rec.names:
+                yield name, full
+
+    def close(self) -> None:
+        """Remove the hooks, the parameter swap file and the optimizer's swap file."""
+        self._finalizer()
+
+
+def _step_chunks(records: list[ParamRecord], cfg: EngineConfig) -> list[list[ParamRecord]]:
+    """Trainable records in order, cut so that the on-disk partitions of a chunk fit the swap budget."""
+    limit = cfg.zero_optimization.offload_param.buffer_count * cfg.zero_optimization.offload_param.buffer_size
+    chunks, current, held = [], [], 0
+    for rec in records:
+        if not rec.param.requires_grad:
+            continue
+        size = rec.partition_numel if rec.on_disk else 0
+        if current and held + size > limit:
+            chunks.append(current)
+            current, held = [], 0
+        current.append(rec)
+        held += size
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _close(store: ParamStore, reducer: GradReducer, optimizer: Any) -> None:
+    store.remove_hooks()
+    reducer.remove()
+    if hasattr(optimizer, "close"):
+        optimizer.close()
+    if store.swap is not None:
+        store.swap.close()
