@@ -103,6 +103,10 @@ class ParamStore:
     budget: SwapBudget
     prefetcher: Prefetcher
     group: object = None
+    demand_reads: int = 0
+    """Reads started when a parameter was needed (not prefetched)."""
+    prefetch_reads: int = 0
+    """Reads started ahead of use by the prefetcher."""
     _live: dict[int, ParamRecord] = field(default_factory=dict)
     """Storage address of each gathered, releasable parameter -> its record (for the pack hook)."""
     _placeholders: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
@@ -119,7 +123,8 @@ class ParamStore:
             self.prefetcher.observe(rec.index)
             if rec.read is None:
                 self.start_read(rec)
-            start_prefetch(self.prefetcher, self.budget, self.records, self.start_read)
+                self.demand_reads += 1
+            start_prefetch(self.prefetcher, self.budget, self.records, self._prefetch_read)
             # Sync point: this partition's bytes must have arrived.
             rec.read.result()
             rec.read, rec.where = None, Where.ON_DISK
@@ -156,6 +161,10 @@ class ParamStore:
         rec.buffer, rec.read = self.swap.read(rec.partition_numel, rec.partition.dtype, rec.offset)
         rec.where = Where.IN_FLIGHT
         self.budget.held += rec.partition_numel
+
+    def _prefetch_read(self, rec: ParamRecord) -> None:
+        self.start_read(rec)
+        self.prefetch_reads += 1
 
     def _drop_buffer(self, rec: ParamRecord) -> None:
         if rec.buffer is not None:

@@ -1,0 +1,297 @@
+"""The stage-3 engine against plain PyTorch: every offload combination, accumulation, tied weights,
+activation checkpointing, prefetch, fp16/bf16, checkpoints and the configs in configs/."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from offload import resolve_auto
+from offload.engine import initialize
+
+transformers = pytest.importorskip("transformers")
+
+DEVICES = ("none", "cpu", "nvme")
+LR, WD = 1e-2, 0.01
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 33), nn.GELU(), nn.LayerNorm(33), nn.Linear(33, 8))
+
+
+def gpt2() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def mlp_batches(n: int = 10, batch: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, 16, generator=g), torch.randn(batch, 8, generator=g)) for _ in range(n)]
+
+
+def gpt2_batches(n: int = 10, batch: int = 2) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 128, (batch, 16), generator=g) for _ in range(n)]
+
+
+def mlp_loss(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def gpt2_loss(model, batch):
+    return model(batch, labels=batch).loss
+
+
+MODELS = {"mlp": (mlp, mlp_batches, mlp_loss), "gpt2": (gpt2, gpt2_batches, gpt2_loss)}
+
+
+def engine_config(tmp, param="none", opt="none", gas=1, micro=4, **extra) -> dict:
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 4096,
+            "offload_param": {"device": param}, "offload_optimizer": {"device": opt}}
+    if param == "nvme":  # everything on disk, a budget of two small buffers
+        zero["offload_param"].update(nvme_path=str(tmp), max_in_cpu=0, buffer_size=16384, buffer_count=2)
+    if opt == "nvme":
+        zero["offload_optimizer"].update(nvme_path=str(tmp), pipeline_read=True, pipeline_write=True)
+    config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas, "zero_optimization": zero,
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}}
+    config.update(extra)
+    return config
+
+
+def reference(model, batches, loss_fn, gas):
+    """Plain PyTorch: losses and final parameters with torch.optim.AdamW (the fused kernel)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
+    losses = []
+    for i, batch in enumerate(batches):
+        loss = loss_fn(model, batch)
+        (loss / gas).backward()
+        losses.append(loss.item())
+        if (i + 1) % gas == 0:
+            opt.step()
+            opt.zero_grad()
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def train(engine, batches, loss_fn):
+    losses = []
+    for batch in batches:
+        loss = loss_fn(engine, batch)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def assert_close(losses, params, ref_losses, ref_params, rtol=1e-5):
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=0)
+    assert params.keys() == ref_params.keys()
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, rtol=rtol, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+@pytest.mark.parametrize("opt", DEVICES)
+@pytest.mark.parametrize("param", DEVICES)
+@pytest.mark.parametrize("kind", ["mlp", "gpt2"])
+def test_matches_plain_pytorch(disk_dir, kind, param, opt, gas):
+    build, data, loss_fn = MODELS[kind]
+    batches = data()
+    ref_losses, ref_params = reference(build(), batches, loss_fn, gas)
+    engine, optimizer, loader, scheduler = initialize(model=build(),
+                                                      config=engine_config(disk_dir, param, opt, gas, micro=len(batches[0])))
+    assert loader is None and scheduler is None and optimizer is engine.optimizer
+    losses = train(engine, batches, loss_fn)
+    assert engine.global_steps == len(batches) // gas
+    params = dict(engine.full_parameters())
+    assert_close(losses, params, ref_losses, ref_params)
+    if param == "nvme":
+        # Every partition lives on disk between uses: the module's parameters are empty placeholders.
+        assert all(p.numel() == 0 for p in engine.module.parameters())
+        assert engine.io_bytes()["written"] > 0
+    engine.close()
+
+
+def test_prefetch_follows_the_first_step(disk_dir):
+    config = engine_config(disk_dir, "nvme", "nvme", micro=2)
+    config["zero_optimization"]["stage3_prefetch_bucket_size"] = 40000
+    config["zero_optimization"]["offload_param"]["buffer_count"] = 4
+    engine, *_ = initialize(model=gpt2(), config=config)
+    store = engine._store
+    batches = gpt2_batches(4)
+    train(engine, batches[:1], gpt2_loss)
+    first = store.demand_reads
+    assert store.prefetch_reads == 0 and first == len(store.prefetcher.trace) > 0
+    train(engine, batches[1:], gpt2_loss)
+    # From the second step on nearly every read is a prefetch; the budget is never exceeded by them.
+    assert store.prefetch_reads > 2 * first * 0.8
+    assert store.demand_reads - first <= 3 * 3
+    assert store.budget.held == 0
+    engine.close()
+
+
+def test_prefetch_with_a_changed_order_is_still_correct(disk_dir):
+    """An eval forward between training steps and a different sequence length change the gather order."""
+    build, data, loss_fn = MODELS["gpt2"]
+    batches = data(6)
+    batches[3] = batches[3][:, :7]
+    ref_losses, ref_params = reference(build(), batches, loss_fn, 1)
+    config = engine_config(disk_dir, "nvme", "nvme", micro=2)
+    config["zero_optimization"]["offload_param"]["buffer_count"] = 3
+    engine, *_ = initialize(model=build(), config=config)
+    losses = []
+    for i, batch in enumerate(batches):
+        if i == 2:
+            with torch.no_grad():
+                engine.eval()
+                engine(batch[:, :5])
+                engine.train()
+        loss = loss_fn(engine, batch)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert_close(losses, dict(engine.full_parameters()), ref_losses, ref_params)
+    engine.close()
+
+
+def test_budget_of_one_buffer_never_fails(disk_dir):
+    """DeepSpeed's "Not enough buffers 0 for swapping 1": here a budget smaller than a layer only
+    stops prefetching, reads on demand still happen."""
+    config = engine_config(disk_dir, "nvme", "cpu", micro=2)
+    config["zero_optimization"]["offload_param"].update(buffer_count=1, buffer_size=16384)
+    config["zero_optimization"]["stage3_max_reuse_distance"] = 0
+    engine, *_ = initialize(model=gpt2(), config=config)
+    train(engine, gpt2_batches(3), gpt2_loss)
+    assert engine.global_steps == 3
+    engine.close()
+
+
+def test_max_in_cpu_keeps_the_first_partitions_in_memory(disk_dir):
+    config = engine_config(disk_dir, "nvme", "none", micro=2)
+    config["zero_optimization"]["offload_param"]["max_in_cpu"] = 20000
+    engine, *_ = initialize(model=gpt2(), config=config)
+    in_memory = sum(rec.partition_numel for rec in engine.records if not rec.on_disk)
+    on_disk = [rec for rec in engine.records if rec.on_disk]
+    assert 0 < in_memory <= 20000 and on_disk
+    assert all(rec.partition.numel() == 0 for rec in on_disk)
+    engine.close()
+
+
+def test_persistent_small_parameters_stay_gathered(disk_dir):
+    config = engine_config(disk_dir, "nvme", "none", micro=2)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 64
+    engine, *_ = initialize(model=gpt2(), config=config)
+    for rec in engine.records:
+        assert (rec.param.numel() == rec.numel) == (rec.numel <= 64), rec.name
+    engine.close()
+
+
+def test_tied_weights_are_one_record(disk_dir):
+    engine, *_ = initialize(model=gpt2(), config=engine_config(disk_dir, "nvme", "none", micro=2))
+    tied = [rec for rec in engine.records if len(rec.names) > 1]
+    assert [sorted(rec.names) for rec in tied] == [["lm_head.weight", "transformer.wte.weight"]]
+    engine.close()
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing(disk_dir, reentrant):
+    build, data, loss_fn = MODELS["gpt2"]
+    batches = data(4)
+    model = build()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    ref_losses, ref_params = reference(model, batches, loss_fn, 1)
+    model = build()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    engine, *_ = initialize(model=model, config=engine_config(disk_dir, "nvme", "nvme", micro=2))
+    engine.train()
+    losses = train(engine, batches, loss_fn)
+    assert_close(losses, dict(engine.full_parameters()), ref_losses, ref_params)
+    engine.close()
+
+
+def test_accumulation_boundary_and_lr(disk_dir):
+    engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, gas=3))
+    boundaries = []
+    for batch in mlp_batches(6):
+        boundaries.append(engine.is_gradient_accumulation_boundary())
+        engine.backward(mlp_loss(engine, batch))
+        engine.step()
+    assert boundaries == [False, False, True] * 2
+    assert engine.global_steps == 2 and engine.get_lr() == [LR]
+    engine.close()
+
+
+def test_client_optimizer_and_scheduler(disk_dir):
+    model = mlp()
+    client = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    config = engine_config(disk_dir)
+    del config["optimizer"]
+    engine, optimizer, _, scheduler = initialize(
+        model=model, config=config, optimizer=client,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+    assert engine.get_lr() == [3e-3]
+    train(engine, mlp_batches(2), mlp_loss)
+    assert engine.get_lr() == pytest.approx([3e-3 / 4])
+    engine.close()
+
+
+def test_config_scheduler_from_the_json(disk_dir):
+    config = engine_config(disk_dir, scheduler={"type": "WarmupLR", "params": {
+        "warmup_min_lr": 0.0, "warmup_max_lr": LR, "warmup_num_steps": 4, "warmup_type": "linear"}})
+    engine, _, _, scheduler = initialize(model=mlp(), config=config)
+    assert scheduler is not None
+    lrs = []
+    for batch in mlp_batches(5):
+        engine.backward(mlp_loss(engine, batch))
+        engine.step()
+        lrs.append(engine.get_lr()[0])
+    assert lrs[0] < lrs[2] < lrs[4] == pytest.approx(LR)
+    engine.close()
+
+
+@pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(os.path.dirname(__file__), "..", "configs"))))
+def test_repository_configs_load(disk_dir, name):
+    path = os.path.join(os.path.dirname(__file__), "..", "configs", name)
+    if not name.startswith("zero") or not name.endswith(".json"):
+        pytest.skip("not an engine config")
+    with open(path) as f:
+        text = json.load(f)
+    auto = {arg: False if any(text.get(key, {}).get("enabled") == "auto" for key in keys) else None
+            for arg, keys in (("fp16", ["fp16"]), ("bf16", ["bf16", "bfloat16"]))}
+    raw = copy.deepcopy(text) if '"auto"' not in open(path).read() else resolve_auto(path, micro_batch_size=2, gradient_accumulation_steps=1, hidden_size=64, lr=1e-3,
+                       betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, warmup_steps=2, total_steps=10,
+                       max_grad_norm=1.0, **auto)
+    for section in ("offload_param", "offload_optimizer"):
+        if raw.get("zero_optimization", {}).get(section, {}).get("nvme_path"):
+            raw["zero_optimization"][section]["nvme_path"] = str(disk_dir)
+    if "optimizer" not in raw:
+        raw["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    engine, *_ = initialize(model=gpt2(), config=raw)
+    train(engine, gpt2_batches(2), gpt2_loss)
+    assert engine.global_steps == 2
+    engine.close()
+
+
+def test_config_errors_name_the_key(disk_dir, tmp_path):
+    with pytest.raises(ValueError, match="optimizer"):
+        config = engine_config(disk_dir)
+        del config["optimizer"]
+        initialize(model=mlp(), config=config)
+    with pytest.raises(FileNotFoundError, match="nvme_path"):
+        initialize(model=mlp(), config=engine_config(tmp_path / "missing", "nvme"))
+    with pytest.raises(ValueError, match="buffer_size"):
+        config = engine_config(disk_dir, "nvme")
+        config["zero_optimization"]["offload_param"]["buffer_size"] = 100
+        initialize(model=gpt2(), config=config)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(engine_config(disk_dir)))
+    engine, *_ = initialize(model=mlp(), config=str(path))
+    engine.close()
