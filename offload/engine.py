@@ -333,6 +333,118 @@ class Engine:
         swap = self._store.swap
         return {"read": swap.bytes_read if swap else 0, "written": swap.bytes_written if swap else 0}
 
+    # ---- checkpoints ------------------------------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
+                        client_state: Mapping[str, Any] | None = None) -> str:
+        """Save this rank's parameter partitions, optimizer state (offloaded included), loss scale,
+        scheduler and counters under ``save_dir/tag`` (default tag ``global_step<N>``); return the path.
+
+        Written atomically: until the new tag is complete the previous checkpoint and ``latest`` are
+        untouched. Every rank must call it. Raises OSError (ENOSPC, ...) and TensorIOError.
+        """
+        from .checkpoint import atomic_checkpoint, save_tensors_safetensors
+
+        tag = tag if tag is not None else f"global_step{self.global_steps}"
+        partitions = {rec.name: self._partition_copy(rec) for rec in self._store.records}
+        with _sized([rec for rec in self._store.records if rec.param.requires_grad]):
+            optim = self.optimizer.state_dict()
+        state = {"optimizer": optim, "global_steps": self.global_steps, "micro_steps": self.micro_steps,
+                 "skipped_steps": self.skipped_steps, "world_size": self.world_size,
+                 "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                 "client_state": dict(client_state or {})}
+        with atomic_checkpoint(save_dir, tag) as directory:
+            save_tensors_safetensors(os.path.join(directory, _params_file(self.rank)), partitions)
+            torch.save(state, os.path.join(directory, _state_file(self.rank)))
+            if self.world_size > 1:
+                dist.barrier(group=self.group)  # every rank's files are in place before the tag commits
+        return os.path.join(os.fspath(save_dir), tag)
+
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None
+                        ) -> tuple[str | None, dict[str, Any] | None]:
+        """Load a checkpoint written by ``save_checkpoint`` (tag None: the one ``latest`` names).
+
+        Returns ``(path, client_state)``. Raises FileNotFoundError for a missing checkpoint and
+        ValueError when it was saved with another world size or for another model.
+        """
+        from .checkpoint import resolve_tag
+        from safetensors.torch import load_file
+
+        tag = resolve_tag(load_dir, tag)
+        path = os.path.join(os.fspath(load_dir), tag)
+        state = torch.load(os.path.join(path, _state_file(self.rank)), weights_only=False)
+        if state["world_size"] != self.world_size:
+            raise ValueError(f"{path}: saved with {state['world_size']} ranks, loading with {self.world_size}; "
+                             f"resume with the same world size")
+        partitions = load_file(os.path.join(path, _params_file(self.rank)))
+        records = self._store.records
+        if set(partitions) != {rec.name for rec in records}:
+            raise ValueError(f"{path}: the checkpoint's parameters differ from the model's "
+                             f"(missing: {sorted({r.name for r in records} - set(partitions))[:5]}, "
+                             f"unexpected: {sorted(set(partitions) - {r.name for r in records})[:5]})")
+        # 1. Parameters first: a 16-bit parameter's optimizer entry may take its master copy from it.
+        writes = []
+        for rec in records:
+            values = partitions[rec.name]
+            if values.numel() != rec.partition_numel:
+                raise ValueError(f"{path}: parameter {rec.name!r} has {values.numel()} elements, the model "
+                                 f"{rec.partition_numel} per rank; load it into the same model")
+            if rec.on_disk:
+                values = values.to(rec.partition.dtype).contiguous()
+                writes.append((self._store.swap.write(values, rec.offset), values))
+            else:
+                rec.partition.data.copy_(values)
+            self._store.refresh(rec)
+        for future, _ in writes:  # sync point
+            future.result()
+        # 2. Then the optimizer, the loss scale, the schedule and the counters.
+        with _sized([rec for rec in records if rec.param.requires_grad]):
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.loss_scaler is not None and state["loss_scaler"] is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+        if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.global_steps, self.micro_steps = state["global_steps"], state["micro_steps"]
+        self.skipped_steps = state["skipped_steps"]
+        self.zero_grad()
+        return path, state["client_state"]
+
+    def _partition_copy(self, rec: ParamRecord) -> torch.Tensor:
+        if not rec.on_disk:
+            return rec.partition.detach().clone()
+        buffer, future = self._store.swap.read(rec.partition_numel, rec.partition.dtype, rec.offset)
+        future.result()
+        return buffer
+
+    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "model.safetensors") -> bool:
+        """Write the whole model's weights (in the training dtype: 16-bit under fp16/bf16) to
+        ``save_dir/save_filename`` as safetensors, gathered across ranks; rank 0 writes it.
+
+        Tied parameters are saved once, under their first name. Returns False (and logs why) when
+        zero_optimization.stage3_gather_16bit_weights_on_model_save is false, as DeepSpeed does.
+        Every rank must call it. Raises OSError when the file cannot be written.
+        """
+        from .checkpoint import save_tensors_safetensors
+
+        if not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+            log.warning("save_16bit_model: nothing saved; set zero_optimization."
+                        "stage3_gather_16bit_weights_on_model_save to true to gather the weights")
+            return False
+        tensors = {}
+        for rec in self._store.records:
+            kept = rec.full is not None
+            full = self._store.gather(rec).view(rec.shape).clone()
+            if not kept:
+                self._store.release(rec)
+            tensors[rec.name] = full
+        if self.rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            save_tensors_safetensors(os.path.join(os.fspath(save_dir), save_filename), tensors)
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+        return True
+
     # ---- full parameters ----------------------------------------------------------------------------
 
     def full_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
@@ -375,3 +487,11 @@ def _close(store: ParamStore, reducer: GradReducer, optimizer: Any) -> None:
         optimizer.close()
     if store.swap is not None:
         store.swap.close()
+
+
+def _params_file(rank: int) -> str:
+    return f"rank{rank:05d}_params.safetensors"
+
+
+def _state_file(rank: int) -> str:
+    return f"rank{rank:05d}_states.pt"

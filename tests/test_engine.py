@@ -295,3 +295,59 @@ def test_config_errors_name_the_key(disk_dir, tmp_path):
     path.write_text(json.dumps(engine_config(disk_dir)))
     engine, *_ = initialize(model=mlp(), config=str(path))
     engine.close()
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2])
+def test_fp16_overflow_skips_the_step_and_lowers_the_scale(disk_dir, hysteresis):
+    config = engine_config(disk_dir, "nvme", "nvme", micro=4, fp16={
+        "enabled": True, "initial_scale_power": 8, "hysteresis": hysteresis, "loss_scale_window": 1000})
+    engine, *_ = initialize(model=mlp(), config=config)
+    assert all(rec.partition.dtype == torch.float16 for rec in engine.records)
+    batches = mlp_batches(4)
+    train(engine, batches[:1], lambda m, b: mlp_loss(m, (b[0].half(), b[1].half())))
+    before = {n: t.clone() for n, t in engine.full_parameters()}
+    scale = engine.loss_scaler.loss_scale
+    for _ in range(hysteresis):  # DeepSpeed: the first hysteresis - 1 overflows keep the scale
+        loss = mlp_loss(engine, (batches[1][0].half(), batches[1][1].half())) * float("inf")  # injected overflow
+        engine.backward(loss)
+        engine.step()
+        after = dict(engine.full_parameters())
+        assert all(torch.equal(before[n], after[n]) for n in before)  # the step was skipped
+    assert engine.skipped_steps == hysteresis
+    assert engine.loss_scaler.loss_scale == scale / 2
+    losses = train(engine, batches[2:], lambda m, b: mlp_loss(m, (b[0].half(), b[1].half())))
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert not all(torch.equal(before[n], t) for n, t in engine.full_parameters())
+    engine.close()
+
+
+@pytest.mark.parametrize("param", ["none", "nvme"])
+def test_bf16_trains_to_a_lower_loss(disk_dir, param):
+    config = engine_config(disk_dir, param, "nvme", micro=4, bf16={"enabled": True}, gradient_clipping=1.0)
+    engine, *_ = initialize(model=mlp(), config=config)
+    x, y = mlp_batches(1)[0]
+    x, y = x.bfloat16(), y.bfloat16()
+    losses = train(engine, [(x, y)] * 15, mlp_loss)
+    assert all(rec.partition.dtype == torch.bfloat16 for rec in engine.records)
+    assert losses[-1] < 0.7 * losses[0]
+    engine.close()
+
+
+def test_gradient_clipping_matches_torch(disk_dir):
+    build, data, loss_fn = MODELS["mlp"]
+    batches = data(5)
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
+    ref_losses = []
+    for batch in batches:
+        loss = loss_fn(model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    ref_params = {n: p.detach() for n, p in model.named_parameters()}
+    engine, *_ = initialize(model=build(), config=engine_config(disk_dir, "nvme", "cpu", gradient_clipping=0.05))
+    losses = train(engine, batches, loss_fn)
+    assert_close(losses, dict(engine.full_parameters()), ref_losses, ref_params)
+    engine.close()
