@@ -158,6 +158,6 @@ def _overflow_worker(rank, tmp_path):
 
 
 def test_an_overflow_on_one_rank_is_seen_by_every_rank(tmp_path):
-    # fork: the children start in well under a second, where spawn re-imports torch in each
-    mp.start_processes(_overflow_worker, args=(tmp_path,), nprocs=2, start_method="fork")
+    # spawn, not fork: a child forked after this process ran OpenMP kernels can hang in its first one
+    mp.spawn(_overflow_worker, args=(tmp_path,), nprocs=2)
     assert [(tmp_path / f"rank{rank}").read_text() for rank in range(2)] == ["True", "True"]

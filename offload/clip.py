@@ -1,0 +1,51 @@
+"""The global gradient norm over partitioned gradients, and clipping to it (``gradient_clipping``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["clip_grad_norm_", "grad_norm"]
+
+_EPS = 1e-6
+
+
+def grad_norm(grads: Iterable[torch.Tensor | None], *, group: dist.ProcessGroup | None = None) -> float:
+    """The L2 norm of all gradients together: this rank's sum of squares, summed over the ranks of
+    ``group`` (default: the world) by an all_reduce when a process group is initialized, then the root.
+
+    Pass each rank's partitions: elements no rank owns twice, padding as zeros. Every rank of the group
+    must call this, even with no gradients. ``None`` entries are skipped. Returns inf or nan when a
+    gradient holds one, and inf when a tensor's norm exceeds float32's range. Each tensor's norm is
+    taken in float32 on its device, then squared and summed in float64 on the CPU.
+    """
+    squares = torch.zeros((), dtype=torch.float64)
+    for grad in grads:
+        if grad is not None:
+            squares += torch.linalg.vector_norm(grad, dtype=torch.float32).to(torch.float64).cpu() ** 2
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
+    return math.sqrt(squares.item())
+
+
+def clip_grad_norm_(
+    grads: Iterable[torch.Tensor | None], max_norm: float, *, group: dist.ProcessGroup | None = None
+) -> float:
+    """Scale the gradients in place so that their global L2 norm (see ``grad_norm``) is at most
+    ``max_norm``: by ``max_norm / (norm + 1e-6)`` when the norm is above it, as DeepSpeed and torch do.
+
+    Returns the norm before clipping. A non-finite norm (inf or nan) is returned and nothing is
+    scaled: the step should be skipped. Raises ValueError if max_norm is not a finite number > 0.
+    """
+    if not 0 < max_norm < math.inf:
+        raise ValueError(f"max_norm: {max_norm!r} is not allowed; use a finite number > 0 (0 means: do not clip)")
+    grads = [grad for grad in grads if grad is not None]
+    norm = grad_norm(grads, group=group)
+    if math.isfinite(norm) and norm > max_norm:
+        coefficient = max_norm / (norm + _EPS)
+        for grad in grads:
+            grad.mul_(coefficient)
+    return norm
