@@ -1,0 +1,223 @@
+"""Crash-safe checkpoint directories in DeepSpeed's layout, and atomic safetensors files.
+
+Layout of ``save_dir``::
+
+    save_dir/<tag>/...          one complete checkpoint per tag (files of the caller's choosing)
+    save_dir/latest             the newest tag, as text (no newline), as DeepSpeed writes it
+    save_dir/.staging-<tag>-*   a save in progress; removed by the next save
+    save_dir/.replaced-<tag>    the old contents of <tag> while a save replaces it; restored or removed
+                                by the next save
+    save_dir/.latest-*          a ``latest`` being written; removed by the next save
+
+A tag directory and ``latest`` only ever appear complete: files are written to the hidden staging
+directory, fsynced, and renamed into place; ``latest`` is replaced with ``os.replace`` after the tag is
+in place. One process saves into a ``save_dir`` at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Mapping
+
+import torch
+from safetensors.torch import save_file
+
+__all__ = ["LATEST", "atomic_checkpoint", "resolve_tag", "save_tensors_safetensors"]
+
+LATEST = "latest"
+_STAGING = ".staging-"
+_REPLACED = ".replaced-"
+_LATEST_TMP = ".latest-"
+
+
+@contextmanager
+def atomic_checkpoint(save_dir: str | os.PathLike, tag: str, *, update_latest: bool = True) -> Iterator[Path]:
+    """Write a checkpoint into the directory this yields; on a clean exit it becomes ``save_dir/<tag>``
+    in one rename (replacing an existing ``<tag>``), then ``latest`` names ``tag`` (unless
+    ``update_latest`` is false). On an exception nothing becomes visible and the staging directory is
+    removed; after a crash (even SIGKILL) the previous checkpoints and ``latest`` are intact, and the
+    next save removes what the crash left. ``save_dir`` is created if missing.
+
+    Every file and directory under the staging directory is fsynced before the rename; write files
+    there only (no symlinks out of it).
+
+    Raises ValueError for a tag that is empty, hidden (starts with "."), "latest", or holds a path
+    separator; OSError from the file system (for example ENOSPC), with nothing made visible.
+    """
+    save_dir = Path(save_dir)
+    _check_tag(tag)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    _clean_leftovers(save_dir)
+    staging = Path(tempfile.mkdtemp(prefix=f"{_STAGING}{tag}-", dir=save_dir))
+    try:
+        yield staging
+        _fsync_tree(staging)
+        _move_into_place(staging, save_dir, tag)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if update_latest:
+        _write_latest(save_dir, tag)
+
+
+def resolve_tag(load_dir: str | os.PathLike, tag: str | None = None) -> Path:
+    """The directory of checkpoint ``tag`` in ``load_dir``, or of the tag ``latest`` names when ``tag``
+    is None.
+
+    Raises FileNotFoundError when ``load_dir``, ``latest`` or the tag directory is missing,
+    NotADirectoryError when ``load_dir`` is not a directory, ValueError when ``latest`` is empty or
+    names a bad tag; each message names the path and the tags that exist.
+    """
+    load_dir = Path(load_dir)
+    if not load_dir.exists():
+        raise FileNotFoundError(
+            f"checkpoint directory {load_dir} does not exist; pass the save_dir the checkpoint was saved to"
+        )
+    if not load_dir.is_dir():
+        raise NotADirectoryError(f"checkpoint directory {load_dir} is not a directory; pass the save_dir itself")
+    source = "tag="
+    if tag is None:
+        latest = load_dir / LATEST
+        if not latest.is_file():
+            raise FileNotFoundError(
+                f"{latest} does not exist, so there is no newest checkpoint to load; pass tag= (tags in "
+                f"{load_dir}: {_tags(load_dir)}) or save a checkpoint first"
+            )
+        tag = latest.read_text().strip()
+        if not tag:
+            raise ValueError(f"{latest} is empty; write the tag to load into it or pass tag= ({_tags(load_dir)})")
+        source = f"{latest}"
+    _check_tag(tag)
+    path = load_dir / tag
+    if not path.is_dir():
+        replaced = load_dir / f"{_REPLACED}{tag}"
+        hint = (
+            f"; a save that replaced it was interrupted and left its previous contents in {replaced}: the next "
+            f"save restores it, or rename that directory to {path}"
+            if replaced.is_dir() else ""
+        )
+        raise FileNotFoundError(
+            f"checkpoint {path} (named by {source}) does not exist{hint}; tags in {load_dir}: {_tags(load_dir)}"
+        )
+    return path
+
+
+def save_tensors_safetensors(
+    path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> None:
+    """Write ``tensors`` to ``path`` in the safetensors format (``safetensors.torch.save_file``), atomically:
+    into a hidden temporary file beside it, fsynced, then renamed over ``path``. Readers see the old file
+    or the new one, never a partial one. Tensors must be contiguous and must not share memory.
+
+    Raises FileNotFoundError if the parent directory is missing, TypeError naming a key whose value is
+    not a tensor or a metadata entry that is not str to str, and what ``save_file`` raises (ValueError
+    for a non-contiguous tensor, RuntimeError for tensors sharing memory); the temporary file is removed
+    on any error.
+    """
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"{path}: directory {path.parent} does not exist; create it first")
+    for name, tensor in tensors.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensors[{name!r}]: expected a str key and a torch.Tensor, got {type(tensor).__name__}")
+    for key, value in (metadata or {}).items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"metadata[{key!r}]: safetensors metadata maps str to str, got {type(value).__name__}")
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(descriptor)
+    try:
+        save_file(dict(tensors), temporary, metadata=None if metadata is None else dict(metadata))
+        _fsync_file(temporary)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _check_tag(tag: str) -> None:
+    if (
+        not isinstance(tag, str) or not tag or tag.startswith(".") or tag == LATEST
+        or "/" in tag or os.sep in tag or "\0" in tag
+    ):
+        raise ValueError(
+            f"checkpoint tag {tag!r} is not allowed; use a non-empty name without path separators that does "
+            f"not start with '.' and is not {LATEST!r}, such as 'global_step100'"
+        )
+
+
+def _tags(directory: Path) -> str:
+    tags = sorted(entry.name for entry in directory.iterdir() if entry.is_dir() and not entry.name.startswith("."))
+    return ", ".join(tags) if tags else "none"
+
+
+def _clean_leftovers(save_dir: Path) -> None:
+    for entry in save_dir.iterdir():
+        if entry.name.startswith(_STAGING):
+            shutil.rmtree(entry)
+        elif entry.name.startswith(_LATEST_TMP):
+            entry.unlink()
+        elif entry.name.startswith(_REPLACED):
+            # a crash between the two renames of a replacement: the old contents are whole, the new are
+            # not in place, so put the old back; a crash after the second rename: the old are garbage
+            tag_dir = save_dir / entry.name[len(_REPLACED):]
+            if tag_dir.exists():
+                shutil.rmtree(entry)
+            else:
+                os.rename(entry, tag_dir)
+                _fsync_dir(save_dir)
+
+
+def _move_into_place(staging: Path, save_dir: Path, tag: str) -> None:
+    target = save_dir / tag
+    if target.exists():
+        # rename-aside: POSIX rename cannot replace a non-empty directory
+        replaced = save_dir / f"{_REPLACED}{tag}"
+        os.rename(target, replaced)
+        os.rename(staging, target)
+        _fsync_dir(save_dir)
+        shutil.rmtree(replaced)
+    else:
+        os.rename(staging, target)
+        _fsync_dir(save_dir)
+
+
+def _write_latest(save_dir: Path, tag: str) -> None:
+    descriptor, temporary = tempfile.mkstemp(prefix=_LATEST_TMP, dir=save_dir)
+    try:
+        with os.fdopen(descriptor, "w") as file:
+            file.write(tag)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, save_dir / LATEST)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    _fsync_dir(save_dir)
+
+
+def _fsync_tree(root: Path) -> None:
+    for directory, _, files in os.walk(root, topdown=False):
+        for name in files:
+            _fsync_file(os.path.join(directory, name))
+        _fsync_dir(Path(directory))
+
+
+def _fsync_file(path: str | os.PathLike) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _fsync_dir(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
