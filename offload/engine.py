@@ -354,12 +354,29 @@ class Engine:
                  "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
                  "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
                  "client_state": dict(client_state or {})}
-        with atomic_checkpoint(save_dir, tag) as directory:
-            save_tensors_safetensors(os.path.join(directory, _params_file(self.rank)), partitions)
-            torch.save(state, os.path.join(directory, _state_file(self.rank)))
-            if self.world_size > 1:
-                dist.barrier(group=self.group)  # every rank's files are in place before the tag commits
+        # Rank 0 owns the atomic save (one process per save_dir); every rank writes into its staging
+        # directory, and the tag commits only after all ranks' files are in place (sync point).
+        if self.rank == 0:
+            with atomic_checkpoint(save_dir, tag) as staging:
+                self._write_rank_files(self._share(str(staging)), partitions, state, save_tensors_safetensors)
+        else:
+            self._write_rank_files(self._share(None), partitions, state, save_tensors_safetensors)
+        if self.world_size > 1:
+            dist.barrier(group=self.group)  # the tag is committed before any rank returns
         return os.path.join(os.fspath(save_dir), tag)
+
+    def _share(self, value: str | None) -> str:
+        if self.world_size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def _write_rank_files(self, directory: str, partitions: dict, state: dict, save_tensors: Callable) -> None:
+        save_tensors(os.path.join(directory, _params_file(self.rank)), partitions)
+        torch.save(state, os.path.join(directory, _state_file(self.rank)))
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None
                         ) -> tuple[str | None, dict[str, Any] | None]:
@@ -371,8 +388,7 @@ class Engine:
         from .checkpoint import resolve_tag
         from safetensors.torch import load_file
 
-        tag = resolve_tag(load_dir, tag)
-        path = os.path.join(os.fspath(load_dir), tag)
+        path = str(resolve_tag(load_dir, tag))
         state = torch.load(os.path.join(path, _state_file(self.rank)), weights_only=False)
         if state["world_size"] != self.world_size:
             raise ValueError(f"{path}: saved with {state['world_size']} ranks, loading with {self.world_size}; "

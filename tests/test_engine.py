@@ -25,10 +25,11 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 33), nn.GELU(), nn.LayerNorm(33), nn.Linear(33, 8))
 
 
-def gpt2() -> nn.Module:
+def gpt2(dropout: float = 0.1) -> nn.Module:
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
-                                     bos_token_id=0, eos_token_id=0)
+                                     bos_token_id=0, eos_token_id=0, resid_pdrop=dropout, embd_pdrop=dropout,
+                                     attn_pdrop=dropout)
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -350,4 +351,97 @@ def test_gradient_clipping_matches_torch(disk_dir):
     engine, *_ = initialize(model=build(), config=engine_config(disk_dir, "nvme", "cpu", gradient_clipping=0.05))
     losses = train(engine, batches, loss_fn)
     assert_close(losses, dict(engine.full_parameters()), ref_losses, ref_params)
+    engine.close()
+
+
+@pytest.mark.parametrize("param,opt", [("none", "none"), ("nvme", "nvme"), ("cpu", "nvme")])
+def test_checkpoint_resume_is_identical_to_an_uninterrupted_run(disk_dir, tmp_path, param, opt):
+    _, data, loss_fn = MODELS["gpt2"]
+    build = lambda: gpt2(dropout=0.0)  # noqa: E731 (the RNG state is not part of a checkpoint)
+    batches = data(10)
+    extra = dict(scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": LR}})
+    config = engine_config(disk_dir, param, opt, micro=2, **extra)
+    engine, *_ = initialize(model=build(), config=config)
+    straight = train(engine, batches, loss_fn)
+    expected = dict(engine.full_parameters())
+    engine.close()
+
+    first, *_ = initialize(model=build(), config=config)
+    train(first, batches[:5], loss_fn)
+    path = first.save_checkpoint(tmp_path, client_state={"epoch": 3})
+    first.close()
+    second, *_ = initialize(model=build(), config=config)
+    loaded, client = second.load_checkpoint(tmp_path)
+    assert loaded == path == str(tmp_path / "global_step5") and client == {"epoch": 3}
+    assert second.global_steps == 5
+    resumed = train(second, batches[5:], loss_fn)
+    assert resumed == straight[5:]
+    for name, ref in expected.items():
+        assert torch.equal(dict(second.full_parameters())[name], ref), name
+    second.close()
+
+
+def test_checkpoint_fp16_keeps_the_loss_scale(disk_dir, tmp_path):
+    config = engine_config(disk_dir, "nvme", "nvme", micro=4, fp16={"enabled": True, "initial_scale_power": 5})
+    engine, *_ = initialize(model=mlp(), config=config)
+    half = [(x.half(), y.half()) for x, y in mlp_batches(2)]
+    train(engine, half, mlp_loss)
+    engine.loss_scaler.update(True)
+    engine.loss_scaler.update(True)
+    engine.save_checkpoint(tmp_path, tag="t")
+    params = dict(engine.full_parameters())
+    fresh, *_ = initialize(model=mlp(), config=config)
+    fresh.load_checkpoint(tmp_path, tag="t")
+    assert fresh.loss_scaler.loss_scale == engine.loss_scaler.loss_scale < 2 ** 5
+    assert all(torch.equal(t, params[n]) for n, t in fresh.full_parameters())
+    assert all(rec.partition.dtype == torch.float16 for rec in fresh.records)
+    engine.close()
+    fresh.close()
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_loadable(disk_dir, tmp_path, monkeypatch):
+    engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, "nvme", "nvme"))
+    batches = mlp_batches(4)
+    train(engine, batches[:2], mlp_loss)
+    engine.save_checkpoint(tmp_path)
+    saved = dict(engine.full_parameters())
+    train(engine, batches[2:], mlp_loss)
+
+    def crash(*args, **kwargs):
+        raise OSError(28, "No space left on device (injected)")
+
+    monkeypatch.setattr(torch, "save", crash)  # the second file of the new tag fails to write
+    with pytest.raises(OSError, match="injected"):
+        engine.save_checkpoint(tmp_path)
+    monkeypatch.undo()
+    assert (tmp_path / "latest").read_text() == "global_step2"
+    assert not (tmp_path / "global_step4").exists()
+    fresh, *_ = initialize(model=mlp(), config=engine_config(disk_dir, "nvme", "nvme"))
+    fresh.load_checkpoint(tmp_path)
+    assert all(torch.equal(t, saved[n]) for n, t in fresh.full_parameters())
+    engine.close()
+    fresh.close()
+
+
+def test_save_16bit_model_writes_every_weight(disk_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    config = engine_config(disk_dir, "nvme", "nvme", micro=2, bf16={"enabled": True})
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    engine, *_ = initialize(model=gpt2(), config=config)
+    train(engine, gpt2_batches(2), gpt2_loss)
+    assert engine.save_16bit_model(tmp_path, "model.safetensors")
+    weights = load_file(tmp_path / "model.safetensors")
+    expected = dict(engine.full_parameters())
+    assert set(weights) == {rec.name for rec in engine.records}
+    for name, tensor in weights.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, expected[name])
+    # A fresh transformers model loads the file (the tied lm_head comes with the embedding).
+    model = gpt2().to(torch.bfloat16)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    engine.close()
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
+    engine, *_ = initialize(model=gpt2(), config=config)
+    assert engine.save_16bit_model(tmp_path / "off") is False and not (tmp_path / "off").exists()
     engine.close()
