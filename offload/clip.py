@@ -11,6 +11,7 @@ import torch.distributed as dist
 __all__ = ["clip_grad_norm_", "grad_norm"]
 
 _EPS = 1e-6
+_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 
 def grad_norm(grads: Iterable[torch.Tensor | None], *, group: dist.ProcessGroup | None = None) -> float:
@@ -19,14 +20,18 @@ def grad_norm(grads: Iterable[torch.Tensor | None], *, group: dist.ProcessGroup 
 
     Pass each rank's partitions: elements no rank owns twice, padding as zeros. Every rank of the group
     must call this, even with no gradients. ``None`` entries are skipped. Returns inf or nan when a
-    gradient holds one, and inf when a tensor's norm exceeds float32's range. Each tensor's norm is
-    taken in float32 on its device, then squared and summed in float64 on the CPU.
+    gradient holds one, and inf when a tensor's norm exceeds its dtype's range (float32 for fp16 and
+    bf16, whose norms are taken in float32) or the global norm exceeds 1e154 (its square overflows).
+    Each tensor's norm is taken on its device, then squared and summed in float64 on the CPU.
     """
     squares = torch.zeros((), dtype=torch.float64)
     for grad in grads:
         if grad is not None:
-            squares += torch.linalg.vector_norm(grad, dtype=torch.float32).to(torch.float64).cpu() ** 2
+            dtype = torch.float32 if grad.dtype in _SIXTEEN_BIT else None
+            squares += torch.linalg.vector_norm(grad, dtype=dtype).to("cpu", torch.float64) ** 2
     if dist.is_available() and dist.is_initialized():
+        # NCCL reduces only device tensors; gloo and others take CPU ones
+        squares = squares.to("cuda" if dist.get_backend(group) == "nccl" else "cpu")
         dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
     return math.sqrt(squares.item())
 

@@ -56,7 +56,9 @@ class LossScaler:
         """
         overflow = any(grad is not None and not torch.isfinite(grad.sum(dtype=torch.float32)) for grad in grads)
         if dist.is_available() and dist.is_initialized():
-            flag = torch.tensor([1.0 if overflow else 0.0])
+            # NCCL reduces only device tensors; gloo and others take CPU ones
+            device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+            flag = torch.tensor([1.0 if overflow else 0.0], device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
             overflow = bool(flag.item())
         return overflow

@@ -61,6 +61,13 @@ def test_non_finite_norm_is_returned_and_nothing_is_scaled(bad, check):
         torch.testing.assert_close(grad, old, equal_nan=True, rtol=0, atol=0)
 
 
+def test_float64_gradients_keep_their_precision():
+    # 1e100 is far beyond float32; its square still fits in float64
+    grads = [torch.full((3,), 1e100, dtype=torch.float64), torch.tensor([1.0], dtype=torch.float64)]
+    assert clip_grad_norm_(grads, 1.0) == pytest.approx(math.sqrt(3) * 1e100)
+    assert grads[0][0].item() == pytest.approx(1 / math.sqrt(3))
+
+
 def test_no_gradients_and_none_entries():
     assert grad_norm([]) == 0.0
     assert grad_norm([None, torch.tensor([3.0, 4.0]), None]) == 5.0
