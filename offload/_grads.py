@@ -1,33 +1,44 @@
 """Gradients: taken from autograd as each parameter's gradient is final, reduced to the owning rank's
-partition (averaged over ranks), and accumulated in float32 beside the record.
+partition (averaged over ranks), and accumulated in float32 beside the record: in memory, or, when
+the optimizer state is on NVMe, in a gradient swap file (so host memory does not grow with the model).
 
 Per parameter and backward, in order:
 1. AccumulateGrad's pre-hook: if the parameter was released, give it a full-shaped zero-stride
    stand-in so that autograd's shape check passes (no memory is allocated for it);
 2. the post-accumulate-grad hook: take ``param.grad`` (autograd has summed every use of a tied
-   parameter into it), clear it, reduce it to this rank's partition and add it to ``rec.grad``.
+   parameter into it), clear it, reduce it to this rank's partition and accumulate it.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import torch
 import torch.distributed as dist
 
+from ._param_swap import ParamSwapFile
 from ._params import ParamRecord, ParamStore
+
+_WRITES_IN_FLIGHT = 4
+"""Offloaded gradient writes in flight at once before backward waits for the oldest."""
 
 
 class GradReducer:
-    """Installs the two gradient hooks on every trainable parameter and reduces into ``rec.grad``."""
+    """Installs the two gradient hooks on every trainable parameter and reduces into its record."""
 
-    def __init__(self, store: ParamStore, *, world_size: int, rank: int, group: object = None) -> None:
+    def __init__(self, store: ParamStore, *, world_size: int, rank: int, group: object = None,
+                 swap: ParamSwapFile | None = None) -> None:
         self.store, self.world_size, self.rank, self.group = store, world_size, rank, group
+        self.swap = swap
         self._nccl = world_size > 1 and dist.get_backend(group) == "nccl"
+        self._writes: collections.deque = collections.deque()
         self._hooks = []
         for rec in store.records:
             if rec.accumulator is None:
                 continue
+            if swap is not None:
+                rec.grad_offset = swap.allocate(rec.partition_numel * 4)
             self._hooks.append(rec.accumulator.register_prehook(functools.partial(self._before_accumulate, rec)))
             self._hooks.append(rec.param.register_post_accumulate_grad_hook(functools.partial(self._after_accumulate, rec)))
 
@@ -56,12 +67,46 @@ class GradReducer:
                 dist.all_reduce(padded, group=self.group)
                 part = padded.chunk(self.world_size)[self.rank]
             part.div_(self.world_size)
-        if rec.grad is None:
-            rec.grad = part if part.is_contiguous() else part.contiguous()
-        else:
-            rec.grad.add_(part)
+        if self.swap is None:
+            if rec.grad is None:
+                rec.grad = part if part.is_contiguous() else part.contiguous()
+            else:
+                rec.grad.add_(part)
+            return
+        # Offloaded: read-add-write when accumulating, then write behind (bounded writes in flight).
+        if rec.grad_on_disk:
+            self.drain()  # sync point: this record's previous write must have landed
+            part = part + self.read(rec)
+        part = part.contiguous()
+        rec.grad_sumsq = part.double().pow(2).sum()
+        self._writes.append((self.swap.write(part, rec.grad_offset), part))
+        rec.grad_on_disk = True
+        while len(self._writes) > _WRITES_IN_FLIGHT:
+            self._writes.popleft()[0].result()
+
+    def read(self, rec: ParamRecord) -> torch.Tensor:
+        """This step's offloaded gradient partition of ``rec`` (float32), read now."""
+        buffer, future = self.swap.read(rec.partition_numel, torch.float32, rec.grad_offset)
+        future.result()
+        return buffer
+
+    def drain(self) -> None:
+        """Wait for every gradient write in flight (sync point). Raises TensorIOError."""
+        while self._writes:
+            self._writes.popleft()[0].result()
+
+    def clear(self) -> None:
+        """Forget this step's gradients (after the step, or when it is skipped)."""
+        self.drain()
+        for rec in self.store.records:
+            rec.grad = None
+            rec.grad_on_disk = False
+            rec.grad_sumsq = None
 
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self.drain()
+        if self.swap is not None:
+            self.swap.close()

@@ -29,10 +29,11 @@ PAGE = 4096
 
 
 class ParamSwapFile:
-    """One swap file holding the NVMe-resident partitions, each at a page-aligned offset."""
+    """One swap file holding NVMe-resident partitions (parameters, or gradients with ``kind="grads"``),
+    each at a page-aligned offset."""
 
-    def __init__(self, directory: str, aio: AioConfig) -> None:
-        self.path = os.path.join(directory, f"offload-params-{os.getpid()}-{uuid.uuid4().hex[:8]}.swp")
+    def __init__(self, directory: str, aio: AioConfig, kind: str = "params") -> None:
+        self.path = os.path.join(directory, f"offload-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}.swp")
         self._handle = AioHandle.from_config(aio)
         self._end = 0
         self.bytes_read = 0

@@ -69,7 +69,13 @@ class ParamRecord:
     saved: int = 0
     """Tokens saved for backward and not yet unpacked."""
     grad: torch.Tensor | None = None
-    """Accumulated gradient partition (float32, ``partition_numel`` elements)."""
+    """Accumulated gradient partition (float32, ``partition_numel`` elements) when kept in memory."""
+    grad_offset: int = -1
+    """Byte offset of the gradient partition in the gradient swap file (gradients offloaded to NVMe)."""
+    grad_on_disk: bool = False
+    """The gradient swap file holds this step's accumulated gradient partition."""
+    grad_sumsq: torch.Tensor | None = None
+    """Sum of squares of the offloaded accumulated gradient (float64): for clipping and overflow checks."""
     accumulator: object = None
     """The parameter's AccumulateGrad node, held so that its hooks stay registered."""
 

@@ -122,8 +122,10 @@ def _assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int
                         max_live=zero.stage3_max_live_parameters)
     store = ParamStore(records=records, world_size=world_size, rank=rank, swap=swap, budget=budget,
                        prefetcher=Prefetcher(bucket_elements=zero.stage3_prefetch_bucket_size), group=group)
-    # 3. Gradient reduction: hooks on the partitioned parameters' gradient accumulators.
-    reducer = GradReducer(store, world_size=world_size, rank=rank, group=group)
+    # 3. Gradient reduction: hooks on the partitioned parameters' gradient accumulators. With the
+    #    optimizer state on NVMe the gradient partitions go there too, beside it.
+    grad_swap = ParamSwapFile(offload_opt.nvme_path, cfg.aio, kind="grads") if offload_opt.device == "nvme" else None
+    reducer = GradReducer(store, world_size=world_size, rank=rank, group=group, swap=grad_swap)
     # 4. Optimizer offload: OffloadAdam over the partitions; it plans its sub-groups from their sizes,
     #    so it comes after the partitions exist and before anything runs.
     trainable = [rec for rec in records if rec.param.requires_grad]
@@ -261,27 +263,23 @@ class Engine:
 
     def _optimizer_step(self) -> None:
         records = [rec for rec in self._store.records if rec.param.requires_grad]
-        grads = [rec.grad for rec in records if rec.grad is not None]
-        # 1. fp16: a step with an inf/NaN gradient on any rank is skipped and the scale lowered.
-        if self.loss_scaler is not None:
-            overflow = self.loss_scaler.has_overflow(grads, group=self.group)
-            self.loss_scaler.update(overflow)
-            if overflow:
-                self.skipped_steps += 1
-                self.zero_grad()
-                return
-            self.loss_scaler.unscale_(grads)
-        # 2. Clip by the global norm over all ranks' partitions.
-        if self.config.gradient_clipping > 0:
-            from .clip import clip_grad_norm_
-            clip_grad_norm_(grads, self.config.gradient_clipping, group=self.group)
-        # 3. The update, chunk by chunk: NVMe partitions are read in, stepped and written back,
-        #    so at most a chunk of them (the swap budget) is in memory at once.
+        factor = self._unscale_and_clip(records)
+        if factor is None:  # fp16 overflow: the step is skipped
+            self.skipped_steps += 1
+            self.zero_grad()
+            return
+        # 3. The update, chunk by chunk: NVMe partitions (and offloaded gradients) are read in,
+        #    stepped and written back, so at most a chunk of them (the swap budget) is in memory at once.
         for chunk in self._chunks:
             self._store.load_partitions(chunk)
             for rec in chunk:
-                if rec.grad is not None:
-                    rec.partition.grad = rec.grad.to(rec.partition.dtype)
+                grad = rec.grad
+                if rec.grad_on_disk:
+                    grad = self._reducer.read(rec)
+                    if factor != 1.0:
+                        grad.mul_(factor)
+                if grad is not None:
+                    rec.partition.grad = grad.to(rec.partition.dtype)
             self.optimizer.step()
             for rec in chunk:
                 rec.partition.grad = None
@@ -293,10 +291,40 @@ class Engine:
             self.lr_scheduler.step()
         self.zero_grad()
 
+    def _unscale_and_clip(self, records: list[ParamRecord]) -> float | None:
+        """Phases 1 and 2 of a step. Returns the factor still to apply to offloaded gradients as they are
+        read (in-memory ones are scaled in place here), or None when fp16 overflowed."""
+        from .clip import clip_grad_norm_
+
+        in_memory = [rec.grad for rec in records if rec.grad is not None]
+        self._reducer.drain()  # sync point: every offloaded gradient is on disk
+        # Offloaded gradients are summarised by their partition's norm: the global norm and the
+        # overflow check need nothing else, and they are scaled when read back in phase 3.
+        norms = [rec.grad_sumsq.sqrt().float() for rec in records if rec.grad_on_disk]
+        factor = 1.0
+        # 1. fp16: a step with an inf/NaN gradient on any rank is skipped and the scale lowered.
+        if self.loss_scaler is not None:
+            overflow = self.loss_scaler.has_overflow(in_memory + norms, group=self.group)
+            self.loss_scaler.update(overflow)
+            if overflow:
+                return None
+            self.loss_scaler.unscale_(in_memory + norms)
+            factor /= self.loss_scaler.loss_scale
+        # 2. Clip by the global norm over all ranks' partitions. clip_grad_norm_ scales the norms of
+        #    offloaded partitions like any gradient: their ratio is the coefficient still to apply.
+        if self.config.gradient_clipping > 0:
+            before = [float(n) for n in norms]
+            clip_grad_norm_(in_memory + norms, self.config.gradient_clipping, group=self.group)
+            for old, new in zip(before, norms):
+                if old > 0:
+                    factor *= float(new) / old
+                    break
+        return factor
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the accumulated gradient partitions."""
+        """Drop the accumulated gradient partitions (in memory and offloaded)."""
+        self._reducer.clear()
         for rec in self._store.records:
-            rec.grad = None
             rec.partition.grad = None
 
     def train(self, mode: bool = True) -> "Engine":
@@ -316,9 +344,12 @@ class Engine:
     def get_global_grad_norm(self) -> float:
         """The global L2 norm of the accumulated gradients over all ranks (before clipping)."""
         total = torch.zeros((), dtype=torch.float64)
+        self._reducer.drain()
         for rec in self._store.records:
             if rec.grad is not None:
                 total += rec.grad.double().pow(2).sum()
+            elif rec.grad_on_disk:
+                total += rec.grad_sumsq
         if self.world_size > 1:
             dist.all_reduce(total, group=self.group)
         return float(total.sqrt())

@@ -334,21 +334,22 @@ def test_bf16_trains_to_a_lower_loss(disk_dir, param):
     engine.close()
 
 
-def test_gradient_clipping_matches_torch(disk_dir):
+@pytest.mark.parametrize("opt", ["cpu", "nvme"])  # gradients in memory / offloaded beside the state
+def test_gradient_clipping_matches_torch(disk_dir, opt):
     build, data, loss_fn = MODELS["mlp"]
     batches = data(5)
     model = build()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
+    adamw = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
     ref_losses = []
     for batch in batches:
         loss = loss_fn(model, batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-        opt.step()
-        opt.zero_grad()
+        adamw.step()
+        adamw.zero_grad()
         ref_losses.append(loss.item())
     ref_params = {n: p.detach() for n, p in model.named_parameters()}
-    engine, *_ = initialize(model=build(), config=engine_config(disk_dir, "nvme", "cpu", gradient_clipping=0.05))
+    engine, *_ = initialize(model=build(), config=engine_config(disk_dir, "nvme", opt, gradient_clipping=0.05))
     losses = train(engine, batches, loss_fn)
     assert_close(losses, dict(engine.full_parameters()), ref_losses, ref_params)
     engine.close()
