@@ -10,9 +10,11 @@ failed step leaves the previous state on disk, where a reload finds it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import errno
 import os
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -74,10 +76,12 @@ class SwapConfig:
 
     @property
     def read_ahead(self) -> int:
-        """Sub-groups whose reads may be in flight ahead of the one being updated."""
-        if not self.pipeline_read:
-            return 0
-        return self.buffer_count - 1 - int(self.pipeline_write)
+        """Sub-groups that may be read ahead of the one being updated: every other buffer.
+
+        A sub-group is written from the buffer it was updated in, so a write needs no buffer of
+        its own; read-ahead only ever takes buffers that are free (see `StateSwapper.free_buffers`).
+        """
+        return self.buffer_count - 1 if self.pipeline_read else 0
 
 
 class Where(enum.Enum):
@@ -133,6 +137,8 @@ class StateSwapper:
         self._by_address: dict[int, torch.Tensor] = {}
         self._writes: collections.deque[SwapRecord] = collections.deque()  # in flight, oldest first
         self.buffer_bytes = 0
+        self.wait_seconds = 0.0
+        """Seconds the caller has spent blocked on this swapper's I/O (every sync point below)."""
         if not self.records:
             return
         _check_directory(directory)
@@ -150,6 +156,18 @@ class StateSwapper:
     def has_free_buffer(self) -> bool:
         """Whether a buffer is free now, or can be freed by waiting for a write in flight."""
         return bool(self._free or self._writes)
+
+    @property
+    def free_buffers(self) -> int:
+        """Buffers free now, without waiting for anything."""
+        return len(self._free)
+
+    def reap(self) -> None:
+        """Free the buffers of writes that have already finished; never waits. Raises TensorIOError."""
+        for rec in [r for r in self._writes if r.future.done()]:
+            self._writes.remove(rec)
+            self._finish_write(rec)
+            self._release(rec)
 
     def start_read(self, rec: SwapRecord) -> None:
         """Start bringing ``rec``'s latest state into a buffer (waits for a write to free one if needed).
@@ -177,7 +195,9 @@ class StateSwapper:
         if rec.where is Where.READING:
             future, rec.future = rec.future, None
             try:
-                _check_count(future.result(), rec, "read")
+                with self._blocked():
+                    moved = future.result()
+                _check_count(moved, rec, "read")
             except BaseException:
                 self._release(rec)
                 raise
@@ -259,8 +279,19 @@ class StateSwapper:
 
     def _finish_write(self, rec: SwapRecord) -> None:
         future, rec.future = rec.future, None
-        _check_count(future.result(), rec, "write")
+        with self._blocked():
+            moved = future.result()
+        _check_count(moved, rec, "write")
         rec.written = True
+
+    @contextlib.contextmanager
+    def _blocked(self):
+        """Count the time spent in the block as waiting for I/O (`wait_seconds`)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.wait_seconds += time.perf_counter() - start
 
 
 def _check_count(moved: Any, rec: SwapRecord, verb: str) -> None:

@@ -252,18 +252,23 @@ class OffloadAdam(torch.optim.Optimizer):
             self._swapper.drain()  # sync point
 
     def _prefetch(self, order: list[int]) -> None:
+        """Start reads of the next sub-groups in ``order`` into the buffers free now; never waits.
+
+        Waiting here for a write to free a buffer would stall the update (or, with overlap_backward,
+        the backward pass) for a read that is not needed yet; a later call picks the buffer up.
+        """
+        swapper = self._swapper
+        records = swapper.records
+        swapper.reap()
         ahead = self._swap_config.read_ahead
-        records = self._swapper.records
         in_flight = sum(1 for i in order if i not in self._done and records[i].where in (Where.READING, Where.RESIDENT))
         for i in order:
-            if in_flight >= ahead:
+            if in_flight >= ahead or not swapper.free_buffers:
                 return
             rec = records[i]
             if i in self._done or rec.where is not Where.ON_DISK:
                 continue
-            if not self._swapper.has_free_buffer():
-                return
-            self._swapper.start_read(rec)
+            swapper.start_read(rec)
             in_flight += 1
 
     def _evict_furthest(self, order: list[int], needed: int) -> None:
@@ -462,6 +467,15 @@ class OffloadAdam(torch.optim.Optimizer):
             ours["params"] = params
 
     # ---- memory and lifetime ----------------------------------------------------------------------------
+
+    def io_wait_seconds(self) -> float:
+        """Seconds the calling thread has spent blocked on swap-file I/O since construction.
+
+        The sum over every sync point (waiting for a read to arrive or for a write to free its
+        buffer), whether in ``step()``, in backward (overlap_backward) or in ``state_dict()``:
+        the part of the offload's cost that compute did not hide.
+        """
+        return self._swapper.wait_seconds
 
     def host_state_bytes(self) -> dict[str, int]:
         """Host memory held for optimizer state: 'resident' (kept in RAM) and 'buffers' (swap buffers)."""

@@ -313,3 +313,40 @@ def test_add_param_group_later_is_rejected():
     opt = OffloadAdam(_params())
     with pytest.raises(RuntimeError, match="constructor"):
         opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
+
+
+class _Pending:
+    """A write future that has not finished yet (``done()`` is False); ``result()`` passes through."""
+
+    def __init__(self, future):
+        self.future = future
+
+    def done(self):
+        return False
+
+    def result(self, timeout=None):
+        return self.future.result(timeout)
+
+    def exception(self, timeout=None):
+        return self.future.exception(timeout)
+
+
+def test_reap_frees_only_finished_writes_and_waits_count():
+    ps = [torch.randn(3000, requires_grad=True) for _ in range(3)]
+    opt = OffloadAdam(ps, nvme_offload_fraction=1.0, sub_group_size=4096, buffer_count=3)
+    _train(opt, ps, 1)
+    swapper = opt._swapper
+    first, second = list(swapper.records.values())[:2]
+    for rec in (first, second):
+        swapper.start_read(rec)
+        swapper.wait_read(rec)
+        swapper.start_write(rec)
+    second.future.result()
+    first.future = _Pending(first.future)  # still in flight as far as reap can tell
+    swapper.reap()
+    assert (first.where, second.where) == (Where.WRITING, Where.ON_DISK) and swapper.free_buffers == 2
+    swapper.drain()
+    assert first.where is Where.ON_DISK and swapper.free_buffers == 3
+    swapper.commit()
+    assert opt.io_wait_seconds() > 0  # waiting for the reads and the writes above counts, however briefly
+    opt.close()
