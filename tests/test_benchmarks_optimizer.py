@@ -27,8 +27,10 @@ def test_colossal_benchmark_tiny(tmp_path, capsys):
 
     tiny = json.dumps({"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 256, "n_positions": 16})
     result = optimizer_colossal.main(["--model-config", tiny, "--batch", "1", "--seq", "8", "--steps", "1",
-                                      "--repeats", "1", "--sub-group-size", "4096", "--dir", str(tmp_path)])
+                                      "--repeats", "1", "--sub-group-size", "4096", "--dir", str(tmp_path),
+                                      "--malloc-mmap-threshold", "1048576"])
     out = capsys.readouterr().out
     assert "full offload / no offload" in out and "OffloadAdam 1.0" in out
-    assert result["time_ratio"] > 0
+    assert "MALLOC_MMAP_THRESHOLD_=1048576" in out
+    assert result["time_ratio"] > 0 and result["io_wait_seconds"] >= 0
     assert list(tmp_path.iterdir()) == []
