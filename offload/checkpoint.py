@@ -11,7 +11,7 @@ Layout of ``save_dir``::
 
 A tag directory and ``latest`` only ever appear complete: files are written to the hidden staging
 directory, fsynced, and renamed into place; ``latest`` is replaced with ``os.replace`` after the tag is
-in place. One process saves into a ``save_dir`` at a time.
+in place. One save (by one process or one process group) runs in a ``save_dir`` at a time.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 
 __all__ = ["LATEST", "atomic_checkpoint", "resolve_tag", "save_tensors_safetensors"]
@@ -35,33 +36,76 @@ _LATEST_TMP = ".latest-"
 
 
 @contextmanager
-def atomic_checkpoint(save_dir: str | os.PathLike, tag: str, *, update_latest: bool = True) -> Iterator[Path]:
+def atomic_checkpoint(
+    save_dir: str | os.PathLike, tag: str, *, update_latest: bool = True, group: dist.ProcessGroup | None = None
+) -> Iterator[Path]:
     """Write a checkpoint into the directory this yields; on a clean exit it becomes ``save_dir/<tag>``
     in one rename (replacing an existing ``<tag>``), then ``latest`` names ``tag`` (unless
     ``update_latest`` is false). On an exception nothing becomes visible and the staging directory is
     removed; after a crash (even SIGKILL) the previous checkpoints and ``latest`` are intact, and the
     next save removes what the crash left. ``save_dir`` is created if missing.
 
-    Every file and directory under the staging directory is fsynced before the rename; write files
-    there only (no symlinks out of it).
+    With a process group initialized, every rank of ``group`` (default: the world) must enter with the
+    same ``save_dir`` and ``tag``, on a file system they all see. They all get the same staging
+    directory (rank 0 of the group creates it and commits it); the commit waits until every rank has
+    left the block, and every rank returns only after the tag is in place. If any rank fails, nothing
+    becomes visible and every rank raises: the failing one its own error, the others RuntimeError.
+
+    Each rank fsyncs every file and directory under the staging directory before the commit; write
+    files there only (no symlinks out of it).
 
     Raises ValueError for a tag that is empty, hidden (starts with "."), "latest", or holds a path
     separator; OSError from the file system (for example ENOSPC), with nothing made visible.
     """
     save_dir = Path(save_dir)
     _check_tag(tag)
-    save_dir.mkdir(parents=True, exist_ok=True)
-    _clean_leftovers(save_dir)
-    staging = Path(tempfile.mkdtemp(prefix=f"{_STAGING}{tag}-", dir=save_dir))
+    distributed = dist.is_available() and dist.is_initialized()
+    leader = not distributed or dist.get_rank(group) == 0
+    where = f"checkpoint {save_dir / tag}"
+    error: BaseException | None = None
+
+    # 1. rank 0 clears what earlier crashes left and creates the staging directory
+    staging = None
+    if leader:
+        try:
+            save_dir.mkdir(parents=True, exist_ok=True)
+            _clean_leftovers(save_dir)
+            staging = tempfile.mkdtemp(prefix=f"{_STAGING}{tag}-", dir=save_dir)
+        except BaseException as exc:
+            error = exc
+    if distributed:
+        staging = _from_rank_zero(staging, group)
+    if error is not None:
+        raise error
+    if staging is None:
+        raise RuntimeError(f"{where}: rank 0 could not create the staging directory; see its error")
+
+    # 2. every rank writes and fsyncs; sync point: all ranks agree whether all of them succeeded
     try:
-        yield staging
-        _fsync_tree(staging)
-        _move_into_place(staging, save_dir, tag)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if update_latest:
-        _write_latest(save_dir, tag)
+        yield Path(staging)
+        _fsync_tree(Path(staging))
+    except BaseException as exc:
+        error = exc
+    if _failed_anywhere(error is not None, distributed, group):
+        if leader:
+            shutil.rmtree(staging, ignore_errors=True)
+        if error is not None:
+            raise error
+        raise RuntimeError(f"{where} was not saved: another rank failed while writing it (see its error)")
+
+    # 3. rank 0 renames it into place and updates latest; sync point: nobody returns before that
+    if leader:
+        try:
+            _move_into_place(Path(staging), save_dir, tag)
+            if update_latest:
+                _write_latest(save_dir, tag)
+        except BaseException as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            error = exc
+    if _failed_anywhere(error is not None, distributed, group) and error is None:
+        raise RuntimeError(f"{where} was not saved: rank 0 could not move it into place (see its error)")
+    if error is not None:
+        raise error
 
 
 def resolve_tag(load_dir: str | os.PathLike, tag: str | None = None) -> Path:
@@ -148,6 +192,21 @@ def _check_tag(tag: str) -> None:
             f"checkpoint tag {tag!r} is not allowed; use a non-empty name without path separators that does "
             f"not start with '.' and is not {LATEST!r}, such as 'global_step100'"
         )
+
+
+def _from_rank_zero(value: str | None, group: dist.ProcessGroup | None) -> str | None:
+    message = [value]
+    dist.broadcast_object_list(message, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
+    return message[0]
+
+
+def _failed_anywhere(failed: bool, distributed: bool, group: dist.ProcessGroup | None) -> bool:
+    if not distributed:
+        return failed
+    # NCCL reduces only device tensors; gloo and others take CPU ones
+    flag = torch.tensor([float(failed)], device="cuda" if dist.get_backend(group) == "nccl" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
 
 
 def _tags(directory: Path) -> str:

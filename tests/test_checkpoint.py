@@ -3,6 +3,7 @@ interrupted replacement and a SIGKILL in the middle of a save."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -180,6 +183,38 @@ def test_sigkill_at_an_arbitrary_moment_leaves_only_whole_checkpoints(tmp_path, 
     assert resolve_tag(tmp_path).name in tags
     save(tmp_path, "after", b"after")
     assert [name for name in visible(tmp_path) if name.startswith(".")] == []
+
+
+def _two_rank_saver(rank, tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=rank, world_size=2)
+    save_dir, outcome = tmp_path / "ckpt", {}
+    try:
+        with atomic_checkpoint(save_dir, "s1") as staging:
+            (staging / f"rank{rank}.txt").write_text(str(rank))
+        # every rank returns only after the commit, so both files are visible to both ranks here
+        outcome["s1"] = visible(save_dir / "s1")
+        try:
+            with atomic_checkpoint(save_dir, "s2") as staging:
+                (staging / f"rank{rank}.txt").write_text(str(rank))
+                if rank == 1:
+                    raise ValueError("disk full on rank 1")
+        except (ValueError, RuntimeError) as exc:
+            outcome["s2"] = f"{type(exc).__name__}: {exc}"
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(outcome))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_share_one_staging_directory_and_fail_together(tmp_path):
+    save(tmp_path / "ckpt", "s0", b"zero")
+    # spawn, not fork: a child forked after this process ran OpenMP kernels can hang in its first one
+    mp.spawn(_two_rank_saver, args=(tmp_path,), nprocs=2)
+    outcomes = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert [outcome["s1"] for outcome in outcomes] == [["rank0.txt", "rank1.txt"]] * 2
+    assert outcomes[1]["s2"] == "ValueError: disk full on rank 1"
+    assert outcomes[0]["s2"].startswith("RuntimeError: checkpoint") and "another rank failed" in outcomes[0]["s2"]
+    assert visible(tmp_path / "ckpt") == [LATEST, "s0", "s1"]
+    assert resolve_tag(tmp_path / "ckpt").name == "s1"
 
 
 @pytest.mark.parametrize("tag", ["", ".hidden", LATEST, "a/b", "../up"])
