@@ -106,7 +106,8 @@ class WarmupLR:
 
     def _warmup_gamma(self) -> float:
         if self.warmup_type == "log":
-            return math.log(self.last_batch_iteration + 1) / math.log(self.warmup_num_steps)
+            # multiply by the inverse, as DeepSpeed does, so that the rates match its bit for bit
+            return (1.0 / math.log(self.warmup_num_steps)) * math.log(self.last_batch_iteration + 1)
         return self.last_batch_iteration / self.warmup_num_steps
 
     def _apply(self) -> list[float]:
