@@ -50,11 +50,11 @@ class LossScaler:
         on any rank of ``group`` (default: the world): an all_reduce MAX of one flag, which every rank of
         the group must call. ``None`` entries (parameters without a gradient) are skipped.
 
-        Each gradient is summed in float32 (one read, no copy): a non-finite element makes the sum
-        non-finite. As in DeepSpeed, finite gradients whose sum exceeds float32's range (about 3e38) also
-        count as an overflow; their norm would overflow too.
+        Each gradient is summed (one read, no copy; fp16 and bf16 in float32): a non-finite element makes
+        the sum non-finite. As in DeepSpeed, finite gradients whose sum exceeds the range of float32 (of
+        float64 for float64 gradients) also count as an overflow; their norm would overflow too.
         """
-        overflow = any(grad is not None and not torch.isfinite(grad.sum(dtype=torch.float32)) for grad in grads)
+        overflow = any(grad is not None and not torch.isfinite(_sum(grad)) for grad in grads)
         if dist.is_available() and dist.is_initialized():
             # NCCL reduces only device tensors; gloo and others take CPU ones
             device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
@@ -190,6 +190,10 @@ def build_loss_scaler(config: Fp16Config) -> LossScaler:
         hysteresis=config.hysteresis,
         min_loss_scale=config.min_loss_scale,
     )
+
+
+def _sum(grad: torch.Tensor) -> torch.Tensor:
+    return grad.sum(dtype=torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else None)
 
 
 def _entry(state: Mapping[str, Any], key: str) -> Any:

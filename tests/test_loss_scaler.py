@@ -113,9 +113,12 @@ def test_has_overflow_finds_one_bad_element(dtype, bad):
     assert scaler.has_overflow(grads)
 
 
-def test_fp16_values_at_the_top_of_the_range_are_not_an_overflow():
-    grads = [torch.full((1000,), 65504.0, dtype=torch.float16)]
+@pytest.mark.parametrize("value, dtype", [(65504.0, torch.float16), (1e300, torch.float64)])
+def test_values_at_the_top_of_the_range_are_not_an_overflow(value, dtype):
+    grads = [torch.full((1000,), value, dtype=dtype)]
     assert not StaticLossScaler(1.0).has_overflow(grads)
+    grads[0][999] = math.nan
+    assert StaticLossScaler(1.0).has_overflow(grads)
 
 
 def test_unscale_divides_by_the_scale():
