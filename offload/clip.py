@@ -37,20 +37,33 @@ def grad_norm(grads: Iterable[torch.Tensor | None], *, group: dist.ProcessGroup 
 
 
 def clip_grad_norm_(
-    grads: Iterable[torch.Tensor | None], max_norm: float, *, group: dist.ProcessGroup | None = None
+    grads: Iterable[torch.Tensor | None],
+    max_norm: float,
+    *,
+    loss_scale: float = 1.0,
+    group: dist.ProcessGroup | None = None,
 ) -> float:
     """Scale the gradients in place so that their global L2 norm (see ``grad_norm``) is at most
     ``max_norm``: by ``max_norm / (norm + 1e-6)`` when the norm is above it, as DeepSpeed and torch do.
 
-    Returns the norm before clipping. A non-finite norm (inf or nan) is returned and nothing is
-    scaled: the step should be skipped. Raises ValueError if max_norm is not a finite number > 0.
+    ``loss_scale``: the gradients are still multiplied by this fp16 loss scale; they are unscaled and
+    clipped in one pass over them (one multiply, as DeepSpeed's combined scale), and the norm is that of
+    the unscaled gradients.
+
+    Returns the (unscaled) norm before clipping. A non-finite norm (inf or nan) is returned and nothing
+    is scaled: the step should be skipped. Raises ValueError if max_norm or loss_scale is not a finite
+    number > 0.
     """
     if not 0 < max_norm < math.inf:
         raise ValueError(f"max_norm: {max_norm!r} is not allowed; use a finite number > 0 (0 means: do not clip)")
+    if not 0 < loss_scale < math.inf:
+        raise ValueError(f"loss_scale: {loss_scale!r} is not allowed; use a finite number > 0 (1: not scaled)")
     grads = [grad for grad in grads if grad is not None]
-    norm = grad_norm(grads, group=group)
-    if math.isfinite(norm) and norm > max_norm:
-        coefficient = max_norm / (norm + _EPS)
+    norm = grad_norm(grads, group=group) / loss_scale
+    if not math.isfinite(norm):
+        return norm
+    coefficient = (max_norm / (norm + _EPS) if norm > max_norm else 1.0) / loss_scale
+    if coefficient != 1.0:
         for grad in grads:
             grad.mul_(coefficient)
     return norm

@@ -34,6 +34,16 @@ def test_matches_torch_at_world_size_one(scale, max_norm):
         torch.testing.assert_close(grad, param.grad, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("max_norm", [0.5, 1e4])
+def test_loss_scaled_gradients_are_unscaled_and_clipped_in_one_pass(max_norm):
+    plain = make_grads(5, 3.0)
+    scaled = [grad * 1024.0 for grad in plain]
+    expected = clip_grad_norm_(plain, max_norm)
+    assert clip_grad_norm_(scaled, max_norm, loss_scale=1024.0) == pytest.approx(expected, rel=1e-6)
+    for ours, reference in zip(scaled, plain):
+        torch.testing.assert_close(ours, reference, rtol=1e-6, atol=0)
+
+
 def test_below_max_norm_leaves_gradients_untouched():
     grads = make_grads(1)
     before = [grad.clone() for grad in grads]
@@ -74,10 +84,12 @@ def test_no_gradients_and_none_entries():
     assert clip_grad_norm_([None], 1.0) == 0.0
 
 
-@pytest.mark.parametrize("max_norm", [0, -1.0, math.inf, math.nan])
-def test_bad_max_norm_is_refused(max_norm):
+@pytest.mark.parametrize("value", [0, -1.0, math.inf, math.nan])
+def test_bad_max_norm_or_loss_scale_is_refused(value):
     with pytest.raises(ValueError, match="max_norm"):
-        clip_grad_norm_(make_grads(3), max_norm)
+        clip_grad_norm_(make_grads(3), value)
+    with pytest.raises(ValueError, match="loss_scale"):
+        clip_grad_norm_(make_grads(3), 1.0, loss_scale=value)
 
 
 def _partition_worker(rank, tmp_path, world_size):
