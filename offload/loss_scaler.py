@@ -5,9 +5,12 @@ One step of the engine, in order::
 
     scaler.scale_loss(loss).backward()
     overflow = scaler.has_overflow(grads)   # every rank gets the same answer
-    if not overflow:
-        scaler.unscale_(grads); ...clip, optimizer step...
+    if not overflow:                        # an overflowing step is skipped (and so is the lr schedule's step)
+        scaler.unscale_(grads); ...optimizer step...
     scaler.update(overflow)                 # a skipped step still counts for the dynamic scale
+
+With gradient clipping, ``offload.clip.clip_grad_norm_(grads, max_norm, loss_scale=scaler.loss_scale)``
+unscales and clips in one pass instead of ``unscale_``.
 """
 
 from __future__ import annotations
