@@ -37,7 +37,12 @@ _LATEST_TMP = ".latest-"
 
 @contextmanager
 def atomic_checkpoint(
-    save_dir: str | os.PathLike, tag: str, *, update_latest: bool = True, group: dist.ProcessGroup | None = None
+    save_dir: str | os.PathLike,
+    tag: str,
+    *,
+    update_latest: bool = True,
+    all_ranks: bool = False,
+    group: dist.ProcessGroup | None = None,
 ) -> Iterator[Path]:
     """Write a checkpoint into the directory this yields; on a clean exit it becomes ``save_dir/<tag>``
     in one rename (replacing an existing ``<tag>``), then ``latest`` names ``tag`` (unless
@@ -45,11 +50,13 @@ def atomic_checkpoint(
     removed; after a crash (even SIGKILL) the previous checkpoints and ``latest`` are intact, and the
     next save removes what the crash left. ``save_dir`` is created if missing.
 
-    With a process group initialized, every rank of ``group`` (default: the world) must enter with the
-    same ``save_dir`` and ``tag``, on a file system they all see. They all get the same staging
-    directory (rank 0 of the group creates it and commits it); the commit waits until every rank has
-    left the block, and every rank returns only after the tag is in place. If any rank fails, nothing
-    becomes visible and every rank raises: the failing one its own error, the others RuntimeError.
+    By default one process saves (with several ranks, call it on one rank only). With ``all_ranks`` and
+    an initialized process group, every rank of ``group`` (default: the world) must enter with the same
+    ``save_dir`` and ``tag``, on a file system they all see. They all get the same staging directory
+    (rank 0 of the group creates it and commits it); the commit waits until every rank has left the
+    block, and every rank returns only after the tag is in place. If any rank fails, nothing becomes
+    visible and every rank raises: the failing one its own error, the others RuntimeError. Without a
+    process group, ``all_ranks`` changes nothing.
 
     Each rank fsyncs every file and directory under the staging directory before the commit; write
     files there only (no symlinks out of it).
@@ -59,7 +66,7 @@ def atomic_checkpoint(
     """
     save_dir = Path(save_dir)
     _check_tag(tag)
-    distributed = dist.is_available() and dist.is_initialized()
+    distributed = all_ranks and dist.is_available() and dist.is_initialized()
     leader = not distributed or dist.get_rank(group) == 0
     where = f"checkpoint {save_dir / tag}"
     error: BaseException | None = None

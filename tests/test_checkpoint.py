@@ -189,17 +189,22 @@ def _two_rank_saver(rank, tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=rank, world_size=2)
     save_dir, outcome = tmp_path / "ckpt", {}
     try:
-        with atomic_checkpoint(save_dir, "s1") as staging:
+        with atomic_checkpoint(save_dir, "s1", all_ranks=True) as staging:
             (staging / f"rank{rank}.txt").write_text(str(rank))
         # every rank returns only after the commit, so both files are visible to both ranks here
         outcome["s1"] = visible(save_dir / "s1")
         try:
-            with atomic_checkpoint(save_dir, "s2") as staging:
+            with atomic_checkpoint(save_dir, "s2", all_ranks=True) as staging:
                 (staging / f"rank{rank}.txt").write_text(str(rank))
                 if rank == 1:
                     raise ValueError("disk full on rank 1")
         except (ValueError, RuntimeError) as exc:
             outcome["s2"] = f"{type(exc).__name__}: {exc}"
+        # without all_ranks, one rank saves on its own while the group is initialized
+        if rank == 1:
+            save(save_dir, "solo", b"solo", update_latest=False)
+        dist.barrier()
+        outcome["solo"] = visible(save_dir / "solo")
         (tmp_path / f"rank{rank}.json").write_text(json.dumps(outcome))
     finally:
         dist.destroy_process_group()
@@ -213,7 +218,8 @@ def test_two_ranks_share_one_staging_directory_and_fail_together(tmp_path):
     assert [outcome["s1"] for outcome in outcomes] == [["rank0.txt", "rank1.txt"]] * 2
     assert outcomes[1]["s2"] == "ValueError: disk full on rank 1"
     assert outcomes[0]["s2"].startswith("RuntimeError: checkpoint") and "another rank failed" in outcomes[0]["s2"]
-    assert visible(tmp_path / "ckpt") == [LATEST, "s0", "s1"]
+    assert [outcome["solo"] for outcome in outcomes] == [["model.bin", "sub"]] * 2
+    assert visible(tmp_path / "ckpt") == [LATEST, "s0", "s1", "solo"]
     assert resolve_tag(tmp_path / "ckpt").name == "s1"
 
 
