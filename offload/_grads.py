@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ._param_swap import ParamSwapFile
 from ._params import ParamRecord, ParamStore
 
-_WRITES_IN_FLIGHT = 4
+_WRITES_IN_FLIGHT = 2
 """Offloaded gradient writes in flight at once before backward waits for the oldest."""
 
 
