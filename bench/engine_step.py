@@ -1,0 +1,165 @@
+"""Engine benchmark: one GPT-2 trained with plain PyTorch and with the stage-3 engine at offload none,
+cpu and nvme (parameters and optimizer), side by side.
+
+    python -m bench.engine_step --dir /work/tmp
+    python -m bench.engine_step --dir /work/tmp --modes nvme --model-config '{"n_layer": 24, "n_embd": 1024}'
+
+Each configuration runs in its own subprocess (so that peak RSS is its own): a warm-up step, then
+timed steps. Reported per configuration: median step time, peak RSS (psutil, sampled), and the bytes
+the process read from and wrote to the disk per step (/proc/<pid>/io), against fio's read and write
+speed on the same directory. Headline: nvme step time / plain PyTorch step time (project target <= 1.3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from bench.fio import job_for_config, run_fio
+
+MODES = ("torch", "none", "cpu", "nvme")
+DEFAULT_MODEL = {"n_layer": 6, "n_embd": 512, "n_head": 8, "vocab_size": 8192, "n_positions": 256}
+
+# One configuration, run in a fresh interpreter: python -c CHILD <json arguments>
+CHILD = r"""
+import gc, json, statistics, sys, threading, time
+import psutil, torch, transformers
+args = json.loads(sys.argv[1])
+proc = psutil.Process()
+torch.manual_seed(0)
+config = transformers.GPT2Config(**args["model"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+model = transformers.GPT2LMHeadModel(config)
+params = sum(p.numel() for p in model.parameters())
+gen = torch.Generator().manual_seed(1)
+batches = [torch.randint(0, config.vocab_size, (args["batch"], args["seq"]), generator=gen)
+           for _ in range(args["warmup"] + args["steps"])]
+if args["mode"] == "torch":
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    def step(batch):
+        loss = model(batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+else:
+    from offload.engine import initialize
+    zero = {"stage": 3, "sub_group_size": args["sub_group_size"],
+            "stage3_prefetch_bucket_size": args["buffer_size"] * 2,
+            "stage3_param_persistence_threshold": args["persistence"],
+            "offload_param": {"device": args["mode"]}, "offload_optimizer": {"device": args["mode"]}}
+    if args["mode"] == "nvme":
+        zero["offload_param"].update(nvme_path=args["dir"], max_in_cpu=0, buffer_count=args["buffer_count"],
+                                     buffer_size=args["buffer_size"])
+        zero["offload_optimizer"].update(nvme_path=args["dir"], buffer_count=4, pipeline_read=True,
+                                         pipeline_write=True)
+    engine, *_ = initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": args["batch"], "zero_optimization": zero, "aio": args["aio"],
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
+    def step(batch):
+        loss = engine(batch, labels=batch).loss
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+for batch in batches[:args["warmup"]]:
+    step(batch)
+peak, stop = [proc.memory_info().rss], [False]
+def sample():
+    while not stop[0]:
+        peak[0] = max(peak[0], proc.memory_info().rss)
+        time.sleep(0.002)
+sampler = threading.Thread(target=sample, daemon=True)
+sampler.start()
+io_before = proc.io_counters()
+times = []
+for batch in batches[args["warmup"]:]:
+    start = time.perf_counter()
+    step(batch)
+    times.append(time.perf_counter() - start)
+io_after = proc.io_counters()
+stop[0] = True
+sampler.join()
+n = len(times)
+print(json.dumps({"mode": args["mode"], "params": params, "step_s": statistics.median(times), "times": times,
+                  "peak_rss": peak[0], "read_per_step": (io_after.read_bytes - io_before.read_bytes) / n,
+                  "written_per_step": (io_after.write_bytes - io_before.write_bytes) / n}))
+"""
+
+
+def run_mode(mode: str, args: argparse.Namespace, directory: str) -> dict:
+    """Run one configuration in a subprocess; return its figures. Raises RuntimeError if it fails."""
+    payload = {"mode": mode, "model": args.model_config, "batch": args.batch, "seq": args.seq,
+               "warmup": args.warmup, "steps": args.steps, "dir": directory, "sub_group_size": args.sub_group_size,
+               "buffer_count": args.buffer_count, "buffer_size": args.buffer_size, "persistence": args.persistence,
+               "aio": {"block_size": args.block_size, "queue_depth": args.queue_depth}}
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(args.malloc_mmap_threshold)}
+    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(payload)], capture_output=True, text=True,
+                         env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if out.returncode != 0:
+        raise RuntimeError(f"mode {mode} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict]:
+    """Run the benchmark; print the configuration, a table and the headline ratio; return the figures."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-config", type=json.loads, default=DEFAULT_MODEL, help="GPT2Config keys as JSON")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temporary one)")
+    ap.add_argument("--sub-group-size", type=int, default=1 << 22)
+    ap.add_argument("--buffer-count", type=int, default=5, help="offload_param.buffer_count")
+    ap.add_argument("--buffer-size", type=int, default=None, help="offload_param.buffer_size (default: the largest parameter)")
+    ap.add_argument("--persistence", type=int, default=100_000, help="stage3_param_persistence_threshold")
+    ap.add_argument("--block-size", type=int, default=1 << 20)
+    ap.add_argument("--queue-depth", type=int, default=32)
+    ap.add_argument("--fio-size", type=int, default=1 << 30, help="bytes fio moves per direction")
+    ap.add_argument("--malloc-mmap-threshold", type=int, default=131072,
+                    help="glibc MALLOC_MMAP_THRESHOLD_ for the children, so that RSS follows live memory")
+    args = ap.parse_args(argv)
+    model = {**DEFAULT_MODEL, **args.model_config}
+    args.model_config = model
+    if args.buffer_size is None:
+        args.buffer_size = max(model["vocab_size"] * model["n_embd"], 4 * model["n_embd"] ** 2 + 4 * model["n_embd"])
+    modes = [m for m in args.modes.split(",") if m]
+    for mode in modes:
+        if mode not in MODES:
+            raise SystemExit(f"--modes: {mode!r} is not one of {MODES}")
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-engine-") as directory:
+        print(f"model={json.dumps(model)} batch={args.batch} seq={args.seq} warmup={args.warmup} steps={args.steps} "
+              f"buffer_count={args.buffer_count} buffer_size={args.buffer_size} sub_group_size={args.sub_group_size} "
+              f"block_size={args.block_size} queue_depth={args.queue_depth} dir={directory}")
+        results = {mode: run_mode(mode, args, directory) for mode in modes}
+
+        class _Aio:  # the settings fio mirrors
+            block_size, queue_depth, thread_count, single_submit, overlap_events, direct = (
+                args.block_size, args.queue_depth, 1, False, True, True)
+        fio_size = max(args.fio_size, args.block_size)
+        read_bw = run_fio(job_for_config(_Aio, directory=directory, rw="read", size=fio_size)).bw_bytes
+        write_bw = run_fio(job_for_config(_Aio, directory=directory, rw="write", size=fio_size)).bw_bytes
+    params = next(iter(results.values()))["params"]
+    print(f"parameters: {params / 1e6:.1f} M; fio: read {read_bw / 1e9:.2f} GB/s, write {write_bw / 1e9:.2f} GB/s")
+    print(f"{'mode':<6} {'step (s)':>9} {'peak RSS (MB)':>14} {'read/step (MB)':>15} {'written/step (MB)':>18} "
+          f"{'I/O at fio (s)':>15} {'GB/s achieved':>14}")
+    for mode, r in results.items():
+        io_s = r["read_per_step"] / read_bw + r["written_per_step"] / write_bw
+        moved = (r["read_per_step"] + r["written_per_step"]) / r["step_s"] / 1e9
+        print(f"{mode:<6} {r['step_s']:>9.3f} {r['peak_rss'] / 1e6:>14.0f} {r['read_per_step'] / 1e6:>15.1f} "
+              f"{r['written_per_step'] / 1e6:>18.1f} {io_s:>15.3f} {moved:>14.2f}")
+        r["io_at_fio_s"] = io_s
+        r["gb_per_s"] = moved
+    if "torch" in results and "nvme" in results:
+        ratio = results["nvme"]["step_s"] / results["torch"]["step_s"]
+        print(f"nvme / plain PyTorch step time = {ratio:.2f}  (project target <= 1.3)")
+        results["ratio"] = {"nvme_over_torch": ratio}
+    return results
+
+
+if __name__ == "__main__":
+    main()
