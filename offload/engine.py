@@ -15,10 +15,10 @@ partition; `OffloadAdam` steps the partitions with its state in memory or on NVM
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import shutil
-import tempfile
+import time
 import weakref
 from typing import Any, Callable, Iterable, Mapping
 
@@ -214,6 +214,7 @@ class Engine:
         self._store = store
         self._reducer = reducer
         self._chunks = _step_chunks(store.records, config)
+        self._times: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._finalizer = weakref.finalize(self, _close, store, reducer, optimizer)
 
     # ---- training ---------------------------------------------------------------------------------
@@ -225,7 +226,7 @@ class Engine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward pass (parameters are gathered module by module)."""
         self._store.prefetcher.cursor = 0
-        with torch.autograd.graph.saved_tensors_hooks(self._store.pack, self._store.unpack):
+        with self._timed("forward"), torch.autograd.graph.saved_tensors_hooks(self._store.pack, self._store.unpack):
             return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -239,7 +240,7 @@ class Engine:
             loss = self.loss_scaler.scale_loss(loss)
         try:
             # Saved-tensor hooks here too: reentrant activation checkpointing re-runs forward in backward.
-            with torch.autograd.graph.saved_tensors_hooks(self._store.pack, self._store.unpack):
+            with self._timed("backward"), torch.autograd.graph.saved_tensors_hooks(self._store.pack, self._store.unpack):
                 loss.backward()
         finally:
             # Sync point: every gathered parameter and unused prefetch is released.
@@ -257,9 +258,35 @@ class Engine:
         the minimum loss scale.
         """
         if self.is_gradient_accumulation_boundary():
-            self._optimizer_step()
+            with self._timed("step"):
+                self._optimizer_step()
             self.global_steps += 1
+            if self.global_steps % self.config.steps_per_print == 0:
+                self._report()
         self.micro_steps += 1
+
+    @contextlib.contextmanager
+    def _timed(self, phase: str):
+        """Accumulate wall-clock time per phase when wall_clock_breakdown is on."""
+        if not self.config.wall_clock_breakdown:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._times[phase] += time.perf_counter() - start
+
+    def _report(self) -> None:
+        """Every steps_per_print steps: log the step, learning rate, loss scale and (optionally) the times."""
+        scale = f", loss scale {self.loss_scaler.loss_scale:g}" if self.loss_scaler is not None else ""
+        message = (f"step {self.global_steps}: lr {self.get_lr()}, skipped {self.skipped_steps}{scale}")
+        if self.config.wall_clock_breakdown:
+            steps = self.config.steps_per_print
+            message += "; per step " + ", ".join(f"{k} {v / steps * 1000:.1f} ms" for k, v in self._times.items())
+            self._times = dict.fromkeys(self._times, 0.0)
+        if self.rank == 0:
+            log.info(message)
 
     def _optimizer_step(self) -> None:
         records = [rec for rec in self._store.records if rec.param.requires_grad]

@@ -446,3 +446,13 @@ def test_save_16bit_model_writes_every_weight(disk_dir, tmp_path):
     engine, *_ = initialize(model=gpt2(), config=config)
     assert engine.save_16bit_model(tmp_path / "off") is False and not (tmp_path / "off").exists()
     engine.close()
+
+
+def test_steps_per_print_and_wall_clock_breakdown_are_logged(disk_dir, caplog):
+    config = engine_config(disk_dir, steps_per_print=2, wall_clock_breakdown=True)
+    engine, *_ = initialize(model=mlp(), config=config)
+    with caplog.at_level("INFO", logger="offload"):
+        train(engine, mlp_batches(4), mlp_loss)
+    lines = [r.getMessage() for r in caplog.records if r.name == "offload"]
+    assert len(lines) == 2 and lines[0].startswith("step 2: lr [0.01]") and "backward" in lines[1]
+    engine.close()
