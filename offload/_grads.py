@@ -17,6 +17,8 @@ import functools
 import torch
 import torch.distributed as dist
 
+from tensorio import aligned_tensor
+
 from ._param_swap import ParamSwapFile
 from ._params import ParamRecord, ParamStore
 
@@ -73,13 +75,18 @@ class GradReducer:
             else:
                 rec.grad.add_(part)
             return
-        # Offloaded: read-add-write when accumulating, then write behind (bounded writes in flight).
+        # Offloaded: read-add-write when accumulating, then write behind (bounded writes in flight),
+        # always from a page-aligned buffer so that the write goes straight to the disk (O_DIRECT).
         if rec.grad_on_disk:
             self.drain()  # sync point: this record's previous write must have landed
-            part = part + self.read(rec)
-        part = part.contiguous()
-        rec.grad_sumsq = part.double().pow(2).sum()
-        self._writes.append((self.swap.write(part, rec.grad_offset), part))
+            buffer = self.read(rec)
+            buffer.add_(part)
+        else:
+            buffer = aligned_tensor(rec.partition_numel, torch.float32)
+            buffer.copy_(part)
+        del part, grad, flat
+        rec.grad_sumsq = buffer.double().pow(2).sum()
+        self._writes.append((self.swap.write(buffer, rec.grad_offset), buffer))
         rec.grad_on_disk = True
         while len(self._writes) > _WRITES_IN_FLIGHT:
             self._writes.popleft()[0].result()

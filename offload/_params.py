@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tensorio import IOFuture
+from tensorio import IOFuture, aligned_tensor
 
 from ._param_swap import ParamSwapFile, Prefetcher, SwapBudget, start_prefetch
 from .partition import partition_bounds, partition_numel
@@ -309,8 +309,8 @@ def build_records(model: nn.Module, *, world_size: int, rank: int, nvme: bool, m
         flat = p.data.reshape(-1)
         if world_size == 1 and not to_disk:
             local = flat  # the partition is the parameter itself
-        else:
-            local = torch.zeros(part, dtype=p.dtype)
+        else:  # page-aligned when bound for the disk: O_DIRECT from it, no staging copy
+            local = aligned_tensor(part, p.dtype) if to_disk else torch.zeros(part, dtype=p.dtype)
             local[:max(0, min(end, numel) - start)] = flat[start:min(end, numel)]
         if not to_disk:
             in_cpu += part if nvme and not persistent else 0
@@ -322,7 +322,7 @@ def build_records(model: nn.Module, *, world_size: int, rank: int, nvme: bool, m
                 rec.accumulator = p.view_as(p).grad_fn.next_functions[0][0]
         if to_disk:
             rec.offset = swap.allocate(local.nbytes)
-            writes.append((swap.write(local.contiguous(), rec.offset), local))
+            writes.append((swap.write(local, rec.offset), local))
             rec.partition.data = torch.empty(0, dtype=p.dtype)
             rec.where = Where.ON_DISK
         if keep_full:

@@ -52,7 +52,16 @@ def gpt2_loss(model, batch):
     return model(batch, labels=batch).loss
 
 
-MODELS = {"mlp": (mlp, mlp_batches, mlp_loss), "gpt2": (gpt2, gpt2_batches, gpt2_loss)}
+def llama() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=32,
+                                      tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(config)
+
+
+MODELS = {"mlp": (mlp, mlp_batches, mlp_loss), "gpt2": (gpt2, gpt2_batches, gpt2_loss),
+          "llama": (llama, gpt2_batches, gpt2_loss)}
 
 
 def engine_config(tmp, param="none", opt="none", gas=1, micro=4, **extra) -> dict:
@@ -118,6 +127,17 @@ def test_matches_plain_pytorch(disk_dir, kind, param, opt, gas):
         # Every partition lives on disk between uses: the module's parameters are empty placeholders.
         assert all(p.numel() == 0 for p in engine.module.parameters())
         assert engine.io_bytes()["written"] > 0
+    engine.close()
+
+
+@pytest.mark.parametrize("param,opt", [("nvme", "nvme"), ("cpu", "none")])
+def test_llama_matches_plain_pytorch(disk_dir, param, opt):
+    build, data, loss_fn = MODELS["llama"]
+    batches = data(6)
+    ref_losses, ref_params = reference(build(), batches, loss_fn, 2)
+    engine, *_ = initialize(model=build(), config=engine_config(disk_dir, param, opt, 2, micro=2))
+    losses = train(engine, batches, loss_fn)
+    assert_close(losses, dict(engine.full_parameters()), ref_losses, ref_params)
     engine.close()
 
 
