@@ -93,9 +93,13 @@ class GradReducer:
 
     def read(self, rec: ParamRecord) -> torch.Tensor:
         """This step's offloaded gradient partition of ``rec`` (float32), read now."""
-        buffer, future = self.swap.read(rec.partition_numel, torch.float32, rec.grad_offset)
+        buffer, future = self.start_read(rec)
         future.result()
         return buffer
+
+    def start_read(self, rec: ParamRecord):
+        """Start reading this step's offloaded gradient partition: (buffer, future)."""
+        return self.swap.read(rec.partition_numel, torch.float32, rec.grad_offset)
 
     def drain(self) -> None:
         """Wait for every gradient write in flight (sync point). Raises TensorIOError."""

@@ -195,21 +195,28 @@ class ParamStore:
 
     # ---- the optimizer's view of NVMe partitions ------------------------------------------------
 
-    def load_partitions(self, recs: list[ParamRecord]) -> None:
-        """Read the on-disk partitions of ``recs`` into memory for the optimizer step."""
+    def start_loads(self, recs: list[ParamRecord]) -> None:
+        """Start reading the on-disk partitions of ``recs`` for the optimizer step (counted in the budget)."""
         for rec in recs:
             if rec.on_disk and rec.read is None and rec.buffer is None:
                 self.start_read(rec)
-        for rec in recs:  # sync point: all reads of the chunk
+
+    def finish_loads(self, recs: list[ParamRecord]) -> None:
+        """Wait for ``start_loads``'s reads (sync point); the partitions then hold their values."""
+        for rec in recs:
             if rec.on_disk:
-                rec.read.result()
-                rec.read = None
+                if rec.read is not None:
+                    rec.read.result()
+                    rec.read = None
                 rec.partition.data = rec.buffer
 
-    def store_partitions(self, recs: list[ParamRecord]) -> None:
-        """Write the updated on-disk partitions of ``recs`` back and drop them from memory."""
-        writes = [self.swap.write(rec.partition.data, rec.offset) for rec in recs if rec.on_disk]
-        for future in writes:  # sync point: a partition is dropped only once it is on disk
+    def start_stores(self, recs: list[ParamRecord]) -> list:
+        """Start writing the updated on-disk partitions of ``recs``; return the futures."""
+        return [self.swap.write(rec.partition.data, rec.offset) for rec in recs if rec.on_disk]
+
+    def finish_stores(self, recs: list[ParamRecord], writes: list) -> None:
+        """Wait for ``start_stores``'s writes (sync point: a partition is dropped only once on disk)."""
+        for future in writes:
             future.result()
         for rec in recs:
             if rec.on_disk:

@@ -296,27 +296,41 @@ class Engine:
             self.zero_grad()
             return
         # 3. The update, chunk by chunk: NVMe partitions (and offloaded gradients) are read in,
-        #    stepped and written back, so at most a chunk of them (the swap budget) is in memory at once.
-        for chunk in self._chunks:
-            self._store.load_partitions(chunk)
+        #    stepped and written back. Three chunks are in memory at most: the next one being read,
+        #    this one being stepped, the previous one being written (each a third of the swap budget).
+        chunks = self._chunks
+        grad_reads = self._start_chunk(chunks[0]) if chunks else {}
+        writing: tuple[list[ParamRecord], list] = ([], [])
+        for i, chunk in enumerate(chunks):
+            next_reads = self._start_chunk(chunks[i + 1]) if i + 1 < len(chunks) else {}
+            # Sync point: this chunk's partitions and gradients have arrived.
+            self._store.finish_loads(chunk)
             for rec in chunk:
                 grad = rec.grad
-                if rec.grad_on_disk:
-                    grad = self._reducer.read(rec)
-                    if factor != 1.0:
-                        grad.mul_(factor)
+                if rec.index in grad_reads:
+                    buffer, future = grad_reads[rec.index]
+                    future.result()
+                    grad = buffer if factor == 1.0 else buffer.mul_(factor)
                 if grad is not None:
                     rec.partition.grad = grad.to(rec.partition.dtype)
             self.optimizer.step()
             for rec in chunk:
                 rec.partition.grad = None
-            self._store.store_partitions(chunk)  # sync point: written before being dropped
+            self._store.finish_stores(*writing)  # sync point: the previous chunk is on disk
+            writing = (chunk, self._store.start_stores(chunk))
+            grad_reads = next_reads
+        self._store.finish_stores(*writing)
         # 4. Kept parameters whose partition is not the parameter itself are gathered again.
         for rec in records:
             self._store.refresh(rec)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.zero_grad()
+
+    def _start_chunk(self, chunk: list[ParamRecord]) -> dict:
+        """Start the reads of a chunk's on-disk partitions and offloaded gradients."""
+        self._store.start_loads(chunk)
+        return {rec.index: self._reducer.start_read(rec) for rec in chunk if rec.grad_on_disk}
 
     def _unscale_and_clip(self, records: list[ParamRecord]) -> float | None:
         """Phases 1 and 2 of a step. Returns the factor still to apply to offloaded gradients as they are
@@ -537,8 +551,9 @@ class Engine:
 
 
 def _step_chunks(records: list[ParamRecord], cfg: EngineConfig) -> list[list[ParamRecord]]:
-    """Trainable records in order, cut so that the on-disk partitions of a chunk fit the swap budget."""
-    limit = cfg.zero_optimization.offload_param.buffer_count * cfg.zero_optimization.offload_param.buffer_size
+    """Trainable records in order, cut so that the on-disk partitions of a chunk fit a third of the swap
+    budget (three chunks are in memory during the step); a partition larger than that is a chunk alone."""
+    limit = cfg.zero_optimization.offload_param.buffer_count * cfg.zero_optimization.offload_param.buffer_size // 3
     chunks, current, held = [], [], 0
     for rec in records:
         if not rec.param.requires_grad:

@@ -83,15 +83,19 @@ def test_peak_host_memory_is_bounded_by_the_buffers(disk_dir):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     params = LAYERS * LAYER
     full_state = params * 4 * 4  # fp32 parameters, gradients, exp_avg, exp_avg_sq
+    # Forward and backward: the prefetch budget, a layer gathered on demand beyond it, gradient writes.
     param_buffers = 2 * LAYER * 4  # offload_param.buffer_count x buffer_size, fp32
-    chunk_grads = param_buffers  # a step chunk's gradients, read back beside its parameters
-    largest_layer = LAYER * 4  # gathered on demand beyond the budget
+    largest_layer = LAYER * 4
     grad_writes = 3 * LAYER * 4  # gradient partitions being written behind (offload/_grads.py)
+    backward = param_buffers + largest_layer + grad_writes
+    # Step: three chunks (read ahead, stepped, written behind) of max(budget / 3, largest partition)
+    # elements, each with its parameters and gradients.
+    chunk = max(2 * LAYER // 3, LAYER)
+    step = 3 * chunk * (4 + 4)
     staging = 3 * 4 * 262144  # three tensorio handles x queue_depth x block_size
     activations = 4 * LAYERS * BATCH * WIDTH * 4
     slack = 8 << 20  # code pages loaded on first use, thread stacks, Python objects
-    bound = (param_buffers + chunk_grads + result["optimizer_buffers"] + largest_layer + grad_writes + staging
-             + activations + slack)
+    bound = max(backward, step) + result["optimizer_buffers"] + staging + activations + slack
     grown = result["peak"] - result["base"]
     assert full_state >= 4 * bound  # the model's state is several times what we allow
     print({k: (v - result["base"]) / 2**20 for k, v in result.items() if k.startswith("after")})
