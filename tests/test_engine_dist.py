@@ -71,7 +71,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("param,opt,gas", [("none", "cpu", 1), ("nvme", "nvme", 2)])
+@pytest.mark.parametrize("param,opt,gas", [("nvme", "nvme", 2)])
 def test_world_size_two_matches_one(disk_dir, param, opt, gas, monkeypatch):
     one, two = str(disk_dir / "one.pt"), str(disk_dir / "two.pt")
     run(0, 1, str(disk_dir), param, opt, gas, one)
