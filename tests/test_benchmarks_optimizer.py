@@ -34,3 +34,18 @@ def test_colossal_benchmark_tiny(tmp_path, capsys):
     assert "MALLOC_MMAP_THRESHOLD_=1048576" in out
     assert result["time_ratio"] > 0 and result["io_wait_seconds"] >= 0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_memory_trace_tiny(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from bench import optimizer_memory
+
+    tiny = json.dumps({"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 256, "n_positions": 16})
+    result = optimizer_memory.main(["--model-config", tiny, "--batch", "1", "--seq", "8", "--steps", "1",
+                                    "--sub-group-size", "4096", "--dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    for phase in ("model", "0.forward", "0.backward", "1.step"):
+        assert phase in out
+    assert result["peak_rss"] > 0 and result["io_wait"] > 0  # the tiny state still went through the swap file
+    assert result["peak_phase"] in out
+    assert list(tmp_path.iterdir()) == []

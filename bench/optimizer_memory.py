@@ -1,0 +1,139 @@
+"""Where Benchmark 1's peak RSS falls: one configuration of bench/optimizer_colossal.py, traced.
+
+    python -m bench.optimizer_memory --fraction 1.0 --dir /work/tmp
+
+A thread samples VmRSS every millisecond while GPT-2 small trains (one warm-up step, then
+``--steps`` steps); each step is cut into forward, backward and step+zero_grad phases. Printed per
+phase: the highest RSS seen and, at the phase's start, glibc's heap (``mallinfo2``: bytes the heap
+holds from the system, bytes in use, bytes mmapped outside it). Then where the peak fell and, for
+OffloadAdam, the seconds the training thread was blocked on swap I/O. Peak RSS is not live memory:
+the heap keeps freed chunks, and how much depends on the order of allocations (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import threading
+import time
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _heap() -> dict[str, int] | None:
+    """glibc's heap now: 'heap' (held from the system), 'in_use', 'mmapped'; None without mallinfo2."""
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallinfo2"):
+        return None
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return {"heap": info.arena, "in_use": info.uordblks, "mmapped": info.hblkhd}
+
+
+class RssSampler:
+    """Samples this process's RSS every ``interval`` seconds in a thread; ``mark(name)`` starts a phase."""
+
+    def __init__(self, interval: float = 0.001) -> None:
+        self.interval = interval
+        self.samples: list[tuple[float, int]] = []
+        self.marks: list[tuple[float, str, dict[str, int] | None]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def __enter__(self) -> "RssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        with open("/proc/self/statm") as statm:
+            while not self._stop.is_set():
+                statm.seek(0)
+                self.samples.append((time.perf_counter(), int(statm.read().split()[1]) * _PAGE))
+                time.sleep(self.interval)
+
+    def mark(self, name: str) -> None:
+        """End the current phase and start phase ``name`` now, recording glibc's heap figures."""
+        self.marks.append((time.perf_counter(), name, _heap()))
+
+    def phases(self) -> list[dict[str, object]]:
+        """Per phase: name, seconds, highest RSS sampled in it and the heap figures at its start."""
+        rows = []
+        for (start, name, heap), (end, *_) in zip(self.marks, self.marks[1:]):  # the last mark only ends
+            peak = max((rss for t, rss in self.samples if start <= t < end), default=0)
+            rows.append({"phase": name, "seconds": end - start, "peak_rss": peak, **(heap or {})})
+        return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    """Trace one configuration; print the phases and the peak; return {'peak_phase', 'peak_rss', 'io_wait'}."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--optimizer", choices=["torch", "offload"], default="offload")
+    ap.add_argument("--fraction", type=float, default=1.0)
+    ap.add_argument("--dir", default=None, help="directory on the NVMe disk for the swap file")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--sub-group-size", type=int, default=1 << 21)
+    ap.add_argument("--buffer-count", type=int, default=4)
+    ap.add_argument("--model-config", default="{}", help="JSON overrides of GPT2Config (tests use a tiny model)")
+    args = ap.parse_args(argv)
+
+    import torch
+    import transformers
+
+    from offload.adam import OffloadAdam
+
+    transformers.logging.set_verbosity_error()
+    print(f"GPT-2 {args.model_config} {args.optimizer} fraction={args.fraction} batch={args.batch} seq={args.seq} "
+          f"steps={args.steps} (+1 warm-up) sub_group_size={args.sub_group_size} buffer_count={args.buffer_count} "
+          f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_')}")
+    with RssSampler() as sampler:
+        sampler.mark("model")
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(**json.loads(args.model_config))
+        model = transformers.GPT2LMHeadModel(config).train()
+        if args.optimizer == "torch":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
+        else:
+            opt = OffloadAdam(model.parameters(), lr=1e-4, nvme_offload_fraction=args.fraction,
+                              nvme_offload_dir=args.dir, sub_group_size=args.sub_group_size,
+                              buffer_count=args.buffer_count, overlap_backward=True)
+        tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq),
+                               generator=torch.Generator().manual_seed(1))
+        for step in range(args.steps + 1):
+            sampler.mark(f"{step}.forward")
+            loss = model(input_ids=tokens, labels=tokens).loss
+            sampler.mark(f"{step}.backward")
+            loss.backward()
+            sampler.mark(f"{step}.step")
+            opt.step()
+            opt.zero_grad()
+        sampler.mark("end")
+        io_wait = opt.io_wait_seconds() if isinstance(opt, OffloadAdam) else 0.0
+        if isinstance(opt, OffloadAdam):
+            opt.close()
+    rows = sampler.phases()
+    print(f"{'phase':12s} {'seconds':>8s} {'peak RSS':>9s} {'heap':>7s} {'in use':>7s} {'mmapped':>8s}  (MB; heap "
+          "figures at the phase's start)")
+    for row in rows:
+        heap = "".join(f" {row[k] / 1e6:7.0f}" if k in row else "       -" for k in ("heap", "in_use", "mmapped"))
+        print(f"{row['phase']:12s} {row['seconds']:8.3f} {row['peak_rss'] / 1e6:9.0f}{heap}")
+    top = max(rows, key=lambda r: r["peak_rss"])
+    print(f"peak RSS {top['peak_rss'] / 1e6:.0f} MB in phase {top['phase']}; io wait {io_wait:.3f} s "
+          "(all steps, warm-up included)")
+    return {"peak_phase": top["phase"], "peak_rss": top["peak_rss"], "io_wait": io_wait}
+
+
+if __name__ == "__main__":
+    main()
