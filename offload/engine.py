@@ -94,12 +94,31 @@ def _process_group() -> tuple[int, int, Any]:
     return dist.get_world_size(), dist.get_rank(), None
 
 
+_NO_EFFECT = ("stage3_max_reuse_distance", "reduce_bucket_size", "overlap_comm", "contiguous_gradients",
+              "allgather_partitions", "allgather_bucket_size", "reduce_scatter")
+
+
+def _warn_no_effect(zero: Any) -> None:
+    """Say so, rather than silently ignore, when a key this engine does not use is set to a non-default value."""
+    from .config import ZeroConfig
+
+    defaults = ZeroConfig()
+    changed = [key for key in _NO_EFFECT if getattr(zero, key) != getattr(defaults, key)]
+    if zero.offload_optimizer.fast_init:
+        changed.append("offload_optimizer.fast_init")
+    if changed:
+        log.warning("zero_optimization: %s set but without effect in this engine (gradients are reduced per "
+                    "parameter as produced, parameters released after each use); see docs/engine.md",
+                    ", ".join(changed))
+
+
 def _assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int, group: Any,
               optimizer: Any, lr_scheduler: Any) -> "Engine":
     """Build the engine in the order each part needs the one before it."""
     zero = cfg.zero_optimization
     offload_param, offload_opt = zero.offload_param, zero.offload_optimizer
     check_nvme_paths(cfg)
+    _warn_no_effect(zero)
     if cfg.fp16.enabled:
         model.half()
     elif cfg.bf16.enabled:

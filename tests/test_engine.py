@@ -476,3 +476,12 @@ def test_steps_per_print_and_wall_clock_breakdown_are_logged(disk_dir, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "offload"]
     assert len(lines) == 2 and lines[0].startswith("step 2: lr [0.01]") and "backward" in lines[1]
     engine.close()
+
+
+def test_keys_without_effect_are_named_in_a_warning(disk_dir, caplog):
+    config = engine_config(disk_dir)
+    config["zero_optimization"].update(stage3_max_reuse_distance=0, overlap_comm=False)
+    with caplog.at_level("WARNING", logger="offload"):
+        engine, *_ = initialize(model=mlp(), config=config)
+    assert any("stage3_max_reuse_distance, overlap_comm" in r.getMessage() for r in caplog.records)
+    engine.close()
