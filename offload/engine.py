@@ -16,6 +16,7 @@ partition; `OffloadAdam` steps the partitions with its state in memory or on NVM
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -102,8 +103,8 @@ def _warn_no_effect(zero: Any) -> None:
     """Say so, rather than silently ignore, when a key this engine does not use is set to a non-default value."""
     from .config import ZeroConfig
 
-    defaults = ZeroConfig()
-    changed = [key for key in _NO_EFFECT if getattr(zero, key) != getattr(defaults, key)]
+    defaults = {f.name: f.default for f in dataclasses.fields(ZeroConfig)}
+    changed = [key for key in _NO_EFFECT if getattr(zero, key) != defaults[key]]
     if zero.offload_optimizer.fast_init:
         changed.append("offload_optimizer.fast_init")
     if changed:

@@ -1,4 +1,5 @@
-"""World size 2 (two CPU processes over gloo, started here) against world size 1 with the same global batch."""
+"""World size 2 (two CPU processes over gloo, started here) against world size 1 with the same global batch,
+and a checkpoint written by both ranks and loaded back."""
 
 from __future__ import annotations
 
@@ -58,9 +59,17 @@ def run(rank: int, world_size: int, tmp: str, param: str, opt: str, gas: int, ou
             torch.distributed.all_reduce(total)
         losses.append(total.item() / world_size)
     params = {n: t for n, t in engine.full_parameters()}
+    # Every rank saves its partitions into one atomic checkpoint; a fresh engine loads them back.
+    path = engine.save_checkpoint(os.path.join(tmp, f"ckpt{world_size}"), client_state={"rank0": rank == 0})
+    engine.close()
+    fresh, *_ = initialize(model=gpt2(), config=config(tmp, param, opt, world_size, gas))
+    loaded, client = fresh.load_checkpoint(os.path.join(tmp, f"ckpt{world_size}"))
+    reloaded = {n: t for n, t in fresh.full_parameters()}
+    fresh.close()
+    assert loaded == path and client == {"rank0": rank == 0}
+    assert all(torch.equal(reloaded[n], t) for n, t in params.items())
     if rank == 0:
         torch.save({"losses": losses, "params": params, "steps": engine.global_steps}, out)
-    engine.close()
     if world_size > 1:
         torch.distributed.destroy_process_group()
 
