@@ -15,11 +15,9 @@ partition; `OffloadAdam` steps the partitions with its state in memory or on NVM
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
-import time
 import weakref
 from typing import Any, Callable, Iterable, Mapping
 
@@ -33,6 +31,7 @@ from ._params import ParamRecord, ParamStore, build_records
 from .adam import OffloadAdam
 from .config import EngineConfig, check_against_model, check_nvme_paths, world_size_from_env
 from .loss_scaler import build_loss_scaler
+from .timers import PhaseTimers
 
 __all__ = ["Engine", "initialize"]
 
@@ -234,7 +233,7 @@ class Engine:
         self._store = store
         self._reducer = reducer
         self._chunks = _step_chunks(store.records, config)
-        self._times: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        self.timers = PhaseTimers.from_config(config, log=log.info if rank == 0 else (lambda line: None))
         self._finalizer = weakref.finalize(self, _close, store, reducer, optimizer)
 
     # ---- training ---------------------------------------------------------------------------------
@@ -246,7 +245,7 @@ class Engine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward pass (parameters are gathered module by module)."""
         self._store.prefetcher.cursor = 0
-        with self._timed("forward"), torch.autograd.graph.saved_tensors_hooks(self._store.pack, self._store.unpack):
+        with self.timers.phase("forward"), torch.autograd.graph.saved_tensors_hooks(self._store.pack, self._store.unpack):
             return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -260,7 +259,7 @@ class Engine:
             loss = self.loss_scaler.scale_loss(loss)
         try:
             # Saved-tensor hooks here too: reentrant activation checkpointing re-runs forward in backward.
-            with self._timed("backward"), torch.autograd.graph.saved_tensors_hooks(self._store.pack, self._store.unpack):
+            with self.timers.phase("backward"), torch.autograd.graph.saved_tensors_hooks(self._store.pack, self._store.unpack):
                 loss.backward()
         finally:
             # Sync point: every gathered parameter and unused prefetch is released.
@@ -278,35 +277,19 @@ class Engine:
         the minimum loss scale.
         """
         if self.is_gradient_accumulation_boundary():
-            with self._timed("step"):
+            with self.timers.phase("step"):
                 self._optimizer_step()
             self.global_steps += 1
             if self.global_steps % self.config.steps_per_print == 0:
                 self._report()
+            self.timers.step_done()  # wall_clock_breakdown: its own line every steps_per_print steps
         self.micro_steps += 1
 
-    @contextlib.contextmanager
-    def _timed(self, phase: str):
-        """Accumulate wall-clock time per phase when wall_clock_breakdown is on."""
-        if not self.config.wall_clock_breakdown:
-            yield
-            return
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._times[phase] += time.perf_counter() - start
-
     def _report(self) -> None:
-        """Every steps_per_print steps: log the step, learning rate, loss scale and (optionally) the times."""
+        """Every steps_per_print steps: log the step, learning rates, skipped steps and loss scale."""
         scale = f", loss scale {self.loss_scaler.loss_scale:g}" if self.loss_scaler is not None else ""
-        message = (f"step {self.global_steps}: lr {self.get_lr()}, skipped {self.skipped_steps}{scale}")
-        if self.config.wall_clock_breakdown:
-            steps = self.config.steps_per_print
-            message += "; per step " + ", ".join(f"{k} {v / steps * 1000:.1f} ms" for k, v in self._times.items())
-            self._times = dict.fromkeys(self._times, 0.0)
         if self.rank == 0:
-            log.info(message)
+            log.info(f"step {self.global_steps}: lr {self.get_lr()}, skipped {self.skipped_steps}{scale}")
 
     def _optimizer_step(self) -> None:
         records = [rec for rec in self._store.records if rec.param.requires_grad]
@@ -446,29 +429,12 @@ class Engine:
                  "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
                  "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
                  "client_state": dict(client_state or {})}
-        # Rank 0 owns the atomic save (one process per save_dir); every rank writes into its staging
-        # directory, and the tag commits only after all ranks' files are in place (sync point).
-        if self.rank == 0:
-            with atomic_checkpoint(save_dir, tag) as staging:
-                self._write_rank_files(self._share(str(staging)), partitions, state, save_tensors_safetensors)
-        else:
-            self._write_rank_files(self._share(None), partitions, state, save_tensors_safetensors)
-        if self.world_size > 1:
-            dist.barrier(group=self.group)  # the tag is committed before any rank returns
+        # One staging directory for all ranks; the tag commits only once every rank's files are in
+        # place, and if any rank fails nothing becomes visible and every rank raises.
+        with atomic_checkpoint(save_dir, tag, all_ranks=True, group=self.group) as staging:
+            save_tensors_safetensors(os.path.join(staging, _params_file(self.rank)), partitions)
+            torch.save(state, os.path.join(staging, _state_file(self.rank)))
         return os.path.join(os.fspath(save_dir), tag)
-
-    def _share(self, value: str | None) -> str:
-        if self.world_size == 1:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
-
-    def _write_rank_files(self, directory: str, partitions: dict, state: dict, save_tensors: Callable) -> None:
-        save_tensors(os.path.join(directory, _params_file(self.rank)), partitions)
-        torch.save(state, os.path.join(directory, _state_file(self.rank)))
-        if self.world_size > 1:
-            dist.barrier(group=self.group)
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None
                         ) -> tuple[str | None, dict[str, Any] | None]:

@@ -474,7 +474,8 @@ def test_steps_per_print_and_wall_clock_breakdown_are_logged(disk_dir, caplog):
     with caplog.at_level("INFO", logger="offload"):
         train(engine, mlp_batches(4), mlp_loss)
     lines = [r.getMessage() for r in caplog.records if r.name == "offload"]
-    assert len(lines) == 2 and lines[0].startswith("step 2: lr [0.01]") and "backward" in lines[1]
+    assert [line.split()[:2] for line in lines] == [["step", "2:"], ["step", "2"], ["step", "4:"], ["step", "4"]]
+    assert lines[0].startswith("step 2: lr [0.01]") and "backward" in lines[1] and "forward" in lines[1]
     engine.close()
 
 
