@@ -85,7 +85,7 @@ class GradReducer:
             buffer = aligned_tensor(rec.partition_numel, torch.float32)
             buffer.copy_(part)
         del part, grad, flat
-        rec.grad_sumsq = buffer.double().pow(2).sum()
+        rec.grad_norm = torch.linalg.vector_norm(buffer)  # one pass, while the buffer is in cache
         self._writes.append((self.swap.write(buffer, rec.grad_offset), buffer))
         rec.grad_on_disk = True
         while len(self._writes) > _WRITES_IN_FLIGHT:
@@ -112,7 +112,7 @@ class GradReducer:
         for rec in self.store.records:
             rec.grad = None
             rec.grad_on_disk = False
-            rec.grad_sumsq = None
+            rec.grad_norm = None
 
     def remove(self) -> None:
         for hook in self._hooks:

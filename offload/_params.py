@@ -74,8 +74,9 @@ class ParamRecord:
     """Byte offset of the gradient partition in the gradient swap file (gradients offloaded to NVMe)."""
     grad_on_disk: bool = False
     """The gradient swap file holds this step's accumulated gradient partition."""
-    grad_sumsq: torch.Tensor | None = None
-    """Sum of squares of the offloaded accumulated gradient (float64): for clipping and overflow checks."""
+    grad_norm: torch.Tensor | None = None
+    """L2 norm of the offloaded accumulated gradient (float32, inf/nan if any element is): for clipping
+    and the fp16 overflow check."""
     accumulator: object = None
     """The parameter's AccumulateGrad node, held so that its hooks stay registered."""
 

@@ -344,7 +344,7 @@ class Engine:
         self._reducer.drain()  # sync point: every offloaded gradient is on disk
         # Offloaded gradients are summarised by their partition's norm: the global norm and the
         # overflow check need nothing else, and they are scaled when read back in phase 3.
-        norms = [rec.grad_sumsq.sqrt().float() for rec in records if rec.grad_on_disk]
+        norms = [rec.grad_norm.clone() for rec in records if rec.grad_on_disk]
         factor = 1.0
         # 1. fp16: a step with an inf/NaN gradient on any rank is skipped and the scale lowered.
         if self.loss_scaler is not None:
@@ -393,7 +393,7 @@ class Engine:
             if rec.grad is not None:
                 total += rec.grad.double().pow(2).sum()
             elif rec.grad_on_disk:
-                total += rec.grad_sumsq
+                total += rec.grad_norm.double() ** 2
         if self.world_size > 1:
             dist.all_reduce(total, group=self.group)
         return float(total.sqrt())
