@@ -125,7 +125,7 @@ class Request:
     def _finish(self) -> None:
         for fd in self.owned_fds:
             os.close(fd)
-        self.tensor = None
+        self.tensor = self.memory = None  # the caller's memory is released with the last piece
         self.future._resolve(0 if self.error else self.nbytes, self.error)
 
 
@@ -177,6 +177,11 @@ class Task:
     def position(self) -> int:
         """File offset of the next byte to move."""
         return self.file_offset + self.done
+
+    def window_span(self) -> tuple[int, int]:
+        """(address, length) of the memory the next system call moves."""
+        view = self.window()
+        return (_address(view) if len(view) else 0), len(view)
 
     def window(self) -> memoryview:
         """The memory the next system call moves."""

@@ -8,6 +8,7 @@ The worker sleeps in a read of an eventfd that the ring signals on every complet
 from __future__ import annotations
 
 import collections
+import ctypes
 import errno
 import logging
 import os
@@ -51,6 +52,10 @@ def _probe_once() -> tuple[bool, str]:
         import liburing as L
     except ImportError as exc:
         return False, f"the liburing package is not importable ({exc}); pip install liburing"
+    try:
+        SlotIovec(L)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        return False, f"the installed liburing {L.__version__} is not usable: {exc}"
     ring = L.Ring()
     try:
         L.io_uring_queue_init(2, ring)
@@ -73,6 +78,40 @@ def _probe_once() -> tuple[bool, str]:
     if not ok:
         return False, "an io_uring no-op completed wrongly"
     return True, f"io_uring works (Linux {platform.release()}, liburing {L.__version__})"
+
+
+# The liburing package's Iovec never releases the buffers it was built from: one Iovec per piece
+# would keep every tensor it ever moved alive. So each ring slot builds one Iovec, once, over a
+# one-byte anchor, and points its C `struct iovec` at each piece's memory. The object layout this
+# relies on (PyObject header, then `size_t len`, then `struct iovec *`) is checked by `SlotIovec`
+# itself, and by the probe, before any I/O: a liburing that lays it out otherwise is not used.
+_HEADER = ctypes.sizeof(ctypes.c_ssize_t) + ctypes.sizeof(ctypes.c_void_p)
+
+
+class _CIovec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+class SlotIovec:
+    """A liburing ``Iovec`` of one entry that can be re-pointed at any memory without a new object.
+
+    Raises RuntimeError when the installed liburing lays its Iovec out differently than expected.
+    """
+
+    def __init__(self, L) -> None:
+        self._anchor = bytearray(1)  # kept alive for good by the Iovec, by design of liburing
+        self.iovec = L.Iovec([memoryview(self._anchor)])
+        count = ctypes.c_size_t.from_address(id(self.iovec) + _HEADER).value
+        entry = _CIovec.from_address(ctypes.c_void_p.from_address(id(self.iovec) + _HEADER + 8).value)
+        anchor = ctypes.addressof(ctypes.c_char.from_buffer(self._anchor))
+        if count != 1 or entry.iov_base != anchor or entry.iov_len != 1:
+            raise RuntimeError("liburing's Iovec layout is not the one tensorio knows")
+        self._entry = entry
+
+    def point(self, address: int, length: int) -> None:
+        """Make the Iovec describe ``length`` bytes at ``address``."""
+        self._entry.iov_base = address
+        self._entry.iov_len = length
 
 
 class UringBackend:
@@ -119,8 +158,9 @@ class _Worker(threading.Thread):
         self._stopping = False
         self._broken: BaseException | None = None  # set when the ring itself failed
         self._enqueue_lock = threading.Lock()  # orders enqueue against the ring failing
-        # One staging buffer per slot: anonymous mappings that cost RSS only once used.
+        # One staging buffer and one iovec per slot: anonymous mappings that cost RSS only once used.
         self._staging = [byte_view(aligned_tensor(piece_bytes)) for _ in range(self._depth)]
+        self._iovecs = [SlotIovec(L) for _ in range(self._depth)]
 
     def enqueue(self, tasks: list[Task]) -> None:
         with self._enqueue_lock:
@@ -143,7 +183,7 @@ class _Worker(threading.Thread):
     def run(self) -> None:
         L, ring = self._L, self._ring
         free = list(range(self._depth))
-        inflight: dict[int, tuple[Task, object]] = {}  # slot -> (task, the iovec the kernel reads)
+        inflight: dict[int, Task] = {}  # slot -> the task whose piece the kernel holds
         again: collections.deque[tuple[int, Task]] = collections.deque()  # short transfers to continue
         cqe = L.Cqe()
         try:
@@ -158,7 +198,7 @@ class _Worker(threading.Thread):
                     except OSError as exc:  # the binding raises for a negative result
                         result = -(exc.errno or errno.EIO)
                     L.io_uring_cqe_seen(ring, entry)
-                    task = inflight.pop(slot)[0]
+                    task = inflight.pop(slot)
                     try:
                         if not task.advance(result, self._align):
                             again.append((slot, task))
@@ -174,7 +214,8 @@ class _Worker(threading.Thread):
                     prepared = 0
                     while again:
                         slot, task = again.popleft()
-                        inflight[slot] = (task, self._prep(slot, task))
+                        self._prep(slot, task)
+                        inflight[slot] = task
                         prepared += self._submit_one()
                     while free and self._incoming:
                         task = self._incoming.popleft()
@@ -188,7 +229,8 @@ class _Worker(threading.Thread):
                             task.finish(task.error_from(exc))
                             free.append(slot)
                             continue
-                        inflight[slot] = (task, self._prep(slot, task))
+                        self._prep(slot, task)
+                        inflight[slot] = task
                         prepared += self._submit_one()
                     if prepared:
                         L.io_uring_submit(ring)
@@ -204,21 +246,22 @@ class _Worker(threading.Thread):
         finally:
             L.io_uring_queue_exit(ring)  # waits for or cancels what the kernel still holds
         with self._enqueue_lock:  # from here on enqueue fails tasks itself
-            stranded = [task for task, _ in inflight.values()] + [task for _, task in again] + list(self._incoming)
+            stranded = list(inflight.values()) + [task for _, task in again] + list(self._incoming)
             self._incoming.clear()
         for task in stranded:
             task.finish(task.error_from(self._broken or RuntimeError("io_uring worker stopped")))
 
-    def _prep(self, slot: int, task: Task) -> object:
+    def _prep(self, slot: int, task: Task) -> None:
         L = self._L
-        iovec = L.Iovec([task.window()])
+        slot_iovec = self._iovecs[slot]
+        slot_iovec.point(*task.window_span())
+        iovec = slot_iovec.iovec
         sqe = L.io_uring_get_sqe(self._ring)
         if task.request.write:
             L.io_uring_prep_writev(sqe, task.fd, iovec, task.position)
         else:
             L.io_uring_prep_readv(sqe, task.fd, iovec, task.position)
         L.io_uring_sqe_set_data64(sqe, slot)
-        return iovec
 
     def _submit_one(self) -> int:
         """Count a prepared entry; with single_submit, submit it now with its own system call."""

@@ -166,3 +166,21 @@ def test_direct_true_refused_on_tmpfs(tmpfs_dir):
     with AioHandle(direct=True, backend="threads") as handle:
         with pytest.raises(tensorio.TensorIOError, match="O_DIRECT is unavailable"):
             handle.write(torch.zeros(10), tmpfs_dir / "x.bin")
+
+
+def test_buffers_are_released_after_their_requests(disk_dir, backend):
+    # liburing's Iovec keeps whatever buffer it was built from alive; tensorio must not leak that way.
+    import gc
+    import weakref
+
+    with AioHandle(block_size=4096, backend=backend) as handle:
+        handle.write(torch.zeros(5 * 4096, dtype=torch.uint8), disk_dir / "w.bin").result()
+        refs = []
+        for _ in range(3):
+            tensor = torch.empty(5 * 4096, dtype=torch.uint8)
+            handle.read(tensor, disk_dir / "w.bin").result()
+            handle.write(tensor[1:], disk_dir / "x.bin", 3).result()  # staged and buffered pieces too
+            refs.append(weakref.ref(tensor))
+            del tensor
+        gc.collect()
+        assert [r() for r in refs] == [None, None, None]
