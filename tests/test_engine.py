@@ -27,7 +27,7 @@ def mlp() -> nn.Module:
 
 def gpt2(dropout: float = 0.1) -> nn.Module:
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
                                      bos_token_id=0, eos_token_id=0, resid_pdrop=dropout, embd_pdrop=dropout,
                                      attn_pdrop=dropout)
     return transformers.GPT2LMHeadModel(config)
@@ -40,7 +40,7 @@ def mlp_batches(n: int = 10, batch: int = 4) -> list[tuple[torch.Tensor, torch.T
 
 def gpt2_batches(n: int = 10, batch: int = 2) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 128, (batch, 16), generator=g) for _ in range(n)]
+    return [torch.randint(0, 64, (batch, 8), generator=g) for _ in range(n)]
 
 
 def mlp_loss(model, batch):
@@ -54,8 +54,8 @@ def gpt2_loss(model, batch):
 
 def llama() -> nn.Module:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=32,
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=16,
                                       tie_word_embeddings=False)
     return transformers.LlamaForCausalLM(config)
 
@@ -163,7 +163,7 @@ def test_prefetch_with_a_changed_order_is_still_correct(disk_dir):
     """An eval forward between training steps and a different sequence length change the gather order."""
     build, data, loss_fn = MODELS["gpt2"]
     batches = data(6)
-    batches[3] = batches[3][:, :7]
+    batches[3] = batches[3][:, :5]
     ref_losses, ref_params = reference(build(), batches, loss_fn, 1)
     config = engine_config(disk_dir, "nvme", "nvme", micro=2)
     config["zero_optimization"]["offload_param"]["buffer_count"] = 3
@@ -173,7 +173,7 @@ def test_prefetch_with_a_changed_order_is_still_correct(disk_dir):
         if i == 2:
             with torch.no_grad():
                 engine.eval()
-                engine(batch[:, :5])
+                engine(batch[:, :3])
                 engine.train()
         loss = loss_fn(engine, batch)
         engine.backward(loss)
@@ -187,7 +187,7 @@ def test_budget_of_one_buffer_never_fails(disk_dir):
     """DeepSpeed's "Not enough buffers 0 for swapping 1": here a budget smaller than a layer only
     stops prefetching, reads on demand still happen."""
     config = engine_config(disk_dir, "nvme", "cpu", micro=2)
-    config["zero_optimization"]["offload_param"].update(buffer_count=1, buffer_size=16384)
+    config["zero_optimization"]["offload_param"].update(buffer_count=1, buffer_size=4096)  # one partition
     config["zero_optimization"]["stage3_max_reuse_distance"] = 0
     engine, *_ = initialize(model=gpt2(), config=config)
     train(engine, gpt2_batches(3), gpt2_loss)
