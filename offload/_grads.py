@@ -41,8 +41,9 @@ class GradReducer:
                 continue
             if swap is not None:
                 rec.grad_offset = swap.allocate(rec.partition_numel * 4)
-            self._hooks.append(rec.accumulator.register_prehook(functools.partial(self._before_accumulate, rec)))
-            self._hooks.append(rec.param.register_post_accumulate_grad_hook(functools.partial(self._after_accumulate, rec)))
+            before, after = functools.partial(self._before_accumulate, rec), functools.partial(self._after_accumulate, rec)
+            self._hooks.append(rec.accumulator.register_prehook(before))
+            self._hooks.append(rec.param.register_post_accumulate_grad_hook(after))
 
     def _before_accumulate(self, rec: ParamRecord, grads: tuple) -> None:
         if rec.full is None:  # released: a stand-in of the full shape, zero strides, one element

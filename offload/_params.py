@@ -263,6 +263,10 @@ class ParamStore:
             self.release(rec)  # the view keeps the memory alive while the backward node runs
         return view
 
+    def saved_tensor_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The pack/unpack hooks as a context manager, for the forward and backward passes."""
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
     def remove_hooks(self) -> None:
         for hook in self._hooks:
             hook.remove()

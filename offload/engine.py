@@ -245,7 +245,7 @@ class Engine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward pass (parameters are gathered module by module)."""
         self._store.prefetcher.cursor = 0
-        with self.timers.phase("forward"), torch.autograd.graph.saved_tensors_hooks(self._store.pack, self._store.unpack):
+        with self.timers.phase("forward"), self._store.saved_tensor_hooks():
             return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -259,7 +259,7 @@ class Engine:
             loss = self.loss_scaler.scale_loss(loss)
         try:
             # Saved-tensor hooks here too: reentrant activation checkpointing re-runs forward in backward.
-            with self.timers.phase("backward"), torch.autograd.graph.saved_tensors_hooks(self._store.pack, self._store.unpack):
+            with self.timers.phase("backward"), self._store.saved_tensor_hooks():
                 loss.backward()
         finally:
             # Sync point: every gathered parameter and unused prefetch is released.

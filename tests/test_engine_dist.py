@@ -3,7 +3,6 @@ and a checkpoint written by both ranks and loaded back."""
 
 from __future__ import annotations
 
-import copy
 import os
 import socket
 
