@@ -221,12 +221,18 @@ def _tags(directory: Path) -> str:
     return ", ".join(tags) if tags else "none"
 
 
+def _ignore_vanished(function, path, exc_info) -> None:
+    if not issubclass(exc_info[0], FileNotFoundError):
+        raise exc_info[1]
+
+
 def _clean_leftovers(save_dir: Path) -> None:
     for entry in save_dir.iterdir():
         if entry.name.startswith(_STAGING):
-            shutil.rmtree(entry)
+            # another process (a rank cleaning up its failed save) may be removing it at the same time
+            shutil.rmtree(entry, onerror=_ignore_vanished)
         elif entry.name.startswith(_LATEST_TMP):
-            entry.unlink()
+            entry.unlink(missing_ok=True)
         elif entry.name.startswith(_REPLACED):
             # a crash between the two renames of a replacement: the old contents are whole, the new are
             # not in place, so put the old back; a crash after the second rename: the old are garbage
