@@ -13,7 +13,6 @@ and never fails for lack of a buffer, so the peak is the budget plus the paramet
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -35,11 +34,6 @@ class ParamSwapFile:
 
     def __init__(self, directory: str, aio: AioConfig, kind: str = "params") -> None:
         self.path = os.path.join(directory, f"offload-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}.swp")
-        if aio.backend == "auto":
-            # liburing's Iovec (2026.3.30) never releases the buffer it is given, so through the
-            # io_uring backend every fresh buffer read into would stay allocated for good. The thread
-            # backend moves the same O_DIRECT pieces; an explicit backend="io_uring" is still obeyed.
-            aio = dataclasses.replace(aio, backend="threads")
         self._handle = AioHandle.from_config(aio)
         self._end = 0
         self.bytes_read = 0
