@@ -43,8 +43,8 @@ def _peak_rss_bytes() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def _child(args: argparse.Namespace) -> None:
-    """One configuration in this process: print {"seconds", "peak_rss"} as JSON on the last line."""
+def build_run(args: argparse.Namespace):
+    """The benchmark's (model, optimizer, tokens) for one configuration, seeded alike for every one."""
     import torch
     import transformers
 
@@ -61,6 +61,15 @@ def _child(args: argparse.Namespace) -> None:
                           nvme_offload_dir=args.dir, sub_group_size=args.sub_group_size,
                           buffer_count=args.buffer_count, overlap_backward=True)
     tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
+    return model, opt, tokens
+
+
+def _child(args: argparse.Namespace) -> None:
+    """One configuration in this process: print {"seconds", "peak_rss"} as JSON on the last line."""
+
+    from offload.adam import OffloadAdam
+
+    model, opt, tokens = build_run(args)
 
     def train_step() -> None:
         model(input_ids=tokens, labels=tokens).loss.backward()

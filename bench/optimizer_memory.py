@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import threading
 import time
@@ -89,28 +88,16 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--model-config", default="{}", help="JSON overrides of GPT2Config (tests use a tiny model)")
     args = ap.parse_args(argv)
 
-    import torch
-    import transformers
 
+    from bench.optimizer_colossal import build_run
     from offload.adam import OffloadAdam
 
-    transformers.logging.set_verbosity_error()
     print(f"GPT-2 {args.model_config} {args.optimizer} fraction={args.fraction} batch={args.batch} seq={args.seq} "
           f"steps={args.steps} (+1 warm-up) sub_group_size={args.sub_group_size} buffer_count={args.buffer_count} "
           f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_')}")
     with RssSampler() as sampler:
         sampler.mark("model")
-        torch.manual_seed(0)
-        config = transformers.GPT2Config(**json.loads(args.model_config))
-        model = transformers.GPT2LMHeadModel(config).train()
-        if args.optimizer == "torch":
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
-        else:
-            opt = OffloadAdam(model.parameters(), lr=1e-4, nvme_offload_fraction=args.fraction,
-                              nvme_offload_dir=args.dir, sub_group_size=args.sub_group_size,
-                              buffer_count=args.buffer_count, overlap_backward=True)
-        tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq),
-                               generator=torch.Generator().manual_seed(1))
+        model, opt, tokens = build_run(args)
         for step in range(args.steps + 1):
             sampler.mark(f"{step}.forward")
             loss = model(input_ids=tokens, labels=tokens).loss

@@ -19,7 +19,7 @@ import torch
 from tensorio import AioConfig
 
 from ._subgroups import Member, ParamSpec, SubGroupPlan, plan_subgroups
-from ._swapper import StateSwapper, SwapConfig, SwapRecord, Where
+from ._swapper import StateSwapper, SwapConfig, Where
 
 __all__ = ["OffloadAdam"]
 

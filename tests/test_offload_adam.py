@@ -7,7 +7,6 @@ tail; sub-groups cut parameters only at multiples of 1024 elements, so fp32 resu
 from __future__ import annotations
 
 import errno
-import itertools
 import os
 import subprocess
 
