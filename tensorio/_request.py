@@ -79,7 +79,7 @@ class IOFuture:
 class Request:
     """One read or write of a whole tensor: owns its file descriptors until its last piece is done."""
 
-    __slots__ = ("write", "path", "tensor", "memory", "direct_fd", "buffered_fd", "owned_fds",
+    __slots__ = ("write", "path", "tensor", "memory", "address", "direct_fd", "buffered_fd", "owned_fds",
                  "offset", "nbytes", "future", "error", "_remaining", "_lock")
 
     def __init__(self, *, write: bool, path: str, tensor: torch.Tensor, offset: int,
@@ -88,6 +88,7 @@ class Request:
         self.path = path
         self.tensor = tensor  # kept alive until the I/O is done
         self.memory = byte_view(tensor)
+        self.address = tensor.data_ptr()
         self.offset = offset
         self.nbytes = len(self.memory)
         self.direct_fd = direct_fd
@@ -180,8 +181,8 @@ class Task:
 
     def window_span(self) -> tuple[int, int]:
         """(address, length) of the memory the next system call moves."""
-        view = self.window()
-        return (_address(view) if len(view) else 0), len(view)
+        base = _address(self.staging) if self.staging is not None else self.request.address + self.buf_offset
+        return base + self.done, self.length - self.done
 
     def window(self) -> memoryview:
         """The memory the next system call moves."""
