@@ -132,7 +132,7 @@ class AioHandle:
                                     offset=offset, length=nbytes) from None
             owned.append(buffered_fd)
         request = Request(write=write, path=name, tensor=tensor, offset=offset, direct_fd=direct_fd,
-                          buffered_fd=buffered_fd if buffered_fd is not None else direct_fd,
+                          buffered_fd=buffered_fd,
                           owned_fds=owned, pieces=len(pieces))
         if pieces:
             self._backend.submit([Task(request, piece) for piece in pieces])

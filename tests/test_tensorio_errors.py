@@ -146,3 +146,25 @@ def test_io_uring_refused_clearly_when_forced_and_missing(monkeypatch):
         AioHandle(backend="io_uring")
     with AioHandle(backend="auto") as h:
         assert h.backend_name == "threads"
+
+
+def test_short_direct_transfer_is_finished_through_the_page_cache(disk_dir, monkeypatch):
+    # The kernel may move fewer bytes than asked; an unaligned remainder cannot go back to O_DIRECT.
+    real = os.pwritev
+    calls = []
+
+    def short_first(fd, buffers, offset):
+        calls.append(offset)
+        if len(calls) == 1:  # move one page, report 1000 bytes: an unaligned remainder is left
+            real(fd, [memoryview(buffers[0])[:4096]], offset)
+            return 1000
+        return real(fd, buffers, offset)
+
+    tensor = tensorio.locked_tensor(3 * 4096, torch.uint8)
+    tensor.copy_(torch.arange(3 * 4096).remainder(251).to(torch.uint8))
+    with AioHandle(block_size=3 * 4096, backend="threads") as h:
+        h.write(tensor[:1], disk_dir / "probe.bin").result()  # the directory's O_DIRECT probe, done
+        monkeypatch.setattr(os, "pwritev", short_first)
+        assert h.write(tensor, disk_dir / "short.bin").result() == 3 * 4096
+    assert calls[:2] == [0, 1000]
+    assert (disk_dir / "short.bin").read_bytes() == tensor.numpy().tobytes()
