@@ -23,6 +23,7 @@ import torch
 
 from tensorio import AioConfig, AioHandle, IOFuture, TensorIOError, aligned_tensor, locked_tensor
 
+from ._spare import SparePool
 from ._subgroups import SubGroupPlan
 
 PAGE = 4096
@@ -107,8 +108,14 @@ class SwapRecord:
     written: bool = False
     """Whether the other slot holds this step's new state (not committed yet)."""
     where: Where = Where.ON_DISK
+    regions: list[torch.Tensor] | None = None
+    """The state in memory: ``plan.regions`` fp32 tensors of ``plan.region`` elements (exp_avg,
+    exp_avg_sq[, master copy]); views of one fixed buffer, or of spare memory (see `add_spare`)."""
     buffer: torch.Tensor | None = None
-    future: IOFuture | None = None
+    """The fixed buffer holding the regions back to back; None while they are in spare memory."""
+    futures: list[IOFuture] = field(default_factory=list)
+    spare_chunks: list = field(default_factory=list)
+    """The spare-memory chunk of each region, while the regions are in spare memory."""
 
     def slot_offset(self, slot: int) -> int:
         return self.offset + slot * self.plan.state_bytes
@@ -118,8 +125,9 @@ class StateSwapper:
     """Moves the state of offloaded sub-groups between the swap file and ``buffer_count`` buffers.
 
     Host memory held: ``buffer_count`` buffers of the largest offloaded sub-group's state, whatever
-    the number of sub-groups. Raises FileNotFoundError / PermissionError / TensorIOError at
-    construction when the swap file cannot be created in ``directory``.
+    the number of sub-groups, plus the spare memory the caller lends (`add_spare`). Raises
+    FileNotFoundError / PermissionError / TensorIOError at construction when the swap file cannot
+    be created in ``directory``.
     """
 
     def __init__(self, plans: list[SubGroupPlan], directory: str, config: SwapConfig) -> None:
@@ -136,6 +144,8 @@ class StateSwapper:
         self._free: list[torch.Tensor] = []
         self._by_address: dict[int, torch.Tensor] = {}
         self._writes: collections.deque[SwapRecord] = collections.deque()  # in flight, oldest first
+        self._spares = SparePool()  # memory lent by the caller (applied gradients)
+        self._smallest_region = min((4 * p.region for p in plans if p.offloaded), default=0)
         self.buffer_bytes = 0
         self.wait_seconds = 0.0
         """Seconds the caller has spent blocked on this swapper's I/O (every sync point below)."""
@@ -151,69 +161,98 @@ class StateSwapper:
         self._by_address = {buffer.data_ptr(): buffer for buffer in self._free}
         self.buffer_bytes = largest * config.buffer_count
 
-    # ---- moving one sub-group ---------------------------------------------------------------------
-
-    def has_free_buffer(self) -> bool:
-        """Whether a buffer is free now, or can be freed by waiting for a write in flight."""
-        return bool(self._free or self._writes)
+    # ---- memory -------------------------------------------------------------------------------------
 
     @property
     def free_buffers(self) -> int:
-        """Buffers free now, without waiting for anything."""
+        """Fixed buffers free now, without waiting for anything."""
         return len(self._free)
 
+    def has_free_buffer(self, rec: SwapRecord) -> bool:
+        """Whether memory for ``rec`` is free now, or can be freed by waiting for a write in flight."""
+        return bool(self._free or self._writes) or self.fits_in_spares(rec)
+
+    def add_spare(self, tensor: torch.Tensor) -> None:
+        """Lend the memory of a contiguous CPU ``tensor`` the caller is done with (a gradient already
+        applied) for state read ahead. Its page-aligned part is cut into regions as needed; the memory
+        is given back when `drop_spares` has been called and the last region cut from it is written."""
+        self._spares.lend(tensor, self._smallest_region)
+
+    def drop_spares(self) -> None:
+        """Stop using the lent memory; regions already cut from it stay until their writes finish."""
+        self._spares.clear()
+
+    def fits_in_spares(self, rec: SwapRecord) -> bool:
+        """Whether the spare memory has room for every region of ``rec``'s state."""
+        return self._spares.cut(rec.plan.regions, 4 * rec.plan.region, take=False) is not None
+
+    def holds_spare(self, rec: SwapRecord) -> bool:
+        """Whether ``rec``'s state is in spare memory."""
+        return bool(rec.spare_chunks)
+
+    # ---- moving one sub-group ---------------------------------------------------------------------
+
     def reap(self) -> None:
-        """Free the buffers of writes that have already finished; never waits. Raises TensorIOError."""
-        for rec in [r for r in self._writes if r.future.done()]:
+        """Free the memory of writes that have already finished; never waits. Raises TensorIOError."""
+        for rec in [r for r in self._writes if all(f.done() for f in r.futures)]:
             self._writes.remove(rec)
             self._finish_write(rec)
             self._release(rec)
 
-    def start_read(self, rec: SwapRecord) -> None:
-        """Start bringing ``rec``'s latest state into a buffer (waits for a write to free one if needed).
+    def finish_oldest_write(self) -> bool:
+        """Wait for the oldest write in flight (sync point) and free its memory; False if there is none.
 
-        A sub-group still being written keeps its buffer and needs no read. Raises TensorIOError.
+        Raises TensorIOError."""
+        if not self._writes:
+            return False
+        rec = self._writes.popleft()
+        self._finish_write(rec)
+        self._release(rec)
+        return True
+
+    def start_read(self, rec: SwapRecord, *, spare: bool = False) -> None:
+        """Start bringing ``rec``'s latest state into memory (waits for a write to free a buffer if needed).
+
+        ``spare``: into spare memory (see `add_spare`) rather than a fixed buffer. A sub-group still
+        being written keeps its memory and needs no read. Raises TensorIOError.
         """
         if rec.where is Where.WRITING:
             self._writes.remove(rec)
-            self._finish_write(rec)  # sync point: its buffer already holds the latest state
+            self._finish_write(rec)  # sync point: its memory already holds the latest state
             rec.where = Where.RESIDENT
             return
         assert rec.where is Where.ON_DISK, rec.where
-        rec.buffer = self._acquire()[: rec.plan.state_bytes // 4]
+        self._acquire(rec, spare=spare)
         latest_on_disk = rec.written or rec.on_disk
         if not latest_on_disk:
-            rec.buffer.zero_()
+            for region in rec.regions:
+                region.zero_()
             rec.where = Where.RESIDENT
             return
-        source = 1 - rec.slot if rec.written else rec.slot
-        rec.future = self._handle.read(rec.buffer, self.path, rec.slot_offset(source))
+        rec.futures = self._transfer(rec, 1 - rec.slot if rec.written else rec.slot, self._handle.read)
         rec.where = Where.READING
 
-    def wait_read(self, rec: SwapRecord) -> torch.Tensor:
-        """Wait for ``rec``'s read (sync point) and return its state buffer. Raises TensorIOError."""
+    def wait_read(self, rec: SwapRecord) -> list[torch.Tensor]:
+        """Wait for ``rec``'s read (sync point) and return its state regions. Raises TensorIOError."""
         if rec.where is Where.READING:
-            future, rec.future = rec.future, None
             try:
-                with self._blocked():
-                    moved = future.result()
-                _check_count(moved, rec, "read")
+                self._wait(rec, "read")
             except BaseException:
                 self._release(rec)
                 raise
             rec.where = Where.RESIDENT
         assert rec.where is Where.RESIDENT, rec.where
-        return rec.buffer
+        return rec.regions
 
     def start_write(self, rec: SwapRecord) -> None:
-        """Start writing ``rec``'s buffer to its uncommitted slot; the buffer is freed when it is done."""
+        """Start writing ``rec``'s state to its uncommitted slot; its memory is freed when it is done."""
         assert rec.where is Where.RESIDENT, rec.where
-        rec.future = self._handle.write(rec.buffer, self.path, rec.slot_offset(1 - rec.slot))
+        rec.futures = self._transfer(rec, 1 - rec.slot, self._handle.write)
         rec.where = Where.WRITING
         self._writes.append(rec)
 
     def evict(self, rec: SwapRecord) -> None:
-        """Give up ``rec``'s unmodified buffer (read ahead but not needed yet). Raises TensorIOError."""
+        """Give up ``rec``'s unmodified state (read ahead but not needed yet). Raises TensorIOError."""
         if rec.where is Where.READING:
             self.wait_read(rec)
         self._release(rec)
@@ -222,10 +261,8 @@ class StateSwapper:
 
     def drain(self) -> None:
         """Wait for every write in flight (sync point). Raises the first failure's TensorIOError."""
-        while self._writes:
-            rec = self._writes.popleft()
-            self._finish_write(rec)
-            self._release(rec)
+        while self.finish_oldest_write():
+            pass
 
     def commit(self) -> None:
         """Make the slots written this step current. Call only after `drain` succeeded."""
@@ -235,15 +272,16 @@ class StateSwapper:
                 rec.slot, rec.on_disk, rec.written = 1 - rec.slot, True, False
 
     def abort(self) -> None:
-        """After a failure: wait for all I/O (errors ignored), free the buffers, forget this step's writes."""
+        """After a failure: wait for all I/O (errors ignored), free the memory, forget this step's writes."""
         for rec in self.records.values():
-            if rec.future is not None:
-                rec.future.exception()
-                rec.future = None
-            if rec.buffer is not None:
+            for future in rec.futures:
+                future.exception()
+            rec.futures = []
+            if rec.regions is not None:
                 self._release(rec)
             rec.written = False
         self._writes.clear()
+        self.drop_spares()
 
     @property
     def idle(self) -> bool:
@@ -262,27 +300,54 @@ class StateSwapper:
                 pass
         self._free = []
 
-    # ---- buffers --------------------------------------------------------------------------------------
+    # ---- internals ------------------------------------------------------------------------------------
 
-    def _acquire(self) -> torch.Tensor:
-        if not self._free:
-            if not self._writes:
+    def _transfer(self, rec: SwapRecord, slot: int, move) -> list[IOFuture]:
+        """Start reading or writing (``move``) ``rec``'s regions at ``slot``: one request per fixed
+        buffer (the regions are back to back there as in the file), else one per region."""
+        offset = rec.slot_offset(slot)
+        if rec.buffer is not None:
+            return [move(rec.buffer, self.path, offset)]
+        region_bytes = rec.plan.region * 4
+        return [move(region, self.path, offset + r * region_bytes) for r, region in enumerate(rec.regions)]
+
+    def _acquire(self, rec: SwapRecord, *, spare: bool) -> None:
+        """Give ``rec`` memory: a fixed buffer free now, else spare memory (first if ``spare``), else the
+        fixed buffer the oldest write frees (sync point)."""
+        plan = rec.plan
+        while True:
+            if spare or not self._free:
+                cuts = self._spares.cut(plan.regions, 4 * plan.region)
+                if cuts is not None:
+                    rec.regions, rec.spare_chunks = [region for region, _ in cuts], [chunk for _, chunk in cuts]
+                    return
+            if self._free:
+                rec.buffer = self._free.pop()[: plan.state_bytes // 4]
+                rec.regions = list(rec.buffer.split(plan.region))
+                return
+            if not self.finish_oldest_write():  # sync point: the oldest write frees its memory
                 raise RuntimeError("internal error: every swap buffer is held by a sub-group being updated")
-            rec = self._writes.popleft()  # sync point: the oldest write frees its buffer
-            self._finish_write(rec)
-            self._release(rec)
-        return self._free.pop()
 
     def _release(self, rec: SwapRecord) -> None:
-        self._free.append(self._by_address[rec.buffer.data_ptr()])
-        rec.buffer, rec.future, rec.where = None, None, Where.ON_DISK
+        if rec.buffer is not None:
+            self._free.append(self._by_address[rec.buffer.data_ptr()])
+        self._spares.give_back(rec.spare_chunks)
+        rec.spare_chunks = []
+        rec.regions, rec.buffer, rec.futures, rec.where = None, None, [], Where.ON_DISK
 
     def _finish_write(self, rec: SwapRecord) -> None:
-        future, rec.future = rec.future, None
-        with self._blocked():
-            moved = future.result()
-        _check_count(moved, rec, "write")
+        self._wait(rec, "write")
         rec.written = True
+
+    def _wait(self, rec: SwapRecord, verb: str) -> None:
+        """Wait for every request of ``rec`` (so that its memory is no longer in use), then raise the
+        first failure's TensorIOError, or one for a short transfer."""
+        futures = rec.futures
+        with self._blocked():
+            for future in futures:
+                future.exception()
+        rec.futures = []
+        _check_count(sum(future.result() for future in futures), rec, verb)
 
     @contextlib.contextmanager
     def _blocked(self):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import shutil
 import tempfile
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
@@ -18,6 +19,7 @@ import torch
 
 from tensorio import AioConfig
 
+from ._background import BackgroundWorker
 from ._subgroups import Member, ParamSpec, SubGroupPlan, plan_subgroups
 from ._swapper import StateSwapper, SwapConfig, Where
 
@@ -119,14 +121,21 @@ class OffloadAdam(torch.optim.Optimizer):
         for plan in self._plans:
             for member in plan.members:
                 self._params[member.param].runs.append((plan.index, member))
-        self._resident: dict[int, torch.Tensor] = {
-            p.index: torch.zeros(p.regions * p.region, dtype=torch.float32) for p in self._plans if not p.offloaded}
+        self._resident: dict[int, list[torch.Tensor]] = {  # each sub-group's state regions
+            p.index: list(torch.zeros(p.regions * p.region, dtype=torch.float32).split(p.region))
+            for p in self._plans if not p.offloaded}
         self._tmpdir = None
         if any(p.offloaded for p in self._plans) and nvme_offload_dir is None:
             self._tmpdir = tempfile.mkdtemp(prefix="offload-adam-")
         directory = self._tmpdir or (str(nvme_offload_dir) if nvme_offload_dir is not None else "")
         self._swapper = StateSwapper(self._plans, directory, self._swap_config)
-        self._finalizer = weakref.finalize(self, _cleanup, self._swapper, self._tmpdir)
+        # With overlap_backward, hooks hand sub-groups to this thread: backward never waits for I/O.
+        self._background: BackgroundWorker | None = None
+        self._background_wait = 0.0  # swapper wait time spent on that thread, not the caller's
+        self._join_wait = 0.0        # time the caller spent waiting for that thread
+        if overlap_backward and any(p.offloaded for p in self._plans):
+            self._background = BackgroundWorker("offload-adam-updates")
+        self._finalizer = weakref.finalize(self, _cleanup, self._swapper, self._tmpdir, self._background)
         # 3. Step bookkeeping: sub-groups updated in the current step, and the order offloaded ones
         #    become ready in backward (learnt each step; first guess: reverse plan order).
         self._done: set[int] = set()
@@ -135,6 +144,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._uncommitted = False  # writes of the last step still in flight (overlap_backward)
         self._in_backward = False
         self._waiting: dict[int, int] = {}
+        self._runs_left: dict[int, int] = {}  # per parameter: offloaded sub-groups not yet updated
         self._hooks = []
         if overlap_backward:
             for rec in self._params:
@@ -168,7 +178,8 @@ class OffloadAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._in_backward = False
-        self._sync()  # write-behind of the previous step, when no backward hook has committed it yet
+        self._sync()  # the updates handed over in backward, and the write-behind of the previous step
+        self._swapper.drop_spares()  # gradient memory not used for read-ahead goes back now
         todo = [p for p in self._plans if p.index not in self._done and self._has_grads(p)]
         for plan in todo:
             self._check_grads(plan)
@@ -201,33 +212,90 @@ class OffloadAdam(torch.optim.Optimizer):
         if self._seen:
             self._order = self._seen + [i for i in self._order if i not in self._seen]
         self._seen, self._done = [], set()
+        if self._uncommitted and self._background is not None:
+            # Finish the writes during the next forward, freeing their memory as each one lands.
+            self._background.submit(self._in_background, self._finish_write_behind)
         return loss
 
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook (overlap_backward): update sub-groups whose gradients are all final."""
+        """Post-accumulate-grad hook (overlap_backward): hand sub-groups whose gradients are all final
+        to the background thread. Raises the background thread's error, if it had one."""
+        if self._background.failed:
+            self._sync()  # raises that error, after aborting the step
         if not self._in_backward:
-            self._begin_backward()
-        rec = self._params[index]
-        with torch.no_grad():
-            try:
-                for plan_index, _ in rec.runs:
-                    plan = self._plans[plan_index]
-                    if not plan.offloaded:
-                        continue
-                    self._waiting[plan_index] -= 1
-                    if self._waiting[plan_index] == 0:
-                        self._check_grads(plan)
-                        self._update_offloaded(plan_index, self._order)
-            except BaseException:
-                self._abort()
-                raise
+            self._in_backward = True
+            self._waiting = {p.index: sum(1 for m in p.members if self._params[m.param].param.requires_grad)
+                             for p in self._plans if p.offloaded}
+            self._background.submit(self._begin_backward)
+        for plan_index, _ in self._params[index].runs:
+            plan = self._plans[plan_index]
+            if not plan.offloaded:
+                continue
+            self._waiting[plan_index] -= 1
+            if self._waiting[plan_index] == 0:
+                try:
+                    self._check_grads(plan)
+                except ValueError:
+                    self._background.close()  # let the work in flight finish, then forget the step
+                    self._abort()
+                    raise
+                self._background.submit(self._in_background, self._update_and_release, plan_index)
 
     def _begin_backward(self) -> None:
-        self._sync()
-        self._in_backward = True
-        self._waiting = {p.index: sum(1 for m in p.members if self._params[m.param].param.requires_grad)
-                         for p in self._plans if p.offloaded}
-        self._prefetch(self._order)
+        """Background thread, first hook of a backward: finish the last step's writes, start reading."""
+        self._in_background(self._finish_write_behind)
+        self._swapper.drop_spares()
+        self._runs_left = {rec.index: len(rec.runs) for rec in self._params
+                           if rec.runs and all(self._plans[i].offloaded for i, _ in rec.runs)}
+        self._in_background(self._prefetch, self._order)
+
+    def _release_grads(self, plan: SubGroupPlan) -> None:
+        """Background thread: free the gradients ``plan`` finished with, and read ahead into them.
+
+        A gradient is taken from its parameter (``.grad`` becomes None, as in PyTorch's
+        optimizer-in-backward recipe) once every sub-group holding part of the parameter has been
+        updated, and its memory is lent to the swapper for state read ahead: later sub-groups' state
+        streams in without any new allocation, in memory a plain optimizer would still be holding.
+        """
+        for member in plan.members:
+            left = self._runs_left.get(member.param)
+            if left is None:
+                continue
+            self._runs_left[member.param] = left - 1
+            param = self._params[member.param].param
+            if left == 1 and param.grad is not None:
+                self._swapper.add_spare(param.grad)
+                param.grad = None
+
+    def _update_and_release(self, index: int) -> None:
+        """Background thread: update one sub-group handed over by a hook, then free its gradients.
+
+        Then, until the next sub-group is handed over, keep reading ahead as writes finish and give
+        their memory back, so that the state of the sub-groups whose gradients come last (a tied
+        embedding's) is in memory when they do.
+        """
+        self._update_offloaded(index, self._order)
+        self._release_grads(self._plans[index])
+        swapper = self._swapper
+        while not self._background.has_backlog and self._next_unread() is not None:
+            self._prefetch(self._order)
+            rec = self._next_unread()
+            if rec is None or not swapper.finish_oldest_write():
+                return
+
+    def _next_unread(self):
+        """The first sub-group in the learnt order still to be updated this step whose state is on disk."""
+        records = self._swapper.records
+        return next((records[i] for i in self._order if i not in self._done and records[i].where is Where.ON_DISK),
+                    None)
+
+    def _in_background(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn`` on the background thread, counting its I/O waits apart from the caller's."""
+        before = self._swapper.wait_seconds
+        try:
+            fn(*args)
+        finally:
+            self._background_wait += self._swapper.wait_seconds - before
 
     def _update_offloaded(self, index: int, order: list[int]) -> None:
         """Phases of one offloaded sub-group: read, read ahead, update, write behind."""
@@ -235,7 +303,7 @@ class OffloadAdam(torch.optim.Optimizer):
         # 1. Make sure its read has started; if every buffer is held by sub-groups read ahead, give
         #    the furthest one's buffer up (never "out of swap buffers").
         if rec.where is Where.ON_DISK or rec.where is Where.WRITING:
-            if rec.where is Where.ON_DISK and not self._swapper.has_free_buffer():
+            if rec.where is Where.ON_DISK and not self._swapper.has_free_buffer(rec):
                 self._evict_furthest(order, index)
             self._swapper.start_read(rec)
         # 2. Read the next sub-groups ahead while this one is updated.
@@ -243,8 +311,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._seen.append(index)
         self._prefetch(order)
         # 3. Sync point: wait for this sub-group's state, then update it.
-        state = self._swapper.wait_read(rec)
-        self._update(rec.plan, state)
+        self._update(rec.plan, self._swapper.wait_read(rec))
         # 4. Write behind: the write runs during the next sub-groups' updates (or, with
         #    overlap_backward, during the rest of backward and the next forward).
         self._swapper.start_write(rec)
@@ -256,36 +323,66 @@ class OffloadAdam(torch.optim.Optimizer):
 
         Waiting here for a write to free a buffer would stall the update (or, with overlap_backward,
         the backward pass) for a read that is not needed yet; a later call picks the buffer up.
+        Spare memory (applied gradients, overlap_backward) takes sub-groups from the *end* of the
+        order: those become ready last, when nothing is left to hide their reads behind.
         """
         swapper = self._swapper
         records = swapper.records
         swapper.reap()
         ahead = self._swap_config.read_ahead
-        in_flight = sum(1 for i in order if i not in self._done and records[i].where in (Where.READING, Where.RESIDENT))
-        for i in order:
+        todo = [records[i] for i in order if i not in self._done]
+        in_flight = sum(1 for rec in todo if rec.where in (Where.READING, Where.RESIDENT) and not swapper.holds_spare(rec))
+        for rec in todo:
             if in_flight >= ahead or not swapper.free_buffers:
-                return
-            rec = records[i]
-            if i in self._done or rec.where is not Where.ON_DISK:
-                continue
-            swapper.start_read(rec)
-            in_flight += 1
+                break
+            if rec.where is Where.ON_DISK:
+                swapper.start_read(rec)
+                in_flight += 1
+        if ahead:
+            for rec in reversed(todo):
+                if rec.where is not Where.ON_DISK:
+                    continue
+                if not swapper.fits_in_spares(rec):
+                    break
+                swapper.start_read(rec, spare=True)
 
     def _evict_furthest(self, order: list[int], needed: int) -> None:
         records = self._swapper.records
         for i in reversed(order):
-            if i != needed and i not in self._done and records[i].where in (Where.READING, Where.RESIDENT):
+            if (i != needed and i not in self._done and records[i].where in (Where.READING, Where.RESIDENT)
+                    and not self._swapper.holds_spare(records[i])):
                 self._swapper.evict(records[i])
                 return
 
     def _sync(self) -> None:
-        """Finish write-behind from the last step and commit it. Raises its TensorIOError, if any."""
+        """Wait for the background thread and the last step's write-behind, and commit them.
+
+        On failure the step is aborted (nothing committed) and its error raised (a TensorIOError
+        for the swap file).
+        """
+        self._join_background()
+        try:
+            self._finish_write_behind()
+        except BaseException:
+            self._abort()
+            raise
+
+    def _join_background(self) -> None:
+        """Wait for the updates handed to the background thread; on failure abort the step and raise."""
+        if self._background is None:
+            return
+        start = time.perf_counter()
+        try:
+            self._background.join()
+        except BaseException:
+            self._abort()
+            raise
+        finally:
+            self._join_wait += time.perf_counter() - start
+
+    def _finish_write_behind(self) -> None:
         if self._uncommitted:
-            try:
-                self._swapper.drain()
-            except BaseException:
-                self._abort()
-                raise
+            self._swapper.drain()
             self._commit()
 
     def _commit(self) -> None:
@@ -318,21 +415,21 @@ class OffloadAdam(torch.optim.Optimizer):
                 raise ValueError(f"{rec.name()} has a gradient of {grad.dtype} {tuple(grad.shape)} on {grad.device}; "
                                  f"it must match the parameter ({rec.param.dtype} on {rec.param.device})")
 
-    def _update(self, plan: SubGroupPlan, state: torch.Tensor) -> None:
-        """Run the fused Adam/AdamW kernel on one sub-group whose state is ``state``."""
+    def _update(self, plan: SubGroupPlan, regions: list[torch.Tensor]) -> None:
+        """Run the fused Adam/AdamW kernel on one sub-group whose state regions are ``regions``."""
         group = self.param_groups[plan.group]
-        region = plan.region
-        exp_avg, exp_avg_sq = state[:region], state[region:2 * region]
-        master = state[2 * region:3 * region] if plan.master else None
+        exp_avg, exp_avg_sq = regions[0], regions[1]
+        master = regions[2] if plan.master else None
         params, grads, exp_avgs, exp_avg_sqs, steps, copy_back = [], [], [], [], [], []
         for member in plan.members:
             rec = self._params[member.param]
-            if rec.param.grad is None:
+            grad = rec.param.grad  # read once: with overlap_backward this runs beside the caller's thread
+            if grad is None:
                 continue
             run = slice(member.offset, member.offset + member.numel)
             elements = slice(member.start, member.start + member.numel)
             flat_param = rec.param.detach().view(-1)[elements]
-            flat_grad = rec.param.grad.reshape(-1)[elements]
+            flat_grad = grad.reshape(-1)[elements]
             if rec.step is None:  # first update of this parameter: fresh state, as torch makes it
                 exp_avg[run].zero_()
                 exp_avg_sq[run].zero_()
@@ -378,18 +475,18 @@ class OffloadAdam(torch.optim.Optimizer):
                 for key in keys:
                     entry[key] = torch.zeros(rec.param.shape, dtype=torch.float32)
                 state[rec.index] = entry
-        for plan, region_state in self._each_state():
+        for plan, regions in self._each_state():
             for member in plan.members:
                 entry = state.get(member.param)
                 if entry is None:
                     continue
-                for r, key in enumerate(("exp_avg", "exp_avg_sq", "master_param")[:plan.regions]):
-                    start = r * plan.region + member.offset
-                    entry[key].view(-1)[member.start:member.start + member.numel] = region_state[start:start + member.numel]
+                for key, region in zip(("exp_avg", "exp_avg_sq", "master_param"), regions):
+                    entry[key].view(-1)[member.start:member.start + member.numel] = \
+                        region[member.offset:member.offset + member.numel]
         return {"state": state, "param_groups": self._packed_groups()}
 
     def _each_state(self):
-        """Yield (plan, state) for every sub-group; offloaded ones are read into a buffer one at a time."""
+        """Yield (plan, state regions) for every sub-group; offloaded ones are read into a buffer one at a time."""
         for plan in self._plans:
             if not plan.offloaded:
                 yield plan, self._resident[plan.index]
@@ -445,8 +542,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 if plan.offloaded:
                     rec = self._swapper.records[plan.index]
                     self._swapper.start_read(rec)
-                    state = self._swapper.wait_read(rec)
-                    _fill(plan, state, entries, self._params)
+                    _fill(plan, self._swapper.wait_read(rec), entries, self._params)
                     self._swapper.start_write(rec)
             self._swapper.drain()
         except BaseException:
@@ -472,14 +568,15 @@ class OffloadAdam(torch.optim.Optimizer):
         """Seconds the calling thread has spent blocked on swap-file I/O since construction.
 
         The sum over every sync point (waiting for a read to arrive or for a write to free its
-        buffer), whether in ``step()``, in backward (overlap_backward) or in ``state_dict()``:
-        the part of the offload's cost that compute did not hide.
+        buffer) in ``step()`` or ``state_dict()``; with overlap_backward, the time ``step()`` waited
+        for the updates handed to the background thread during backward. The part of the offload's
+        cost that compute did not hide.
         """
-        return self._swapper.wait_seconds
+        return self._swapper.wait_seconds - self._background_wait + self._join_wait
 
     def host_state_bytes(self) -> dict[str, int]:
         """Host memory held for optimizer state: 'resident' (kept in RAM) and 'buffers' (swap buffers)."""
-        return {"resident": sum(t.numel() * 4 for t in self._resident.values()),
+        return {"resident": sum(r.numel() * 4 for regions in self._resident.values() for r in regions),
                 "buffers": self._swapper.buffer_bytes}
 
     @property
@@ -498,15 +595,15 @@ class OffloadAdam(torch.optim.Optimizer):
             self._finalizer()
 
 
-def _fill(plan: SubGroupPlan, state: torch.Tensor, entries: Mapping[int, Mapping[str, Any]],
+def _fill(plan: SubGroupPlan, regions: list[torch.Tensor], entries: Mapping[int, Mapping[str, Any]],
           params: list[_ParamRecord]) -> None:
-    """Write loaded state into a sub-group's state tensor (zeros for parameters without state)."""
+    """Write loaded state into a sub-group's state regions (zeros for parameters without state)."""
     for member in plan.members:
         entry = entries.get(member.param)
         param = params[member.param].param
         elements = slice(member.start, member.start + member.numel)
-        for r, key in enumerate(("exp_avg", "exp_avg_sq", "master_param")[:plan.regions]):
-            run = state[r * plan.region + member.offset:r * plan.region + member.offset + member.numel]
+        for key, region in zip(("exp_avg", "exp_avg_sq", "master_param"), regions):
+            run = region[member.offset:member.offset + member.numel]
             if entry is None:
                 run.zero_()
             elif key in entry:
@@ -530,7 +627,9 @@ def _check_params(records: list[_ParamRecord]) -> None:
             raise ValueError(f"{rec.name()} is not contiguous; OffloadAdam updates parameters in place as flat views")
 
 
-def _cleanup(swapper: StateSwapper, tmpdir: str | None) -> None:
+def _cleanup(swapper: StateSwapper, tmpdir: str | None, background: BackgroundWorker | None) -> None:
+    if background is not None:
+        background.close()
     swapper.close()
     if tmpdir is not None:
         shutil.rmtree(tmpdir, ignore_errors=True)

@@ -340,8 +340,8 @@ def test_reap_frees_only_finished_writes_and_waits_count():
         swapper.start_read(rec)
         swapper.wait_read(rec)
         swapper.start_write(rec)
-    second.future.result()
-    first.future = _Pending(first.future)  # still in flight as far as reap can tell
+    second.futures[0].result()
+    first.futures = [_Pending(f) for f in first.futures]  # still in flight as far as reap can tell
     swapper.reap()
     assert (first.where, second.where) == (Where.WRITING, Where.ON_DISK) and swapper.free_buffers == 2
     swapper.drain()

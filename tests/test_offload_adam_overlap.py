@@ -1,0 +1,150 @@
+"""OffloadAdam(overlap_backward=True): updates on a background thread during backward, applied
+gradients freed and their memory reused for read-ahead, errors from that thread surfacing."""
+
+from __future__ import annotations
+
+import errno
+import threading
+
+import pytest
+import torch
+
+from offload._background import BackgroundWorker
+from offload._spare import PAGE, SparePool
+from offload.adam import OffloadAdam
+from tensorio import TensorIOError
+
+
+class _TiedModel(torch.nn.Module):
+    """An embedding whose weight is also the output projection, as GPT-2's wte / lm_head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(300, 48)
+        self.body = torch.nn.Sequential(torch.nn.Linear(48, 200), torch.nn.Tanh(), torch.nn.Linear(200, 48))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.body(self.embed(tokens))
+        logits = hidden @ self.embed.weight.T
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1))
+
+
+def _steps(model, opt, count, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(count):
+        loss = model(torch.randint(0, 300, (4, 9), generator=gen))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        opt.zero_grad()
+    return losses
+
+
+def _count_spare_reads(opt):
+    swapper = opt._swapper
+    original = swapper.start_read
+    counts = {"spare": 0}
+
+    def start_read(rec, *, spare=False):
+        counts["spare"] += spare
+        return original(rec, spare=spare)
+    swapper.start_read = start_read
+    return counts
+
+
+def test_tied_weight_matches_adamw_frees_gradients_and_reads_ahead_into_them(tmp_path):
+    ref_model, our_model = _TiedModel(), _TiedModel()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
+    opt = OffloadAdam(our_model.parameters(), lr=1e-2, nvme_offload_fraction=1.0, nvme_offload_dir=str(tmp_path),
+                      overlap_backward=True, sub_group_size=4096, buffer_count=3)
+    spare = _count_spare_reads(opt)
+    assert _steps(our_model, opt, 6) == _steps(ref_model, ref, 6)
+    for ours, theirs in zip(our_model.parameters(), ref_model.parameters()):
+        assert torch.equal(ours, theirs)
+    assert spare["spare"] > 0  # state read into the memory of gradients already applied
+
+    loss = our_model(torch.randint(0, 300, (4, 9)))
+    loss.backward()
+    opt._sync()  # every update handed to the background thread has run
+    assert all(p.grad is None for p in our_model.parameters())  # applied, then freed
+    opt.step()
+    opt.close()
+
+
+def test_partly_offloaded_parameters_keep_their_gradients_until_step(tmp_path):
+    model = _TiedModel()
+    opt = OffloadAdam(model.parameters(), lr=1e-2, nvme_offload_fraction=0.5, nvme_offload_dir=str(tmp_path),
+                      overlap_backward=True, sub_group_size=4096, buffer_count=3)
+    model(torch.randint(0, 300, (4, 9))).backward()
+    opt._sync()
+    resident = {m.param for plan in opt._plans if not plan.offloaded for m in plan.members}
+    for rec in opt._params:
+        assert (rec.param.grad is not None) == (rec.index in resident), rec.name()
+    opt.step()
+    opt.close()
+
+
+def test_failed_write_in_backward_raises_and_commits_nothing(tmp_path):
+    model = _TiedModel()
+    opt = OffloadAdam(model.parameters(), lr=1e-2, nvme_offload_fraction=1.0, nvme_offload_dir=str(tmp_path),
+                      overlap_backward=True, sub_group_size=4096, buffer_count=3)
+    _steps(model, opt, 2)
+    before = opt.state_dict()
+    handle = opt._swapper._handle
+    original = handle.write
+    handle.write = lambda tensor, path, offset=0: original(tensor, "/dev/full", offset)
+    with pytest.raises(TensorIOError) as info:
+        _steps(model, opt, 2)
+    assert info.value.errno == errno.ENOSPC
+    handle.write = original
+    after = opt.state_dict()
+    for i, entry in before["state"].items():
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(after["state"][i][key], entry[key]), (i, key)
+    opt.zero_grad()
+    _steps(model, opt, 1)  # and training goes on once the disk is back
+    opt.close()
+
+
+def test_background_worker_runs_in_order_and_reports_the_first_error():
+    worker = BackgroundWorker("test")
+    seen = []
+    worker.submit(seen.append, 1)
+    worker.submit(lambda: seen.append(torch.is_grad_enabled()))
+    worker.submit(lambda: seen.append(threading.current_thread().name))
+    worker.join()
+    assert seen == [1, False, "test"]
+
+    def fail(message):
+        raise ValueError(message)
+    worker.submit(fail, "first")
+    worker.submit(fail, "second")
+    worker.submit(seen.append, "skipped")
+    with pytest.raises(ValueError, match="first"):
+        worker.join()
+    assert not worker.failed and "skipped" not in seen
+    worker.submit(seen.append, 2)  # reported errors are forgotten
+    worker.join()
+    assert seen[-1] == 2
+    worker.close()
+
+
+def test_spare_pool_cuts_aligned_regions_all_or_nothing_and_reuses_them():
+    pool = SparePool()
+    big = torch.empty(5 * PAGE + 100, dtype=torch.uint8)
+    pool.lend(big, smallest=PAGE)
+    pool.lend(torch.empty(PAGE // 2, dtype=torch.uint8), smallest=PAGE)  # too small for any region: let go
+    assert pool.cut(5, 2 * PAGE, take=False) is None  # room for at most 2 regions of 2 pages
+    cuts = pool.cut(2, 2 * PAGE)
+    assert [region.data_ptr() % PAGE for region, _ in cuts] == [0, 0]
+    assert all(region.numel() * 4 == 2 * PAGE and region.dtype == torch.float32 for region, _ in cuts)
+    first, second = (region.data_ptr() for region, _ in cuts)
+    assert second - first == 2 * PAGE
+    assert pool.cut(1, 2 * PAGE) is None
+    pool.give_back([chunk for _, chunk in cuts])
+    again = pool.cut(1, 2 * PAGE)
+    assert again[0][0].data_ptr() == first  # the chunk is cut from its start once all is given back
+    pool.clear()
+    assert not pool.lending and pool.cut(1, PAGE) is None
