@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import functools
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -30,9 +31,12 @@ class GradReducer:
     """Installs the two gradient hooks on every trainable parameter and reduces into its record."""
 
     def __init__(self, store: ParamStore, *, world_size: int, rank: int, group: object = None,
-                 swap: ParamSwapFile | None = None) -> None:
+                 swap: ParamSwapFile | None = None,
+                 consumer: Callable[[ParamRecord, torch.Tensor], None] | None = None) -> None:
         self.store, self.world_size, self.rank, self.group = store, world_size, rank, group
         self.swap = swap
+        self.consumer = consumer
+        """Takes each reduced gradient partition instead of accumulating it (updates during backward)."""
         self._nccl = world_size > 1 and dist.get_backend(group) == "nccl"
         self._writes: collections.deque = collections.deque()
         self._hooks = []
@@ -70,6 +74,10 @@ class GradReducer:
                 dist.all_reduce(padded, group=self.group)
                 part = padded.chunk(self.world_size)[self.rank]
             part.div_(self.world_size)
+        if self.consumer is not None:  # one micro step per update: nothing to accumulate
+            rec.grad_norm = torch.linalg.vector_norm(part)
+            self.consumer(rec, part)
+            return
         if self.swap is None:
             if rec.grad is None:
                 rec.grad = part if part.is_contiguous() else part.contiguous()

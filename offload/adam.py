@@ -66,11 +66,13 @@ class OffloadAdam(torch.optim.Optimizer):
         overlap_backward: update each offloaded sub-group during ``backward()`` as soon as its
             gradients are final, so that the state's I/O overlaps the backward and forward passes.
             Then every backward is followed by an update: no gradient accumulation, clipping or
-            scaling between backward and ``step()`` (``step()`` still must be called).
+            scaling between backward and ``step()`` (``step()`` still must be called), and the
+            gradients of fully offloaded parameters are freed (None) once applied.
 
     Host memory held for offloaded state: ``buffer_count`` buffers of the largest offloaded
     sub-group's state, at most ``buffer_count * 12 * (sub_group_size + 1023)`` bytes, whatever the
-    model's size. 16-bit parameters get an fp32 master copy, part of the state.
+    model's size; with overlap_backward, more state is read ahead only into the memory of gradients
+    already applied and freed. 16-bit parameters get an fp32 master copy, part of the state.
 
     Raises ValueError for amsgrad=True, non-CPU or non-float parameters, parameters on more than one
     device and bad settings (naming the key); FileNotFoundError / PermissionError for a missing or
@@ -113,6 +115,7 @@ class OffloadAdam(torch.optim.Optimizer):
             for p in group["params"]:
                 self._params.append(_ParamRecord(param=p, group=g, index=len(self._params)))
         _check_params(self._params)
+        self._index_of = {id(rec.param): rec.index for rec in self._params}
         # 2. Plan the sub-groups (pure), then place their state: in RAM or in the swap file.
         specs = [[ParamSpec(numel=r.param.numel(), master=r.master) for r in self._params if r.group == g]
                  for g in range(len(self.param_groups))]
@@ -216,6 +219,21 @@ class OffloadAdam(torch.optim.Optimizer):
             # Finish the writes during the next forward, freeing their memory as each one lands.
             self._background.submit(self._in_background, self._finish_write_behind)
         return loss
+
+    def grad_ready(self, param: torch.Tensor) -> None:
+        """Tell the optimizer that ``param.grad`` is final for this step (overlap_backward only).
+
+        The post-accumulate-grad hooks do this for parameters that autograd computes gradients for;
+        a caller that sets ``.grad`` itself (the engine, for its partitions) calls this instead.
+        Raises RuntimeError without overlap_backward, ValueError for a tensor this optimizer does not
+        update, and the background thread's error, if it had one.
+        """
+        if self._background is None:
+            raise RuntimeError("grad_ready needs OffloadAdam(overlap_backward=True) with offloaded state")
+        index = self._index_of.get(id(param))
+        if index is None or self._params[index].param is not param:
+            raise ValueError("grad_ready: this tensor is not one of the optimizer's parameters")
+        self._on_grad_ready(index, param)
 
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook (overlap_backward): hand sub-groups whose gradients are all final

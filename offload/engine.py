@@ -16,6 +16,7 @@ partition; `OffloadAdam` steps the partitions with its state in memory or on NVM
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import weakref
@@ -143,13 +144,19 @@ def _assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int
                        prefetcher=Prefetcher(bucket_elements=zero.stage3_prefetch_bucket_size), group=group)
     # 3. Gradient reduction: hooks on the partitioned parameters' gradient accumulators. With the
     #    optimizer state on NVMe the gradient partitions go there too, beside it.
-    grad_swap = ParamSwapFile(offload_opt.nvme_path, cfg.aio, kind="grads") if offload_opt.device == "nvme" else None
+    #    When the update can run during backward (see _updates_in_backward), each reduced gradient goes
+    #    straight to the optimizer instead.
+    trainable = [rec for rec in records if rec.param.requires_grad]
+    in_backward = _updates_in_backward(cfg, optimizer, trainable)
+    grad_swap = (ParamSwapFile(offload_opt.nvme_path, cfg.aio, kind="grads")
+                 if offload_opt.device == "nvme" and not in_backward else None)
     reducer = GradReducer(store, world_size=world_size, rank=rank, group=group, swap=grad_swap)
     # 4. Optimizer offload: OffloadAdam over the partitions; it plans its sub-groups from their sizes,
     #    so it comes after the partitions exist and before anything runs.
-    trainable = [rec for rec in records if rec.param.requires_grad]
     with _sized(trainable):
-        opt = _build_optimizer(cfg, optimizer, [rec.partition for rec in trainable])
+        opt = _build_optimizer(cfg, optimizer, [rec.partition for rec in trainable], overlap_backward=in_backward)
+    if in_backward:
+        reducer.consumer = functools.partial(_hand_over, opt)
     scheduler = _build_scheduler(cfg, lr_scheduler, opt)
     # 5. Gather hooks and prefetch: last, since they gather the partitions placed above.
     store.install(model)
@@ -171,14 +178,36 @@ class _sized:
             rec.partition.data = torch.empty(0, dtype=rec.partition.dtype)
 
 
-def _build_optimizer(cfg: EngineConfig, client: Any, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+def _updates_in_backward(cfg: EngineConfig, client: Any, trainable: list[ParamRecord]) -> bool:
+    """Whether the optimizer can update each partition during backward, as soon as its gradient is
+    reduced, so that the optimizer state's NVMe traffic overlaps the forward and backward passes.
+
+    Only when nothing has to see all gradients first: one micro step per step (no accumulation), no
+    clipping, no fp16 overflow check; and only for the optimizer we build (OffloadAdam), with its
+    state on NVMe and every trainable partition in memory (an on-disk partition is read and written
+    around its update, which the chunked step does).
+    """
+    return (cfg.zero_optimization.offload_optimizer.device == "nvme" and cfg.gradient_accumulation_steps == 1
+            and cfg.gradient_clipping == 0 and not cfg.fp16.enabled
+            and (client is None or isinstance(client, (torch.optim.Adam, torch.optim.AdamW)))
+            and not any(rec.on_disk for rec in trainable))
+
+
+def _hand_over(opt: OffloadAdam, rec: ParamRecord, grad: torch.Tensor) -> None:
+    """Give a reduced gradient partition to the optimizer, which updates it in the background."""
+    rec.partition.grad = grad.view(rec.partition.shape).to(rec.partition.dtype)
+    opt.grad_ready(rec.partition)
+
+
+def _build_optimizer(cfg: EngineConfig, client: Any, params: list[nn.Parameter], *,
+                     overlap_backward: bool = False) -> torch.optim.Optimizer:
     """OffloadAdam over ``params`` with the config's or the client optimizer's hyperparameters."""
     off = cfg.zero_optimization.offload_optimizer
     swap = dict(nvme_offload_fraction=off.ratio if off.device == "nvme" else 0.0,
                 nvme_offload_dir=off.nvme_path if off.device == "nvme" else None,
                 buffer_count=off.buffer_count, pin_memory=off.pin_memory, pipeline_read=off.pipeline_read,
                 pipeline_write=off.pipeline_write, sub_group_size=max(1024, cfg.zero_optimization.sub_group_size),
-                aio=cfg.aio)
+                aio=cfg.aio, overlap_backward=overlap_backward)
     if client is None:
         if cfg.optimizer is None:
             raise ValueError('optimizer: the config has no "optimizer" section and no optimizer was passed; add '
@@ -293,6 +322,10 @@ class Engine:
 
     def _optimizer_step(self) -> None:
         records = [rec for rec in self._store.records if rec.param.requires_grad]
+        if self._reducer.consumer is not None:  # partitions were updated during backward
+            self.optimizer.step()  # sync point: waits for those updates; steps any partition left
+            self._finish_step(records)
+            return
         factor = self._unscale_and_clip(records)
         if factor is None:  # fp16 overflow: the step is skipped
             self.skipped_steps += 1
@@ -323,7 +356,11 @@ class Engine:
             writing = (chunk, self._store.start_stores(chunk))
             grad_reads = next_reads
         self._store.finish_stores(*writing)
-        # 4. Kept parameters whose partition is not the parameter itself are gathered again.
+        self._finish_step(records)
+
+    def _finish_step(self, records: list[ParamRecord]) -> None:
+        """After the update: regather kept parameters whose partition is not the parameter itself,
+        step the learning-rate schedule, drop the gradients."""
         for rec in records:
             self._store.refresh(rec)
         if self.lr_scheduler is not None:
@@ -392,7 +429,7 @@ class Engine:
         for rec in self._store.records:
             if rec.grad is not None:
                 total += rec.grad.double().pow(2).sum()
-            elif rec.grad_on_disk:
+            elif rec.grad_norm is not None:  # offloaded, or already applied during backward
                 total += rec.grad_norm.double() ** 2
         if self.world_size > 1:
             dist.all_reduce(total, group=self.group)

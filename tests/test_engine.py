@@ -130,6 +130,39 @@ def test_matches_plain_pytorch(disk_dir, kind, param, opt, gas):
     engine.close()
 
 
+@pytest.mark.parametrize("case,in_backward", [
+    ({}, True), ({"gas": 2}, False), ({"gradient_clipping": 1.0}, False), ({"param": "nvme"}, False),
+    ({"fp16": {"enabled": True}}, False)], ids=["plain", "accumulation", "clipping", "params-on-disk", "fp16"])
+def test_updates_run_during_backward_only_when_nothing_needs_every_gradient_first(disk_dir, case, in_backward):
+    case = dict(case)
+    config = engine_config(disk_dir, case.pop("param", "cpu"), "nvme", case.pop("gas", 1), **case)
+    engine, *_ = initialize(model=mlp(), config=config)
+    assert (engine._reducer.consumer is not None) == in_backward
+    assert engine.optimizer._background is not None if in_backward else engine.optimizer._background is None
+    engine.close()
+
+
+def test_updates_during_backward_report_the_gradient_norm(disk_dir):
+    batches = mlp_batches(3)
+    model = mlp()
+    ref_norms = []
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
+    for batch in batches:
+        mlp_loss(model, batch).backward()
+        ref_norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))))
+        opt.step()
+        opt.zero_grad()
+    engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, "cpu", "nvme"))
+    for batch, ref in zip(batches, ref_norms):
+        engine.backward(mlp_loss(engine, batch))
+        assert engine.get_global_grad_norm() == pytest.approx(ref, rel=1e-5)
+        engine.step()
+    assert dict(engine.full_parameters()).keys() == dict(model.named_parameters()).keys()
+    for (name, ours), theirs in zip(engine.full_parameters(), model.parameters()):
+        torch.testing.assert_close(ours, theirs.detach(), rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    engine.close()
+
+
 @pytest.mark.parametrize("param,opt", [("nvme", "nvme"), ("cpu", "none")])
 def test_llama_matches_plain_pytorch(disk_dir, param, opt):
     build, data, loss_fn = MODELS["llama"]
