@@ -55,7 +55,7 @@ else:
             "stage3_param_persistence_threshold": args["persistence"],
             "offload_param": {"device": args["mode"]}, "offload_optimizer": {"device": args["mode"]}}
     if args["mode"] == "nvme":
-        zero["offload_param"].update(nvme_path=args["dir"], max_in_cpu=0, buffer_count=args["buffer_count"],
+        zero["offload_param"].update(nvme_path=args["dir"], max_in_cpu=args["max_in_cpu"], buffer_count=args["buffer_count"],
                                      buffer_size=args["buffer_size"])
         zero["offload_optimizer"].update(nvme_path=args["dir"], buffer_count=4, pipeline_read=True,
                                          pipeline_write=True)
@@ -97,8 +97,12 @@ def run_mode(mode: str, args: argparse.Namespace, directory: str) -> dict:
     payload = {"mode": mode, "model": args.model_config, "batch": args.batch, "seq": args.seq,
                "warmup": args.warmup, "steps": args.steps, "dir": directory, "sub_group_size": args.sub_group_size,
                "buffer_count": args.buffer_count, "buffer_size": args.buffer_size, "persistence": args.persistence,
+               "max_in_cpu": int(args.max_in_cpu),
                "aio": {"block_size": args.block_size, "queue_depth": args.queue_depth}}
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(args.malloc_mmap_threshold)}
+    env = dict(os.environ)
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if args.malloc_mmap_threshold >= 0:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
     out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(payload)], capture_output=True, text=True,
                          env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if out.returncode != 0:
@@ -120,11 +124,14 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     ap.add_argument("--buffer-count", type=int, default=2, help="offload_param.buffer_count")
     ap.add_argument("--buffer-size", type=int, default=None, help="offload_param.buffer_size (default: the largest parameter)")
     ap.add_argument("--persistence", type=int, default=100_000, help="stage3_param_persistence_threshold")
+    ap.add_argument("--max-in-cpu", type=float, default=0,
+                    help="offload_param.max_in_cpu: parameter elements kept in RAM (0: all on NVMe; DeepSpeed's default is 1e9)")
     ap.add_argument("--block-size", type=int, default=1 << 20)
     ap.add_argument("--queue-depth", type=int, default=32)
     ap.add_argument("--fio-size", type=int, default=1 << 30, help="bytes fio moves per direction")
     ap.add_argument("--malloc-mmap-threshold", type=int, default=131072,
-                    help="glibc MALLOC_MMAP_THRESHOLD_ for the children, so that RSS follows live memory")
+                    help="glibc MALLOC_MMAP_THRESHOLD_ for the children, so that RSS follows live memory "
+                         "(negative: glibc's default)")
     args = ap.parse_args(argv)
     model = {**DEFAULT_MODEL, **args.model_config}
     args.model_config = model
