@@ -120,14 +120,14 @@ def plan_subgroups(groups: Sequence[Sequence[ParamSpec]], sub_group_size: int,
                 raw[-1] = (group_index, master, current, used)
                 start += take
             param += 1
-    total = sum(used for *_, used in raw)
+    total = sum(m.numel for _, _, members, _ in raw for m in members)
     plans: list[SubGroupPlan] = []
     offloaded_so_far = 0
     for index, (group_index, master, members, used) in enumerate(raw):
         numel = sum(m.numel for m in members)
         offload = total > 0 and offloaded_so_far < nvme_fraction * total
         if offload:
-            offloaded_so_far += used
+            offloaded_so_far += numel
         plans.append(SubGroupPlan(index=index, group=group_index, members=tuple(members),
                                   region=_round_up(used, SPLIT_ALIGN), master=master, offloaded=offload))
         assert numel <= sub_group_size
