@@ -199,6 +199,15 @@ class StateSwapper:
             self._finish_write(rec)
             self._release(rec)
 
+    def readiness(self, rec: SwapRecord) -> int:
+        """0: ``rec``'s state is in memory (read, or still being written); 1: its read is in flight;
+        2: it is on disk. Never waits."""
+        if rec.where is Where.ON_DISK:
+            return 2
+        if rec.where is Where.READING and not all(f.done() for f in rec.futures):
+            return 1
+        return 0
+
     def finish_oldest_write(self) -> bool:
         """Wait for the oldest write in flight (sync point) and free its memory; False if there is none.
 

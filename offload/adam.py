@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import shutil
 import tempfile
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -148,6 +149,8 @@ class OffloadAdam(torch.optim.Optimizer):
         self._in_backward = False
         self._waiting: dict[int, int] = {}
         self._runs_left: dict[int, int] = {}  # per parameter: offloaded sub-groups not yet updated
+        self._ready: list[int] = []  # handed over by hooks, not yet picked by the background thread
+        self._ready_lock = threading.Lock()
         self._hooks = []
         if overlap_backward:
             for rec in self._params:
@@ -257,7 +260,9 @@ class OffloadAdam(torch.optim.Optimizer):
                     self._background.close()  # let the work in flight finish, then forget the step
                     self._abort()
                     raise
-                self._background.submit(self._in_background, self._update_and_release, plan_index)
+                with self._ready_lock:
+                    self._ready.append(plan_index)
+                self._background.submit(self._in_background, self._update_next_ready)
 
     def _begin_backward(self) -> None:
         """Background thread, first hook of a backward: finish the last step's writes, start reading."""
@@ -284,6 +289,16 @@ class OffloadAdam(torch.optim.Optimizer):
             if left == 1 and param.grad is not None:
                 self._swapper.add_spare(param.grad)
                 param.grad = None
+
+    def _update_next_ready(self) -> None:
+        """Background thread: update one of the sub-groups handed over, those whose state is already
+        in memory first (see `StateSwapper.readiness`) (when a parameter cut into many sub-groups becomes ready at once, the ones
+        still on disk are read while the others are updated)."""
+        records = self._swapper.records
+        with self._ready_lock:
+            index = min(self._ready, key=lambda i: self._swapper.readiness(records[i]))
+            self._ready.remove(index)
+        self._update_and_release(index)
 
     def _update_and_release(self, index: int) -> None:
         """Background thread: update one sub-group handed over by a hook, then free its gradients.
@@ -412,6 +427,8 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def _abort(self) -> None:
         self._swapper.abort()
+        with self._ready_lock:
+            self._ready.clear()
         for rec in self._params:
             rec.new_step = None
         self._uncommitted = False
