@@ -292,8 +292,8 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def _update_next_ready(self) -> None:
         """Background thread: update one of the sub-groups handed over, those whose state is already
-        in memory first (see `StateSwapper.readiness`) (when a parameter cut into many sub-groups becomes ready at once, the ones
-        still on disk are read while the others are updated)."""
+        in memory first (`StateSwapper.readiness`): when a parameter cut into many sub-groups becomes
+        ready at once, the ones still on disk are read while the others are updated."""
         records = self._swapper.records
         with self._ready_lock:
             index = min(self._ready, key=lambda i: self._swapper.readiness(records[i]))
