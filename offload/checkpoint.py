@@ -273,9 +273,14 @@ def _write_latest(save_dir: Path, tag: str) -> None:
 
 
 def _fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root``. With several ranks in one staging directory,
+    another rank's temporary file may be renamed away meanwhile: its writer fsyncs what it became."""
     for directory, _, files in os.walk(root, topdown=False):
         for name in files:
-            _fsync_file(os.path.join(directory, name))
+            try:
+                _fsync_file(os.path.join(directory, name))
+            except FileNotFoundError:
+                continue
         _fsync_dir(Path(directory))
 
 
