@@ -55,6 +55,14 @@ class BackgroundWorker:
         if error is not None:
             raise error
 
+    def wait_until(self, done: Callable[[], bool]) -> None:
+        """Wait until ``done()`` is true or no call is left to run; checked after each call ends.
+
+        Unlike `join`, never raises: an error stays for `join` to report.
+        """
+        with self._done:
+            self._done.wait_for(lambda: self._pending == 0 or done())
+
     def close(self) -> None:
         """Let the queued calls run, then stop the thread (errors left unreported are dropped)."""
         if self._thread is not None:

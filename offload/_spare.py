@@ -27,18 +27,28 @@ class _Chunk:
 
 class SparePool:
     """Bump allocator over lent tensors: regions of whole pages, each chunk reused once all of its
-    regions are given back."""
+    regions are given back.
 
-    def __init__(self) -> None:
+    ``limit``: most bytes held at once until `clear` (None: no limit); memory lent beyond it is let go.
+    """
+
+    def __init__(self, limit: int | None = None) -> None:
         self._chunks: list[_Chunk] = []
+        self.limit = limit
+        self._held = 0
 
     def lend(self, tensor: torch.Tensor, smallest: int) -> None:
         """Add the memory of a contiguous CPU ``tensor`` the caller no longer needs, if at least
-        ``smallest`` bytes of it are page-aligned (else it could hold no region and is let go)."""
+        ``smallest`` bytes of it are page-aligned (else it could hold no region and is let go), and
+        if it fits under ``limit``."""
         raw = tensor.detach().reshape(-1).view(torch.uint8)
         first = -raw.data_ptr() % PAGE
-        if raw.numel() - first >= smallest:
-            self._chunks.append(_Chunk(raw[first:]))
+        if raw.numel() - first < smallest:
+            return
+        if self.limit is not None and self._held + raw.numel() > self.limit:
+            return
+        self._held += raw.numel()
+        self._chunks.append(_Chunk(raw[first:]))
 
     def cut(self, count: int, nbytes: int, *, take: bool = True) -> list[tuple[torch.Tensor, _Chunk]] | None:
         """``count`` regions of ``nbytes`` (a multiple of PAGE) as fp32 tensors with their chunks, first
@@ -71,6 +81,7 @@ class SparePool:
     def clear(self) -> None:
         """Stop lending: regions still in use keep their memory until they are dropped."""
         self._chunks.clear()
+        self._held = 0
 
     @property
     def lending(self) -> bool:

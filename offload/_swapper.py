@@ -125,12 +125,14 @@ class StateSwapper:
     """Moves the state of offloaded sub-groups between the swap file and ``buffer_count`` buffers.
 
     Host memory held: ``buffer_count`` buffers of the largest offloaded sub-group's state, whatever
-    the number of sub-groups, plus the spare memory the caller lends (`add_spare`). Raises
+    the number of sub-groups, plus the spare memory the caller lends (`add_spare`, at most
+    ``spare_limit`` bytes until `drop_spares`; None: no limit). Raises
     FileNotFoundError / PermissionError / TensorIOError at construction when the swap file cannot
     be created in ``directory``.
     """
 
-    def __init__(self, plans: list[SubGroupPlan], directory: str, config: SwapConfig) -> None:
+    def __init__(self, plans: list[SubGroupPlan], directory: str, config: SwapConfig,
+                 spare_limit: int | None = None) -> None:
         self.config = config
         self.records: dict[int, SwapRecord] = {}
         offset = 0
@@ -144,7 +146,7 @@ class StateSwapper:
         self._free: list[torch.Tensor] = []
         self._by_address: dict[int, torch.Tensor] = {}
         self._writes: collections.deque[SwapRecord] = collections.deque()  # in flight, oldest first
-        self._spares = SparePool()  # memory lent by the caller (applied gradients)
+        self._spares = SparePool(spare_limit)  # memory lent by the caller (applied gradients)
         self._smallest_region = min((4 * p.region for p in plans if p.offloaded), default=0)
         self.buffer_bytes = 0
         self.wait_seconds = 0.0

@@ -69,6 +69,8 @@ class OffloadAdam(torch.optim.Optimizer):
             Then every backward is followed by an update: no gradient accumulation, clipping or
             scaling between backward and ``step()`` (``step()`` still must be called), and the
             gradients of fully offloaded parameters are freed (None) once applied.
+        spare_limit: with overlap_backward, the most bytes of applied gradients whose memory is
+            reused for state read ahead until ``step()`` (None: all of them); past it they are freed.
 
     Host memory held for offloaded state: ``buffer_count`` buffers of the largest offloaded
     sub-group's state, at most ``buffer_count * 12 * (sub_group_size + 1023)`` bytes, whatever the
@@ -85,7 +87,8 @@ class OffloadAdam(torch.optim.Optimizer):
                  nvme_offload_fraction: float = 0.0, nvme_offload_dir: str | None = None, *,
                  amsgrad: bool = False, maximize: bool = False, buffer_count: int = 4, pin_memory: bool = True,
                  pipeline_read: bool = True, pipeline_write: bool = True, sub_group_size: int = 1 << 22,
-                 aio: AioConfig | Mapping[str, Any] | None = None, overlap_backward: bool = False) -> None:
+                 aio: AioConfig | Mapping[str, Any] | None = None, overlap_backward: bool = False,
+                 spare_limit: int | None = None) -> None:
         if amsgrad:
             raise ValueError("amsgrad=True is not supported by OffloadAdam; use amsgrad=False")
         if not 0.0 <= lr:
@@ -132,7 +135,7 @@ class OffloadAdam(torch.optim.Optimizer):
         if any(p.offloaded for p in self._plans) and nvme_offload_dir is None:
             self._tmpdir = tempfile.mkdtemp(prefix="offload-adam-")
         directory = self._tmpdir or (str(nvme_offload_dir) if nvme_offload_dir is not None else "")
-        self._swapper = StateSwapper(self._plans, directory, self._swap_config)
+        self._swapper = StateSwapper(self._plans, directory, self._swap_config, spare_limit=spare_limit)
         # With overlap_backward, hooks hand sub-groups to this thread: backward never waits for I/O.
         self._background: BackgroundWorker | None = None
         self._background_wait = 0.0  # swapper wait time spent on that thread, not the caller's
@@ -149,6 +152,8 @@ class OffloadAdam(torch.optim.Optimizer):
         self._in_backward = False
         self._waiting: dict[int, int] = {}
         self._runs_left: dict[int, int] = {}  # per parameter: offloaded sub-groups not yet updated
+        self._on_updated: dict[int, Callable[[torch.Tensor], Any]] = {}  # grad_ready's callbacks, by parameter
+        self._dependents: list = []  # the callbacks' writes: the step commits only once they succeeded
         self._ready: list[int] = []  # handed over by hooks, not yet picked by the background thread
         self._ready_lock = threading.Lock()
         self._hooks = []
@@ -201,18 +206,23 @@ class OffloadAdam(torch.optim.Optimizer):
             for rec in self._swapper.records.values():
                 if rec.where in (Where.READING, Where.RESIDENT):
                     self._swapper.evict(rec)
-            # 3. Sync point: resident state may change only once every write has succeeded.
+            # 3. Parameters updated here rather than during backward: grad_ready's callbacks run now.
+            callbacks, self._on_updated = self._on_updated, {}
+            for index, callback in callbacks.items():
+                self._add_dependent(callback(self._params[index].param))
+            # 4. Sync point: resident state may change only once every write has succeeded.
             if resident or not self._hooks:
                 self._swapper.drain()
+                self._wait_dependents()
                 self._swapper.commit()  # the step counts are committed below, with the resident state
         except BaseException:
             self._abort()
             raise
-        # 4. Resident sub-groups: no I/O, cannot fail.
+        # 5. Resident sub-groups: no I/O, cannot fail.
         for plan in resident:
             self._update(plan, self._resident[plan.index])
-        if self._swapper.idle:
-            self._commit()
+        if self._swapper.idle and all(future.done() for future in self._dependents):
+            self._commit()  # cannot fail: every write has landed (a failed one raised in phase 4 or 1)
         else:
             self._uncommitted = True  # write-behind: committed at the next sync point
         if self._seen:
@@ -223,20 +233,58 @@ class OffloadAdam(torch.optim.Optimizer):
             self._background.submit(self._in_background, self._finish_write_behind)
         return loss
 
-    def grad_ready(self, param: torch.Tensor) -> None:
+    def grad_ready(self, param: torch.Tensor,
+                   on_updated: Callable[[torch.Tensor], None] | None = None) -> None:
         """Tell the optimizer that ``param.grad`` is final for this step (overlap_backward only).
 
         The post-accumulate-grad hooks do this for parameters that autograd computes gradients for;
         a caller that sets ``.grad`` itself (the engine, for its partitions) calls this instead.
-        Raises RuntimeError without overlap_backward, ValueError for a tensor this optimizer does not
-        update, and the background thread's error, if it had one.
+        ``on_updated(param)`` runs once every element of ``param`` has been updated and its gradient
+        freed: on the background thread, or in ``step()`` for sub-groups left to it; not at all if
+        the step fails. It may return an IOFuture (the write of ``param`` elsewhere): the step's state
+        is then committed only once it succeeded, and aborted, raising its error, if it failed. It
+        needs every sub-group of ``param`` offloaded. Raises RuntimeError without
+        overlap_backward, ValueError for a tensor this optimizer does not update (or, with
+        ``on_updated``, one with state in RAM), and the background thread's error, if it had one.
         """
         if self._background is None:
             raise RuntimeError("grad_ready needs OffloadAdam(overlap_backward=True) with offloaded state")
         index = self._index_of.get(id(param))
         if index is None or self._params[index].param is not param:
             raise ValueError("grad_ready: this tensor is not one of the optimizer's parameters")
+        if on_updated is not None:
+            if not all(self._plans[i].offloaded for i, _ in self._params[index].runs):
+                raise ValueError(f"grad_ready: {self._params[index].name()} has state in RAM; on_updated needs "
+                                 f"its whole state offloaded (nvme_offload_fraction=1.0)")
+            self._on_updated[index] = on_updated
         self._on_grad_ready(index, param)
+
+    def abandon_step(self) -> None:
+        """Forget the last step's uncommitted state after the caller's own part of it failed (the
+        engine's parameter write-back): wait for the I/O in flight, errors dropped, and keep the state
+        last committed. Never raises."""
+        if self._background is not None:
+            try:
+                self._background.join()
+            except BaseException:
+                pass  # the step is forgotten either way
+        self._abort()
+
+    def _add_dependent(self, future: Any) -> None:
+        if future is not None:
+            self._dependents.append(future)
+
+    def _wait_dependents(self) -> None:
+        """Sync point: the writes grad_ready's callbacks started. Raises the first one's error."""
+        dependents, self._dependents = self._dependents, []
+        for future in dependents:
+            future.result()
+
+    def wait_for_updates(self, done: Callable[[], bool]) -> None:
+        """Wait until ``done()`` is true or the updates handed over so far have all run (checked as
+        each one ends): back-pressure for a caller whose memory the pending updates hold. Never raises."""
+        if self._background is not None:
+            self._background.wait_until(done)
 
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook (overlap_backward): hand sub-groups whose gradients are all final
@@ -289,6 +337,9 @@ class OffloadAdam(torch.optim.Optimizer):
             if left == 1 and param.grad is not None:
                 self._swapper.add_spare(param.grad)
                 param.grad = None
+            callback = self._on_updated.pop(member.param, None) if left == 1 else None
+            if callback is not None:
+                self._add_dependent(callback(param))
 
     def _update_next_ready(self) -> None:
         """Background thread: update one of the sub-groups handed over, those whose state is already
@@ -419,6 +470,7 @@ class OffloadAdam(torch.optim.Optimizer):
             self._commit()
 
     def _commit(self) -> None:
+        self._wait_dependents()
         self._swapper.commit()
         for rec in self._params:
             if rec.new_step is not None:
@@ -427,6 +479,10 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def _abort(self) -> None:
         self._swapper.abort()
+        self._on_updated = {}
+        for future in self._dependents:
+            future.exception()  # never forget a write the kernel may still be doing
+        self._dependents = []
         with self._ready_lock:
             self._ready.clear()
         for rec in self._params:
