@@ -127,7 +127,7 @@ def start_prefetch(prefetcher: Prefetcher, budget: SwapBudget, records: list["Pa
     ahead = 0
     for index in prefetcher.upcoming():
         rec = records[index]
-        if rec.read is not None or rec.full is not None:
+        if rec.buffer is not None or rec.full is not None:  # in flight, gathered, or kept for its update
             ahead += rec.partition_numel if rec.read is not None else 0
             continue
         if not rec.on_disk:

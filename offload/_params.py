@@ -114,6 +114,9 @@ class ParamStore:
     """Reads started when a parameter was needed (not prefetched)."""
     prefetch_reads: int = 0
     """Reads started ahead of use by the prefetcher."""
+    keep_for_update: bool = False
+    """Set by the engine during a backward whose updates run as gradients arrive: an on-disk trainable
+    partition's buffer is kept when its parameter is released, for the update to use (see `take_buffer`)."""
     _live: dict[int, ParamRecord] = field(default_factory=dict)
     """Storage address of each gathered, releasable parameter -> its record (for the pack hook)."""
     _placeholders: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
@@ -125,16 +128,17 @@ class ParamStore:
         """Make ``rec.param`` the full tensor; return the flat full tensor."""
         if rec.full is not None:
             return rec.full
-        # 1. The partition's data: in memory, or read from NVMe (prefetched or on demand).
+        # 1. The partition's data: in memory, or read from NVMe (prefetched, on demand, or kept from
+        #    an earlier gather in this backward).
         if rec.on_disk:
             self.prefetcher.observe(rec.index)
-            if rec.read is None:
+            if rec.buffer is None:
                 self.start_read(rec)
                 self.demand_reads += 1
             start_prefetch(self.prefetcher, self.budget, self.records, self._prefetch_read)
-            # Sync point: this partition's bytes must have arrived.
-            rec.read.result()
-            rec.read, rec.where = None, Where.ON_DISK
+            if rec.read is not None:  # sync point: this partition's bytes must have arrived
+                rec.read.result()
+                rec.read, rec.where = None, Where.ON_DISK
             local = rec.buffer
         else:
             local = rec.partition.data
@@ -146,7 +150,8 @@ class ParamStore:
             chunks = list(full.chunk(self.world_size))
             dist.all_gather(chunks, local.contiguous(), group=self.group)
             full = full[:rec.numel]
-            self._drop_buffer(rec)
+            if not self._keeps(rec):
+                self._drop_buffer(rec)
         rec.full = full
         rec.param.data = full.view(rec.shape)
         if not rec.keep_full:
@@ -160,7 +165,34 @@ class ParamStore:
         self._live.pop(rec.full.untyped_storage().data_ptr(), None)
         rec.full = None
         rec.param.data = self.placeholder(rec.param.dtype)
-        self._drop_buffer(rec)
+        if not self._keeps(rec):
+            self._drop_buffer(rec)
+
+    def _keeps(self, rec: ParamRecord) -> bool:
+        return self.keep_for_update and rec.on_disk and rec.param.requires_grad
+
+    def take_buffer(self, rec: ParamRecord) -> torch.Tensor:
+        """The page-aligned buffer holding an on-disk partition's values, for its update: the one kept
+        from this backward's gather, else one read now (sync point). The caller owns it from here and
+        gives its elements back to the budget with `return_buffer`."""
+        if rec.full is not None:
+            self.release(rec)  # the gradient is final: no backward node reads the parameter any more
+        if rec.buffer is None or rec.read is not None:
+            # Not gathered in this backward (a bias, an embedding): part of the recorded order, so
+            # that from the next step on it is read ahead like any gather.
+            self.prefetcher.observe(rec.index)
+            if rec.buffer is None:
+                self.start_read(rec)
+                self.demand_reads += 1
+            start_prefetch(self.prefetcher, self.budget, self.records, self._prefetch_read)
+        if rec.read is not None:  # sync point
+            rec.read.result()
+        buffer, rec.buffer, rec.read, rec.where = rec.buffer, None, None, Where.ON_DISK
+        return buffer
+
+    def return_buffer(self, rec: ParamRecord) -> None:
+        """A buffer from `take_buffer` is no longer used: its elements leave the budget."""
+        self.budget.held -= rec.partition_numel
 
     def start_read(self, rec: ParamRecord) -> None:
         """Start reading an on-disk partition into a fresh buffer (counted in the budget)."""
@@ -168,6 +200,12 @@ class ParamStore:
         rec.buffer, rec.read = self.swap.read(rec.partition_numel, rec.partition.dtype, rec.offset)
         rec.where = Where.IN_FLIGHT
         self.budget.held += rec.partition_numel
+
+    def prefetch_from_start(self) -> None:
+        """Start reading the first partitions of the recorded order (the next forward's), within the
+        budget: after a step, when every partition's last write has landed."""
+        self.prefetcher.cursor = 0
+        start_prefetch(self.prefetcher, self.budget, self.records, self._prefetch_read)
 
     def _prefetch_read(self, rec: ParamRecord) -> None:
         self.start_read(rec)
@@ -189,6 +227,7 @@ class ParamStore:
 
     def release_all(self) -> None:
         """End of a backward or step: release everything not kept and drop unused prefetches."""
+        self.keep_for_update = False
         for rec in self.records:
             rec.users = rec.saved = 0
             self.release(rec)

@@ -29,6 +29,7 @@ from torch import nn
 from ._grads import GradReducer
 from ._param_swap import ParamSwapFile, Prefetcher, SwapBudget
 from ._params import ParamRecord, ParamStore, build_records
+from ._writeback import PartitionWriteBack
 from .adam import OffloadAdam
 from .config import EngineConfig, check_against_model, check_nvme_paths, world_size_from_env
 from .loss_scaler import build_loss_scaler
@@ -153,14 +154,25 @@ def _assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int
     reducer = GradReducer(store, world_size=world_size, rank=rank, group=group, swap=grad_swap)
     # 4. Optimizer offload: OffloadAdam over the partitions; it plans its sub-groups from their sizes,
     #    so it comes after the partitions exist and before anything runs.
+    #    With on-disk partitions updated during backward, applied gradients lent to the optimizer's
+    #    read-ahead are capped at the swap budget, so that host memory does not grow with the model.
+    writeback = None
+    if in_backward and any(rec.on_disk for rec in trainable):
+        spare_limit = budget.buffer_elements * 4
+    else:
+        spare_limit = None
     with _sized(trainable):
-        opt = _build_optimizer(cfg, optimizer, [rec.partition for rec in trainable], overlap_backward=in_backward)
+        opt = _build_optimizer(cfg, optimizer, [rec.partition for rec in trainable], overlap_backward=in_backward,
+                               spare_limit=spare_limit)
     if in_backward:
-        reducer.consumer = functools.partial(_hand_over, opt)
+        if spare_limit is not None:
+            writeback = PartitionWriteBack(store, opt, limit=offload_param.buffer_size)
+        reducer.consumer = functools.partial(_hand_over, opt, writeback)
     scheduler = _build_scheduler(cfg, lr_scheduler, opt)
     # 5. Gather hooks and prefetch: last, since they gather the partitions placed above.
     store.install(model)
-    return Engine(model, cfg, store, reducer, opt, scheduler, world_size=world_size, rank=rank, group=group)
+    return Engine(model, cfg, store, reducer, opt, scheduler, world_size=world_size, rank=rank, group=group,
+                  writeback=writeback)
 
 
 class _sized:
@@ -184,30 +196,34 @@ def _updates_in_backward(cfg: EngineConfig, client: Any, trainable: list[ParamRe
 
     Only when nothing has to see all gradients first: one micro step per step (no accumulation), no
     clipping, no fp16 overflow check; and only for the optimizer we build (OffloadAdam), with its
-    state on NVMe and every trainable partition in memory (an on-disk partition is read and written
-    around its update, which the chunked step does).
+    state on NVMe. On-disk partitions are updated from the buffer their backward read and written
+    back by `PartitionWriteBack`, which needs their whole state on NVMe (``ratio`` 1.0).
     """
-    return (cfg.zero_optimization.offload_optimizer.device == "nvme" and cfg.gradient_accumulation_steps == 1
+    offload_opt = cfg.zero_optimization.offload_optimizer
+    return (offload_opt.device == "nvme" and cfg.gradient_accumulation_steps == 1
             and cfg.gradient_clipping == 0 and not cfg.fp16.enabled
             and (client is None or isinstance(client, (torch.optim.Adam, torch.optim.AdamW)))
-            and not any(rec.on_disk for rec in trainable))
+            and (offload_opt.ratio == 1.0 or not any(rec.on_disk for rec in trainable)))
 
 
-def _hand_over(opt: OffloadAdam, rec: ParamRecord, grad: torch.Tensor) -> None:
+def _hand_over(opt: OffloadAdam, writeback: PartitionWriteBack | None, rec: ParamRecord, grad: torch.Tensor) -> None:
     """Give a reduced gradient partition to the optimizer, which updates it in the background."""
+    if rec.on_disk:
+        writeback.hand_over(rec, grad)
+        return
     rec.partition.grad = grad.view(rec.partition.shape).to(rec.partition.dtype)
     opt.grad_ready(rec.partition)
 
 
 def _build_optimizer(cfg: EngineConfig, client: Any, params: list[nn.Parameter], *,
-                     overlap_backward: bool = False) -> torch.optim.Optimizer:
+                     overlap_backward: bool = False, spare_limit: int | None = None) -> torch.optim.Optimizer:
     """OffloadAdam over ``params`` with the config's or the client optimizer's hyperparameters."""
     off = cfg.zero_optimization.offload_optimizer
     swap = dict(nvme_offload_fraction=off.ratio if off.device == "nvme" else 0.0,
                 nvme_offload_dir=off.nvme_path if off.device == "nvme" else None,
                 buffer_count=off.buffer_count, pin_memory=off.pin_memory, pipeline_read=off.pipeline_read,
                 pipeline_write=off.pipeline_write, sub_group_size=max(1024, cfg.zero_optimization.sub_group_size),
-                aio=cfg.aio, overlap_backward=overlap_backward)
+                aio=cfg.aio, overlap_backward=overlap_backward, spare_limit=spare_limit)
     if client is None:
         if cfg.optimizer is None:
             raise ValueError('optimizer: the config has no "optimizer" section and no optimizer was passed; add '
@@ -249,7 +265,7 @@ class Engine:
 
     def __init__(self, module: nn.Module, config: EngineConfig, store: ParamStore, reducer: GradReducer,
                  optimizer: torch.optim.Optimizer, lr_scheduler: Any, *, world_size: int, rank: int,
-                 group: Any) -> None:
+                 group: Any, writeback: PartitionWriteBack | None = None) -> None:
         self.module = module
         self.config = config
         self.optimizer = optimizer
@@ -261,6 +277,7 @@ class Engine:
         self.loss_scaler = build_loss_scaler(config.fp16) if config.fp16.enabled else None
         self._store = store
         self._reducer = reducer
+        self._writeback = writeback
         self._chunks = _step_chunks(store.records, config)
         self.timers = PhaseTimers.from_config(config, log=log.info if rank == 0 else (lambda line: None))
         self._finalizer = weakref.finalize(self, _close, store, reducer, optimizer)
@@ -286,6 +303,8 @@ class Engine:
             loss = loss / self.config.gradient_accumulation_steps
         if self.loss_scaler is not None:
             loss = self.loss_scaler.scale_loss(loss)
+        # On-disk partitions updated during backward keep the buffer their backward read (see _writeback.py).
+        self._store.keep_for_update = self._writeback is not None
         try:
             # Saved-tensor hooks here too: reentrant activation checkpointing re-runs forward in backward.
             with self.timers.phase("backward"), self._store.saved_tensor_hooks():
@@ -323,7 +342,15 @@ class Engine:
     def _optimizer_step(self) -> None:
         records = [rec for rec in self._store.records if rec.param.requires_grad]
         if self._reducer.consumer is not None:  # partitions were updated during backward
-            self.optimizer.step()  # sync point: waits for those updates; steps any partition left
+            try:
+                self.optimizer.step()  # sync point: waits for those updates; steps any partition left
+                if self._writeback is not None:
+                    self._writeback.finish()  # sync point: on-disk partitions written back
+            except BaseException:
+                if self._writeback is not None:
+                    self._writeback.abort()
+                    self.optimizer.abandon_step()  # a failed write-back: the optimizer commits nothing
+                raise
             self._finish_step(records)
             return
         factor = self._unscale_and_clip(records)
@@ -360,12 +387,14 @@ class Engine:
 
     def _finish_step(self, records: list[ParamRecord]) -> None:
         """After the update: regather kept parameters whose partition is not the parameter itself,
-        step the learning-rate schedule, drop the gradients."""
+        step the learning-rate schedule, drop the gradients, and start reading the partitions the next
+        forward needs first."""
         for rec in records:
             self._store.refresh(rec)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.zero_grad()
+        self._store.prefetch_from_start()
 
     def _start_chunk(self, chunk: list[ParamRecord]) -> dict:
         """Start the reads of a chunk's on-disk partitions and offloaded gradients."""
@@ -484,6 +513,7 @@ class Engine:
         from safetensors.torch import load_file
 
         path = str(resolve_tag(load_dir, tag))
+        self._store.release_all()  # partitions read ahead would hold the values from before the load
         state = torch.load(os.path.join(path, _state_file(self.rank)), weights_only=False)
         if state["world_size"] != self.world_size:
             raise ValueError(f"{path}: saved with {state['world_size']} ranks, loading with {self.world_size}; "

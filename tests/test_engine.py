@@ -131,14 +131,55 @@ def test_matches_plain_pytorch(disk_dir, kind, param, opt, gas):
 
 
 @pytest.mark.parametrize("case,in_backward", [
-    ({}, True), ({"gas": 2}, False), ({"gradient_clipping": 1.0}, False), ({"param": "nvme"}, False),
-    ({"fp16": {"enabled": True}}, False)], ids=["plain", "accumulation", "clipping", "params-on-disk", "fp16"])
+    ({}, True), ({"gas": 2}, False), ({"gradient_clipping": 1.0}, False), ({"param": "nvme"}, True),
+    ({"param": "nvme", "ratio": 0.5}, False), ({"fp16": {"enabled": True}}, False)],
+    ids=["plain", "accumulation", "clipping", "params-on-disk", "params-on-disk-state-half-in-ram", "fp16"])
 def test_updates_run_during_backward_only_when_nothing_needs_every_gradient_first(disk_dir, case, in_backward):
     case = dict(case)
+    ratio = case.pop("ratio", None)
     config = engine_config(disk_dir, case.pop("param", "cpu"), "nvme", case.pop("gas", 1), **case)
+    if ratio is not None:
+        config["zero_optimization"]["offload_optimizer"]["ratio"] = ratio
     engine, *_ = initialize(model=mlp(), config=config)
     assert (engine._reducer.consumer is not None) == in_backward
     assert engine.optimizer._background is not None if in_backward else engine.optimizer._background is None
+    engine.close()
+
+
+def test_a_failed_parameter_write_back_raises_and_leaks_no_buffer(disk_dir):
+    """Parameters on NVMe updated during backward: a write-back that fails (a real ENOSPC) is raised by
+    step(), every buffer handed over is let go, the optimizer commits nothing, and training goes on
+    once the disk is back."""
+    import errno
+    from offload.engine import _sized
+    from tensorio import TensorIOError
+
+    def optimizer_state():
+        with _sized(engine.records):  # on-disk partitions get their size while the state is read
+            return engine.optimizer.state_dict()
+
+    engine, *_ = initialize(model=gpt2(dropout=0.0), config=engine_config(disk_dir, "nvme", "nvme", micro=2))
+    assert engine._writeback is not None
+    batches = gpt2_batches(4)
+    train(engine, batches[:2], gpt2_loss)
+    state_before = optimizer_state()
+    swap = engine._store.swap
+    original = swap._handle.write
+    swap._handle.write = lambda tensor, path, offset=0: original(tensor, "/dev/full", offset)
+    with pytest.raises(TensorIOError) as info:
+        train(engine, batches[2:3], gpt2_loss)
+    assert info.value.errno == errno.ENOSPC
+    swap._handle.write = original
+    # Nothing handed over is still held: only reads ahead for the next forward count in the budget.
+    assert not engine._writeback._held and not engine._writeback._writes
+    assert engine._store.budget.held <= engine._store.budget.buffer_elements
+    assert all(rec.partition.numel() == 0 for rec in engine.records if rec.on_disk)
+    state_after = optimizer_state()
+    for i, entry in state_before["state"].items():
+        assert torch.equal(state_after["state"][i]["exp_avg"], entry["exp_avg"]), i
+    engine.zero_grad()
+    losses = train(engine, batches[3:], gpt2_loss)
+    assert all(torch.isfinite(torch.tensor(losses)))
     engine.close()
 
 
@@ -182,13 +223,16 @@ def test_prefetch_follows_the_first_step(disk_dir):
     store = engine._store
     batches = gpt2_batches(4)
     train(engine, batches[:1], gpt2_loss)
+    # The first step reads on demand and records the order; its end reads the next forward's first
+    # partitions ahead, within the prefetch bucket.
     first = store.demand_reads
-    assert store.prefetch_reads == 0 and first == len(store.prefetcher.trace) > 0
+    assert first == len(store.prefetcher.trace) > 0
+    assert store.prefetch_reads > 0 and 0 < store.budget.held <= 40000
     train(engine, batches[1:], gpt2_loss)
     # From the second step on nearly every read is a prefetch; the budget is never exceeded by them.
     assert store.prefetch_reads > 2 * first * 0.8
     assert store.demand_reads - first <= 3 * 3
-    assert store.budget.held == 0
+    assert 0 < store.budget.held <= 40000
     engine.close()
 
 

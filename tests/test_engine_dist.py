@@ -30,7 +30,7 @@ def batches(n: int = 6, batch: int = 4) -> list[torch.Tensor]:
 
 # eps 1e-6: the key bias of attention has a zero gradient up to rounding noise, which Adam with
 # eps 1e-8 would amplify into lr-sized updates that differ with the summation order of the reduction.
-def config(tmp: str, param: str, opt: str, world_size: int, gas: int) -> dict:
+def config(tmp: str, param: str, opt: str, world_size: int, gas: int, clip: float) -> dict:
     zero = {"stage": 3, "stage3_param_persistence_threshold": 100, "sub_group_size": 4096,
             "offload_param": {"device": param}, "offload_optimizer": {"device": opt}}
     if param == "nvme":
@@ -38,15 +38,16 @@ def config(tmp: str, param: str, opt: str, world_size: int, gas: int) -> dict:
     if opt == "nvme":
         zero["offload_optimizer"].update(nvme_path=tmp)
     return {"train_batch_size": 4 * gas, "train_micro_batch_size_per_gpu": 4 // world_size,
-            "gradient_accumulation_steps": gas, "zero_optimization": zero, "gradient_clipping": 0.5,
+            "gradient_accumulation_steps": gas, "zero_optimization": zero, "gradient_clipping": clip,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "eps": 1e-6}}}
 
 
-def run(rank: int, world_size: int, tmp: str, param: str, opt: str, gas: int, out: str) -> None:
+def run(rank: int, world_size: int, tmp: str, param: str, opt: str, gas: int, clip: float, out: str) -> None:
     """Train on this rank's share of each global batch; rank 0 saves losses and full parameters."""
     if world_size > 1:
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    engine, *_ = initialize(model=gpt2(), config=config(tmp, param, opt, world_size, gas))
+    engine, *_ = initialize(model=gpt2(), config=config(tmp, param, opt, world_size, gas, clip))
+    assert (engine._reducer.consumer is not None) == (gas == 1 and clip == 0)  # the path under test
     losses = []
     for batch in batches(4 * gas):
         share = batch.chunk(world_size)[rank]
@@ -61,7 +62,7 @@ def run(rank: int, world_size: int, tmp: str, param: str, opt: str, gas: int, ou
     # Every rank saves its partitions into one atomic checkpoint; a fresh engine loads them back.
     path = engine.save_checkpoint(os.path.join(tmp, f"ckpt{world_size}"), client_state={"rank0": rank == 0})
     engine.close()
-    fresh, *_ = initialize(model=gpt2(), config=config(tmp, param, opt, world_size, gas))
+    fresh, *_ = initialize(model=gpt2(), config=config(tmp, param, opt, world_size, gas, clip))
     loaded, client = fresh.load_checkpoint(os.path.join(tmp, f"ckpt{world_size}"))
     reloaded = {n: t for n, t in fresh.full_parameters()}
     fresh.close()
@@ -79,14 +80,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("param,opt,gas", [("nvme", "nvme", 2)])
-def test_world_size_two_matches_one(disk_dir, param, opt, gas, monkeypatch):
+# Accumulation and clipping: the chunked step. Neither: the updates run during backward, the on-disk
+# partitions written back from there (docs/engine.md).
+@pytest.mark.parametrize("param,opt,gas,clip", [("nvme", "nvme", 2, 0.5), ("nvme", "nvme", 1, 0.0)],
+                         ids=["chunked-step", "updates-in-backward"])
+def test_world_size_two_matches_one(disk_dir, param, opt, gas, clip, monkeypatch):
     one, two = str(disk_dir / "one.pt"), str(disk_dir / "two.pt")
-    run(0, 1, str(disk_dir), param, opt, gas, one)
+    run(0, 1, str(disk_dir), param, opt, gas, clip, one)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=run, args=(r, 2, str(disk_dir), param, opt, gas, two)) for r in range(2)]
+    procs = [ctx.Process(target=run, args=(r, 2, str(disk_dir), param, opt, gas, clip, two)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:

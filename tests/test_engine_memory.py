@@ -23,6 +23,7 @@ SCRIPT = textwrap.dedent("""
     from offload.engine import initialize
 
     width, layers, batch, layer, path = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    clipping = float(sys.argv[6])
     proc = psutil.Process()
     # Lazy imports (torch.optim pulls in torch._dynamo: about 70 MB of modules) and first-use setup of
     # the math libraries (GEMM scratch) happen before the baseline, on one layer of the same width.
@@ -34,7 +35,7 @@ SCRIPT = textwrap.dedent("""
     base = proc.memory_info().rss  # before the model exists
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())])
-    config = {"train_micro_batch_size_per_gpu": batch, "optimizer": {"type": "AdamW"},
+    config = {"train_micro_batch_size_per_gpu": batch, "optimizer": {"type": "AdamW"}, "gradient_clipping": clipping,
               "aio": {"block_size": 262144, "queue_depth": 4},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1000,
                                     "sub_group_size": 262144, "stage3_prefetch_bucket_size": 2 * layer,
@@ -43,6 +44,7 @@ SCRIPT = textwrap.dedent("""
                                     "offload_optimizer": {"device": "nvme", "nvme_path": path, "buffer_count": 3,
                                                           "pipeline_read": True, "pipeline_write": True}}}
     engine, *_ = initialize(model=model, config=config)
+    assert (engine._reducer.consumer is not None) == (clipping == 0)  # the path under test
     after_init = proc.memory_info().rss
     x = torch.randn(batch, width)
 
@@ -73,29 +75,40 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_peak_host_memory_is_bounded_by_the_buffers(disk_dir):
+@pytest.mark.parametrize("clipping", [0.0, 1.0], ids=["updates-in-backward", "chunked-step"])
+def test_peak_host_memory_is_bounded_by_the_buffers(disk_dir, clipping):
     # glibc keeps freed heap memory in the process (its mmap threshold grows with each freed block), so
     # RSS would count memory already freed; a fixed threshold lets RSS follow the live memory.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(WIDTH), str(LAYERS), str(BATCH), str(LAYER), str(disk_dir)],
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(WIDTH), str(LAYERS), str(BATCH), str(LAYER), str(disk_dir), str(clipping)],
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     params = LAYERS * LAYER
     full_state = params * 4 * 4  # fp32 parameters, gradients, exp_avg, exp_avg_sq
-    # Forward and backward: the prefetch budget, a layer gathered on demand beyond it, gradient writes.
     param_buffers = 2 * LAYER * 4  # offload_param.buffer_count x buffer_size, fp32
     largest_layer = LAYER * 4
-    grad_writes = 3 * LAYER * 4  # gradient partitions being written behind (offload/_grads.py)
-    backward = param_buffers + largest_layer + grad_writes
-    # Step: three chunks (read ahead, stepped, written behind) of max(budget / 3, largest partition)
-    # elements, each with its parameters and gradients.
-    chunk = max(2 * LAYER // 3, LAYER)
-    step = 3 * chunk * (4 + 4)
+    if clipping == 0:
+        # The updates run during backward (docs/engine.md). Forward and backward hold the prefetch
+        # budget, a layer gathered on demand beyond it, the partitions handed to the optimizer and not
+        # yet written back (offload_param.buffer_size plus one partition, each with its fp32
+        # gradient), and applied gradients lent to the optimizer's read-ahead (at most the budget).
+        # The step only waits for those updates and writes.
+        handed_over = (LAYER + LAYER) * (4 + 4)
+        lent = 2 * LAYER * 4
+        held = param_buffers + largest_layer + handed_over + lent
+    else:
+        # Clipping needs every gradient first: forward and backward hold the budget, a layer gathered
+        # on demand and the gradient partitions being written behind (offload/_grads.py); the step
+        # three chunks (read ahead, stepped, written behind) of max(budget / 3, largest partition)
+        # elements, each with its parameters and gradients.
+        grad_writes = 3 * LAYER * 4
+        chunk = max(2 * LAYER // 3, LAYER)
+        held = max(param_buffers + largest_layer + grad_writes, 3 * chunk * (4 + 4))
     staging = 3 * 4 * 262144  # three tensorio handles x queue_depth x block_size
     activations = 4 * LAYERS * BATCH * WIDTH * 4
     slack = 8 << 20  # code pages loaded on first use, thread stacks, Python objects
-    bound = max(backward, step) + result["optimizer_buffers"] + staging + activations + slack
+    bound = held + result["optimizer_buffers"] + staging + activations + slack
     grown = result["peak"] - result["base"]
     assert full_state >= 4 * bound  # the model's state is several times what we allow
     print({k: (v - result["base"]) / 2**20 for k, v in result.items() if k.startswith("after")})
