@@ -5,7 +5,9 @@ cpu and nvme (parameters and optimizer), side by side.
     python -m bench.engine_step --dir /work/tmp --modes nvme --model-config '{"n_layer": 24, "n_embd": 1024}'
 
 Each configuration runs in its own subprocess (so that peak RSS is its own): a warm-up step, then
-timed steps. Reported per configuration: median step time, peak RSS (psutil, sampled), and the bytes
+timed steps; ``--repeats N`` runs every configuration N times, interleaved, and reports medians over
+the repeats and the nvme / torch ratio within each repeat. Reported per configuration: median step
+time, peak RSS (psutil, sampled), and the bytes
 the process read from and wrote to the disk per step (/proc/<pid>/io), against fio's read and write
 speed on the same directory. "over baseline" is the peak minus the RSS of the interpreter with torch
 and transformers imported, before the model exists. Headline: nvme step time / plain PyTorch step time (project target <= 1.3).
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -119,6 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=1, help="runs of every mode, interleaved; medians are reported")
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temporary one)")
     ap.add_argument("--sub-group-size", type=int, default=1 << 20)
     ap.add_argument("--buffer-count", type=int, default=2, help="offload_param.buffer_count")
@@ -145,7 +149,14 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         print(f"model={json.dumps(model)} batch={args.batch} seq={args.seq} warmup={args.warmup} steps={args.steps} "
               f"buffer_count={args.buffer_count} buffer_size={args.buffer_size} sub_group_size={args.sub_group_size} "
               f"block_size={args.block_size} queue_depth={args.queue_depth} dir={directory}")
-        results = {mode: run_mode(mode, args, directory) for mode in modes}
+        runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+        for repeat in range(args.repeats):
+            for mode in modes:
+                runs[mode].append(run_mode(mode, args, directory))
+            if args.repeats > 1:
+                print(f"repeat {repeat + 1}: " + ", ".join(f"{mode} {runs[mode][-1]['step_s']:.3f} s" for mode in modes),
+                      flush=True)
+        results = {mode: _median_run(rs) for mode, rs in runs.items()}
 
         class _Aio:  # the settings fio mirrors
             block_size, queue_depth, thread_count, single_submit, overlap_events, direct = (
@@ -167,9 +178,21 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         r["gb_per_s"] = moved
     if "torch" in results and "nvme" in results:
         ratio = results["nvme"]["step_s"] / results["torch"]["step_s"]
-        print(f"nvme / plain PyTorch step time = {ratio:.2f}  (project target <= 1.3)")
-        results["ratio"] = {"nvme_over_torch": ratio}
+        per_repeat = [n["step_s"] / t["step_s"] for n, t in zip(runs["nvme"], runs["torch"])]
+        print(f"nvme / plain PyTorch step time = {ratio:.2f}  (project target <= 1.3); per repeat: "
+              + " ".join(f"{r:.2f}" for r in per_repeat))
+        results["ratio"] = {"nvme_over_torch": ratio, "per_repeat": per_repeat}
     return results
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """One configuration's figures over its repeats: the median of each number."""
+    merged = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            merged[key] = statistics.median(r[key] for r in runs)
+    merged["times"] = [t for r in runs for t in r["times"]]
+    return merged
 
 
 if __name__ == "__main__":

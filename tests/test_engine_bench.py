@@ -15,10 +15,12 @@ def test_engine_step_benchmark_tiny(tmp_path, capsys):
     from bench import engine_step
 
     tiny = json.dumps({"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 128, "n_positions": 16})
-    result = engine_step.main(["--model-config", tiny, "--modes", "nvme", "--batch", "1", "--seq", "8",
+    result = engine_step.main(["--model-config", tiny, "--modes", "torch,nvme", "--batch", "1", "--seq", "8",
                                "--warmup", "1", "--steps", "1", "--persistence", "0", "--sub-group-size", "4096",
-                               "--fio-size", str(4 << 20), "--dir", str(tmp_path)])
+                               "--fio-size", str(4 << 20), "--repeats", "2",
+                               "--dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert "GB/s achieved" in out and "nvme" in out
     assert result["nvme"]["step_s"] > 0 and result["nvme"]["read_per_step"] > 0
+    assert len(result["ratio"]["per_repeat"]) == 2 and len(result["nvme"]["times"]) == 2  # one step per repeat
     assert list(tmp_path.iterdir()) == []  # swap and fio files removed
