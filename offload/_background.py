@@ -63,6 +63,11 @@ class BackgroundWorker:
         with self._done:
             self._done.wait_for(lambda: self._pending == 0 or done())
 
+    def wake(self) -> None:
+        """Let `wait_until` check its condition again now, not only when the running call ends."""
+        with self._done:
+            self._done.notify_all()
+
     def close(self) -> None:
         """Let the queued calls run, then stop the thread (errors left unreported are dropped)."""
         if self._thread is not None:

@@ -72,7 +72,7 @@ class GradReducer:
                 dist.reduce_scatter_tensor(part, padded, group=self.group)
             else:  # gloo has no reduce-scatter: all-reduce, keep this rank's slice
                 dist.all_reduce(padded, group=self.group)
-                part = padded.chunk(self.world_size)[self.rank]
+                part = padded.chunk(self.world_size)[self.rank].clone()  # not a view: the rest is freed
             part.div_(self.world_size)
         if self.consumer is not None:  # one micro step per update: nothing to accumulate
             rec.grad_norm = torch.linalg.vector_norm(part)

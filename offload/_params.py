@@ -214,7 +214,7 @@ class ParamStore:
     def _drop_buffer(self, rec: ParamRecord) -> None:
         if rec.buffer is not None:
             if rec.read is not None:  # never free memory the kernel may still write to
-                rec.read.result()
+                rec.read.exception()  # waits; a failed read was raised where it was needed
                 rec.read = None
             rec.buffer = None
             rec.where = Where.ON_DISK

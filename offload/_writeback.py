@@ -92,6 +92,14 @@ class PartitionWriteBack:
         with self._lock:
             self._writing -= rec.partition_numel
 
+    def settle(self) -> None:
+        """Wait until the optimizer's thread has run every update handed over (sync point) and every
+        write-back has landed; those partitions are let go. Partitions still waiting for gradients stay
+        handed over. Errors are kept for `finish`."""
+        self._optimizer.wait_for_updates(lambda: False)
+        while self._writes:
+            self._wait_oldest_write()
+
     def finish(self) -> None:
         """After the optimizer's step: wait for every write (sync point) and let go of the buffers.
         Raises the first write's error (TensorIOError), after letting everything go."""

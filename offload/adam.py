@@ -152,6 +152,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._in_backward = False
         self._waiting: dict[int, int] = {}
         self._runs_left: dict[int, int] = {}  # per parameter: offloaded sub-groups not yet updated
+        self._handed: set[int] = set()  # parameters whose gradient was handed over in this backward
         self._on_updated: dict[int, Callable[[torch.Tensor], Any]] = {}  # grad_ready's callbacks, by parameter
         self._dependents: list = []  # the callbacks' writes: the step commits only once they succeeded
         self._ready: list[int] = []  # handed over by hooks, not yet picked by the background thread
@@ -221,10 +222,14 @@ class OffloadAdam(torch.optim.Optimizer):
         # 5. Resident sub-groups: no I/O, cannot fail.
         for plan in resident:
             self._update(plan, self._resident[plan.index])
-        if self._swapper.idle and all(future.done() for future in self._dependents):
-            self._commit()  # cannot fail: every write has landed (a failed one raised in phase 4 or 1)
-        else:
-            self._uncommitted = True  # write-behind: committed at the next sync point
+        try:
+            if self._swapper.idle and all(future.done() for future in self._dependents):
+                self._commit()  # never waits; raises a failed callback write
+            else:
+                self._uncommitted = True  # write-behind: committed at the next sync point
+        except BaseException:
+            self._abort()
+            raise
         if self._seen:
             self._order = self._seen + [i for i in self._order if i not in self._seen]
         self._seen, self._done = [], set()
@@ -295,7 +300,14 @@ class OffloadAdam(torch.optim.Optimizer):
             self._in_backward = True
             self._waiting = {p.index: sum(1 for m in p.members if self._params[m.param].param.requires_grad)
                              for p in self._plans if p.offloaded}
+            self._handed = set()
             self._background.submit(self._begin_backward)
+        if index in self._handed:
+            raise RuntimeError(f"{self._params[index].name()} got a second gradient in one backward (with "
+                               f"overlap_backward each parameter is updated once per backward, as soon as its "
+                               f"gradient is final); a parameter shared by two reentrant activation-checkpoint "
+                               f"segments does this: use use_reentrant=False")
+        self._handed.add(index)
         for plan_index, _ in self._params[index].runs:
             plan = self._plans[plan_index]
             if not plan.offloaded:
@@ -340,6 +352,7 @@ class OffloadAdam(torch.optim.Optimizer):
             callback = self._on_updated.pop(member.param, None) if left == 1 else None
             if callback is not None:
                 self._add_dependent(callback(param))
+                self._background.wake()  # a caller in wait_for_updates may go on now
 
     def _update_next_ready(self) -> None:
         """Background thread: update one of the sub-groups handed over, those whose state is already

@@ -156,14 +156,21 @@ def _assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int
     #    so it comes after the partitions exist and before anything runs.
     #    With on-disk partitions updated during backward, applied gradients lent to the optimizer's
     #    read-ahead are capped at the swap budget, so that host memory does not grow with the model.
+    #    A sub-group is updated once all its parameters' gradients are in, so until then their
+    #    partitions wait in memory: on that path sub-groups are at most one swap buffer.
     writeback = None
+    sub_group_size = max(1024, zero.sub_group_size)
+    spare_limit = None
     if in_backward and any(rec.on_disk for rec in trainable):
         spare_limit = budget.buffer_elements * 4
-    else:
-        spare_limit = None
+        if sub_group_size > offload_param.buffer_size:
+            log.info("zero_optimization.sub_group_size %d is cut to offload_param.buffer_size %d: parameters on "
+                     "NVMe wait in memory until their whole sub-group is updated", sub_group_size,
+                     offload_param.buffer_size)
+            sub_group_size = max(1024, offload_param.buffer_size)
     with _sized(trainable):
         opt = _build_optimizer(cfg, optimizer, [rec.partition for rec in trainable], overlap_backward=in_backward,
-                               spare_limit=spare_limit)
+                               spare_limit=spare_limit, sub_group_size=sub_group_size)
     if in_backward:
         if spare_limit is not None:
             writeback = PartitionWriteBack(store, opt, limit=offload_param.buffer_size)
@@ -195,12 +202,12 @@ def _updates_in_backward(cfg: EngineConfig, client: Any, trainable: list[ParamRe
     reduced, so that the optimizer state's NVMe traffic overlaps the forward and backward passes.
 
     Only when nothing has to see all gradients first: one micro step per step (no accumulation), no
-    clipping, no fp16 overflow check; and only for the optimizer we build (OffloadAdam), with its
-    state on NVMe. On-disk partitions are updated from the buffer their backward read and written
+    clipping, no fp16 overflow check; and only for the optimizer we build (OffloadAdam), with (some
+    of) its state on NVMe. On-disk partitions are updated from the buffer their backward read and written
     back by `PartitionWriteBack`, which needs their whole state on NVMe (``ratio`` 1.0).
     """
     offload_opt = cfg.zero_optimization.offload_optimizer
-    return (offload_opt.device == "nvme" and cfg.gradient_accumulation_steps == 1
+    return (offload_opt.device == "nvme" and offload_opt.ratio > 0 and cfg.gradient_accumulation_steps == 1
             and cfg.gradient_clipping == 0 and not cfg.fp16.enabled
             and (client is None or isinstance(client, (torch.optim.Adam, torch.optim.AdamW)))
             and (offload_opt.ratio == 1.0 or not any(rec.on_disk for rec in trainable)))
@@ -216,13 +223,14 @@ def _hand_over(opt: OffloadAdam, writeback: PartitionWriteBack | None, rec: Para
 
 
 def _build_optimizer(cfg: EngineConfig, client: Any, params: list[nn.Parameter], *,
-                     overlap_backward: bool = False, spare_limit: int | None = None) -> torch.optim.Optimizer:
+                     overlap_backward: bool = False, spare_limit: int | None = None,
+                     sub_group_size: int) -> torch.optim.Optimizer:
     """OffloadAdam over ``params`` with the config's or the client optimizer's hyperparameters."""
     off = cfg.zero_optimization.offload_optimizer
     swap = dict(nvme_offload_fraction=off.ratio if off.device == "nvme" else 0.0,
                 nvme_offload_dir=off.nvme_path if off.device == "nvme" else None,
                 buffer_count=off.buffer_count, pin_memory=off.pin_memory, pipeline_read=off.pipeline_read,
-                pipeline_write=off.pipeline_write, sub_group_size=max(1024, cfg.zero_optimization.sub_group_size),
+                pipeline_write=off.pipeline_write, sub_group_size=sub_group_size,
                 aio=cfg.aio, overlap_backward=overlap_backward, spare_limit=spare_limit)
     if client is None:
         if cfg.optimizer is None:
@@ -290,6 +298,7 @@ class Engine:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward pass (parameters are gathered module by module)."""
+        self._settle()
         self._store.prefetcher.cursor = 0
         with self.timers.phase("forward"), self._store.saved_tensor_hooks():
             return self.module(*args, **kwargs)
@@ -309,6 +318,10 @@ class Engine:
             # Saved-tensor hooks here too: reentrant activation checkpointing re-runs forward in backward.
             with self.timers.phase("backward"), self._store.saved_tensor_hooks():
                 loss.backward()
+        except BaseException:
+            if self._reducer.consumer is not None:
+                self._abandon_updates()  # this backward's updates are forgotten, their buffers let go
+            raise
         finally:
             # Sync point: every gathered parameter and unused prefetch is released.
             self._store.release_all()
@@ -347,9 +360,7 @@ class Engine:
                 if self._writeback is not None:
                     self._writeback.finish()  # sync point: on-disk partitions written back
             except BaseException:
-                if self._writeback is not None:
-                    self._writeback.abort()
-                    self.optimizer.abandon_step()  # a failed write-back: the optimizer commits nothing
+                self._abandon_updates()
                 raise
             self._finish_step(records)
             return
@@ -384,6 +395,19 @@ class Engine:
             grad_reads = next_reads
         self._store.finish_stores(*writing)
         self._finish_step(records)
+
+    def _abandon_updates(self) -> None:
+        """After a failure on the updates-during-backward path: the optimizer's thread is joined and its
+        step forgotten first (nothing commits), then every partition handed over is let go."""
+        self.optimizer.abandon_step()
+        if self._writeback is not None:
+            self._writeback.abort()
+
+    def _settle(self) -> None:
+        """Before partitions are read between backward and step (a forward, a save): every update
+        handed over so far has run and its write-back landed, so the swap file holds what it says."""
+        if self._writeback is not None:
+            self._writeback.settle()
 
     def _finish_step(self, records: list[ParamRecord]) -> None:
         """After the update: regather kept parameters whose partition is not the parameter itself,
@@ -487,6 +511,7 @@ class Engine:
         from .checkpoint import atomic_checkpoint, save_tensors_safetensors
 
         tag = tag if tag is not None else f"global_step{self.global_steps}"
+        self._settle()
         partitions = {rec.name: self._partition_copy(rec) for rec in self._store.records}
         with _sized([rec for rec in self._store.records if rec.param.requires_grad]):
             optim = self.optimizer.state_dict()
@@ -513,6 +538,8 @@ class Engine:
         from safetensors.torch import load_file
 
         path = str(resolve_tag(load_dir, tag))
+        if self._reducer.consumer is not None:
+            self._abandon_updates()  # updates still running would write over the loaded values
         self._store.release_all()  # partitions read ahead would hold the values from before the load
         state = torch.load(os.path.join(path, _state_file(self.rank)), weights_only=False)
         if state["world_size"] != self.world_size:
@@ -573,6 +600,7 @@ class Engine:
                         "stage3_gather_16bit_weights_on_model_save to true to gather the weights")
             return False
         tensors = {}
+        self._settle()
         for rec in self._store.records:
             kept = rec.full is not None
             full = self._store.gather(rec).view(rec.shape).clone()
@@ -590,6 +618,7 @@ class Engine:
 
     def full_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
         """Yield (name, full tensor) for every parameter, gathered one at a time (a copy each)."""
+        self._settle()
         for rec in self._store.records:
             kept = rec.full is not None
             full = self._store.gather(rec).view(rec.shape).clone()

@@ -132,8 +132,9 @@ def test_matches_plain_pytorch(disk_dir, kind, param, opt, gas):
 
 @pytest.mark.parametrize("case,in_backward", [
     ({}, True), ({"gas": 2}, False), ({"gradient_clipping": 1.0}, False), ({"param": "nvme"}, True),
-    ({"param": "nvme", "ratio": 0.5}, False), ({"fp16": {"enabled": True}}, False)],
-    ids=["plain", "accumulation", "clipping", "params-on-disk", "params-on-disk-state-half-in-ram", "fp16"])
+    ({"param": "nvme", "ratio": 0.5}, False), ({"ratio": 0.0}, False), ({"fp16": {"enabled": True}}, False)],
+    ids=["plain", "accumulation", "clipping", "params-on-disk", "params-on-disk-state-half-in-ram", "no-state-on-disk",
+         "fp16"])
 def test_updates_run_during_backward_only_when_nothing_needs_every_gradient_first(disk_dir, case, in_backward):
     case = dict(case)
     ratio = case.pop("ratio", None)
@@ -180,6 +181,41 @@ def test_a_failed_parameter_write_back_raises_and_leaks_no_buffer(disk_dir):
     engine.zero_grad()
     losses = train(engine, batches[3:], gpt2_loss)
     assert all(torch.isfinite(torch.tensor(losses)))
+    engine.close()
+
+
+def test_parameters_on_disk_updated_during_backward_survive_a_failed_backward_and_an_eval_between(disk_dir):
+    """A backward that raises half-way forgets its updates and lets every buffer go; a forward between
+    backward and step waits for the write-backs and leaves training as it would have been."""
+    build, data, loss_fn = MODELS["mlp"]
+    batches = data(4)
+    ref_losses, ref_params = reference(build(), batches, loss_fn, 1)
+    engine, *_ = initialize(model=build(), config=engine_config(disk_dir, "nvme", "nvme"))
+    assert engine._writeback is not None
+    losses = []
+    for i, batch in enumerate(batches):
+        loss = loss_fn(engine, batch)
+        engine.backward(loss)
+        with torch.no_grad():  # an evaluation between backward and step
+            engine(batch[0])
+        engine.step()
+        losses.append(loss.item())
+    assert_close(losses, dict(engine.full_parameters()), ref_losses, ref_params)
+
+    def fail(grad):
+        raise RuntimeError("injected failure in backward")
+    # On the first layer's output: its gradient comes after the last layers' were handed over.
+    hook = engine.module[0].register_forward_hook(lambda module, args, out: out.register_hook(fail) and None)
+    loss = loss_fn(engine, batches[0])
+    hook.remove()
+    with pytest.raises(RuntimeError, match="injected failure"):
+        engine.backward(loss)
+    assert not engine._writeback._held and not engine._writeback._writes
+    assert not engine.optimizer._in_backward
+    assert all(rec.partition.numel() == 0 for rec in engine.records if rec.on_disk)
+    assert engine._store.budget.held <= engine._store.budget.buffer_elements
+    engine.zero_grad()
+    assert all(torch.isfinite(torch.tensor(train(engine, batches, loss_fn))))
     engine.close()
 
 

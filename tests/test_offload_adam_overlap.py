@@ -148,3 +148,17 @@ def test_spare_pool_cuts_aligned_regions_all_or_nothing_and_reuses_them():
     assert again[0][0].data_ptr() == first  # the chunk is cut from its start once all is given back
     pool.clear()
     assert not pool.lending and pool.cut(1, PAGE) is None
+
+
+def test_a_second_gradient_in_one_backward_is_refused(tmp_path):
+    """Each parameter is updated once per backward; a second hand-over (a parameter shared by two
+    reentrant checkpoint segments gets AccumulateGrad twice) raises instead of updating twice."""
+    p = torch.nn.Parameter(torch.randn(5000))
+    opt = OffloadAdam([p], nvme_offload_fraction=1.0, nvme_offload_dir=str(tmp_path), overlap_backward=True,
+                      sub_group_size=4096, buffer_count=3)
+    p.grad = torch.randn(5000)
+    opt.grad_ready(p)
+    with pytest.raises(RuntimeError, match="second gradient in one backward.*use_reentrant=False"):
+        opt.grad_ready(p)
+    opt.step()
+    opt.close()
