@@ -114,6 +114,9 @@ class ParamStore:
     """Reads started when a parameter was needed (not prefetched)."""
     prefetch_reads: int = 0
     """Reads started ahead of use by the prefetcher."""
+    reuse_distance: int = 0
+    """stage3_max_reuse_distance: a parameter read from NVMe stays gathered after a module's forward
+    when the recorded order uses it again within this many elements of reads (see `reused_soon`)."""
     keep_for_update: bool = False
     """Set by the engine during a backward whose updates run as gradients arrive: an on-disk trainable
     partition's buffer is kept when its parameter is released, for the update to use (see `take_buffer`)."""
@@ -157,6 +160,25 @@ class ParamStore:
         if not rec.keep_full:
             self._live[full.untyped_storage().data_ptr()] = rec
         return full
+
+    def reused_soon(self, rec: ParamRecord) -> bool:
+        """Whether the gathered ``rec`` (read from NVMe into a budgeted buffer) is used again, in the
+        recorded order, before ``reuse_distance`` elements of other on-disk partitions are gathered,
+        and before those would fill the rest of the budget: then releasing it would only read it
+        again (GPT-2's tied embedding is the last parameter of forward and the first of backward)."""
+        if rec.buffer is None or self.prefetcher.recording or self.reuse_distance <= 0:
+            return False
+        room = min(self.reuse_distance, self.budget.buffer_elements - self.budget.held)
+        between = 0
+        for index in self.prefetcher.trace[self.prefetcher.cursor:]:
+            if index == rec.index:
+                return True
+            other = self.records[index]
+            if other.on_disk:
+                between += other.partition_numel
+                if between > room:
+                    return False
+        return False
 
     def release(self, rec: ParamRecord) -> None:
         """Drop the gathered tensor (unless kept); the param's data becomes an empty placeholder."""
@@ -329,7 +351,7 @@ class _PostForward:
     def __call__(self, module: nn.Module, args: object, output: object) -> None:
         for rec in self.recs:
             rec.users = max(0, rec.users - 1)
-            if rec.users == 0:
+            if rec.users == 0 and not self.store.reused_soon(rec):
                 self.store.release(rec)  # saved tokens gather it again in backward
 
 

@@ -96,7 +96,7 @@ def _process_group() -> tuple[int, int, Any]:
     return dist.get_world_size(), dist.get_rank(), None
 
 
-_NO_EFFECT = ("stage3_max_reuse_distance", "reduce_bucket_size", "overlap_comm", "contiguous_gradients",
+_NO_EFFECT = ("reduce_bucket_size", "overlap_comm", "contiguous_gradients",
               "allgather_partitions", "allgather_bucket_size", "reduce_scatter")
 
 
@@ -142,7 +142,8 @@ def _assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int
     budget = SwapBudget(buffer_elements=offload_param.buffer_count * offload_param.buffer_size,
                         max_live=zero.stage3_max_live_parameters)
     store = ParamStore(records=records, world_size=world_size, rank=rank, swap=swap, budget=budget,
-                       prefetcher=Prefetcher(bucket_elements=zero.stage3_prefetch_bucket_size), group=group)
+                       prefetcher=Prefetcher(bucket_elements=zero.stage3_prefetch_bucket_size), group=group,
+                       reuse_distance=zero.stage3_max_reuse_distance)
     # 3. Gradient reduction: hooks on the partitioned parameters' gradient accumulators. With the
     #    optimizer state on NVMe the gradient partitions go there too, beside it.
     #    When the update can run during backward (see _updates_in_backward), each reduced gradient goes
