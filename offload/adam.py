@@ -568,26 +568,78 @@ class OffloadAdam(torch.optim.Optimizer):
         """torch.optim.AdamW's state dict: per parameter index 'step', 'exp_avg', 'exp_avg_sq'.
 
         fp32 tensors of the parameter's shape; 16-bit parameters add 'master_param' (fp32). The whole
-        state is gathered in RAM, one sub-group read at a time. Raises TensorIOError.
+        state is gathered in RAM, one sub-group read at a time (`save_state` streams it instead).
+        Raises TensorIOError.
         """
         self._sync()
         state: dict[int, dict[str, torch.Tensor]] = {}
-        for rec in self._params:
-            if rec.step is not None:
-                entry = {"step": rec.step.clone()}
-                keys = ("exp_avg", "exp_avg_sq", "master_param") if rec.master else ("exp_avg", "exp_avg_sq")
-                for key in keys:
-                    entry[key] = torch.zeros(rec.param.shape, dtype=torch.float32)
-                state[rec.index] = entry
+        for index, keys in self._state_keys().items():
+            rec = self._params[index]
+            state[index] = {"step": rec.step.clone()}
+            for key in keys:
+                state[index][key] = torch.zeros(rec.param.shape, dtype=torch.float32)
+
+        def put(index: int, key: str, first: int, values: torch.Tensor) -> None:
+            state[index][key].view(-1)[first:first + values.numel()] = values
+        self._stream_state(put)
+        return {"state": state, "param_groups": self._packed_groups()}
+
+    def state_layout(self) -> dict[str, int]:
+        """The state `save_state` streams: ``"<parameter index>.<key>"`` -> elements (flat fp32), for
+        each parameter that has state; keys 'exp_avg', 'exp_avg_sq' and, for 16-bit parameters,
+        'master_param'."""
+        return {f"{index}.{key}": self._params[index].param.numel()
+                for index, keys in self._state_keys().items() for key in keys}
+
+    def save_state(self, write: Callable[[str, int, torch.Tensor], None]) -> dict[str, Any]:
+        """Stream the state out without gathering it: ``write(name, first_element, values)`` for each
+        run of each `state_layout` tensor, one sub-group in memory at a time. Returns the rest (step
+        counts and param groups, small) for `load_state`. Raises TensorIOError and ``write``'s errors.
+        """
+        self._sync()
+        self._stream_state(lambda index, key, first, values: write(f"{index}.{key}", first, values))
+        return {"steps": {rec.index: float(rec.step) for rec in self._params if rec.step is not None},
+                "param_groups": self._packed_groups()}
+
+    def load_state(self, saved: Mapping[str, Any], layout: Mapping[str, int],
+                   read: Callable[[str, int, int], torch.Tensor]) -> None:
+        """Load state written by `save_state`: ``saved`` is what it returned, ``layout`` the stored
+        tensors' sizes (name -> elements), ``read(name, start, stop)`` their elements (fp32).
+
+        Load the model's parameters first (16-bit ones without 'master_param' take it from the
+        parameter). All or nothing: raises ValueError for a mismatch (naming the parameter or group)
+        before anything changes, and TensorIOError for the swap file, leaving the previous state.
+        """
+        self._sync()
+        groups = saved["param_groups"]
+        self._check_groups(groups)
+        steps = {int(index): step for index, step in saved["steps"].items()}
+        for index in steps:
+            if not 0 <= index < len(self._params):
+                raise ValueError(f"the saved state has state for parameter {index}, this optimizer has "
+                                 f"{len(self._params)} parameters")
+            rec = self._params[index]
+            for key in ("exp_avg", "exp_avg_sq"):
+                if layout.get(f"{index}.{key}") != rec.param.numel():
+                    raise ValueError(f"the saved state of {rec.name()} has no {key} of {rec.param.numel()} elements")
+
+        def get(index: int, key: str, start: int, stop: int) -> torch.Tensor | None:
+            return read(f"{index}.{key}", start, stop) if f"{index}.{key}" in layout else None
+        self._load(groups, steps, get)
+
+    def _state_keys(self) -> dict[int, tuple[str, ...]]:
+        return {rec.index: ("exp_avg", "exp_avg_sq", "master_param") if rec.master else ("exp_avg", "exp_avg_sq")
+                for rec in self._params if rec.step is not None}
+
+    def _stream_state(self, put: Callable[[int, str, int, torch.Tensor], None]) -> None:
+        """``put(index, key, first element, values)`` for every run of state, one sub-group at a time."""
+        with_state = {rec.index for rec in self._params if rec.step is not None}
         for plan, regions in self._each_state():
             for member in plan.members:
-                entry = state.get(member.param)
-                if entry is None:
+                if member.param not in with_state:
                     continue
                 for key, region in zip(("exp_avg", "exp_avg_sq", "master_param"), regions):
-                    entry[key].view(-1)[member.start:member.start + member.numel] = \
-                        region[member.offset:member.offset + member.numel]
-        return {"state": state, "param_groups": self._packed_groups()}
+                    put(member.param, key, member.start, region[member.offset:member.offset + member.numel])
 
     def _each_state(self):
         """Yield (plan, state regions) for every sub-group; offloaded ones are read into a buffer one at a time."""
@@ -611,6 +663,16 @@ class OffloadAdam(torch.optim.Optimizer):
             groups.append(packed)
         return groups
 
+    def _check_groups(self, saved_groups: list[Mapping[str, Any]]) -> None:
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"the state dict has {len(saved_groups)} param groups, this optimizer {len(self.param_groups)}")
+        for g, (saved, ours) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(ours["params"]):
+                raise ValueError(f"param group {g} has {len(saved['params'])} parameters in the state dict, "
+                                 f"{len(ours['params'])} here")
+            if saved.get("amsgrad", False):
+                raise ValueError(f"param group {g} of the state dict has amsgrad=True, which OffloadAdam does not support")
+
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict from `state_dict` here or from torch.optim.AdamW / Adam for the same parameters.
 
@@ -620,14 +682,7 @@ class OffloadAdam(torch.optim.Optimizer):
         """
         self._sync()
         saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"the state dict has {len(saved_groups)} param groups, this optimizer {len(self.param_groups)}")
-        for g, (saved, ours) in enumerate(zip(saved_groups, self.param_groups)):
-            if len(saved["params"]) != len(ours["params"]):
-                raise ValueError(f"param group {g} has {len(saved['params'])} parameters in the state dict, "
-                                 f"{len(ours['params'])} here")
-            if saved.get("amsgrad", False):
-                raise ValueError(f"param group {g} of the state dict has amsgrad=True, which OffloadAdam does not support")
+        self._check_groups(saved_groups)
         # 1. Map the saved indices onto ours and check every entry before anything changes.
         saved_to_ours = {s: o for sg, og in zip(saved_groups, self._packed_groups())
                          for s, o in zip(sg["params"], og["params"])}
@@ -640,26 +695,34 @@ class OffloadAdam(torch.optim.Optimizer):
                 if name not in entry or entry[name].numel() != rec.param.numel():
                     raise ValueError(f"the state of {rec.name()} has no {name} of {rec.param.numel()} elements")
             entries[rec.index] = entry
-        # 2. Offloaded state goes to the uncommitted slots, committed only when every write succeeded.
+
+        def get(index: int, key: str, start: int, stop: int) -> torch.Tensor | None:
+            entry = entries[index]
+            return entry[key].reshape(-1)[start:stop] if key in entry else None
+        self._load(saved_groups, {index: float(entry["step"]) for index, entry in entries.items()}, get)
+
+    def _load(self, saved_groups: list[Mapping[str, Any]], steps: Mapping[int, float],
+              get: Callable[[int, str, int, int], torch.Tensor | None]) -> None:
+        """Checked state in: offloaded sub-groups to the uncommitted slots, committed only when every
+        write succeeded; then the in-RAM part, the step counts and the hyperparameters."""
         try:
             for plan in self._plans:
                 if plan.offloaded:
                     rec = self._swapper.records[plan.index]
                     self._swapper.start_read(rec)
-                    _fill(plan, self._swapper.wait_read(rec), entries, self._params)
+                    _fill(plan, self._swapper.wait_read(rec), steps, get, self._params)
                     self._swapper.start_write(rec)
             self._swapper.drain()
         except BaseException:
             self._abort()
             raise
         self._swapper.commit()
-        # 3. Then the in-RAM part, the step counts and the hyperparameters.
         for plan in self._plans:
             if not plan.offloaded:
-                _fill(plan, self._resident[plan.index], entries, self._params)
+                _fill(plan, self._resident[plan.index], steps, get, self._params)
         for rec in self._params:
-            entry = entries.get(rec.index)
-            rec.step = None if entry is None else torch.tensor(float(entry["step"]), dtype=torch.float32)
+            step = steps.get(rec.index)
+            rec.step = None if step is None else torch.tensor(float(step), dtype=torch.float32)
         for saved, ours in zip(saved_groups, self.param_groups):
             params = ours["params"]
             ours.clear()
@@ -699,21 +762,21 @@ class OffloadAdam(torch.optim.Optimizer):
             self._finalizer()
 
 
-def _fill(plan: SubGroupPlan, regions: list[torch.Tensor], entries: Mapping[int, Mapping[str, Any]],
-          params: list[_ParamRecord]) -> None:
+def _fill(plan: SubGroupPlan, regions: list[torch.Tensor], steps: Mapping[int, float],
+          get: Callable[[int, str, int, int], torch.Tensor | None], params: list[_ParamRecord]) -> None:
     """Write loaded state into a sub-group's state regions (zeros for parameters without state)."""
     for member in plan.members:
-        entry = entries.get(member.param)
         param = params[member.param].param
-        elements = slice(member.start, member.start + member.numel)
+        start, stop = member.start, member.start + member.numel
         for key, region in zip(("exp_avg", "exp_avg_sq", "master_param"), regions):
             run = region[member.offset:member.offset + member.numel]
-            if entry is None:
+            values = get(member.param, key, start, stop) if member.param in steps else None
+            if member.param not in steps:
                 run.zero_()
-            elif key in entry:
-                run.copy_(entry[key].reshape(-1)[elements])
+            elif values is not None:
+                run.copy_(values)
             else:  # a 16-bit parameter's state from torch's AdamW: the master copy is the parameter
-                run.copy_(param.detach().reshape(-1)[elements])
+                run.copy_(param.detach().reshape(-1)[start:stop])
 
 
 def _check_params(records: list[_ParamRecord]) -> None:

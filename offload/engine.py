@@ -15,6 +15,7 @@ partition; `OffloadAdam` steps the partitions with its state in memory or on NVM
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -25,6 +26,8 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from tensorio import aligned_tensor
 
 from ._grads import GradReducer
 from ._param_swap import ParamSwapFile, Prefetcher, SwapBudget
@@ -506,25 +509,34 @@ class Engine:
         """Save this rank's parameter partitions, optimizer state (offloaded included), loss scale,
         scheduler and counters under ``save_dir/tag`` (default tag ``global_step<N>``); return the path.
 
-        Written atomically: until the new tag is complete the previous checkpoint and ``latest`` are
-        untouched. Every rank must call it. Raises OSError (ENOSPC, ...) and TensorIOError.
+        Streamed: one partition and one optimizer sub-group in memory at a time, whatever the model's
+        size. Written atomically: until the new tag is complete the previous checkpoint and ``latest``
+        are untouched. Every rank must call it. Raises OSError (ENOSPC, ...) and TensorIOError.
         """
-        from .checkpoint import atomic_checkpoint, save_tensors_safetensors
+        from .checkpoint import SafetensorsWriter, atomic_checkpoint
 
         tag = tag if tag is not None else f"global_step{self.global_steps}"
         self._settle()
-        partitions = {rec.name: self._partition_copy(rec) for rec in self._store.records}
-        with _sized([rec for rec in self._store.records if rec.param.requires_grad]):
-            optim = self.optimizer.state_dict()
-        state = {"optimizer": optim, "global_steps": self.global_steps, "micro_steps": self.micro_steps,
-                 "skipped_steps": self.skipped_steps, "world_size": self.world_size,
-                 "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
-                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-                 "client_state": dict(client_state or {})}
+        records = self._store.records
         # One staging directory for all ranks; the tag commits only once every rank's files are in
         # place, and if any rank fails nothing becomes visible and every rank raises.
         with atomic_checkpoint(save_dir, tag, all_ranks=True, group=self.group) as staging:
-            save_tensors_safetensors(os.path.join(staging, _params_file(self.rank)), partitions)
+            # 1. Parameters, one partition at a time.
+            layout = {rec.name: (rec.partition.dtype, (rec.partition_numel,)) for rec in records}
+            with SafetensorsWriter(os.path.join(staging, _params_file(self.rank)), layout) as out:
+                for rec in records:
+                    out.write(rec.name, self._partition_copy(rec))
+            # 2. The optimizer state, one sub-group at a time.
+            with _sized([rec for rec in records if rec.param.requires_grad]):
+                layout = {name: (torch.float32, (numel,)) for name, numel in self.optimizer.state_layout().items()}
+                with SafetensorsWriter(os.path.join(staging, _optimizer_file(self.rank)), layout) as out:
+                    optim = self.optimizer.save_state(lambda name, first, values: out.write(name, values, first))
+            # 3. The rest, small.
+            state = {"optimizer": optim, "global_steps": self.global_steps, "micro_steps": self.micro_steps,
+                     "skipped_steps": self.skipped_steps, "world_size": self.world_size,
+                     "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+                     "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                     "client_state": dict(client_state or {})}
             torch.save(state, os.path.join(staging, _state_file(self.rank)))
         return os.path.join(os.fspath(save_dir), tag)
 
@@ -532,11 +544,13 @@ class Engine:
                         ) -> tuple[str | None, dict[str, Any] | None]:
         """Load a checkpoint written by ``save_checkpoint`` (tag None: the one ``latest`` names).
 
-        Returns ``(path, client_state)``. Raises FileNotFoundError for a missing checkpoint and
-        ValueError when it was saved with another world size or for another model.
+        Streamed like the save. Returns ``(path, client_state)``. Raises FileNotFoundError for a
+        missing checkpoint and ValueError when it was saved with another world size or for another
+        model (before any parameter changes).
         """
+        from safetensors import safe_open
+
         from .checkpoint import resolve_tag
-        from safetensors.torch import load_file
 
         path = str(resolve_tag(load_dir, tag))
         if self._reducer.consumer is not None:
@@ -546,30 +560,41 @@ class Engine:
         if state["world_size"] != self.world_size:
             raise ValueError(f"{path}: saved with {state['world_size']} ranks, loading with {self.world_size}; "
                              f"resume with the same world size")
-        partitions = load_file(os.path.join(path, _params_file(self.rank)))
         records = self._store.records
-        if set(partitions) != {rec.name for rec in records}:
-            raise ValueError(f"{path}: the checkpoint's parameters differ from the model's "
-                             f"(missing: {sorted({r.name for r in records} - set(partitions))[:5]}, "
-                             f"unexpected: {sorted(set(partitions) - {r.name for r in records})[:5]})")
-        # 1. Parameters first: a 16-bit parameter's optimizer entry may take its master copy from it.
-        writes = []
-        for rec in records:
-            values = partitions[rec.name]
-            if values.numel() != rec.partition_numel:
-                raise ValueError(f"{path}: parameter {rec.name!r} has {values.numel()} elements, the model "
-                                 f"{rec.partition_numel} per rank; load it into the same model")
-            if rec.on_disk:
-                values = values.to(rec.partition.dtype).contiguous()
-                writes.append((self._store.swap.write(values, rec.offset), values))
-            else:
-                rec.partition.data.copy_(values)
-            self._store.refresh(rec)
-        for future, _ in writes:  # sync point
-            future.result()
+        with safe_open(os.path.join(path, _params_file(self.rank)), framework="pt") as params:
+            names = set(params.keys())
+            if names != {rec.name for rec in records}:
+                raise ValueError(f"{path}: the checkpoint's parameters differ from the model's "
+                                 f"(missing: {sorted({r.name for r in records} - names)[:5]}, "
+                                 f"unexpected: {sorted(names - {r.name for r in records})[:5]})")
+            for rec in records:
+                numel = params.get_slice(rec.name).get_shape()[0]
+                if numel != rec.partition_numel:
+                    raise ValueError(f"{path}: parameter {rec.name!r} has {numel} elements, the model "
+                                     f"{rec.partition_numel} per rank; load it into the same model")
+            # 1. Parameters first, one at a time (a few writes in flight): a 16-bit parameter's
+            #    optimizer state may take its master copy from it.
+            writes: list = []
+            for rec in records:
+                values = params.get_tensor(rec.name)
+                if rec.on_disk:
+                    staged = aligned_tensor(rec.partition_numel, rec.partition.dtype)
+                    staged.copy_(values)
+                    writes.append((self._store.swap.write(staged, rec.offset), staged))
+                    if len(writes) > 2:
+                        writes.pop(0)[0].result()  # sync point: bounds the memory in flight
+                else:
+                    rec.partition.data.copy_(values)
+                self._store.refresh(rec)
+            for future, _ in writes:  # sync point
+                future.result()
         # 2. Then the optimizer, the loss scale, the schedule and the counters.
         with _sized([rec for rec in records if rec.param.requires_grad]):
-            self.optimizer.load_state_dict(state["optimizer"])
+            optim = os.path.join(path, _optimizer_file(self.rank))
+            with safe_open(optim, framework="pt") as moments:
+                layout = {name: moments.get_slice(name).get_shape()[0] for name in moments.keys()}
+                self.optimizer.load_state(state["optimizer"], layout,
+                                          lambda name, start, stop: moments.get_slice(name)[start:stop])
         if self.loss_scaler is not None and state["loss_scaler"] is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
@@ -592,25 +617,30 @@ class Engine:
 
         Tied parameters are saved once, under their first name. Returns False (and logs why) when
         zero_optimization.stage3_gather_16bit_weights_on_model_save is false, as DeepSpeed does.
-        Every rank must call it. Raises OSError when the file cannot be written.
+        Every rank must call it. Streamed: one gathered parameter in memory at a time; the file
+        appears whole or not at all. Raises OSError when the file cannot be written.
         """
-        from .checkpoint import save_tensors_safetensors
+        from .checkpoint import atomic_safetensors
 
         if not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
             log.warning("save_16bit_model: nothing saved; set zero_optimization."
                         "stage3_gather_16bit_weights_on_model_save to true to gather the weights")
             return False
-        tensors = {}
+        records = self._store.records
         self._settle()
-        for rec in self._store.records:
-            kept = rec.full is not None
-            full = self._store.gather(rec).view(rec.shape).clone()
-            if not kept:
-                self._store.release(rec)
-            tensors[rec.name] = full
+        writer: Any = contextlib.nullcontext()
         if self.rank == 0:
             os.makedirs(save_dir, exist_ok=True)
-            save_tensors_safetensors(os.path.join(os.fspath(save_dir), save_filename), tensors)
+            writer = atomic_safetensors(os.path.join(os.fspath(save_dir), save_filename),
+                                        {rec.name: (rec.param.dtype, rec.shape) for rec in records})
+        with writer as out:
+            for rec in records:  # every rank gathers (a collective); rank 0 writes
+                kept = rec.full is not None
+                full = self._store.gather(rec)
+                if out is not None:
+                    out.write(rec.name, full.view(rec.shape))
+                if not kept:
+                    self._store.release(rec)
         if self.world_size > 1:
             dist.barrier(group=self.group)
         return True
@@ -667,3 +697,7 @@ def _params_file(rank: int) -> str:
 
 def _state_file(rank: int) -> str:
     return f"rank{rank:05d}_states.pt"
+
+
+def _optimizer_file(rank: int) -> str:
+    return f"rank{rank:05d}_optimizer.safetensors"
