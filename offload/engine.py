@@ -163,7 +163,7 @@ def _assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int
     #    A sub-group is updated once all its parameters' gradients are in, so until then their
     #    partitions wait in memory: on that path sub-groups are at most one swap buffer.
     writeback = None
-    sub_group_size = max(1024, zero.sub_group_size)
+    sub_group_size = _bounded_sub_group_size(cfg, sum(rec.partition_numel for rec in trainable))
     spare_limit = None
     if in_backward and any(rec.on_disk for rec in trainable):
         spare_limit = budget.buffer_elements * 4
@@ -199,6 +199,38 @@ class _sized:
     def __exit__(self, *exc: object) -> None:
         for rec in self.recs:
             rec.partition.data = torch.empty(0, dtype=rec.partition.dtype)
+
+
+_SWAP_BUFFER_SHARE = 16
+"""OffloadAdam's swap buffers may take at most 1/16 of the host's memory."""
+
+
+def _bounded_sub_group_size(cfg: EngineConfig, trainable_elements: int) -> int:
+    """``sub_group_size``, cut (with a warning) where OffloadAdam's swap buffers, ``buffer_count`` x the
+    largest sub-group's state (12 bytes an element at most), would take more than 1/16 of host memory.
+
+    DeepSpeed allocates its buffers from the configured size, and its default of 1e9 elements is its
+    most reported cause of host OOMs; the update is the same for any sub-group size.
+    """
+    zero = cfg.zero_optimization
+    size = max(1024, zero.sub_group_size)
+    if zero.offload_optimizer.device != "nvme":
+        return size
+    count = zero.offload_optimizer.buffer_count
+    allowed = _host_memory_bytes() // _SWAP_BUFFER_SHARE // (count * 12)
+    if min(size, trainable_elements) <= allowed:
+        return size
+    bounded = max(1024, allowed // 1024 * 1024)
+    log.warning("zero_optimization.sub_group_size %d would make offload_optimizer's %d swap buffers %.1f GB; "
+                "using %d (buffers at most 1/%d of this host's memory); set sub_group_size to choose",
+                size, count, count * min(size, trainable_elements) * 12 / 1e9, bounded, _SWAP_BUFFER_SHARE)
+    return bounded
+
+
+def _host_memory_bytes() -> int:
+    import psutil
+
+    return psutil.virtual_memory().total
 
 
 def _updates_in_backward(cfg: EngineConfig, client: Any, trainable: list[ParamRecord]) -> bool:
