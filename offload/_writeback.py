@@ -95,7 +95,10 @@ class PartitionWriteBack:
     def settle(self) -> None:
         """Wait until the optimizer's thread has run every update handed over (sync point) and every
         write-back has landed; those partitions are let go. Partitions still waiting for gradients stay
-        handed over. Errors are kept for `finish`."""
+        handed over. Errors are kept for `finish`. Returns at once when nothing is handed over (after a
+        step): the optimizer's own write-behind then goes on into the forward."""
+        if not self._held:
+            return
         self._optimizer.wait_for_updates(lambda: False)
         while self._writes:
             self._wait_oldest_write()
