@@ -135,13 +135,7 @@ class ParamStore:
         #    an earlier gather in this backward).
         if rec.on_disk:
             self.prefetcher.observe(rec.index)
-            if rec.buffer is None:
-                self.start_read(rec)
-                self.demand_reads += 1
-            start_prefetch(self.prefetcher, self.budget, self.records, self._prefetch_read)
-            if rec.read is not None:  # sync point: this partition's bytes must have arrived
-                rec.read.result()
-                rec.read, rec.where = None, Where.ON_DISK
+            self._arrive(rec)
             local = rec.buffer
         else:
             local = rec.partition.data
@@ -203,14 +197,20 @@ class ParamStore:
             # Not gathered in this backward (a bias, an embedding): part of the recorded order, so
             # that from the next step on it is read ahead like any gather.
             self.prefetcher.observe(rec.index)
-            if rec.buffer is None:
-                self.start_read(rec)
-                self.demand_reads += 1
-            start_prefetch(self.prefetcher, self.budget, self.records, self._prefetch_read)
-        if rec.read is not None:  # sync point
-            rec.read.result()
-        buffer, rec.buffer, rec.read, rec.where = rec.buffer, None, None, Where.ON_DISK
+            self._arrive(rec)
+        buffer, rec.buffer = rec.buffer, None
         return buffer
+
+    def _arrive(self, rec: ParamRecord) -> None:
+        """Make an on-disk partition's values be in ``rec.buffer``: read on demand unless prefetched or
+        kept, prefetch what comes next, and wait for the read (sync point)."""
+        if rec.buffer is None:
+            self.start_read(rec)
+            self.demand_reads += 1
+        start_prefetch(self.prefetcher, self.budget, self.records, self._prefetch_read)
+        if rec.read is not None:
+            rec.read.result()
+        rec.read, rec.where = None, Where.ON_DISK
 
     def return_buffer(self, rec: ParamRecord) -> None:
         """A buffer from `take_buffer` is no longer used: its elements leave the budget."""

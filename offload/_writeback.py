@@ -85,10 +85,7 @@ class PartitionWriteBack:
         error = future.exception()
         if error is not None and self._error is None:
             self._error = error
-        rec.partition.grad = None
-        rec.partition.data = self._store.placeholder(rec.partition.dtype)
-        self._store.return_buffer(rec)
-        self._held.pop(rec.index, None)
+        self._release(rec)
         with self._lock:
             self._writing -= rec.partition_numel
 
@@ -102,6 +99,13 @@ class PartitionWriteBack:
         self._optimizer.wait_for_updates(lambda: False)
         while self._writes:
             self._wait_oldest_write()
+
+    def _release(self, rec: ParamRecord) -> None:
+        """``rec``'s partition is an empty placeholder again and its buffer leaves the budget."""
+        rec.partition.grad = None
+        rec.partition.data = self._store.placeholder(rec.partition.dtype)
+        self._store.return_buffer(rec)
+        del self._held[rec.index]
 
     def finish(self) -> None:
         """After the optimizer's step: wait for every write (sync point) and let go of the buffers.
@@ -120,10 +124,7 @@ class PartitionWriteBack:
         while self._writes:
             self._wait_oldest_write()
         for rec in list(self._held.values()):  # never updated: the step failed before them
-            rec.partition.grad = None
-            rec.partition.data = self._store.placeholder(rec.partition.dtype)
-            self._store.return_buffer(rec)
-        self._held.clear()
+            self._release(rec)
         with self._lock:
             self._waiting = self._writing = 0
         error, self._error = self._error, None
