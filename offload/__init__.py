@@ -1,10 +1,19 @@
 """Offload of parameters, gradients and optimizer states to host memory or NVMe, built on tensorio.
 
 It knows parameters, gradients and optimizer states, and reaches the disk only through tensorio.
+One subpackage per concern, each using only those listed before it:
+
+- `offload.config`: DeepSpeed JSON to validated dataclasses (the only place settings are checked);
+- `offload.storage`: the swap file, checkpoint directories, safetensors files;
+- `offload.params`: ZeRO-3 partitions: partition arithmetic, placement, the record store (gather,
+  release, hooks, prefetch); nothing training-specific;
+- `offload.optim`: `OffloadAdam`, its state swapper, sub-group planner and overlap worker;
+- `offload.train`: the stage-3 engine (`initialize`), gradient reduction, write-back, loss scaling,
+  schedulers, clipping, timers, engine checkpoints;
+- `offload.infer`: generation with weights streamed from NVMe.
 """
 
-from .adam import OffloadAdam
-from .config import (
+from offload.config import (
     AdamParams,
     Bf16Config,
     EngineConfig,
@@ -20,13 +29,22 @@ from .config import (
     resolve_auto,
     world_size_from_env,
 )
-from .checkpoint import atomic_checkpoint, resolve_tag, save_tensors_safetensors
-from .clip import clip_grad_norm_, grad_norm
-from .engine import initialize
-from .loss_scaler import DynamicLossScaler, LossScaler, StaticLossScaler, build_loss_scaler
-from .partition import owned_numel, padded_numel, partition_bounds, partition_numel
-from .schedulers import WarmupDecayLR, WarmupLR, build_scheduler
-from .timers import PhaseTimers
+from offload.optim import OffloadAdam
+from offload.params import owned_numel, padded_numel, partition_bounds, partition_numel
+from offload.storage import atomic_checkpoint, resolve_tag, save_tensors_safetensors
+from offload.train import (
+    DynamicLossScaler,
+    LossScaler,
+    PhaseTimers,
+    StaticLossScaler,
+    WarmupDecayLR,
+    WarmupLR,
+    build_loss_scaler,
+    build_scheduler,
+    clip_grad_norm_,
+    grad_norm,
+    initialize,
+)
 
 __all__ = [
     "AdamParams",

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from offload.checkpoint import LATEST, atomic_checkpoint, resolve_tag, save_tensors_safetensors
+from offload.storage import LATEST, atomic_checkpoint, resolve_tag, save_tensors_safetensors
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -113,7 +113,7 @@ def test_leftovers_are_cleaned_by_the_next_save(tmp_path):
 _KILLED_SAVER = textwrap.dedent(
     """
     import sys, time
-    from offload.checkpoint import atomic_checkpoint
+    from offload.storage import atomic_checkpoint
     save_dir = sys.argv[1]
     with atomic_checkpoint(save_dir, "step1") as staging:
         (staging / "model.bin").write_bytes(b"complete" * 1000)
@@ -149,7 +149,7 @@ def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint(tmp_path
 _LOOPING_SAVER = textwrap.dedent(
     """
     import sys
-    from offload.checkpoint import atomic_checkpoint
+    from offload.storage import atomic_checkpoint
     step = 0
     while True:
         with atomic_checkpoint(sys.argv[1], f"step{step}") as staging:
@@ -286,7 +286,7 @@ def test_safetensors_failure_keeps_the_old_file_and_no_temporary(tmp_path):
 
 def test_safetensors_writer_streams_pieces_in_any_order(tmp_path):
     """Views, shared memory and pieces written out of order: the file equals save_file's tensors."""
-    from offload.checkpoint import SafetensorsWriter
+    from offload.storage import SafetensorsWriter
 
     base = torch.arange(24, dtype=torch.float32)
     tensors = {"t": base.view(4, 6).t(), "shared": base, "half": torch.randn(4097).to(torch.bfloat16),

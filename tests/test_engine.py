@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from offload import resolve_auto
-from offload.engine import initialize
+from offload.train.engine import initialize
 
 transformers = pytest.importorskip("transformers")
 
@@ -152,7 +152,7 @@ def test_a_failed_parameter_write_back_raises_and_leaks_no_buffer(disk_dir):
     step(), every buffer handed over is let go, the optimizer commits nothing, and training goes on
     once the disk is back."""
     import errno
-    from offload.engine import _sized
+    from offload.train.engine import _sized
     from tensorio import TensorIOError
 
     def optimizer_state():
@@ -222,7 +222,7 @@ def test_parameters_on_disk_updated_during_backward_survive_a_failed_backward_an
 def test_a_huge_sub_group_size_is_cut_to_what_the_host_can_hold(disk_dir, monkeypatch, caplog):
     """DeepSpeed's default sub_group_size (1e9) sizes its swap buffers from the config and runs hosts out
     of memory; here the buffers stay within 1/16 of host memory, with a warning, and training is the same."""
-    import offload.engine as engine_module
+    import offload.train.engine as engine_module
 
     build, data, loss_fn = MODELS["gpt2"]
     batches = data(3)

@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from offload.engine import initialize
+from offload.train.engine import initialize
 
 transformers = pytest.importorskip("transformers")
 

@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent("""
     import gc, json, sys, threading, time
     import psutil, torch
     from torch import nn
-    from offload.engine import initialize
+    from offload.train.engine import initialize
 
     width, layers, batch, layer, path = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     clipping = float(sys.argv[6])
@@ -122,7 +122,7 @@ CHECKPOINT_SCRIPT = textwrap.dedent("""
     import gc, json, sys, threading, time
     import torch
     from torch import nn
-    from offload.engine import initialize
+    from offload.train.engine import initialize
 
     width, layers, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from offload._swapper import Where
-from offload.adam import OffloadAdam
+from offload.optim.swapper import Where
+from offload.optim.adam import OffloadAdam
 from tensorio import TensorIOError
 
 SHAPES = [(), (7,), (33, 65), (5000,), (3000, 3), (1,)]
@@ -249,7 +249,7 @@ def test_temporary_directory_is_removed():
 
 def _fail_writes_after(opt, good_writes):
     """Send every write after the first ``good_writes`` to /dev/full: a real ENOSPC from the kernel."""
-    handle = opt._swapper._handle
+    handle = opt._swapper._file._handle
     original = handle.write
     calls = []
 
@@ -271,7 +271,7 @@ def test_failed_write_leaves_the_previous_state(overlap):
         _train(opt, ps, 1)
         opt.state_dict()  # with write-behind the failure surfaces at the next sync point
     assert info.value.errno == errno.ENOSPC
-    opt._swapper._handle.write = type(opt._swapper._handle).write.__get__(opt._swapper._handle)
+    opt._swapper._file._handle.write = type(opt._swapper._file._handle).write.__get__(opt._swapper._file._handle)
     after = opt.state_dict()
     _same_state(after, before)
     # Documented: parameters of sub-groups updated before the failure keep their update.

@@ -9,9 +9,9 @@ import threading
 import pytest
 import torch
 
-from offload._background import BackgroundWorker
-from offload._spare import PAGE, SparePool
-from offload.adam import OffloadAdam
+from offload.optim.overlap import BackgroundWorker
+from offload.optim.spare import PAGE, SparePool
+from offload.optim.adam import OffloadAdam
 from tensorio import TensorIOError
 
 
@@ -92,7 +92,7 @@ def test_failed_write_in_backward_raises_and_commits_nothing(tmp_path):
                       overlap_backward=True, sub_group_size=4096, buffer_count=3)
     _steps(model, opt, 2)
     before = opt.state_dict()
-    handle = opt._swapper._handle
+    handle = opt._swapper._file._handle
     original = handle.write
     handle.write = lambda tensor, path, offset=0: original(tensor, "/dev/full", offset)
     with pytest.raises(TensorIOError) as info:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from offload._subgroups import MEMBER_ALIGN, SPLIT_ALIGN, ParamSpec, plan_subgroups
+from offload.optim.subgroups import MEMBER_ALIGN, SPLIT_ALIGN, ParamSpec, plan_subgroups
 
 specs = st.lists(st.lists(st.builds(ParamSpec, numel=st.integers(0, 20_000), master=st.booleans()), max_size=6),
                  min_size=1, max_size=3)

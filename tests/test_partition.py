@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from offload.partition import owned_numel, padded_numel, partition_bounds, partition_numel
+from offload.params.partition import owned_numel, padded_numel, partition_bounds, partition_numel
 
 numels = st.integers(min_value=0, max_value=10**12)
 world_sizes = st.integers(min_value=1, max_value=4096)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from offload.config import SchedulerConfig
-from offload.schedulers import WarmupDecayLR, WarmupLR, build_scheduler
+from offload.train.schedulers import WarmupDecayLR, WarmupLR, build_scheduler
 
 
 def sgd(groups=1):

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from ._config_training import Fp16Config
+from offload.config.training import Fp16Config
 
 __all__ = ["DynamicLossScaler", "LossScaler", "StaticLossScaler", "build_loss_scaler"]
 

@@ -12,33 +12,24 @@ Gathering happens at three points:
 2. autograd's saved-tensor hooks replace a saved gathered parameter (or a view of it) by a token
    during forward, and gather it again when backward unpacks the token: so backward needs neither
    module backward hooks nor the forward's buffers to survive;
-3. the engine's step loads NVMe partitions for the optimizer (see engine.py).
+3. a training engine's step loads NVMe partitions for the optimizer (`start_loads`, `finish_loads`).
+
+Reads of on-disk partitions, and the writes of updated ones, go through the store, so that every
+buffer is counted in the swap budget.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tensorio import IOFuture, aligned_tensor
+from tensorio import IOFuture
 
-from ._param_swap import ParamSwapFile, Prefetcher, SwapBudget, start_prefetch
-from .partition import partition_bounds, partition_numel
-
-
-class Where(enum.Enum):
-    """Where a record's partition is."""
-
-    RESIDENT = "resident"
-    """In host (or accelerator) memory: ``partition`` holds it."""
-    ON_DISK = "on disk"
-    """In the parameter swap file at ``offset``."""
-    IN_FLIGHT = "in flight"
-    """On disk, with a read into ``buffer`` in flight."""
+from offload.params.prefetch import Prefetcher, SwapBudget
+from offload.storage.swapfile import SwapFile
 
 
 @dataclass(slots=True, eq=False)
@@ -53,7 +44,6 @@ class ParamRecord:
     partition: nn.Parameter
     """This rank's flat partition, ``partition_numel`` elements; an empty placeholder while on disk."""
     partition_numel: int
-    where: Where
     keep_full: bool
     """Never released: persistent (small) parameters, and at world size 1 those in memory (the
     partition is then a view of the parameter itself)."""
@@ -106,7 +96,7 @@ class ParamStore:
     records: list[ParamRecord]
     world_size: int
     rank: int
-    swap: ParamSwapFile | None
+    swap: SwapFile | None
     budget: SwapBudget
     prefetcher: Prefetcher
     group: object = None
@@ -118,7 +108,7 @@ class ParamStore:
     """stage3_max_reuse_distance: a parameter read from NVMe stays gathered after a module's forward
     when the recorded order uses it again within this many elements of reads (see `reused_soon`)."""
     keep_for_update: bool = False
-    """Set by the engine during a backward whose updates run as gradients arrive: an on-disk trainable
+    """Set by `begin_backward` for a backward whose updates run as gradients arrive: an on-disk trainable
     partition's buffer is kept when its parameter is released, for the update to use (see `take_buffer`)."""
     _live: dict[int, ParamRecord] = field(default_factory=dict)
     """Storage address of each gathered, releasable parameter -> its record (for the pack hook)."""
@@ -207,10 +197,10 @@ class ParamStore:
         if rec.buffer is None:
             self.start_read(rec)
             self.demand_reads += 1
-        start_prefetch(self.prefetcher, self.budget, self.records, self._prefetch_read)
+        self._prefetch()
         if rec.read is not None:
             rec.read.result()
-        rec.read, rec.where = None, Where.ON_DISK
+        rec.read = None
 
     def return_buffer(self, rec: ParamRecord) -> None:
         """A buffer from `take_buffer` is no longer used: its elements leave the budget."""
@@ -218,20 +208,33 @@ class ParamStore:
 
     def start_read(self, rec: ParamRecord) -> None:
         """Start reading an on-disk partition into a fresh buffer (counted in the budget)."""
-        assert rec.on_disk and rec.read is None and rec.buffer is None, rec.name
-        rec.buffer, rec.read = self.swap.read(rec.partition_numel, rec.partition.dtype, rec.offset)
-        rec.where = Where.IN_FLIGHT
+        if not rec.on_disk or rec.read is not None or rec.buffer is not None:
+            raise RuntimeError(f"internal error: parameter {rec.name!r} cannot be read (on disk: {rec.on_disk}, "
+                               f"read in flight: {rec.read is not None}, buffered: {rec.buffer is not None})")
+        rec.buffer, rec.read = self.swap.read_new(rec.partition_numel, rec.partition.dtype, rec.offset)
         self.budget.held += rec.partition_numel
 
     def prefetch_from_start(self) -> None:
         """Start reading the first partitions of the recorded order (the next forward's), within the
         budget: after a step, when every partition's last write has landed."""
         self.prefetcher.cursor = 0
-        start_prefetch(self.prefetcher, self.budget, self.records, self._prefetch_read)
+        self._prefetch()
 
-    def _prefetch_read(self, rec: ParamRecord) -> None:
-        self.start_read(rec)
-        self.prefetch_reads += 1
+    def _prefetch(self) -> None:
+        """Start reads of upcoming on-disk records while they fit in the bucket and the budget."""
+        ahead = 0
+        for index in self.prefetcher.upcoming():
+            rec = self.records[index]
+            if rec.buffer is not None or rec.full is not None:  # in flight, gathered, or kept for its update
+                ahead += rec.partition_numel if rec.read is not None else 0
+                continue
+            if not rec.on_disk:
+                continue
+            if ahead + rec.partition_numel > self.prefetcher.bucket_elements or not self.budget.fits(rec.partition_numel):
+                return  # wait for room: the next gather tries again
+            self.start_read(rec)
+            self.prefetch_reads += 1
+            ahead += rec.partition_numel
 
     def _drop_buffer(self, rec: ParamRecord) -> None:
         if rec.buffer is not None:
@@ -239,7 +242,6 @@ class ParamStore:
                 rec.read.exception()  # waits; a failed read was raised where it was needed
                 rec.read = None
             rec.buffer = None
-            rec.where = Where.ON_DISK
             self.budget.held -= rec.partition_numel
 
     def placeholder(self, dtype: torch.dtype) -> torch.Tensor:
@@ -254,6 +256,50 @@ class ParamStore:
             rec.users = rec.saved = 0
             self.release(rec)
             self._drop_buffer(rec)
+
+    # ---- the passes ----------------------------------------------------------------------------
+
+    def begin_forward(self) -> None:
+        """A forward pass starts: the recorded order is replayed from its start."""
+        self.prefetcher.cursor = 0
+
+    def begin_backward(self, *, keep_for_update: bool) -> None:
+        """A backward pass starts; with ``keep_for_update`` the buffers of on-disk trainable partitions
+        are kept when released, for updates that run during backward (see `take_buffer`)."""
+        self.keep_for_update = keep_for_update
+
+    def end_backward(self) -> None:
+        """A backward pass ended (or failed): release everything (sync point); the first step's order is final."""
+        self.release_all()
+        self.prefetcher.end_step()
+
+    # ---- partitions read or written outside the passes ----------------------------------------------
+
+    def read_partition(self, rec: ParamRecord) -> torch.Tensor:
+        """A copy of ``rec``'s partition (read from NVMe when it is there: sync point)."""
+        if not rec.on_disk:
+            return rec.partition.detach().clone()
+        buffer, future = self.swap.read_new(rec.partition_numel, rec.partition.dtype, rec.offset)
+        future.result()
+        return buffer
+
+    def write_partition(self, rec: ParamRecord, values: torch.Tensor) -> IOFuture:
+        """Start writing ``values`` (``partition_numel`` elements, page-aligned, kept unchanged until the
+        future is done) over ``rec``'s on-disk partition."""
+        if not rec.on_disk:
+            raise RuntimeError(f"internal error: parameter {rec.name!r} has no on-disk partition to write")
+        return self.swap.write(values, rec.offset)
+
+    def io_bytes(self) -> dict[str, int]:
+        """Bytes read from and written to the parameter swap file so far."""
+        swap = self.swap
+        return {"read": swap.bytes_read if swap else 0, "written": swap.bytes_written if swap else 0}
+
+    def close(self) -> None:
+        """Remove the hooks and the swap file."""
+        self.remove_hooks()
+        if self.swap is not None:
+            self.swap.close()
 
     # ---- the optimizer's view of NVMe partitions ------------------------------------------------
 
@@ -353,60 +399,3 @@ class _PostForward:
             rec.users = max(0, rec.users - 1)
             if rec.users == 0 and not self.store.reused_soon(rec):
                 self.store.release(rec)  # saved tokens gather it again in backward
-
-
-def build_records(model: nn.Module, *, world_size: int, rank: int, nvme: bool, max_in_cpu: int,
-                  persistence_threshold: int, swap: ParamSwapFile | None) -> list[ParamRecord]:
-    """Partition every distinct parameter of ``model`` and place this rank's partitions.
-
-    With ``nvme``, partitions go to the swap file in order once ``max_in_cpu`` elements are kept in
-    memory; parameters of at most ``persistence_threshold`` elements stay whole in memory.
-    Raises ValueError for a parameter that is not a floating-point CPU tensor.
-    """
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    records: list[ParamRecord] = []
-    in_cpu = 0
-    writes = []
-    for name, p in model.named_parameters():
-        if not p.is_floating_point() or p.device.type != "cpu":
-            raise ValueError(f"parameter {name!r} is {p.dtype} on {p.device}; the engine partitions floating-point "
-                             f"CPU parameters: build the model on the CPU (model.to('cpu'))")
-        numel = p.numel()
-        part = partition_numel(numel, world_size)
-        start, end = partition_bounds(numel, world_size, rank)
-        persistent = numel <= persistence_threshold
-        to_disk = nvme and not persistent and in_cpu + part > max_in_cpu
-        keep_full = persistent or (world_size == 1 and not to_disk)
-        flat = p.data.reshape(-1)
-        if world_size == 1 and not to_disk:
-            local = flat  # the partition is the parameter itself
-        else:  # page-aligned when bound for the disk: O_DIRECT from it, no staging copy
-            local = aligned_tensor(part, p.dtype) if to_disk else torch.zeros(part, dtype=p.dtype)
-            local[:max(0, min(end, numel) - start)] = flat[start:min(end, numel)]
-        if not to_disk:
-            in_cpu += part if nvme and not persistent else 0
-        rec = ParamRecord(index=len(records), names=names[id(p)], param=p, shape=p.shape, numel=numel,
-                          partition=nn.Parameter(local, requires_grad=p.requires_grad), partition_numel=part,
-                          where=Where.RESIDENT, keep_full=keep_full)
-        if p.requires_grad:  # created while the parameter has its full shape: autograd checks it
-            with torch.enable_grad():
-                rec.accumulator = p.view_as(p).grad_fn.next_functions[0][0]
-        if to_disk:
-            rec.offset = swap.allocate(local.nbytes)
-            writes.append((swap.write(local, rec.offset), local))
-            rec.partition.data = torch.empty(0, dtype=p.dtype)
-            rec.where = Where.ON_DISK
-        if keep_full:
-            rec.full = flat
-        else:
-            p.data = torch.empty(0, dtype=p.dtype)
-        records.append(rec)
-        if len(writes) >= 8:  # sync point: bound the memory of initial writes in flight
-            for future, _ in writes:
-                future.result()
-            writes = []
-    for future, _ in writes:
-        future.result()
-    return records

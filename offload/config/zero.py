@@ -6,7 +6,10 @@ import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Mapping
 
-from ._config_parse import boolean, build, choice, integral, number, section_values
+from tensorio import AioConfig
+
+from offload.config.parse import boolean, build, choice, integral, number, section_values
+from offload.config.swap import SwapConfig, prefixed
 
 DEVICES = ("none", "cpu", "nvme")
 
@@ -72,11 +75,13 @@ class OffloadOptimizerConfig:
     buffer_count: int = 4
     """Staging buffers, each the size of the largest sub-group, for NVMe swapping. At least 1."""
 
-    pipeline_read: bool = False
-    """With device "nvme": read the next sub-group's states while the current one is updated."""
+    pipeline_read: bool | None = None
+    """With device "nvme": read the next sub-group's states while the current one is updated. Not
+    set: on where ``buffer_count`` has room (DeepSpeed: off; here overlapping is the fast default)."""
 
-    pipeline_write: bool = False
-    """With device "nvme": write the previous sub-group's states while the current one is updated."""
+    pipeline_write: bool | None = None
+    """With device "nvme": write the previous sub-group's states while the current one is updated.
+    Not set: on where ``buffer_count`` has room."""
 
     fast_init: bool = False
     """With device "nvme": create the swap files without writing initial states through the staging buffers."""
@@ -86,9 +91,7 @@ class OffloadOptimizerConfig:
 
     def __post_init__(self) -> None:
         _check_device(self._KEY, self.device, self.nvme_path)
-        for name in ("pin_memory", "pipeline_read", "pipeline_write", "fast_init"):
-            setattr(self, name, boolean(f"{self._KEY}.{name}", getattr(self, name)))
-        self.buffer_count = integral(f"{self._KEY}.buffer_count", self.buffer_count, minimum=1)
+        self.fast_init = boolean(f"{self._KEY}.fast_init", self.fast_init)
         self.ratio = number(f"{self._KEY}.ratio", self.ratio, minimum=0, maximum=1)
         for name in ("pipeline_read", "pipeline_write", "fast_init"):
             if getattr(self, name) and self.device != "nvme":
@@ -96,6 +99,13 @@ class OffloadOptimizerConfig:
                     f'{self._KEY}.{name}: true only applies to device "nvme" (device is {self.device!r}); '
                     f"remove it or set it to false"
                 )
+        self.swap_config()  # the swap settings are checked there, once
+
+    def swap_config(self, sub_group_size: int = 1 << 22, aio: AioConfig | None = None) -> SwapConfig:
+        """The swap settings of this section for `OffloadAdam`. Raises ValueError naming the key."""
+        return prefixed(self._KEY, SwapConfig, buffer_count=self.buffer_count, pin_memory=self.pin_memory,
+                        pipeline_read=self.pipeline_read, pipeline_write=self.pipeline_write,
+                        sub_group_size=sub_group_size, aio=aio if aio is not None else AioConfig())
 
 
 @dataclass(kw_only=True, slots=True)

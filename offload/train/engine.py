@@ -29,14 +29,14 @@ from torch import nn
 
 from tensorio import aligned_tensor
 
-from ._grads import GradReducer
-from ._param_swap import ParamSwapFile, Prefetcher, SwapBudget
-from ._params import ParamRecord, ParamStore, build_records
-from ._writeback import PartitionWriteBack
-from .adam import OffloadAdam
-from .config import EngineConfig, check_against_model, check_nvme_paths, world_size_from_env
-from .loss_scaler import build_loss_scaler
-from .timers import PhaseTimers
+from offload.config import EngineConfig, ZeroConfig, check_against_model, check_nvme_paths, world_size_from_env
+from offload.optim import OffloadAdam
+from offload.params import ParamRecord, ParamStore, Prefetcher, SwapBudget, build_records
+from offload.storage import SwapFile
+from offload.train.grads import GradReducer
+from offload.train.loss_scaler import build_loss_scaler
+from offload.train.timers import PhaseTimers
+from offload.train.writeback import PartitionWriteBack
 
 __all__ = ["Engine", "initialize"]
 
@@ -105,8 +105,6 @@ _NO_EFFECT = ("reduce_bucket_size", "overlap_comm", "contiguous_gradients",
 
 def _warn_no_effect(zero: Any) -> None:
     """Say so, rather than silently ignore, when a key this engine does not use is set to a non-default value."""
-    from .config import ZeroConfig
-
     defaults = {f.name: f.default for f in dataclasses.fields(ZeroConfig)}
     changed = [key for key in _NO_EFFECT if getattr(zero, key) != defaults[key]]
     if zero.offload_optimizer.fast_init:
@@ -138,7 +136,8 @@ def _assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int
     if nvme:
         check_against_model(cfg, {n: p.numel() for n, p in model.named_parameters()
                                   if p.numel() > zero.stage3_param_persistence_threshold})
-    swap = ParamSwapFile(offload_param.nvme_path, cfg.aio) if nvme else None
+    swap = (SwapFile(offload_param.nvme_path, cfg.aio, kind="params", key="zero_optimization.offload_param.nvme_path")
+            if nvme else None)
     records = build_records(model, world_size=world_size, rank=rank, nvme=nvme,
                             max_in_cpu=offload_param.max_in_cpu if nvme else 0,
                             persistence_threshold=zero.stage3_param_persistence_threshold, swap=swap)
@@ -153,7 +152,7 @@ def _assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int
     #    straight to the optimizer instead.
     trainable = [rec for rec in records if rec.param.requires_grad]
     in_backward = _updates_in_backward(cfg, optimizer, trainable)
-    grad_swap = (ParamSwapFile(offload_opt.nvme_path, cfg.aio, kind="grads")
+    grad_swap = (SwapFile(offload_opt.nvme_path, cfg.aio, kind="grads", key="zero_optimization.offload_optimizer.nvme_path")
                  if offload_opt.device == "nvme" and not in_backward else None)
     reducer = GradReducer(store, world_size=world_size, rank=rank, group=group, swap=grad_swap)
     # 4. Optimizer offload: OffloadAdam over the partitions; it plans its sub-groups from their sizes,
@@ -300,7 +299,7 @@ def _build_scheduler(cfg: EngineConfig, client: Any, opt: torch.optim.Optimizer)
         return client(opt) if callable(client) and not hasattr(client, "step") else client
     if cfg.scheduler is None:
         return None
-    from .schedulers import build_scheduler  # the config's schedule
+    from offload.train.schedulers import build_scheduler  # the config's schedule
     return build_scheduler(cfg.scheduler, opt)
 
 
@@ -335,7 +334,7 @@ class Engine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward pass (parameters are gathered module by module)."""
         self._settle()
-        self._store.prefetcher.cursor = 0
+        self._store.begin_forward()
         with self.timers.phase("forward"), self._store.saved_tensor_hooks():
             return self.module(*args, **kwargs)
 
@@ -349,7 +348,7 @@ class Engine:
         if self.loss_scaler is not None:
             loss = self.loss_scaler.scale_loss(loss)
         # On-disk partitions updated during backward keep the buffer their backward read (see _writeback.py).
-        self._store.keep_for_update = self._writeback is not None
+        self._store.begin_backward(keep_for_update=self._writeback is not None)
         try:
             # Saved-tensor hooks here too: reentrant activation checkpointing re-runs forward in backward.
             with self.timers.phase("backward"), self._store.saved_tensor_hooks():
@@ -359,9 +358,7 @@ class Engine:
                 self._abandon_updates()  # this backward's updates are forgotten, their buffers let go
             raise
         finally:
-            # Sync point: every gathered parameter and unused prefetch is released.
-            self._store.release_all()
-            self._store.prefetcher.end_step()
+            self._store.end_backward()  # sync point: every gathered parameter and unused prefetch is released
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next ``step()`` updates the parameters."""
@@ -464,7 +461,7 @@ class Engine:
     def _unscale_and_clip(self, records: list[ParamRecord]) -> float | None:
         """Phases 1 and 2 of a step. Returns the factor still to apply to offloaded gradients as they are
         read (in-memory ones are scaled in place here), or None when fp16 overflowed."""
-        from .clip import clip_grad_norm_
+        from offload.train.clip import clip_grad_norm_
 
         in_memory = [rec.grad for rec in records if rec.grad is not None]
         self._reducer.drain()  # sync point: every offloaded gradient is on disk
@@ -531,8 +528,7 @@ class Engine:
 
     def io_bytes(self) -> dict[str, int]:
         """Bytes read from and written to the parameter swap file so far."""
-        swap = self._store.swap
-        return {"read": swap.bytes_read if swap else 0, "written": swap.bytes_written if swap else 0}
+        return self._store.io_bytes()
 
     # ---- checkpoints ------------------------------------------------------------------------------------
 
@@ -545,7 +541,7 @@ class Engine:
         size. Written atomically: until the new tag is complete the previous checkpoint and ``latest``
         are untouched. Every rank must call it. Raises OSError (ENOSPC, ...) and TensorIOError.
         """
-        from .checkpoint import SafetensorsWriter, atomic_checkpoint
+        from offload.storage import SafetensorsWriter, atomic_checkpoint
 
         tag = tag if tag is not None else f"global_step{self.global_steps}"
         self._settle()
@@ -557,7 +553,7 @@ class Engine:
             layout = {rec.name: (rec.partition.dtype, (rec.partition_numel,)) for rec in records}
             with SafetensorsWriter(os.path.join(staging, _params_file(self.rank)), layout) as out:
                 for rec in records:
-                    out.write(rec.name, self._partition_copy(rec))
+                    out.write(rec.name, self._store.read_partition(rec))
             # 2. The optimizer state, one sub-group at a time.
             with _sized([rec for rec in records if rec.param.requires_grad]):
                 layout = {name: (torch.float32, (numel,)) for name, numel in self.optimizer.state_layout().items()}
@@ -582,7 +578,7 @@ class Engine:
         """
         from safetensors import safe_open
 
-        from .checkpoint import resolve_tag
+        from offload.storage import resolve_tag
 
         path = str(resolve_tag(load_dir, tag))
         if self._reducer.consumer is not None:
@@ -612,7 +608,7 @@ class Engine:
                 if rec.on_disk:
                     staged = aligned_tensor(rec.partition_numel, rec.partition.dtype)
                     staged.copy_(values)
-                    writes.append((self._store.swap.write(staged, rec.offset), staged))
+                    writes.append((self._store.write_partition(rec, staged), staged))
                     if len(writes) > 2:
                         writes.pop(0)[0].result()  # sync point: bounds the memory in flight
                 else:
@@ -636,13 +632,6 @@ class Engine:
         self.zero_grad()
         return path, state["client_state"]
 
-    def _partition_copy(self, rec: ParamRecord) -> torch.Tensor:
-        if not rec.on_disk:
-            return rec.partition.detach().clone()
-        buffer, future = self._store.swap.read(rec.partition_numel, rec.partition.dtype, rec.offset)
-        future.result()
-        return buffer
-
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "model.safetensors") -> bool:
         """Write the whole model's weights (in the training dtype: 16-bit under fp16/bf16) to
         ``save_dir/save_filename`` as safetensors, gathered across ranks; rank 0 writes it.
@@ -652,7 +641,7 @@ class Engine:
         Every rank must call it. Streamed: one gathered parameter in memory at a time; the file
         appears whole or not at all. Raises OSError when the file cannot be written.
         """
-        from .checkpoint import atomic_safetensors
+        from offload.storage import atomic_safetensors
 
         if not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
             log.warning("save_16bit_model: nothing saved; set zero_optimization."
@@ -715,12 +704,10 @@ def _step_chunks(records: list[ParamRecord], cfg: EngineConfig) -> list[list[Par
 
 
 def _close(store: ParamStore, reducer: GradReducer, optimizer: Any) -> None:
-    store.remove_hooks()
     reducer.remove()
     if hasattr(optimizer, "close"):
         optimizer.close()
-    if store.swap is not None:
-        store.swap.close()
+    store.close()
 
 
 def _params_file(rank: int) -> str:

@@ -17,12 +17,12 @@ from typing import Any, Mapping
 
 from tensorio._config import AioConfig
 
-from ._config_auto import resolve_auto
-from ._config_batch import check_batch_sizes, derive_batch_sizes
-from ._config_parse import boolean, build, integral, number, read_config, renamed, section_values
-from ._config_training import AdamParams, Bf16Config, Fp16Config, OptimizerConfig, SchedulerConfig, WarmupParams
-from ._config_zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
-from .partition import partition_numel
+from offload.config.auto import resolve_auto
+from offload.config.batch import check_batch_sizes, derive_batch_sizes
+from offload.config.parse import boolean, build, integral, number, read_config, renamed, section_values
+from offload.config.training import AdamParams, Bf16Config, Fp16Config, OptimizerConfig, SchedulerConfig, WarmupParams
+from offload.config.zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+from offload.params.partition import partition_numel
 
 __all__ = [
     "AdamParams",
@@ -182,7 +182,7 @@ def world_size_from_env() -> int:
 def check_against_model(config: EngineConfig, param_numels: Mapping[str, int], *, alignment: int = 1) -> None:
     """Check the settings that depend on the model: the NVMe parameter staging buffer must hold the
     largest parameter partition (``param_numels`` maps parameter names to element counts; partitions
-    are padded to ``alignment`` elements as in `offload.partition`).
+    are padded to ``alignment`` elements as in `offload.params.partition`).
 
     Raises ValueError naming ``zero_optimization.offload_param.buffer_size``, the largest parameter and
     the size to use instead.

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from tensorio import aligned_tensor
 
-from ._param_swap import ParamSwapFile
-from ._params import ParamRecord, ParamStore
+from offload.params.store import ParamRecord, ParamStore
+from offload.storage.swapfile import SwapFile
 
 _WRITES_IN_FLIGHT = 2
 """Offloaded gradient writes in flight at once before backward waits for the oldest."""
@@ -31,7 +31,7 @@ class GradReducer:
     """Installs the two gradient hooks on every trainable parameter and reduces into its record."""
 
     def __init__(self, store: ParamStore, *, world_size: int, rank: int, group: object = None,
-                 swap: ParamSwapFile | None = None,
+                 swap: SwapFile | None = None,
                  consumer: Callable[[ParamRecord, torch.Tensor], None] | None = None) -> None:
         self.store, self.world_size, self.rank, self.group = store, world_size, rank, group
         self.swap = swap
@@ -108,7 +108,7 @@ class GradReducer:
 
     def start_read(self, rec: ParamRecord):
         """Start reading this step's offloaded gradient partition: (buffer, future)."""
-        return self.swap.read(rec.partition_numel, torch.float32, rec.grad_offset)
+        return self.swap.read_new(rec.partition_numel, torch.float32, rec.grad_offset)
 
     def drain(self) -> None:
         """Wait for every gradient write in flight (sync point). Raises TensorIOError."""

@@ -13,76 +13,18 @@ import collections
 import contextlib
 import enum
 import errno
-import os
 import time
-import uuid
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
-from tensorio import AioConfig, AioHandle, IOFuture, TensorIOError, aligned_tensor, locked_tensor
+from tensorio import IOFuture, TensorIOError, aligned_tensor, locked_tensor
 
-from ._spare import SparePool
-from ._subgroups import SubGroupPlan
-
-PAGE = 4096
-
-
-@dataclass(kw_only=True, slots=True)
-class SwapConfig:
-    """How offloaded optimizer state is swapped (DeepSpeed's ``offload_optimizer`` key names)."""
-
-    buffer_count: int = 4
-    """Locked buffers of one sub-group's state each. At least ``buffers_needed``."""
-
-    pin_memory: bool = True
-    """Lock (mlock/pin) the buffers; False uses plain page-aligned memory."""
-
-    pipeline_read: bool = True
-    """Read the next sub-group's state while the current one is updated."""
-
-    pipeline_write: bool = True
-    """Write the previous sub-group's state while the current one is updated."""
-
-    sub_group_size: int = 1 << 22
-    """Most parameter elements updated by one kernel call, and so held by one buffer. At least 1024."""
-
-    aio: AioConfig = field(default_factory=AioConfig)
-    """tensorio settings of the swap file's I/O (an `AioConfig` or a dict of its keys)."""
-
-    def __post_init__(self) -> None:
-        for key in ("pin_memory", "pipeline_read", "pipeline_write"):
-            if not isinstance(getattr(self, key), bool):
-                raise ValueError(f"{key}: {getattr(self, key)!r} is not allowed; use true or false")
-        for key, minimum in (("buffer_count", 1), ("sub_group_size", 1024)):
-            value = getattr(self, key)
-            if isinstance(value, float) and value.is_integer():  # JSON configs spell 1e9
-                value = int(value)
-                setattr(self, key, value)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{key}: {value!r} is not allowed; use an integer >= {minimum}")
-        if isinstance(self.aio, Mapping):
-            self.aio = AioConfig.from_dict(dict(self.aio))
-        if not isinstance(self.aio, AioConfig):
-            raise ValueError(f"aio: {self.aio!r} is not allowed; use an AioConfig or a dict of its keys")
-        if self.buffer_count < self.buffers_needed:
-            raise ValueError(f"buffer_count: {self.buffer_count} is too few; pipeline_read={self.pipeline_read} "
-                             f"and pipeline_write={self.pipeline_write} need at least {self.buffers_needed}")
-
-    @property
-    def buffers_needed(self) -> int:
-        """Buffers the pipeline needs: one being updated, one being read ahead, one being written."""
-        return 1 + int(self.pipeline_read) + int(self.pipeline_write)
-
-    @property
-    def read_ahead(self) -> int:
-        """Sub-groups that may be read ahead of the one being updated: every other buffer.
-
-        A sub-group is written from the buffer it was updated in, so a write needs no buffer of
-        its own; read-ahead only ever takes buffers that are free (see `StateSwapper.free_buffers`).
-        """
-        return self.buffer_count - 1 if self.pipeline_read else 0
+from offload.config.swap import SwapConfig
+from offload.optim.spare import SparePool
+from offload.optim.subgroups import SubGroupPlan
+from offload.storage.swapfile import SwapFile
 
 
 class Where(enum.Enum):
@@ -134,15 +76,13 @@ class StateSwapper:
     def __init__(self, plans: list[SubGroupPlan], directory: str, config: SwapConfig,
                  spare_limit: int | None = None) -> None:
         self.config = config
-        self.records: dict[int, SwapRecord] = {}
-        offset = 0
-        for plan in plans:
-            if plan.offloaded:
-                self.records[plan.index] = SwapRecord(plan=plan, offset=offset)
-                offset += 2 * plan.state_bytes  # slots A and B; state_bytes is a multiple of 4096
-        self.file_bytes = offset
-        self.path = os.path.join(directory, f"offload-adam-{os.getpid()}-{uuid.uuid4().hex[:8]}.swp")
-        self._handle: AioHandle | None = None
+        offloaded = [plan for plan in plans if plan.offloaded]
+        # The file is made now so that a bad directory fails here, not in the middle of a step.
+        self._file = SwapFile(directory, config.aio, kind="adam", key="nvme_offload_dir") if offloaded else None
+        self.records: dict[int, SwapRecord] = {  # slots A and B; state_bytes is a multiple of the page
+            plan.index: SwapRecord(plan=plan, offset=self._file.allocate(plan.state_bytes, slots=2))
+            for plan in offloaded}
+        self.file_bytes = self._file.allocated_bytes if self._file is not None else 0
         self._free: list[torch.Tensor] = []
         self._by_address: dict[int, torch.Tensor] = {}
         self._writes: collections.deque[SwapRecord] = collections.deque()  # in flight, oldest first
@@ -153,15 +93,16 @@ class StateSwapper:
         """Seconds the caller has spent blocked on this swapper's I/O (every sync point below)."""
         if not self.records:
             return
-        _check_directory(directory)
-        # Create the file now so that a bad directory fails here, not in the middle of a step.
-        os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
-        self._handle = AioHandle.from_config(config.aio)
         largest = max(r.plan.state_bytes for r in self.records.values())
         make = locked_tensor if config.pin_memory else aligned_tensor
         self._free = [make(largest // 4, torch.float32) for _ in range(config.buffer_count)]
         self._by_address = {buffer.data_ptr(): buffer for buffer in self._free}
         self.buffer_bytes = largest * config.buffer_count
+
+    @property
+    def path(self) -> str | None:
+        """The swap file's path; None when no sub-group is offloaded."""
+        return self._file.path if self._file is not None else None
 
     # ---- memory -------------------------------------------------------------------------------------
 
@@ -232,7 +173,7 @@ class StateSwapper:
             self._finish_write(rec)  # sync point: its memory already holds the latest state
             rec.where = Where.RESIDENT
             return
-        assert rec.where is Where.ON_DISK, rec.where
+        _expect(rec, Where.ON_DISK, "read")
         self._acquire(rec, spare=spare)
         latest_on_disk = rec.written or rec.on_disk
         if not latest_on_disk:
@@ -240,7 +181,7 @@ class StateSwapper:
                 region.zero_()
             rec.where = Where.RESIDENT
             return
-        rec.futures = self._transfer(rec, 1 - rec.slot if rec.written else rec.slot, self._handle.read)
+        rec.futures = self._transfer(rec, 1 - rec.slot if rec.written else rec.slot, self._file.read)
         rec.where = Where.READING
 
     def wait_read(self, rec: SwapRecord) -> list[torch.Tensor]:
@@ -252,13 +193,13 @@ class StateSwapper:
                 self._release(rec)
                 raise
             rec.where = Where.RESIDENT
-        assert rec.where is Where.RESIDENT, rec.where
+        _expect(rec, Where.RESIDENT, "return the state of")
         return rec.regions
 
     def start_write(self, rec: SwapRecord) -> None:
         """Start writing ``rec``'s state to its uncommitted slot; its memory is freed when it is done."""
-        assert rec.where is Where.RESIDENT, rec.where
-        rec.futures = self._transfer(rec, 1 - rec.slot, self._handle.write)
+        _expect(rec, Where.RESIDENT, "write")
+        rec.futures = self._transfer(rec, 1 - rec.slot, self._file.write)
         rec.where = Where.WRITING
         self._writes.append(rec)
 
@@ -277,7 +218,8 @@ class StateSwapper:
 
     def commit(self) -> None:
         """Make the slots written this step current. Call only after `drain` succeeded."""
-        assert not self._writes
+        if self._writes:
+            raise RuntimeError("internal error: commit with writes in flight; call drain() first")
         for rec in self.records.values():
             if rec.written:
                 rec.slot, rec.on_disk, rec.written = 1 - rec.slot, True, False
@@ -302,13 +244,8 @@ class StateSwapper:
     def close(self) -> None:
         """Finish the I/O in flight, stop the I/O workers and remove the swap file."""
         self.abort()
-        if self._handle is not None:
-            self._handle.close()
-            self._handle = None
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        if self._file is not None:
+            self._file.close()
         self._free = []
 
     # ---- internals ------------------------------------------------------------------------------------
@@ -318,9 +255,9 @@ class StateSwapper:
         buffer (the regions are back to back there as in the file), else one per region."""
         offset = rec.slot_offset(slot)
         if rec.buffer is not None:
-            return [move(rec.buffer, self.path, offset)]
+            return [move(rec.buffer, offset)]
         region_bytes = rec.plan.region * 4
-        return [move(region, self.path, offset + r * region_bytes) for r, region in enumerate(rec.regions)]
+        return [move(region, offset + r * region_bytes) for r, region in enumerate(rec.regions)]
 
     def _acquire(self, rec: SwapRecord, *, spare: bool) -> None:
         """Give ``rec`` memory: a fixed buffer free now, else spare memory (first if ``spare``), else the
@@ -377,10 +314,8 @@ def _check_count(moved: Any, rec: SwapRecord, verb: str) -> None:
                             length=rec.plan.state_bytes)
 
 
-def _check_directory(directory: str) -> None:
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(errno.ENOENT, f"nvme_offload_dir {directory!r} does not exist; create it first "
-                                "or pass nvme_offload_dir=None for a private temporary directory")
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise PermissionError(errno.EACCES, f"nvme_offload_dir {directory!r} is not writable by this process; "
-                              "choose a directory you can create files in")
+def _expect(rec: SwapRecord, where: Where, verb: str) -> None:
+    """Raise RuntimeError unless ``rec`` is ``where`` (a broken invariant of the caller's schedule)."""
+    if rec.where is not where:
+        raise RuntimeError(f"internal error: cannot {verb} sub-group {rec.plan.index}: its state is "
+                           f"{rec.where.value}, not {where.value}")

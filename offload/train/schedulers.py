@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ._config_training import SchedulerConfig
+from offload.config.training import SchedulerConfig
 
 __all__ = ["WarmupDecayLR", "WarmupLR", "build_scheduler"]
 

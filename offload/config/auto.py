@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, Sequence
 
-from ._config_parse import AUTO, AUTO_ARGUMENTS, read_config
+from offload.config.parse import AUTO, AUTO_ARGUMENTS, read_config
 
 _MISSING = object()
 

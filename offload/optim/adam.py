@@ -20,9 +20,10 @@ import torch
 
 from tensorio import AioConfig
 
-from ._background import BackgroundWorker
-from ._subgroups import Member, ParamSpec, SubGroupPlan, plan_subgroups
-from ._swapper import StateSwapper, SwapConfig, Where
+from offload.optim.overlap import BackgroundWorker
+from offload.optim.subgroups import Member, ParamSpec, SubGroupPlan, plan_subgroups
+from offload.config.swap import SwapConfig
+from offload.optim.swapper import StateSwapper, Where
 
 __all__ = ["OffloadAdam"]
 

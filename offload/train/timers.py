@@ -17,7 +17,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from .config import EngineConfig
+from offload.config import EngineConfig
 
 __all__ = ["PhaseTimers"]
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-PAGE = 4096
+from offload.storage.swapfile import PAGE
+
 
 
 @dataclass(slots=True, eq=False)

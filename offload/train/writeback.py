@@ -17,7 +17,7 @@ import torch
 
 from tensorio import IOFuture
 
-from ._params import ParamRecord, ParamStore
+from offload.params.store import ParamRecord, ParamStore
 
 
 class PartitionWriteBack:
@@ -57,7 +57,7 @@ class PartitionWriteBack:
     def _updated(self, rec: ParamRecord, partition: torch.Tensor) -> IOFuture:
         """The optimizer's thread: ``rec``'s partition is updated; start writing it back. The optimizer
         commits its step only once this write has succeeded."""
-        future = self._store.swap.write(partition.data, rec.offset)
+        future = self._store.write_partition(rec, partition.data)
         with self._lock:
             self._writes.append((rec, future))
             self._waiting -= rec.partition_numel

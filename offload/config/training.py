@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Mapping
 
-from ._config_parse import boolean, build, choice, integral, number, section_values
+from offload.config.parse import boolean, build, choice, integral, number, section_values
 
 OPTIMIZERS = ("Adam", "AdamW")
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR")

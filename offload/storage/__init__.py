@@ -1,0 +1,22 @@
+"""Files: the swap file, checkpoint directories and safetensors files.
+
+`swapfile` is the one swap-file implementation (naming, mode 0600, liveness lock, page-aligned
+extents with slots, I/O through tensorio, removal); `checkpoint_dir` makes checkpoint directories
+appear whole or not at all; `safetensors_writer` writes safetensors files piece by piece.
+"""
+
+from offload.storage.checkpoint_dir import LATEST, atomic_checkpoint, resolve_tag
+from offload.storage.safetensors_writer import SafetensorsWriter, atomic_safetensors, save_tensors_safetensors
+from offload.storage.swapfile import SwapFile, remove_stale_swap_files, stale_swap_files
+
+__all__ = [
+    "LATEST",
+    "SafetensorsWriter",
+    "SwapFile",
+    "atomic_checkpoint",
+    "atomic_safetensors",
+    "remove_stale_swap_files",
+    "resolve_tag",
+    "save_tensors_safetensors",
+    "stale_swap_files",
+]

@@ -1,0 +1,206 @@
+"""`SwapFile`: the one swap-file implementation, for parameter, gradient and optimizer-state swapping.
+
+Layout (see docs/engine.md, "Swap files"): a swap file is named ``offload-<kind>-<pid>-<random>.swp``,
+created with mode 0600 in the configured directory, and holds extents at page-aligned offsets
+(`allocate`), each of one or more equal slots (the optimizer's A/B slots). Nothing in it is meant to
+outlive the process: it is removed by `close`, and a file left by a process that was killed is
+reclaimed by the next `SwapFile` made in the same directory (see `stale_swap_files`).
+
+Liveness: the owning process holds an exclusive ``flock`` on its swap file for as long as the file
+exists. A swap file nobody holds a lock on, whose named process is not running, is stale.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import re
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from tensorio import DIRECT_ALIGN, AioConfig, AioHandle, IOFuture, aligned_tensor
+
+__all__ = ["PAGE", "SwapFile", "StaleSwapFile", "check_swap_directory", "remove_stale_swap_files",
+           "stale_swap_files"]
+
+log = logging.getLogger("offload")
+
+PAGE = DIRECT_ALIGN
+"""Every extent starts at a multiple of this (O_DIRECT's alignment)."""
+
+_NAME = re.compile(r"^offload-(?P<kind>[a-z]+)-(?P<pid>\d+)-[0-9a-f]{8}\.swp$")
+
+
+def aligned_size(nbytes: int) -> int:
+    """``nbytes`` rounded up to a whole number of pages."""
+    return -(-nbytes // PAGE) * PAGE
+
+
+def check_swap_directory(directory: str | os.PathLike, key: str) -> str:
+    """The absolute path of ``directory``, checked to be a directory this process can create files in.
+
+    ``key`` names the setting in the errors: FileNotFoundError, NotADirectoryError, PermissionError.
+    """
+    path = os.path.abspath(os.fspath(directory))
+    if not os.path.exists(path):
+        raise FileNotFoundError(errno.ENOENT, f"{key} {os.fspath(directory)!r} does not exist; create it first")
+    if not os.path.isdir(path):
+        raise NotADirectoryError(errno.ENOTDIR, f"{key} {os.fspath(directory)!r} is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, f"{key} {os.fspath(directory)!r} is not writable by this process; "
+                              "choose a directory you can create files in")
+    return path
+
+
+class SwapFile:
+    """One swap file of page-aligned extents, read and written through one tensorio handle.
+
+    The file is created (mode 0600, locked) at construction, so that a bad directory fails here and
+    not in the middle of a step; relative directories are resolved once, here. Stale swap files of
+    dead processes in the same directory are removed first, with a log line.
+
+    Raises FileNotFoundError / NotADirectoryError / PermissionError naming ``key`` for a bad
+    ``directory``, OSError when the file cannot be created.
+    """
+
+    def __init__(self, directory: str | os.PathLike, aio: AioConfig, *, kind: str,
+                 key: str = "nvme_path") -> None:
+        if not re.fullmatch(r"[a-z]+", kind):
+            raise ValueError(f"kind {kind!r}: use lower-case letters only")
+        directory = check_swap_directory(directory, key)
+        remove_stale_swap_files(directory)
+        self.path = os.path.join(directory, f"offload-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}.swp")
+        self._lock_fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._handle: AioHandle | None = AioHandle.from_config(aio)
+        except BaseException:
+            os.close(self._lock_fd)
+            os.unlink(self.path)
+            raise
+        self._end = 0
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    def allocate(self, nbytes: int, slots: int = 1) -> int:
+        """Reserve ``slots`` page-aligned slots of ``nbytes`` at the end of the file; return the offset
+        of the first (slot ``i`` starts at ``offset + i * aligned_size(nbytes)``)."""
+        offset = self._end
+        self._end += slots * aligned_size(nbytes)
+        return offset
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes reserved so far: the file's size once every extent is written."""
+        return self._end
+
+    def read(self, buffer: torch.Tensor, offset: int) -> IOFuture:
+        """Start filling ``buffer`` (contiguous, CPU) from ``offset``."""
+        self.bytes_read += buffer.nbytes
+        return self._io().read(buffer, self.path, offset)
+
+    def read_new(self, numel: int, dtype: torch.dtype, offset: int) -> tuple[torch.Tensor, IOFuture]:
+        """Start reading ``numel`` elements at ``offset`` into a fresh page-aligned buffer (O_DIRECT)."""
+        buffer = aligned_tensor(numel, dtype)
+        return buffer, self.read(buffer, offset)
+
+    def write(self, tensor: torch.Tensor, offset: int) -> IOFuture:
+        """Start writing ``tensor`` (contiguous, CPU) at ``offset``; keep it unchanged until done."""
+        self.bytes_written += tensor.nbytes
+        return self._io().write(tensor, self.path, offset)
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    def close(self) -> None:
+        """Finish the I/O in flight, stop the I/O workers and remove the file. Idempotent."""
+        if self._handle is None:
+            return
+        try:
+            self._handle.close()
+        finally:
+            self._handle = None
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            os.close(self._lock_fd)  # the lock goes with the descriptor
+
+    def _io(self) -> AioHandle:
+        if self._handle is None:
+            raise RuntimeError(f"swap file {self.path} is closed")
+        return self._handle
+
+
+@dataclass(frozen=True, slots=True)
+class StaleSwapFile:
+    """A swap file left by a process that is gone."""
+
+    path: str
+    pid: int
+    nbytes: int
+
+
+def stale_swap_files(directory: str | os.PathLike) -> list[StaleSwapFile]:
+    """The swap files in ``directory`` whose process is not running and which nobody holds locked."""
+    stale = []
+    try:
+        names = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return []
+    for name in names:
+        match = _NAME.match(name)
+        if match is None:
+            continue
+        pid = int(match["pid"])
+        path = os.path.join(os.fspath(directory), name)
+        if _process_alive(pid) or _locked(path):
+            continue
+        try:
+            stale.append(StaleSwapFile(path=path, pid=pid, nbytes=os.stat(path).st_blocks * 512))
+        except FileNotFoundError:
+            continue  # removed meanwhile
+    return stale
+
+
+def remove_stale_swap_files(directory: str | os.PathLike) -> list[StaleSwapFile]:
+    """Remove the stale swap files of ``directory`` (see `stale_swap_files`), logging each; return them."""
+    removed = []
+    for entry in stale_swap_files(directory):
+        try:
+            os.unlink(entry.path)
+        except FileNotFoundError:
+            continue
+        log.warning("removed the stale swap file %s (%.1f MB) of process %d, which is no longer running",
+                    entry.path, entry.nbytes / 1e6, entry.pid)
+        removed.append(entry)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def _locked(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return True  # cannot tell: leave it alone
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
