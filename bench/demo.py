@@ -19,19 +19,20 @@ import tempfile
 import torch
 
 import tensorio
-from bench import cli
-from bench.fio import FioError, job_for_config, run_fio
-from bench.io_vs_fio import parse_size, time_ours
-from bench.validate import validate_directory
+
+from . import cli
+from .fio import FioError, job_for_config, run_fio
+from .measure import time_transfer
+from .validate import validate_directory
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="tensorio demo: validate a disk, then tensorio vs fio")
     parser.add_argument("--dir", default=".", help="directory on the disk to use (default: .)")
-    parser.add_argument("--size", default="1G", help="tensor size (default 1G)")
+    parser.add_argument("--size", type=cli._size, default="1G", help="tensor size (default 1G)")
     parser.add_argument("--out-dir", default="results/demo", help="where the sweep's results go")
     args = parser.parse_args(argv)
-    size = parse_size(args.size)
+    size = args.size
 
     print(f"== 1. validate {os.path.abspath(args.dir)}")
     validation = validate_directory(args.dir, need_bytes=size)
@@ -47,9 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     path = os.path.join(scratch, "demo.bin")
     try:
         with tensorio.AioHandle.from_config(config) as handle:
-            write = time_ours(handle, tensor, path, write=True)
+            write = time_transfer(handle, tensor, path, write=True)
             back = tensorio.locked_tensor(size, torch.uint8)
-            read = time_ours(handle, back, path, write=False)
+            read = time_transfer(handle, back, path, write=False)
             if not torch.equal(back, tensor):
                 print("FAIL: the tensor read back differs from the one written", file=sys.stderr)
                 return 1
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         ref = fio.get(rw)
         print(f"{rw:<8}{ours:>17.2f} GB/s{(f'{ref:.2f}' if ref else '-'):>10}"
               f"{(f'{ours / ref:.2f}' if ref else '-'):>8}")
-    print("(one run each, bytes verified; for medians of interleaved runs: python -m bench.io_vs_fio)")
+    print("(one run each, bytes verified; for medians of interleaved runs: python -m benchmarks.io_vs_fio)")
 
     print(f"\n== 3. quick sweep of the aio settings on {os.path.abspath(args.dir)}")
     return cli.main(["sweep", args.dir, "--quick", "--out-dir", args.out_dir,

@@ -156,6 +156,16 @@ def measure_point(config: AioConfig, path: str | Path, buffers: Buffers, *, requ
                        read=summary["read"])
 
 
+def time_transfer(handle: AioHandle, tensor: torch.Tensor, path: str | Path, *, write: bool) -> float:
+    """GB/s (10**9 bytes per second) of one whole-tensor write or read of ``path`` as a single request.
+
+    Raises TensorIOError from the I/O.
+    """
+    start = time.perf_counter()
+    (handle.write if write else handle.read)(tensor, path).result()
+    return tensor.numel() * tensor.element_size() / (time.perf_counter() - start) / 1e9
+
+
 def _stream(handle: AioHandle, tensor: torch.Tensor, path: str | Path, request_size: int, window: int, *,
             write: bool) -> tuple[int, list[int]]:
     """Move ``tensor`` as requests with at most ``window`` in flight; (elapsed ns, latency per request)."""

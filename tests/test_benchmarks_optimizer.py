@@ -11,7 +11,7 @@ from bench.fio import fio_path
 
 @pytest.mark.skipif(fio_path() is None, reason="fio not installed: apt-get install fio")
 def test_optimizer_step_benchmark_tiny(tmp_path, capsys):
-    from bench import optimizer_step
+    from benchmarks import optimizer_step
 
     result = optimizer_step.main(["--params", "300000", "--tensors", "3", "--sub-group-size", "65536",
                                   "--warmup", "1", "--steps", "2", "--fio-size", str(4 << 20), "--dir", str(tmp_path)])
@@ -23,7 +23,7 @@ def test_optimizer_step_benchmark_tiny(tmp_path, capsys):
 
 def test_colossal_benchmark_tiny(tmp_path, capsys):
     pytest.importorskip("transformers")
-    from bench import optimizer_colossal
+    from benchmarks import optimizer_colossal
 
     tiny = json.dumps({"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 256, "n_positions": 16})
     result = optimizer_colossal.main(["--model-config", tiny, "--batch", "1", "--seq", "8", "--steps", "1",
@@ -38,7 +38,7 @@ def test_colossal_benchmark_tiny(tmp_path, capsys):
 
 def test_memory_trace_tiny(tmp_path, capsys):
     pytest.importorskip("transformers")
-    from bench import optimizer_memory
+    from benchmarks import optimizer_memory
 
     tiny = json.dumps({"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 256, "n_positions": 16})
     result = optimizer_memory.main(["--model-config", tiny, "--batch", "1", "--seq", "8", "--steps", "1",

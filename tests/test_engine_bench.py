@@ -12,7 +12,7 @@ from bench.fio import fio_path
 @pytest.mark.skipif(fio_path() is None, reason="fio not installed: apt-get install fio")
 def test_engine_step_benchmark_tiny(tmp_path, capsys):
     pytest.importorskip("transformers")
-    from bench import engine_step
+    from benchmarks import engine_step
 
     tiny = json.dumps({"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 128, "n_positions": 16})
     result = engine_step.main(["--model-config", tiny, "--modes", "torch,nvme", "--batch", "1", "--seq", "8",

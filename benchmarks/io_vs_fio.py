@@ -5,7 +5,7 @@ with the same block size, queue depth and O_DIRECT on the same directory. Writes
 laid out beforehand (swap files are rewritten in place; fio gets ``--overwrite=1``), and fio runs on
 the very file tensorio just wrote and read. The medians of the rounds are reported.
 
-    python -m bench.io_vs_fio --dir . --size 1G --block-sizes 1M,128K --queue-depth 32 --rounds 5
+    python -m benchmarks.io_vs_fio --dir . --size 1G --block-sizes 1M,128K --queue-depth 32 --rounds 5
 """
 
 from __future__ import annotations
@@ -16,30 +16,15 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
 import tensorio
+from bench._units import parse_size
 from bench.fio import FioJob, FioNotFound, fio_path, run_fio
+from bench.measure import time_transfer
 
 BACKENDS = ("io_uring", "threads")
-
-
-def parse_size(text: str) -> int:
-    """Bytes from "1G", "128K", "4096" (binary units)."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
-
-
-def time_ours(handle: tensorio.AioHandle, tensor: torch.Tensor, path: str, write: bool) -> float:
-    """GB/s of one whole-tensor write or read."""
-    start = time.perf_counter()
-    (handle.write if write else handle.read)(tensor, path).result()
-    return tensor.numel() / (time.perf_counter() - start) / 1e9
 
 
 def available_backends() -> list[str]:
@@ -80,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             for bs in block_sizes:
                 for rw in ("write", "read"):
                     for backend in backends:
-                        gbps = time_ours(handles[(backend, bs)], tensor, path, rw == "write")
+                        gbps = time_transfer(handles[(backend, bs)], tensor, path, write=rw == "write")
                         samples.setdefault((backend, bs, rw), []).append(gbps)
                     if fio:
                         job = FioJob(directory=scratch, rw=rw, size=size, block_size=bs,

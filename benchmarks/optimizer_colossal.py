@@ -1,12 +1,12 @@
 """Benchmark 1: ColossalAI's NVMe-offload example, GPT-2 small on the CPU, no offload against full offload.
 
-    python -m bench.optimizer_colossal --dir /work/tmp --repeats 3
+    python -m benchmarks.optimizer_colossal --dir /work/tmp --repeats 3
 
 ColossalAI trained GPT-2 small (``transformers.GPT2Config()``, 124M parameters, random init) with
 batch 4, sequence 128 for 3 steps: 7.7 s / 5966 MB RSS without offload, 8.5 s / 4968 MB with the
 whole optimizer state on NVMe. Here each configuration runs in its own subprocess (so that its peak
-RSS, VmHWM, is its own), one warm-up step then 3 timed steps, repeated and interleaved; medians are
-printed. Both OffloadAdam runs use ``overlap_backward=True``: each sub-group is updated during
+RSS, sampled with psutil from before the model is built to the end, is its own), one warm-up step
+then 3 timed steps, repeated and interleaved; medians are printed. Both OffloadAdam runs use ``overlap_backward=True``: each sub-group is updated during
 backward as soon as its gradients are final, its state read ahead and written behind. Targets:
 time(1.0) / time(0.0) <= 1.05 and peak RSS(0.0) - peak RSS(1.0) >= 0.9 GB.
 
@@ -23,10 +23,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
+
+from benchmarks._common import RssSampler, run_child
 
 CONFIGS = {
     "torch AdamW (fused)": dict(optimizer="torch", fraction=0.0),
@@ -35,20 +35,12 @@ CONFIGS = {
 }
 
 
-def _peak_rss_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
 def build_run(args: argparse.Namespace):
     """The benchmark's (model, optimizer, tokens) for one configuration, seeded alike for every one."""
     import torch
     import transformers
 
-    from offload.adam import OffloadAdam
+    from offload import OffloadAdam
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
@@ -65,28 +57,29 @@ def build_run(args: argparse.Namespace):
 
 
 def _child(args: argparse.Namespace) -> None:
-    """One configuration in this process: print {"seconds", "peak_rss"} as JSON on the last line."""
+    """One configuration in this process: print {"seconds", "cpu_seconds", "io_wait", "peak_rss"} as JSON
+    on the last line."""
+    from offload import OffloadAdam
 
-    from offload.adam import OffloadAdam
+    with RssSampler() as rss:
+        model, opt, tokens = build_run(args)
 
-    model, opt, tokens = build_run(args)
+        def train_step() -> None:
+            model(input_ids=tokens, labels=tokens).loss.backward()
+            opt.step()
+            opt.zero_grad()
 
-    def train_step() -> None:
-        model(input_ids=tokens, labels=tokens).loss.backward()
-        opt.step()
-        opt.zero_grad()
-
-    train_step()  # warm-up: the state is created here
-    offloaded = isinstance(opt, OffloadAdam)
-    waited = opt.io_wait_seconds() if offloaded else 0.0
-    start, cpu_start = time.perf_counter(), time.process_time()
-    for _ in range(args.steps):
-        train_step()
-    if offloaded:
-        opt.close()  # the last step's write-behind is part of the time
-    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    io_wait = opt.io_wait_seconds() - waited if offloaded else 0.0
-    print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "io_wait": io_wait, "peak_rss": _peak_rss_bytes()}))
+        train_step()  # warm-up: the state is created here
+        offloaded = isinstance(opt, OffloadAdam)
+        waited = opt.io_wait_seconds() if offloaded else 0.0
+        start, cpu_start = time.perf_counter(), time.process_time()
+        for _ in range(args.steps):
+            train_step()
+        if offloaded:
+            opt.close()  # the last step's write-behind is part of the time
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        io_wait = opt.io_wait_seconds() - waited if offloaded else 0.0
+    print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "io_wait": io_wait, "peak_rss": rss.peak}))
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -112,22 +105,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print(f"GPT-2 {args.model_config} batch={args.batch} seq={args.seq} steps={args.steps} (+1 warm-up) "
               f"repeats={args.repeats} sub_group_size={args.sub_group_size} buffer_count={args.buffer_count} "
               f"cpus={os.cpu_count()} MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold} dir={directory}")
-        env = dict(os.environ)
-        env.pop("MALLOC_MMAP_THRESHOLD_", None)
-        if args.malloc_mmap_threshold is not None:
-            env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
         results: dict[str, list[dict[str, float]]] = {name: [] for name in CONFIGS}
         for _ in range(args.repeats):  # interleaved, so that noise hits every configuration alike
             for name, config in CONFIGS.items():
-                command = [sys.executable, "-m", "bench.optimizer_colossal", "--child", config["optimizer"],
-                           "--fraction", str(config["fraction"]), "--dir", directory, "--batch", str(args.batch),
-                           "--seq", str(args.seq), "--steps", str(args.steps),
-                           "--sub-group-size", str(args.sub_group_size), "--buffer-count", str(args.buffer_count),
-                           "--model-config", args.model_config]
-                done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
-                if done.returncode:
-                    raise RuntimeError(f"{name} failed:\n{done.stderr[-3000:]}")
-                results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+                child = ["--child", config["optimizer"], "--fraction", str(config["fraction"]), "--dir", directory,
+                         "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
+                         "--sub-group-size", str(args.sub_group_size), "--buffer-count", str(args.buffer_count),
+                         "--model-config", args.model_config]
+                results[name].append(run_child("benchmarks.optimizer_colossal", child,
+                                               mmap_threshold=args.malloc_mmap_threshold))
     medians = {}
     for name, runs in results.items():
         medians[name] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}

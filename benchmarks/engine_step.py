@@ -1,13 +1,13 @@
 """Engine benchmark: one GPT-2 trained with plain PyTorch and with the stage-3 engine at offload none,
 cpu and nvme (parameters and optimizer), side by side.
 
-    python -m bench.engine_step --dir /work/tmp
-    python -m bench.engine_step --dir /work/tmp --modes nvme --model-config '{"n_layer": 24, "n_embd": 1024}'
+    python -m benchmarks.engine_step --dir /work/tmp
+    python -m benchmarks.engine_step --dir /work/tmp --modes nvme --model-config '{"n_layer": 24, "n_embd": 1024}'
 
 Each configuration runs in its own subprocess (so that peak RSS is its own): a warm-up step, then
 timed steps; ``--repeats N`` runs every configuration N times, interleaved, and reports medians over
 the repeats and the nvme / torch ratio within each repeat. Reported per configuration: median step
-time, peak RSS (psutil, sampled), and the bytes
+time, peak RSS (sampled with psutil while the timed steps run), and the bytes
 the process read from and wrote to the disk per step (/proc/<pid>/io), against fio's read and write
 speed on the same directory. "over baseline" is the peak minus the RSS of the interpreter with torch
 and transformers imported, before the model exists. Headline: nvme step time / plain PyTorch step time (project target <= 1.3).
@@ -19,98 +19,88 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
+import time
 
 from bench.fio import job_for_config, run_fio
+from benchmarks._common import RssSampler, run_child
 
 MODES = ("torch", "none", "cpu", "nvme")
 DEFAULT_MODEL = {"n_layer": 6, "n_embd": 512, "n_head": 8, "vocab_size": 8192, "n_positions": 256}
 
-# One configuration, run in a fresh interpreter: python -c CHILD <json arguments>
-CHILD = r"""
-import gc, json, statistics, sys, threading, time
-import psutil, torch, transformers
-args = json.loads(sys.argv[1])
-proc = psutil.Process()
-torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # lazy imports (torch._dynamo) before the baseline
-baseline = proc.memory_info().rss
-torch.manual_seed(0)
-config = transformers.GPT2Config(**args["model"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-model = transformers.GPT2LMHeadModel(config)
-params = sum(p.numel() for p in model.parameters())
-gen = torch.Generator().manual_seed(1)
-batches = [torch.randint(0, config.vocab_size, (args["batch"], args["seq"]), generator=gen)
-           for _ in range(args["warmup"] + args["steps"])]
-if args["mode"] == "torch":
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    def step(batch):
-        loss = model(batch, labels=batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.item()
-else:
-    from offload.engine import initialize
-    zero = {"stage": 3, "sub_group_size": args["sub_group_size"],
-            "stage3_prefetch_bucket_size": args["buffer_size"] * 2,
-            "stage3_param_persistence_threshold": args["persistence"],
-            "offload_param": {"device": args["mode"]}, "offload_optimizer": {"device": args["mode"]}}
-    if args["mode"] == "nvme":
-        zero["offload_param"].update(nvme_path=args["dir"], max_in_cpu=args["max_in_cpu"], buffer_count=args["buffer_count"],
-                                     buffer_size=args["buffer_size"])
-        zero["offload_optimizer"].update(nvme_path=args["dir"], buffer_count=4, pipeline_read=True,
-                                         pipeline_write=True)
-    engine, *_ = initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": args["batch"], "zero_optimization": zero, "aio": args["aio"],
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
-    def step(batch):
-        loss = engine(batch, labels=batch).loss
-        engine.backward(loss)
-        engine.step()
-        return loss.item()
-for batch in batches[:args["warmup"]]:
-    step(batch)
-peak, stop = [proc.memory_info().rss], [False]
-def sample():
-    while not stop[0]:
-        peak[0] = max(peak[0], proc.memory_info().rss)
-        time.sleep(0.002)
-sampler = threading.Thread(target=sample, daemon=True)
-sampler.start()
-io_before = proc.io_counters()
-times = []
-for batch in batches[args["warmup"]:]:
-    start = time.perf_counter()
-    step(batch)
-    times.append(time.perf_counter() - start)
-io_after = proc.io_counters()
-stop[0] = True
-sampler.join()
-n = len(times)
-print(json.dumps({"mode": args["mode"], "params": params, "step_s": statistics.median(times), "times": times,
-                  "peak_rss": peak[0], "baseline_rss": baseline, "read_per_step": (io_after.read_bytes - io_before.read_bytes) / n,
-                  "written_per_step": (io_after.write_bytes - io_before.write_bytes) / n}))
-"""
+
+def _child(args: dict) -> None:
+    """One configuration in this process: warm-up, timed steps; print its figures as JSON on the last line."""
+    import psutil
+    import torch
+    import transformers
+
+    proc = psutil.Process()
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # lazy imports (torch._dynamo) before the baseline
+    baseline = proc.memory_info().rss
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(**args["model"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config)
+    params = sum(p.numel() for p in model.parameters())
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, config.vocab_size, (args["batch"], args["seq"]), generator=gen)
+               for _ in range(args["warmup"] + args["steps"])]
+    if args["mode"] == "torch":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+        def step(batch: torch.Tensor) -> float:
+            loss = model(batch, labels=batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.item()
+    else:
+        from offload import initialize
+
+        zero = {"stage": 3, "sub_group_size": args["sub_group_size"],
+                "stage3_prefetch_bucket_size": args["buffer_size"] * 2,
+                "stage3_param_persistence_threshold": args["persistence"],
+                "offload_param": {"device": args["mode"]}, "offload_optimizer": {"device": args["mode"]}}
+        if args["mode"] == "nvme":
+            zero["offload_param"].update(nvme_path=args["dir"], max_in_cpu=args["max_in_cpu"],
+                                         buffer_count=args["buffer_count"], buffer_size=args["buffer_size"])
+            zero["offload_optimizer"].update(nvme_path=args["dir"], buffer_count=4, pipeline_read=True,
+                                             pipeline_write=True)
+        engine, *_ = initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": args["batch"], "zero_optimization": zero, "aio": args["aio"],
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
+
+        def step(batch: torch.Tensor) -> float:
+            loss = engine(batch, labels=batch).loss
+            engine.backward(loss)
+            engine.step()
+            return loss.item()
+    for batch in batches[:args["warmup"]]:
+        step(batch)
+    times = []
+    with RssSampler() as rss:
+        io_before = proc.io_counters()
+        for batch in batches[args["warmup"]:]:
+            start = time.perf_counter()
+            step(batch)
+            times.append(time.perf_counter() - start)
+        io_after = proc.io_counters()
+    n = len(times)
+    print(json.dumps({"mode": args["mode"], "params": params, "step_s": statistics.median(times), "times": times,
+                      "peak_rss": rss.peak, "baseline_rss": baseline,
+                      "read_per_step": (io_after.read_bytes - io_before.read_bytes) / n,
+                      "written_per_step": (io_after.write_bytes - io_before.write_bytes) / n}))
 
 
 def run_mode(mode: str, args: argparse.Namespace, directory: str) -> dict:
     """Run one configuration in a subprocess; return its figures. Raises RuntimeError if it fails."""
     payload = {"mode": mode, "model": args.model_config, "batch": args.batch, "seq": args.seq,
-               "warmup": args.warmup, "steps": args.steps, "dir": directory, "sub_group_size": args.sub_group_size,
-               "buffer_count": args.buffer_count, "buffer_size": args.buffer_size, "persistence": args.persistence,
-               "max_in_cpu": int(args.max_in_cpu),
+               "warmup": args.warmup, "steps": args.steps, "dir": os.path.abspath(directory),
+               "sub_group_size": args.sub_group_size, "buffer_count": args.buffer_count,
+               "buffer_size": args.buffer_size, "persistence": args.persistence, "max_in_cpu": int(args.max_in_cpu),
                "aio": {"block_size": args.block_size, "queue_depth": args.queue_depth}}
-    env = dict(os.environ)
-    env.pop("MALLOC_MMAP_THRESHOLD_", None)
-    if args.malloc_mmap_threshold >= 0:
-        env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
-    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(payload)], capture_output=True, text=True,
-                         env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    if out.returncode != 0:
-        raise RuntimeError(f"mode {mode} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    threshold = args.malloc_mmap_threshold if args.malloc_mmap_threshold >= 0 else None
+    return run_child("benchmarks.engine_step", ["--child", json.dumps(payload)], mmap_threshold=threshold)
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict]:
@@ -136,7 +126,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     ap.add_argument("--malloc-mmap-threshold", type=int, default=131072,
                     help="glibc MALLOC_MMAP_THRESHOLD_ for the children, so that RSS follows live memory "
                          "(negative: glibc's default)")
+    ap.add_argument("--child", type=json.loads, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.child:
+        _child(args.child)
+        return {}
     model = {**DEFAULT_MODEL, **args.model_config}
     args.model_config = model
     if args.buffer_size is None:

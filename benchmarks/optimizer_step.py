@@ -1,6 +1,6 @@
 """Benchmark 2: one OffloadAdam step with all state on NVMe, against the in-memory step and the I/O bound.
 
-    python -m bench.optimizer_step --params 104857600 --dir /work/tmp
+    python -m benchmarks.optimizer_step --params 104857600 --dir /work/tmp
 
 The I/O bound is the state's bytes read at fio's read speed plus its bytes written at fio's write
 speed, both measured here (before and after the offloaded steps, the faster run counting) on the
@@ -19,7 +19,7 @@ import time
 import torch
 
 from bench.fio import job_for_config, run_fio
-from offload.adam import OffloadAdam
+from offload import OffloadAdam
 from tensorio import AioConfig
 
 

@@ -1,8 +1,8 @@
-"""Where Benchmark 1's peak RSS falls: one configuration of bench/optimizer_colossal.py, traced.
+"""Where Benchmark 1's peak RSS falls: one configuration of benchmarks/optimizer_colossal.py, traced.
 
-    python -m bench.optimizer_memory --fraction 1.0 --dir /work/tmp
+    python -m benchmarks.optimizer_memory --fraction 1.0 --dir /work/tmp
 
-A thread samples VmRSS every millisecond while GPT-2 small trains (one warm-up step, then
+A thread samples the RSS (psutil) every millisecond while GPT-2 small trains (one warm-up step, then
 ``--steps`` steps); each step is cut into forward, backward and step+zero_grad phases. Printed per
 phase: the highest RSS seen and, at the phase's start, glibc's heap (``mallinfo2``: bytes the heap
 holds from the system, bytes in use, bytes mmapped outside it). Then where the peak fell and, for
@@ -15,10 +15,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import threading
-import time
 
-_PAGE = os.sysconf("SC_PAGE_SIZE")
+from benchmarks._common import RssSampler
 
 
 class _MallInfo2(ctypes.Structure):
@@ -26,52 +24,14 @@ class _MallInfo2(ctypes.Structure):
                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-def _heap() -> dict[str, int] | None:
-    """glibc's heap now: 'heap' (held from the system), 'in_use', 'mmapped'; None without mallinfo2."""
+def _heap() -> dict[str, int]:
+    """glibc's heap now: 'heap' (held from the system), 'in_use', 'mmapped'; empty without mallinfo2."""
     libc = ctypes.CDLL(None)
     if not hasattr(libc, "mallinfo2"):
-        return None
+        return {}
     libc.mallinfo2.restype = _MallInfo2
     info = libc.mallinfo2()
     return {"heap": info.arena, "in_use": info.uordblks, "mmapped": info.hblkhd}
-
-
-class RssSampler:
-    """Samples this process's RSS every ``interval`` seconds in a thread; ``mark(name)`` starts a phase."""
-
-    def __init__(self, interval: float = 0.001) -> None:
-        self.interval = interval
-        self.samples: list[tuple[float, int]] = []
-        self.marks: list[tuple[float, str, dict[str, int] | None]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
-
-    def __enter__(self) -> "RssSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        with open("/proc/self/statm") as statm:
-            while not self._stop.is_set():
-                statm.seek(0)
-                self.samples.append((time.perf_counter(), int(statm.read().split()[1]) * _PAGE))
-                time.sleep(self.interval)
-
-    def mark(self, name: str) -> None:
-        """End the current phase and start phase ``name`` now, recording glibc's heap figures."""
-        self.marks.append((time.perf_counter(), name, _heap()))
-
-    def phases(self) -> list[dict[str, object]]:
-        """Per phase: name, seconds, highest RSS sampled in it and the heap figures at its start."""
-        rows = []
-        for (start, name, heap), (end, *_) in zip(self.marks, self.marks[1:]):  # the last mark only ends
-            peak = max((rss for t, rss in self.samples if start <= t < end), default=0)
-            rows.append({"phase": name, "seconds": end - start, "peak_rss": peak, **(heap or {})})
-        return rows
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
@@ -88,22 +48,21 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--model-config", default="{}", help="JSON overrides of GPT2Config (tests use a tiny model)")
     args = ap.parse_args(argv)
 
-
-    from bench.optimizer_colossal import build_run
-    from offload.adam import OffloadAdam
+    from benchmarks.optimizer_colossal import build_run
+    from offload import OffloadAdam
 
     print(f"GPT-2 {args.model_config} {args.optimizer} fraction={args.fraction} batch={args.batch} seq={args.seq} "
           f"steps={args.steps} (+1 warm-up) sub_group_size={args.sub_group_size} buffer_count={args.buffer_count} "
           f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_')}")
-    with RssSampler() as sampler:
-        sampler.mark("model")
+    with RssSampler(interval=0.001) as sampler:
+        sampler.mark("model", **_heap())
         model, opt, tokens = build_run(args)
         for step in range(args.steps + 1):
-            sampler.mark(f"{step}.forward")
+            sampler.mark(f"{step}.forward", **_heap())
             loss = model(input_ids=tokens, labels=tokens).loss
-            sampler.mark(f"{step}.backward")
+            sampler.mark(f"{step}.backward", **_heap())
             loss.backward()
-            sampler.mark(f"{step}.step")
+            sampler.mark(f"{step}.step", **_heap())
             opt.step()
             opt.zero_grad()
         sampler.mark("end")
