@@ -18,6 +18,9 @@ from ._units import format_bytes, format_ns, format_size, parse_size
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
 DEFAULT_CONFIG_OUT = Path("configs/aio_tuned.json")
+
+#: The extra that brings matplotlib, which the sweep's chart needs (the JSON and CSV need nothing more).
+CHART_EXTRA = "tensorio-offload[bench]"
 DEFAULT_OUT_DIR = Path("results/aio-sweep")
 
 
@@ -93,7 +96,6 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     from tensorio import AioConfig, TensorIOError
 
-    from .chart import plot_sweep
     from .measure import Buffers, MeasurementError
     from .report import format_best, format_table, sweep_json, write_aio_config, write_csv, write_json
     from .sweep import GRIDS, chosen_config, config_label, sweep_directory
@@ -164,18 +166,32 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     write_json(args.out_dir / "sweep.json", sweep_json(disks, settings, chosen))
     write_csv(args.out_dir / "sweep.csv", disks)
-    charts = []
-    for i, d in enumerate(disks, 1):
-        chart = args.out_dir / ("sweep.png" if len(disks) == 1 else f"sweep-disk{i}.png")
-        plot_sweep(d.points, chart, f"{d.validation.directory} ({d.validation.filesystem}"
-                                    f"{'' if d.validation.direct else ', buffered'}), {format_size(size)} per pass")
-        charts.append(chart)
+    charts = _draw_charts(disks, args.out_dir, size)
     write_aio_config(args.config_out, chosen)
     print(f"\nchosen (best round trip{' over all disks' if len(disks) > 1 else ''}): {config_label(chosen)}")
     print(f"wrote {args.config_out}: {_json_line({'aio': chosen.to_dict()})}")
-    print(f"wrote {args.out_dir / 'sweep.json'}, {args.out_dir / 'sweep.csv'}, {', '.join(map(str, charts))} "
+    print(f"wrote {', '.join(map(str, [args.out_dir / 'sweep.json', args.out_dir / 'sweep.csv', *charts]))} "
           f"({elapsed:.0f} s)")
+    if not charts:
+        print(f"no chart: matplotlib is not installed; `pip install '{CHART_EXTRA}'` gives sweep.png")
     return 0
+
+
+def _draw_charts(disks: list[Any], out_dir: Path, size: int) -> list[Path]:
+    """One PNG per disk (sweep.png, or sweep-diskN.png for several); none when matplotlib is missing."""
+    try:
+        from .chart import plot_sweep
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] != "matplotlib":
+            raise
+        return []  # matplotlib is an extra: the caller says how to get it
+    charts = []
+    for i, d in enumerate(disks, 1):
+        chart = out_dir / ("sweep.png" if len(disks) == 1 else f"sweep-disk{i}.png")
+        plot_sweep(d.points, chart, f"{d.validation.directory} ({d.validation.filesystem}"
+                                    f"{'' if d.validation.direct else ', buffered'}), {format_size(size)} per pass")
+        charts.append(chart)
+    return charts
 
 
 # ---- fio -------------------------------------------------------------------------------------------
@@ -356,7 +372,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--direct", choices=("auto", "true", "false"), default="auto",
                    help="O_DIRECT (auto: where the file system has it)")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR, metavar="RESULTS",
-                   help=f"where sweep.json, sweep.csv and sweep.png go (default {DEFAULT_OUT_DIR})")
+                   help=f"where sweep.json, sweep.csv and sweep.png (with matplotlib) go (default {DEFAULT_OUT_DIR})")
     p.add_argument("--config-out", type=Path, default=DEFAULT_CONFIG_OUT, metavar="FILE",
                    help=f"where the chosen `aio` section goes (default {DEFAULT_CONFIG_OUT})")
     p.add_argument("--top", type=_positive, default=15, metavar="N", help="rows of the summary table (default 15)")
