@@ -15,7 +15,6 @@ partition; `OffloadAdam` steps the partitions with its state in memory or on NVM
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -27,12 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tensorio import aligned_tensor
-
 from offload.config import EngineConfig, ZeroConfig, check_against_model, check_nvme_paths, world_size_from_env
 from offload.optim import OffloadAdam
 from offload.params import ParamRecord, ParamStore, Prefetcher, SwapBudget, build_records
 from offload.storage import SwapFile
+from offload.train import checkpoint
 from offload.train.grads import GradReducer
 from offload.train.loss_scaler import build_loss_scaler
 from offload.train.timers import PhaseTimers
@@ -171,7 +169,7 @@ def _assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int
                      "NVMe wait in memory until their whole sub-group is updated", sub_group_size,
                      offload_param.buffer_size)
             sub_group_size = max(1024, offload_param.buffer_size)
-    with _sized(trainable):
+    with checkpoint.sized_partitions(trainable):
         opt = _build_optimizer(cfg, optimizer, [rec.partition for rec in trainable], overlap_backward=in_backward,
                                spare_limit=spare_limit, sub_group_size=sub_group_size)
     if in_backward:
@@ -183,21 +181,6 @@ def _assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int
     store.install(model)
     return Engine(model, cfg, store, reducer, opt, scheduler, world_size=world_size, rank=rank, group=group,
                   writeback=writeback)
-
-
-class _sized:
-    """Give on-disk partitions an uninitialised tensor of their size (virtual memory only) meanwhile."""
-
-    def __init__(self, recs: list[ParamRecord]) -> None:
-        self.recs = [rec for rec in recs if rec.on_disk and rec.partition.numel() != rec.partition_numel]
-
-    def __enter__(self) -> None:
-        for rec in self.recs:
-            rec.partition.data = torch.empty(rec.partition_numel, dtype=rec.partition.dtype)
-
-    def __exit__(self, *exc: object) -> None:
-        for rec in self.recs:
-            rec.partition.data = torch.empty(0, dtype=rec.partition.dtype)
 
 
 _SWAP_BUFFER_SHARE = 16
@@ -535,94 +518,38 @@ class Engine:
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
                         client_state: Mapping[str, Any] | None = None) -> str:
         """Save this rank's parameter partitions, optimizer state (offloaded included), loss scale,
-        scheduler and counters under ``save_dir/tag`` (default tag ``global_step<N>``); return the path.
+        scheduler, counters and ``client_state`` under ``save_dir/tag`` (default tag
+        ``global_step<N>``); return the path. Layout and guarantees: `offload.train.checkpoint`.
 
         Streamed: one partition and one optimizer sub-group in memory at a time, whatever the model's
         size. Written atomically: until the new tag is complete the previous checkpoint and ``latest``
-        are untouched. Every rank must call it. Raises OSError (ENOSPC, ...) and TensorIOError.
+        are untouched. Nothing is pickled: ``client_state`` holds JSON values and tensors. Every rank
+        must call it. Raises TypeError for a ``client_state`` entry that is neither, OSError naming
+        the file (ENOSPC, ...), TensorIOError.
         """
-        from offload.storage import SafetensorsWriter, atomic_checkpoint
-
         tag = tag if tag is not None else f"global_step{self.global_steps}"
         self._settle()
-        records = self._store.records
-        # One staging directory for all ranks; the tag commits only once every rank's files are in
-        # place, and if any rank fails nothing becomes visible and every rank raises.
-        with atomic_checkpoint(save_dir, tag, all_ranks=True, group=self.group) as staging:
-            # 1. Parameters, one partition at a time.
-            layout = {rec.name: (rec.partition.dtype, (rec.partition_numel,)) for rec in records}
-            with SafetensorsWriter(os.path.join(staging, _params_file(self.rank)), layout) as out:
-                for rec in records:
-                    out.write(rec.name, self._store.read_partition(rec))
-            # 2. The optimizer state, one sub-group at a time.
-            with _sized([rec for rec in records if rec.param.requires_grad]):
-                layout = {name: (torch.float32, (numel,)) for name, numel in self.optimizer.state_layout().items()}
-                with SafetensorsWriter(os.path.join(staging, _optimizer_file(self.rank)), layout) as out:
-                    optim = self.optimizer.save_state(lambda name, first, values: out.write(name, values, first))
-            # 3. The rest, small.
-            state = {"optimizer": optim, "global_steps": self.global_steps, "micro_steps": self.micro_steps,
-                     "skipped_steps": self.skipped_steps, "world_size": self.world_size,
-                     "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
-                     "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-                     "client_state": dict(client_state or {})}
-            torch.save(state, os.path.join(staging, _state_file(self.rank)))
-        return os.path.join(os.fspath(save_dir), tag)
+        state = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
+                 "skipped_steps": self.skipped_steps, "world_size": self.world_size,
+                 "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                 "client_state": dict(client_state or {})}
+        return checkpoint.save_checkpoint(save_dir, tag, rank=self.rank, group=self.group, store=self._store,
+                                          optimizer=self.optimizer, state=state)
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None
                         ) -> tuple[str | None, dict[str, Any] | None]:
         """Load a checkpoint written by ``save_checkpoint`` (tag None: the one ``latest`` names).
 
-        Streamed like the save. Returns ``(path, client_state)``. Raises FileNotFoundError for a
-        missing checkpoint and ValueError when it was saved with another world size or for another
-        model (before any parameter changes).
+        Streamed like the save; never unpickles. Returns ``(path, client_state)``. Raises
+        FileNotFoundError for a missing checkpoint and ValueError when it was saved with another
+        world size or for another model (before any parameter changes).
         """
-        from safetensors import safe_open
-
-        from offload.storage import resolve_tag
-
-        path = str(resolve_tag(load_dir, tag))
         if self._reducer.consumer is not None:
             self._abandon_updates()  # updates still running would write over the loaded values
         self._store.release_all()  # partitions read ahead would hold the values from before the load
-        state = torch.load(os.path.join(path, _state_file(self.rank)), weights_only=False)
-        if state["world_size"] != self.world_size:
-            raise ValueError(f"{path}: saved with {state['world_size']} ranks, loading with {self.world_size}; "
-                             f"resume with the same world size")
-        records = self._store.records
-        with safe_open(os.path.join(path, _params_file(self.rank)), framework="pt") as params:
-            names = set(params.keys())
-            if names != {rec.name for rec in records}:
-                raise ValueError(f"{path}: the checkpoint's parameters differ from the model's "
-                                 f"(missing: {sorted({r.name for r in records} - names)[:5]}, "
-                                 f"unexpected: {sorted(names - {r.name for r in records})[:5]})")
-            for rec in records:
-                numel = params.get_slice(rec.name).get_shape()[0]
-                if numel != rec.partition_numel:
-                    raise ValueError(f"{path}: parameter {rec.name!r} has {numel} elements, the model "
-                                     f"{rec.partition_numel} per rank; load it into the same model")
-            # 1. Parameters first, one at a time (a few writes in flight): a 16-bit parameter's
-            #    optimizer state may take its master copy from it.
-            writes: list = []
-            for rec in records:
-                values = params.get_tensor(rec.name)
-                if rec.on_disk:
-                    staged = aligned_tensor(rec.partition_numel, rec.partition.dtype)
-                    staged.copy_(values)
-                    writes.append((self._store.write_partition(rec, staged), staged))
-                    if len(writes) > 2:
-                        writes.pop(0)[0].result()  # sync point: bounds the memory in flight
-                else:
-                    rec.partition.data.copy_(values)
-                self._store.refresh(rec)
-            for future, _ in writes:  # sync point
-                future.result()
-        # 2. Then the optimizer, the loss scale, the schedule and the counters.
-        with _sized([rec for rec in records if rec.param.requires_grad]):
-            optim = os.path.join(path, _optimizer_file(self.rank))
-            with safe_open(optim, framework="pt") as moments:
-                layout = {name: moments.get_slice(name).get_shape()[0] for name in moments.keys()}
-                self.optimizer.load_state(state["optimizer"], layout,
-                                          lambda name, start, stop: moments.get_slice(name)[start:stop])
+        path, state = checkpoint.load_checkpoint(load_dir, tag, rank=self.rank, world_size=self.world_size,
+                                                 store=self._store, optimizer=self.optimizer)
         if self.loss_scaler is not None and state["loss_scaler"] is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
@@ -639,31 +566,16 @@ class Engine:
         Tied parameters are saved once, under their first name. Returns False (and logs why) when
         zero_optimization.stage3_gather_16bit_weights_on_model_save is false, as DeepSpeed does.
         Every rank must call it. Streamed: one gathered parameter in memory at a time; the file
-        appears whole or not at all. Raises OSError when the file cannot be written.
+        appears whole or not at all. Raises ValueError for a ``save_filename`` with a directory part,
+        OSError naming the file when it cannot be written.
         """
-        from offload.storage import atomic_safetensors
-
         if not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
             log.warning("save_16bit_model: nothing saved; set zero_optimization."
                         "stage3_gather_16bit_weights_on_model_save to true to gather the weights")
             return False
-        records = self._store.records
         self._settle()
-        writer: Any = contextlib.nullcontext()
-        if self.rank == 0:
-            os.makedirs(save_dir, exist_ok=True)
-            writer = atomic_safetensors(os.path.join(os.fspath(save_dir), save_filename),
-                                        {rec.name: (rec.param.dtype, rec.shape) for rec in records})
-        with writer as out:
-            for rec in records:  # every rank gathers (a collective); rank 0 writes
-                kept = rec.full is not None
-                full = self._store.gather(rec)
-                if out is not None:
-                    out.write(rec.name, full.view(rec.shape))
-                if not kept:
-                    self._store.release(rec)
-        if self.world_size > 1:
-            dist.barrier(group=self.group)
+        checkpoint.save_16bit_model(save_dir, save_filename, rank=self.rank, world_size=self.world_size,
+                                    group=self.group, store=self._store)
         return True
 
     # ---- full parameters ----------------------------------------------------------------------------
@@ -709,14 +621,3 @@ def _close(store: ParamStore, reducer: GradReducer, optimizer: Any) -> None:
         optimizer.close()
     store.close()
 
-
-def _params_file(rank: int) -> str:
-    return f"rank{rank:05d}_params.safetensors"
-
-
-def _state_file(rank: int) -> str:
-    return f"rank{rank:05d}_states.pt"
-
-
-def _optimizer_file(rank: int) -> str:
-    return f"rank{rank:05d}_optimizer.safetensors"
