@@ -7,11 +7,8 @@ fp32 parameters match ``torch.optim.AdamW(fused=True)`` bit for bit. See docs/op
 
 from __future__ import annotations
 
-import functools
 import shutil
 import tempfile
-import threading
-import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
@@ -20,9 +17,9 @@ import torch
 
 from tensorio import AioConfig
 
-from offload.optim.overlap import BackgroundWorker
-from offload.optim.subgroups import Member, ParamSpec, SubGroupPlan, plan_subgroups
 from offload.config.swap import SwapConfig
+from offload.optim.overlap import BackgroundWorker, BackwardUpdates
+from offload.optim.subgroups import Member, ParamSpec, SubGroupPlan, plan_subgroups
 from offload.optim.swapper import StateSwapper, Where
 
 __all__ = ["OffloadAdam"]
@@ -137,33 +134,20 @@ class OffloadAdam(torch.optim.Optimizer):
             self._tmpdir = tempfile.mkdtemp(prefix="offload-adam-")
         directory = self._tmpdir or (str(nvme_offload_dir) if nvme_offload_dir is not None else "")
         self._swapper = StateSwapper(self._plans, directory, self._swap_config, spare_limit=spare_limit)
-        # With overlap_backward, hooks hand sub-groups to this thread: backward never waits for I/O.
-        self._background: BackgroundWorker | None = None
-        self._background_wait = 0.0  # swapper wait time spent on that thread, not the caller's
-        self._join_wait = 0.0        # time the caller spent waiting for that thread
+        # 3. With overlap_backward, hooks hand sub-groups to a worker thread: backward never waits for
+        #    I/O. Which fields that thread shares, and the locking rule: `BackwardUpdates`.
+        self._background: BackwardUpdates | None = None
         if overlap_backward and any(p.offloaded for p in self._plans):
-            self._background = BackgroundWorker("offload-adam-updates")
-        self._finalizer = weakref.finalize(self, _cleanup, self._swapper, self._tmpdir, self._background)
-        # 3. Step bookkeeping: sub-groups updated in the current step, and the order offloaded ones
-        #    become ready in backward (learnt each step; first guess: reverse plan order).
+            self._background = BackwardUpdates(self, self._params, self._plans)
+        worker = self._background.worker if self._background is not None else None  # not the optimizer: no cycle
+        self._finalizer = weakref.finalize(self, _cleanup, self._swapper, self._tmpdir, worker)
+        # 4. Step bookkeeping (the worker's while it runs: see `BackwardUpdates`): sub-groups updated
+        #    in the current step, and the order offloaded ones become ready in backward (learnt each
+        #    step; first guess: reverse plan order).
         self._done: set[int] = set()
         self._order: list[int] = [p.index for p in reversed(self._plans) if p.offloaded]
         self._seen: list[int] = []
         self._uncommitted = False  # writes of the last step still in flight (overlap_backward)
-        self._in_backward = False
-        self._waiting: dict[int, int] = {}
-        self._runs_left: dict[int, int] = {}  # per parameter: offloaded sub-groups not yet updated
-        self._handed: set[int] = set()  # parameters whose gradient was handed over in this backward
-        self._on_updated: dict[int, Callable[[torch.Tensor], Any]] = {}  # grad_ready's callbacks, by parameter
-        self._dependents: list = []  # the callbacks' writes: the step commits only once they succeeded
-        self._ready: list[int] = []  # handed over by hooks, not yet picked by the background thread
-        self._ready_lock = threading.Lock()
-        self._hooks = []
-        if overlap_backward:
-            for rec in self._params:
-                if rec.param.requires_grad and any(self._plans[i].offloaded for i, _ in rec.runs):
-                    hook = functools.partial(self._on_grad_ready, rec.index)
-                    self._hooks.append(rec.param.register_post_accumulate_grad_hook(hook))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group; only during construction (the sub-groups are planned once).
@@ -190,7 +174,8 @@ class OffloadAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._in_backward = False
+        if self._background is not None:
+            self._background.in_backward = False
         self._sync()  # the updates handed over in backward, and the write-behind of the previous step
         self._swapper.drop_spares()  # gradient memory not used for read-ahead goes back now
         todo = [p for p in self._plans if p.index not in self._done and self._has_grads(p)]
@@ -209,11 +194,10 @@ class OffloadAdam(torch.optim.Optimizer):
                 if rec.where in (Where.READING, Where.RESIDENT):
                     self._swapper.evict(rec)
             # 3. Parameters updated here rather than during backward: grad_ready's callbacks run now.
-            callbacks, self._on_updated = self._on_updated, {}
-            for index, callback in callbacks.items():
-                self._add_dependent(callback(self._params[index].param))
+            if self._background is not None:
+                self._background.run_callbacks()
             # 4. Sync point: resident state may change only once every write has succeeded.
-            if resident or not self._hooks:
+            if resident or self._background is None:
                 self._swapper.drain()
                 self._wait_dependents()
                 self._swapper.commit()  # the step counts are committed below, with the resident state
@@ -224,7 +208,7 @@ class OffloadAdam(torch.optim.Optimizer):
         for plan in resident:
             self._update(plan, self._resident[plan.index])
         try:
-            if self._swapper.idle and all(future.done() for future in self._dependents):
+            if self._swapper.idle and (self._background is None or self._background.dependents_done()):
                 self._commit()  # never waits; raises a failed callback write
             else:
                 self._uncommitted = True  # write-behind: committed at the next sync point
@@ -236,7 +220,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._seen, self._done = [], set()
         if self._uncommitted and self._background is not None:
             # Finish the writes during the next forward, freeing their memory as each one lands.
-            self._background.submit(self._in_background, self._finish_write_behind)
+            self._background.worker.submit(self._background.in_worker, self._finish_write_behind)
         return loss
 
     def grad_ready(self, param: torch.Tensor,
@@ -258,12 +242,10 @@ class OffloadAdam(torch.optim.Optimizer):
         index = self._index_of.get(id(param))
         if index is None or self._params[index].param is not param:
             raise ValueError("grad_ready: this tensor is not one of the optimizer's parameters")
-        if on_updated is not None:
-            if not all(self._plans[i].offloaded for i, _ in self._params[index].runs):
-                raise ValueError(f"grad_ready: {self._params[index].name()} has state in RAM; on_updated needs "
-                                 f"its whole state offloaded (nvme_offload_fraction=1.0)")
-            self._on_updated[index] = on_updated
-        self._on_grad_ready(index, param)
+        if on_updated is not None and not all(self._plans[i].offloaded for i, _ in self._params[index].runs):
+            raise ValueError(f"grad_ready: {self._params[index].name()} has state in RAM; on_updated needs "
+                             f"its whole state offloaded (nvme_offload_fraction=1.0)")
+        self._background.grad_ready(index, param, on_updated)
 
     def abandon_step(self) -> None:
         """Forget the last step's uncommitted state after the caller's own part of it failed (the
@@ -276,15 +258,15 @@ class OffloadAdam(torch.optim.Optimizer):
                 pass  # the step is forgotten either way
         self._abort()
 
-    def _add_dependent(self, future: Any) -> None:
-        if future is not None:
-            self._dependents.append(future)
+    @property
+    def _in_backward(self) -> bool:
+        """Whether a backward has handed over gradients that no ``step()`` has taken yet."""
+        return self._background is not None and self._background.in_backward
 
     def _wait_dependents(self) -> None:
         """Sync point: the writes grad_ready's callbacks started. Raises the first one's error."""
-        dependents, self._dependents = self._dependents, []
-        for future in dependents:
-            future.result()
+        if self._background is not None:
+            self._background.wait_dependents()
 
     def wait_for_updates(self, done: Callable[[], bool]) -> None:
         """Wait until ``done()`` is true or the updates handed over so far have all run (checked as
@@ -292,108 +274,11 @@ class OffloadAdam(torch.optim.Optimizer):
         if self._background is not None:
             self._background.wait_until(done)
 
-    def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook (overlap_backward): hand sub-groups whose gradients are all final
-        to the background thread. Raises the background thread's error, if it had one."""
-        if self._background.failed:
-            self._sync()  # raises that error, after aborting the step
-        if not self._in_backward:
-            self._in_backward = True
-            self._waiting = {p.index: sum(1 for m in p.members if self._params[m.param].param.requires_grad)
-                             for p in self._plans if p.offloaded}
-            self._handed = set()
-            self._background.submit(self._begin_backward)
-        if index in self._handed:
-            raise RuntimeError(f"{self._params[index].name()} got a second gradient in one backward (with "
-                               f"overlap_backward each parameter is updated once per backward, as soon as its "
-                               f"gradient is final); a parameter shared by two reentrant activation-checkpoint "
-                               f"segments does this: use use_reentrant=False")
-        self._handed.add(index)
-        for plan_index, _ in self._params[index].runs:
-            plan = self._plans[plan_index]
-            if not plan.offloaded:
-                continue
-            self._waiting[plan_index] -= 1
-            if self._waiting[plan_index] == 0:
-                try:
-                    self._check_grads(plan)
-                except ValueError:
-                    self._background.close()  # let the work in flight finish, then forget the step
-                    self._abort()
-                    raise
-                with self._ready_lock:
-                    self._ready.append(plan_index)
-                self._background.submit(self._in_background, self._update_next_ready)
-
-    def _begin_backward(self) -> None:
-        """Background thread, first hook of a backward: finish the last step's writes, start reading."""
-        self._in_background(self._finish_write_behind)
-        self._swapper.drop_spares()
-        self._runs_left = {rec.index: len(rec.runs) for rec in self._params
-                           if rec.runs and all(self._plans[i].offloaded for i, _ in rec.runs)}
-        self._in_background(self._prefetch, self._order)
-
-    def _release_grads(self, plan: SubGroupPlan) -> None:
-        """Background thread: free the gradients ``plan`` finished with, and read ahead into them.
-
-        A gradient is taken from its parameter (``.grad`` becomes None, as in PyTorch's
-        optimizer-in-backward recipe) once every sub-group holding part of the parameter has been
-        updated, and its memory is lent to the swapper for state read ahead: later sub-groups' state
-        streams in without any new allocation, in memory a plain optimizer would still be holding.
-        """
-        for member in plan.members:
-            left = self._runs_left.get(member.param)
-            if left is None:
-                continue
-            self._runs_left[member.param] = left - 1
-            param = self._params[member.param].param
-            if left == 1 and param.grad is not None:
-                self._swapper.add_spare(param.grad)
-                param.grad = None
-            callback = self._on_updated.pop(member.param, None) if left == 1 else None
-            if callback is not None:
-                self._add_dependent(callback(param))
-                self._background.wake()  # a caller in wait_for_updates may go on now
-
-    def _update_next_ready(self) -> None:
-        """Background thread: update one of the sub-groups handed over, those whose state is already
-        in memory first (`StateSwapper.readiness`): when a parameter cut into many sub-groups becomes
-        ready at once, the ones still on disk are read while the others are updated."""
-        records = self._swapper.records
-        with self._ready_lock:
-            index = min(self._ready, key=lambda i: self._swapper.readiness(records[i]))
-            self._ready.remove(index)
-        self._update_and_release(index)
-
-    def _update_and_release(self, index: int) -> None:
-        """Background thread: update one sub-group handed over by a hook, then free its gradients.
-
-        Then, until the next sub-group is handed over, keep reading ahead as writes finish and give
-        their memory back, so that the state of the sub-groups whose gradients come last (a tied
-        embedding's) is in memory when they do.
-        """
-        self._update_offloaded(index, self._order)
-        self._release_grads(self._plans[index])
-        swapper = self._swapper
-        while not self._background.has_backlog and self._next_unread() is not None:
-            self._prefetch(self._order)
-            rec = self._next_unread()
-            if rec is None or not swapper.finish_oldest_write():
-                return
-
     def _next_unread(self):
         """The first sub-group in the learnt order still to be updated this step whose state is on disk."""
         records = self._swapper.records
         return next((records[i] for i in self._order if i not in self._done and records[i].where is Where.ON_DISK),
                     None)
-
-    def _in_background(self, fn: Callable[..., None], *args: Any) -> None:
-        """Run ``fn`` on the background thread, counting its I/O waits apart from the caller's."""
-        before = self._swapper.wait_seconds
-        try:
-            fn(*args)
-        finally:
-            self._background_wait += self._swapper.wait_seconds - before
 
     def _update_offloaded(self, index: int, order: list[int]) -> None:
         """Phases of one offloaded sub-group: read, read ahead, update, write behind."""
@@ -458,25 +343,17 @@ class OffloadAdam(torch.optim.Optimizer):
         On failure the step is aborted (nothing committed) and its error raised (a TensorIOError
         for the swap file).
         """
-        self._join_background()
+        if self._background is not None:
+            try:
+                self._background.join()
+            except BaseException:
+                self._abort()
+                raise
         try:
             self._finish_write_behind()
         except BaseException:
             self._abort()
             raise
-
-    def _join_background(self) -> None:
-        """Wait for the updates handed to the background thread; on failure abort the step and raise."""
-        if self._background is None:
-            return
-        start = time.perf_counter()
-        try:
-            self._background.join()
-        except BaseException:
-            self._abort()
-            raise
-        finally:
-            self._join_wait += time.perf_counter() - start
 
     def _finish_write_behind(self) -> None:
         if self._uncommitted:
@@ -493,16 +370,11 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def _abort(self) -> None:
         self._swapper.abort()
-        self._on_updated = {}
-        for future in self._dependents:
-            future.exception()  # never forget a write the kernel may still be doing
-        self._dependents = []
-        with self._ready_lock:
-            self._ready.clear()
+        if self._background is not None:
+            self._background.forget()
         for rec in self._params:
             rec.new_step = None
         self._uncommitted = False
-        self._in_backward = False
         self._seen, self._done = [], set()
 
     def _has_grads(self, plan: SubGroupPlan) -> bool:
@@ -740,7 +612,9 @@ class OffloadAdam(torch.optim.Optimizer):
         for the updates handed to the background thread during backward. The part of the offload's
         cost that compute did not hide.
         """
-        return self._swapper.wait_seconds - self._background_wait + self._join_wait
+        if self._background is None:
+            return self._swapper.wait_seconds
+        return self._swapper.wait_seconds - self._background.worker_wait + self._background.join_wait
 
     def host_state_bytes(self) -> dict[str, int]:
         """Host memory held for optimizer state: 'resident' (kept in RAM) and 'buffers' (swap buffers)."""
@@ -757,9 +631,8 @@ class OffloadAdam(torch.optim.Optimizer):
         try:
             self._sync()
         finally:
-            for hook in self._hooks:
-                hook.remove()
-            self._hooks = []
+            if self._background is not None:
+                self._background.close()
             self._finalizer()
 
 

@@ -1,14 +1,17 @@
-"""A thread that runs work handed over by backward hooks, one call at a time, in order.
+"""Updates during backward: `BackwardUpdates` hands sub-groups from backward hooks to a
+`BackgroundWorker` thread.
 
 `OffloadAdam(overlap_backward=True)` updates each sub-group as soon as its gradients are final. Doing
 that inside the hook would stop the backward pass whenever a sub-group's state is still being read;
-handing it to this thread lets backward go on while the state streams in.
+handing it to a thread lets backward go on while the state streams in.
 """
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -90,3 +93,208 @@ class BackgroundWorker:
                 with self._done:
                     self._pending -= 1
                     self._done.notify_all()
+
+
+class BackwardUpdates:
+    """The updates of `OffloadAdam(overlap_backward=True)` during backward: hooks hand each sub-group
+    whose gradients are all final to one worker thread, which reads its state, updates it and
+    writes it back while backward goes on.
+
+    Threads, and who may touch what (the locking rule):
+
+    - *Hook side*, the caller's thread only (autograd's hooks, ``step``): ``in_backward``,
+      ``_waiting``, ``_handed``, ``_hooks``.
+    - *Hand-off*, both threads at any time: ``_ready`` and ``_on_updated``, only under ``_lock``.
+    - *Worker side*: ``_runs_left``, ``_dependents``, ``worker_wait``, and the optimizer's own step
+      state (its swapper, ``_done``, ``_seen``, ``_order``, ``_uncommitted``). While the worker has
+      calls queued it alone touches them; the caller's thread touches them only after `join`
+      (``BackgroundWorker.join`` waits on a condition, which orders the worker's writes before the
+      caller's reads). Every path of ``OffloadAdam`` that reads them (``step``, ``state_dict``,
+      ``load_state_dict``, ``close``) joins first (``OffloadAdam._sync``).
+    - ``join_wait``: the caller's thread only.
+    """
+
+    def __init__(self, optimizer: Any, params: list[Any], plans: list[Any]) -> None:
+        self._opt = optimizer
+        self._params, self._plans = params, plans
+        self.worker = BackgroundWorker("offload-adam-updates")
+        self.worker_wait = 0.0
+        """Swap-file wait time spent on the worker thread (not the caller's)."""
+        self.join_wait = 0.0
+        """Time the caller's thread spent waiting for the worker."""
+        # hook side
+        self.in_backward = False
+        self._waiting: dict[int, int] = {}  # per offloaded sub-group: gradients not yet final
+        self._handed: set[int] = set()  # parameters whose gradient was handed over in this backward
+        # hand-off, under _lock
+        self._lock = threading.Lock()
+        self._ready: list[int] = []  # sub-groups handed over, not yet picked by the worker
+        self._on_updated: dict[int, Callable[[torch.Tensor], Any]] = {}  # grad_ready's callbacks, by parameter
+        # worker side
+        self._runs_left: dict[int, int] = {}  # per parameter: offloaded sub-groups not yet updated
+        self._dependents: list = []  # the callbacks' writes: the step commits only once they succeeded
+        self._hooks = [param.param.register_post_accumulate_grad_hook(functools.partial(self.grad_ready, param.index))
+                       for param in params
+                       if param.param.requires_grad and any(plans[i].offloaded for i, _ in param.runs)]
+
+    # ---- the caller's thread ------------------------------------------------------------------------
+
+    def grad_ready(self, index: int, param: torch.Tensor, on_updated: Callable | None = None) -> None:
+        """Parameter ``index``'s gradient is final (its post-accumulate-grad hook, or the engine): hand
+        the sub-groups whose gradients are now all final to the worker. Raises the worker's error, if
+        it had one, and ValueError for a bad gradient (after forgetting the step)."""
+        opt = self._opt
+        if self.worker.failed:
+            opt._sync()  # raises that error, after aborting the step
+        if not self.in_backward:
+            self.in_backward = True
+            self._waiting = {p.index: sum(1 for m in p.members if self._params[m.param].param.requires_grad)
+                             for p in self._plans if p.offloaded}
+            self._handed = set()
+            self.worker.submit(self._begin_backward)
+        if index in self._handed:
+            raise RuntimeError(f"{self._params[index].name()} got a second gradient in one backward (with "
+                               f"overlap_backward each parameter is updated once per backward, as soon as its "
+                               f"gradient is final); a parameter shared by two reentrant activation-checkpoint "
+                               f"segments does this: use use_reentrant=False")
+        self._handed.add(index)
+        if on_updated is not None:
+            with self._lock:
+                self._on_updated[index] = on_updated
+        for plan_index, _ in self._params[index].runs:
+            plan = self._plans[plan_index]
+            if not plan.offloaded:
+                continue
+            self._waiting[plan_index] -= 1
+            if self._waiting[plan_index] == 0:
+                try:
+                    opt._check_grads(plan)
+                except ValueError:
+                    self.worker.close()  # let the work in flight finish, then forget the step
+                    opt._abort()
+                    raise
+                with self._lock:
+                    self._ready.append(plan_index)
+                self.worker.submit(self.in_worker, self._update_next_ready)
+
+    def wait_until(self, done: Callable[[], bool]) -> None:
+        """Wait until ``done()`` is true or the worker has run everything handed over (checked as each
+        call ends, and when a callback wakes it). Never raises."""
+        self.worker.wait_until(done)
+
+    def join(self) -> None:
+        """Wait for every call handed to the worker (sync point); re-raise its first error."""
+        start = time.perf_counter()
+        try:
+            self.worker.join()
+        finally:
+            self.join_wait += time.perf_counter() - start
+
+    def run_callbacks(self) -> None:
+        """``step()``, after a join: the callbacks of parameters updated there, not during backward."""
+        with self._lock:
+            callbacks, self._on_updated = self._on_updated, {}
+        for index, callback in callbacks.items():
+            self._add_dependent(callback(self._params[index].param))
+
+    def wait_dependents(self) -> None:
+        """After a join: wait for the writes the callbacks started; raise the first one's error."""
+        dependents, self._dependents = self._dependents, []
+        for future in dependents:
+            future.result()
+
+    def dependents_done(self) -> bool:
+        """After a join: whether every write the callbacks started has finished (never waits)."""
+        return all(future.done() for future in self._dependents)
+
+    def forget(self) -> None:
+        """After a join (or a failed one): drop this step's hand-offs; wait for the callbacks' writes,
+        errors ignored (never forget a write the kernel may still be doing)."""
+        with self._lock:
+            self._on_updated = {}
+            self._ready.clear()
+        for future in self._dependents:
+            future.exception()
+        self._dependents = []
+        self.in_backward = False
+
+    def close(self) -> None:
+        """Remove the hooks (the worker thread stops with `stop`)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def stop(self) -> None:
+        """Let the queued calls run, then stop the worker thread."""
+        self.worker.close()
+
+    # ---- the worker thread --------------------------------------------------------------------------
+
+    def in_worker(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn`` on the worker, counting its swap-file waits apart from the caller's."""
+        swapper = self._opt._swapper
+        before = swapper.wait_seconds
+        try:
+            fn(*args)
+        finally:
+            self.worker_wait += swapper.wait_seconds - before
+
+    def _begin_backward(self) -> None:
+        """First hook of a backward: finish the last step's writes, start reading."""
+        opt = self._opt
+        self.in_worker(opt._finish_write_behind)
+        opt._swapper.drop_spares()
+        self._runs_left = {rec.index: len(rec.runs) for rec in self._params
+                           if rec.runs and all(self._plans[i].offloaded for i, _ in rec.runs)}
+        self.in_worker(opt._prefetch, opt._order)
+
+    def _update_next_ready(self) -> None:
+        """Update one of the sub-groups handed over, those whose state is already in memory first
+        (`StateSwapper.readiness`): when a parameter cut into many sub-groups becomes ready at once,
+        the ones still on disk are read while the others are updated."""
+        swapper = self._opt._swapper
+        with self._lock:
+            index = min(self._ready, key=lambda i: swapper.readiness(swapper.records[i]))
+            self._ready.remove(index)
+        self._update_and_release(index)
+
+    def _update_and_release(self, index: int) -> None:
+        """Update one sub-group handed over, then free its gradients. Then, until the next sub-group is
+        handed over, keep reading ahead as writes finish and give their memory back, so that the state
+        of the sub-groups whose gradients come last (a tied embedding's) is in memory when they do."""
+        opt = self._opt
+        opt._update_offloaded(index, opt._order)
+        self._release_grads(self._plans[index])
+        while not self.worker.has_backlog and opt._next_unread() is not None:
+            opt._prefetch(opt._order)
+            if opt._next_unread() is None or not opt._swapper.finish_oldest_write():
+                return
+
+    def _release_grads(self, plan: Any) -> None:
+        """Free the gradients ``plan`` finished with, and read ahead into them.
+
+        A gradient is taken from its parameter (``.grad`` becomes None, as in PyTorch's
+        optimizer-in-backward recipe) once every sub-group holding part of the parameter has been
+        updated, and its memory is lent to the swapper for state read ahead: later sub-groups' state
+        streams in without any new allocation, in memory a plain optimizer would still be holding.
+        """
+        for member in plan.members:
+            left = self._runs_left.get(member.param)
+            if left is None:
+                continue
+            self._runs_left[member.param] = left - 1
+            if left != 1:
+                continue
+            param = self._params[member.param].param
+            if param.grad is not None:
+                self._opt._swapper.add_spare(param.grad)
+                param.grad = None
+            with self._lock:
+                callback = self._on_updated.pop(member.param, None)
+            if callback is not None:
+                self._add_dependent(callback(param))
+                self.worker.wake()  # a caller in wait_until may go on now
+
+    def _add_dependent(self, future: Any) -> None:
+        if future is not None:
+            self._dependents.append(future)
