@@ -26,6 +26,7 @@ import os
 import shutil
 import subprocess
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -210,13 +211,16 @@ def job_for_config(config: Any, *, directory: str | os.PathLike, rw: str, size: 
 
 
 def run_fio(job: FioJob, *, fio: str | None = None, timeout_s: float | None = None,
-            filename: str | os.PathLike | None = None) -> FioResult:
+            filename: str | os.PathLike | None = None,
+            on_start: Callable[[subprocess.Popen[str]], None] | None = None) -> FioResult:
     """Run ``job`` with the fio binary (``fio`` or the one on PATH) and parse its JSON output.
 
     fio's data file is created in ``job.directory`` and removed afterwards, also when fio fails, the
     call times out or the caller is interrupted (KeyboardInterrupt stops fio first). With
     ``filename`` (inside ``job.directory``) fio uses that file and leaves it for the caller to
     remove: a warm-up run lays it out, and the timed runs after it skip the layout.
+    ``on_start(process)`` is called once fio has been started, before waiting for it (tests use it
+    to interrupt a run at a known point and to see how fio ended).
 
     Raises FioNotFound when fio is not installed, FileNotFoundError / NotADirectoryError for a bad
     directory (checked first: fio would silently create it), and FioError, naming the command and
@@ -239,6 +243,8 @@ def run_fio(job: FioJob, *, fio: str | None = None, timeout_s: float | None = No
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
+            if on_start is not None:
+                on_start(proc)
             stdout, stderr = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             proc.kill()
