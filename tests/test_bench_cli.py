@@ -132,13 +132,13 @@ def test_interrupted_sweep_leaves_no_files(disk_dir, tmp_path, sig):
     cmd = [sys.executable, "-m", "bench.cli", "sweep", str(disk_dir), "--quick", "--size", "256M", "--no-fio",
            "--no-progress", "--out-dir", str(tmp_path / "r"), "--config-out", str(tmp_path / "a.json")]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
+    # Wait, however long start-up takes on a loaded machine, until a benchmark file exists; the
+    # sweep (7 passes of 256M for each point) is then far from its end.
     while not any(p.is_file() for s in disk_dir.glob(PREFIX + "*") for p in s.iterdir()):
         assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the sweep never started writing"
         time.sleep(0.01)
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate()
     assert proc.returncode == 130, err
     assert "interrupted; benchmark files removed" in err
     assert list(disk_dir.iterdir()) == []
