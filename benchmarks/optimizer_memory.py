@@ -35,7 +35,8 @@ def _heap() -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
-    """Trace one configuration; print the phases and the peak; return {'peak_phase', 'peak_rss', 'io_wait'}."""
+    """Trace one configuration; print the phases, the peak and where the optimizer state lives; return
+    {'peak_phase', 'peak_rss', 'io_wait', 'state_in_ram', 'swap_file_bytes'}."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--optimizer", choices=["torch", "offload"], default="offload")
     ap.add_argument("--fraction", type=float, default=1.0)
@@ -66,9 +67,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             opt.step()
             opt.zero_grad()
         sampler.mark("end")
-        io_wait = opt.io_wait_seconds() if isinstance(opt, OffloadAdam) else 0.0
         if isinstance(opt, OffloadAdam):
+            io_wait, state_in_ram = opt.io_wait_seconds(), opt.host_state_bytes()["resident"]
+            swap_file_bytes = os.path.getsize(opt.swap_path) if opt.swap_path else 0
             opt.close()
+        else:
+            io_wait, swap_file_bytes = 0.0, 0
+            state_in_ram = sum(t.numel() * t.element_size() for state in opt.state.values()
+                               for t in state.values() if t.dim())  # not the 0-d step counts
     rows = sampler.phases()
     print(f"{'phase':12s} {'seconds':>8s} {'peak RSS':>9s} {'heap':>7s} {'in use':>7s} {'mmapped':>8s}  (MB; heap "
           "figures at the phase's start)")
@@ -78,7 +84,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     top = max(rows, key=lambda r: r["peak_rss"])
     print(f"peak RSS {top['peak_rss'] / 1e6:.0f} MB in phase {top['phase']}; io wait {io_wait:.3f} s "
           "(all steps, warm-up included)")
-    return {"peak_phase": top["phase"], "peak_rss": top["peak_rss"], "io_wait": io_wait}
+    print(f"optimizer state: {state_in_ram / 1e6:.1f} MB in RAM, swap file {swap_file_bytes / 1e6:.1f} MB")
+    return {"peak_phase": top["phase"], "peak_rss": top["peak_rss"], "io_wait": io_wait,
+            "state_in_ram": state_in_ram, "swap_file_bytes": swap_file_bytes}
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ def test_memory_trace_tiny(tmp_path, capsys):
     out = capsys.readouterr().out
     for phase in ("model", "0.forward", "0.backward", "1.step"):
         assert phase in out
-    assert result["peak_rss"] > 0 and result["io_wait"] > 0  # the tiny state still went through the swap file
+    assert result["peak_rss"] > 0 and result["io_wait"] >= 0  # how long I/O blocked depends on the machine's load
+    assert result["state_in_ram"] == 0 and result["swap_file_bytes"] > 0  # the tiny state still went to the swap file
     assert result["peak_phase"] in out
     assert list(tmp_path.iterdir()) == []
