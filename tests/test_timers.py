@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -82,18 +81,25 @@ def test_synchronize_runs_at_both_ends_of_a_phase():
 
 
 def test_phases_from_several_threads_add_up():
-    timers = PhaseTimers()
+    clock = FakeClock()
+    timers = PhaseTimers(clock=clock)
+    started = threading.Barrier(5)  # four threads inside their phase, and this one
+    finish = threading.Event()
 
     def swap():
         with timers.phase("swap_out"):
-            time.sleep(0.02)
+            started.wait()
+            finish.wait()
 
     threads = [threading.Thread(target=swap) for _ in range(4)]
     for thread in threads:
         thread.start()
+    started.wait()  # every phase has read its start time
+    clock.now += 0.02
+    finish.set()
     for thread in threads:
         thread.join()
-    assert timers.totals["swap_out"] >= 0.08
+    assert timers.totals["swap_out"] == pytest.approx(4 * 0.02)
 
 
 def test_from_config():
