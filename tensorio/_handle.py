@@ -11,6 +11,7 @@ import errno
 import logging
 import os
 import threading
+import weakref
 
 import torch
 
@@ -61,6 +62,9 @@ class AioHandle:
     unaligned heads and tails. A write changes exactly the bytes [offset, offset + nbytes) of the
     file (created with mode 0600, never truncated); a read fills the whole tensor or fails.
 
+    A handle dropped without ``close()`` is closed when it is garbage collected, like a Python
+    file: its started requests finish, then its threads and rings go.
+
     Raises RuntimeError when ``backend="io_uring"`` is asked for and io_uring cannot run here.
     """
 
@@ -74,6 +78,9 @@ class AioHandle:
                                 backend=backend, direct=direct)
         piece_bytes = piece_size(self.config.block_size, True, DIRECT_ALIGN)
         self._backend = _make_backend(self.config, piece_bytes)
+        # Closing the backend must not need the handle: the finalizer holds only the backend, and
+        # the backend's threads never see the handle, so a dropped handle is collected and closed.
+        self._finalizer = weakref.finalize(self, _close_backend, self._backend)
         self._pending: list[tuple[IOFuture, torch.Tensor | None, PathOrFd, int]] = []  # for wait()
         self._pending_lock = threading.Lock()
         self._closed = False
@@ -288,16 +295,23 @@ class AioHandle:
     # ---- lifetime ---------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Finish every started operation, then stop the workers. Further calls raise RuntimeError."""
-        if not self._closed:
-            self._closed = True
-            self._backend.close()
+        """Finish every started operation, then stop the workers. Further I/O calls raise RuntimeError.
+
+        Called from a completion callback (an I/O thread), it returns at once and the workers stop
+        on their own once done.
+        """
+        self._closed = True
+        self._finalizer()  # closes the backend once; later calls do nothing
 
     def __enter__(self) -> "AioHandle":
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _close_backend(backend) -> None:
+    backend.close()
 
 
 def _target(filename: PathOrFd | None, fd: int | None) -> PathOrFd:

@@ -149,6 +149,15 @@ class RoundRobin:
         return shares
 
 
+def join_or_hand_off(threads: list[threading.Thread], join: Callable[[], None]) -> None:
+    """Run ``join`` now, or in a new thread when called from one of ``threads`` (a completion
+    callback closing its own handle): a thread cannot join itself."""
+    if threading.current_thread() in threads:
+        threading.Thread(target=join, name="tensorio-close", daemon=True).start()
+    else:
+        join()
+
+
 class Task:
     """One piece of a request as a backend carries it out, including the retries of short transfers."""
 

@@ -15,7 +15,7 @@ import threading
 
 from ._buffers import aligned_tensor
 from ._config import AioConfig
-from ._request import RoundRobin, Task, byte_view
+from ._request import RoundRobin, Task, byte_view, join_or_hand_off
 
 
 class ThreadBackend:
@@ -43,10 +43,13 @@ class ThreadBackend:
                 q.put(task)
 
     def close(self) -> None:
-        """Finish the queued pieces, then stop the threads."""
+        """Finish the queued pieces, then stop the threads (from any thread)."""
         for q in self._queues:
             for _ in range(len(self._threads) // len(self._queues)):
                 q.put(None)
+        join_or_hand_off(self._threads, self._join)
+
+    def _join(self) -> None:
         for thread in self._threads:
             thread.join()
 

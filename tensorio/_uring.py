@@ -17,7 +17,7 @@ import threading
 
 from ._buffers import aligned_tensor
 from ._config import AioConfig
-from ._request import RoundRobin, Task, byte_view
+from ._request import RoundRobin, Task, byte_view, join_or_hand_off
 
 log = logging.getLogger("tensorio")
 
@@ -132,9 +132,12 @@ class UringBackend:
                 worker.enqueue(share)
 
     def close(self) -> None:
-        """Finish the queued pieces, then stop the workers and free the rings."""
+        """Finish the queued pieces, then stop the workers and free the rings (from any thread)."""
         for worker in self._workers:
             worker.stop()
+        join_or_hand_off(self._workers, self._join)
+
+    def _join(self) -> None:
         for worker in self._workers:
             worker.join()
             worker.close()
