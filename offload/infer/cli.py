@@ -1,0 +1,167 @@
+"""``python -m offload.generate``: generate from a checkpoint larger than memory, streaming its weights.
+
+    python -m offload.generate CHECKPOINT --prompt "Once upon a time" --max-new-tokens 32 --max-in-cpu 8GiB
+    python -m offload.generate CHECKPOINT --prompt-ids 1,450,4996 --batch-size 16 --config ds.json
+
+Prints the plan, then the tokens as they come (the first sequence's; text where the checkpoint
+directory has a tokenizer), then time to first token, seconds per token, the read speed during
+decoding and that speed against the disk's (measured with a short O_DIRECT read of the checkpoint,
+or --disk-gbps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+
+from offload.infer.engine import init_inference
+
+
+class _Printer:
+    """A transformers streamer (``put``/``end``) that prints the first sequence's new tokens as they
+    come and records when each arrived. With a tokenizer it prints text, otherwise token ids."""
+
+    def __init__(self, tokenizer: Any, out) -> None:
+        self.tokenizer, self.out = tokenizer, out
+        self.times: list[float] = []
+        self.tokens: list[int] = []
+        self._printed = ""
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:  # generate() hands the prompt over first
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+        self.tokens.append(int(value.reshape(value.shape[0], -1)[0, -1]) if value.dim() else int(value))
+        if self.tokenizer is None:
+            self.out.write(f"{self.tokens[-1]} ")
+        else:
+            text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+            self.out.write(text[len(self._printed):])
+            self._printed = text
+        self.out.flush()
+
+    def end(self) -> None:
+        self.out.write("\n")
+        self.out.flush()
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    if args.max_in_cpu is not None:
+        values["max_in_cpu"] = int(args.max_in_cpu) if args.max_in_cpu.isdigit() else args.max_in_cpu
+    for key in ("buffer_count", "dtype", "disk_gbps", "nvme_path"):
+        if getattr(args, key) is not None:
+            values[key] = getattr(args, key)
+    return values
+
+
+def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
+    """Run the command; print as it goes; return the figures (also printed as JSON with --json)."""
+    out = out or sys.stdout
+    ap = argparse.ArgumentParser(prog="python -m offload.generate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint", help="directory with config.json and the safetensors file(s)")
+    prompt = ap.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (needs a tokenizer in the checkpoint directory)")
+    prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated (no tokenizer needed)")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, default=1, help="the prompt repeated this many times")
+    ap.add_argument("--max-in-cpu", help="memory budget: elements, or bytes such as 8GiB")
+    ap.add_argument("--buffer-count", type=int, help="locked buffers in the prefetch ring")
+    ap.add_argument("--dtype", help="compute dtype (default: the checkpoint's)")
+    ap.add_argument("--nvme-path", help="directory for a converted copy when --dtype differs from the checkpoint's")
+    ap.add_argument("--config", help="DeepSpeed-style JSON config (command-line options override it)")
+    ap.add_argument("--disk-gbps", type=float, help="the disk's read speed in GB/s (default: measure it)")
+    ap.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="print the figures as one JSON line at the end")
+    args = ap.parse_args(argv)
+    if args.batch_size < 1 or args.max_new_tokens < 1:
+        ap.error("--batch-size and --max-new-tokens must be at least 1")
+
+    tokenizer = None
+    if args.prompt is not None:
+        import transformers
+
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(args.checkpoint)
+        except (OSError, ValueError) as exc:
+            ap.error(f"--prompt needs a tokenizer in {args.checkpoint} ({exc}); use --prompt-ids instead")
+        ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    else:
+        try:
+            ids = torch.tensor([[int(t) for t in args.prompt_ids.split(",") if t.strip()]])
+        except ValueError:
+            ap.error(f"--prompt-ids: {args.prompt_ids!r} is not a comma-separated list of integers")
+    ids = ids.repeat(args.batch_size, 1)
+
+    with init_inference(args.checkpoint, args.config, **_overrides(args)) as engine:
+        plan = engine.reserve(args.batch_size, ids.shape[1] + args.max_new_tokens)
+        print(plan.describe(), file=out)
+        print(f"loaded in {engine.load_seconds:.2f} s ({engine.io_bytes() / 1e9:.3f} GB read)", file=out)
+        print(f"generating {args.max_new_tokens} tokens for batch {args.batch_size} (the first sequence shown):", file=out)
+        printer = _Printer(tokenizer, out)
+        torch.manual_seed(args.seed)
+        start = time.perf_counter()
+        read_start = engine.io_bytes()
+        sampling = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k} if args.do_sample else {"do_sample": False}
+        pad = engine.module.generation_config.pad_token_id
+        if pad is None:
+            pad = engine.module.generation_config.eos_token_id
+        engine.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, streamer=printer,
+                        pad_token_id=pad if isinstance(pad, int) else (pad[0] if pad else 0), **sampling)
+        end = time.perf_counter()
+        read_end = engine.io_bytes()
+        figures = _figures(engine, printer, start, end, read_start, read_end, args.batch_size)
+    _report(figures, out)
+    if args.json:
+        print(json.dumps(figures), file=out)
+    return figures
+
+
+def _figures(engine, printer: _Printer, start: float, end: float, read_start: int, read_end: int, batch: int) -> dict:
+    times = printer.times
+    first = times[0] - start if times else end - start
+    decode_s = (times[-1] - times[0]) if len(times) > 1 else 0.0
+    steps = max(len(times) - 1, 0)
+    plan = engine.plan
+    per_forward = plan.read_bytes_per_forward
+    return {
+        "tokens": printer.tokens, "batch": batch, "load_s": engine.load_seconds, "first_token_s": first,
+        "time_to_first_token_s": engine.load_seconds + first,
+        "s_per_token": decode_s / steps if steps else None,
+        "tokens_per_s": batch * steps / decode_s if decode_s else None,
+        "read_bytes": read_end - read_start, "read_bytes_per_forward": per_forward,
+        "read_gbps": per_forward * steps / decode_s / 1e9 if decode_s and per_forward else 0.0,
+        "disk_gbps": plan.disk_bps / 1e9 if plan.disk_bps else None, "disk_source": plan.disk_source,
+        "disk_s_per_forward": plan.disk_seconds_per_forward, "read_wait_s": engine.read_wait_seconds,
+        "resident_bytes": plan.resident_bytes, "streamed_bytes": plan.streamed_bytes,
+    }
+
+
+def _report(f: dict, out) -> None:
+    print(f"time to first token: {f['time_to_first_token_s']:.3f} s (load {f['load_s']:.3f} s + first forward "
+          f"{f['first_token_s']:.3f} s)", file=out)
+    if f["s_per_token"] is None:
+        print("seconds per token: - (one token only)", file=out)
+        return
+    print(f"seconds per token: {f['s_per_token']:.4f} ({f['tokens_per_s']:.2f} tokens/s over the batch of {f['batch']})",
+          file=out)
+    if not f["read_bytes_per_forward"]:
+        print("read: nothing streamed (every weight is in memory)", file=out)
+        return
+    line = f"read: {f['read_gbps']:.2f} GB/s ({f['read_bytes_per_forward'] / 1e9:.3f} GB per token)"
+    if f["disk_gbps"]:
+        bound = f["disk_s_per_forward"]
+        line += (f", {f['read_gbps'] / f['disk_gbps']:.0%} of the disk's {f['disk_gbps']:.2f} GB/s ({f['disk_source']}); "
+                 f"{f['s_per_token'] / bound:.2f}x the disk's bound of {bound:.4f} s per token")
+    print(line, file=out)

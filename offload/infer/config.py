@@ -1,0 +1,219 @@
+"""`InferenceConfig`: the settings of `init_inference`, read from a DeepSpeed-style config and checked here.
+
+A config is the JSON DeepSpeed's ZeRO-Inference takes (a dict or a file path)::
+
+    {"bf16": {"enabled": true},
+     "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 1e8,
+                           "offload_param": {"device": "nvme", "max_in_cpu": "8GiB", "buffer_count": 3}},
+     "aio": {"block_size": 1048576, "queue_depth": 16}}
+
+and keyword overrides use the flat field names (``max_in_cpu="8GiB"``, ``buffer_count=2``, ...).
+Unknown keys are refused naming the key; keys DeepSpeed has that change nothing here are listed in
+`IGNORED_KEYS` and accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+import torch
+
+from tensorio import AioConfig
+
+__all__ = ["IGNORED_KEYS", "InferenceConfig", "parse_bytes", "parse_dtype"]
+
+#: DeepSpeed keys accepted and without effect in inference (training-only or about the GPU).
+IGNORED_KEYS = {
+    "": {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "steps_per_print",
+         "wall_clock_breakdown", "zero_allow_untested_optimizer"},
+    "zero_optimization": {"stage", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+                          "stage3_max_reuse_distance", "overlap_comm", "contiguous_gradients", "reduce_bucket_size"},
+    "zero_optimization.offload_param": {"pin_memory"},
+}
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+          "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(key: str, text: str) -> int:
+    """Bytes in a size such as "8GiB", "512 MiB", "1.5GB", "8G" (K/M/G/T alone are binary).
+
+    Raises ValueError naming ``key`` when ``text`` is not a size.
+    """
+    match = _SIZE.match(text)
+    unit = match and _UNITS.get(match.group(2).lower())
+    if not match or unit is None:
+        raise ValueError(f"{key}: {text!r} is not a size; write elements as a number or bytes such as \"8GiB\", "
+                         f"\"512MiB\", \"20GB\"")
+    return int(float(match.group(1)) * unit)
+
+
+def parse_dtype(key: str, value: Any) -> torch.dtype | None:
+    """A torch floating dtype from "bf16", "bfloat16", "fp32", "float32", "fp16", a torch.dtype, or
+    None / "auto" (the checkpoint's). Raises ValueError naming ``key``."""
+    if value is None or value == "auto":
+        return None
+    if isinstance(value, torch.dtype) and value in _DTYPES.values():
+        return value
+    if isinstance(value, str) and value.lower().removeprefix("torch.") in _DTYPES:
+        return _DTYPES[value.lower().removeprefix("torch.")]
+    raise ValueError(f"{key}: {value!r} is not allowed; use \"auto\" (the checkpoint's), \"bfloat16\", "
+                     f"\"float32\" or \"float16\"")
+
+
+def _int(key: str, value: Any, minimum: int) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # JSON configs write 1e8
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{key}: {value!r} is not allowed; use an integer >= {minimum}")
+    return value
+
+
+@dataclass(kw_only=True, slots=True)
+class InferenceConfig:
+    """Every setting of `init_inference`, checked; named as DeepSpeed names them where it has them."""
+
+    device: str = "nvme"
+    """``offload_param.device``: "nvme" streams from the checkpoint the weights that do not fit in
+    ``max_in_cpu``; "cpu" keeps every weight in memory (still read with O_DIRECT, no streaming)."""
+
+    max_in_cpu: int | str = 1_000_000_000
+    """``offload_param.max_in_cpu``: the memory budget for weights kept resident and the KV cache,
+    as elements of the model's dtype (DeepSpeed's unit; 1e9 by default) or as bytes ("8GiB")."""
+
+    buffer_count: int = 3
+    """``offload_param.buffer_count``: locked buffers in the prefetch ring, each one streamed layer. >= 1."""
+
+    buffer_size: int | None = None
+    """``offload_param.buffer_size``: elements per buffer; None sizes them to the largest streamed
+    layer (a value given must hold it)."""
+
+    nvme_path: str | None = None
+    """``offload_param.nvme_path``: where a converted copy of the checkpoint is written, once, when
+    ``dtype`` differs from the checkpoint's and weights are streamed. Needed only then."""
+
+    prefetch_bucket_size: int | None = None
+    """``zero_optimization.stage3_prefetch_bucket_size``: elements read ahead of the layer computing
+    (at least one layer); None: as many layers as the ring has buffers."""
+
+    dtype: torch.dtype | None = None
+    """``dtype`` (or ``bf16.enabled`` / ``fp16.enabled``): compute dtype; None is the checkpoint's."""
+
+    aio: AioConfig = field(default_factory=AioConfig)
+    """``aio``: the tensorio settings of the reads."""
+
+    disk_gbps: float | None = None
+    """The disk's read speed for the plan's figures, in GB/s; None measures a short O_DIRECT read of
+    the checkpoint itself (only when something is streamed). Not a DeepSpeed key."""
+
+    compute_device: str = "auto"
+    """"cpu", "cuda", or "auto" (CUDA when available). Not a DeepSpeed key."""
+
+    def __post_init__(self) -> None:
+        key = "zero_optimization.offload_param"
+        if self.device not in ("nvme", "cpu"):
+            raise ValueError(f"{key}.device: {self.device!r} is not allowed; use \"nvme\" or \"cpu\"")
+        if isinstance(self.max_in_cpu, str):
+            parse_bytes(f"{key}.max_in_cpu", self.max_in_cpu)
+        else:
+            self.max_in_cpu = _int(f"{key}.max_in_cpu", self.max_in_cpu, 0)
+        self.buffer_count = _int(f"{key}.buffer_count", self.buffer_count, 1)
+        if self.buffer_size is not None:
+            self.buffer_size = _int(f"{key}.buffer_size", self.buffer_size, 1)
+        if self.nvme_path is not None and not (isinstance(self.nvme_path, (str, os.PathLike)) and str(self.nvme_path)):
+            raise ValueError(f"{key}.nvme_path: expected a directory path, got {self.nvme_path!r}")
+        if self.prefetch_bucket_size is not None:
+            self.prefetch_bucket_size = _int("zero_optimization.stage3_prefetch_bucket_size",
+                                             self.prefetch_bucket_size, 1)
+        self.dtype = parse_dtype("dtype", self.dtype)
+        if isinstance(self.aio, Mapping):
+            self.aio = AioConfig.from_dict(self.aio)
+        if not isinstance(self.aio, AioConfig):
+            raise ValueError(f"aio: expected a JSON object or an AioConfig, got {type(self.aio).__name__}")
+        if self.disk_gbps is not None and (isinstance(self.disk_gbps, bool) or not isinstance(self.disk_gbps, (int, float))
+                                           or not math.isfinite(self.disk_gbps) or self.disk_gbps <= 0):
+            raise ValueError(f"disk_gbps: {self.disk_gbps!r} is not allowed; use GB/s > 0")
+        if self.compute_device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"compute_device: {self.compute_device!r} is not allowed; use \"auto\", \"cpu\" or \"cuda\"")
+
+    def budget_bytes(self, itemsize: int) -> int:
+        """``max_in_cpu`` in bytes, for a model whose weights have ``itemsize`` bytes per element."""
+        if isinstance(self.max_in_cpu, str):
+            return parse_bytes("zero_optimization.offload_param.max_in_cpu", self.max_in_cpu)
+        return self.max_in_cpu * itemsize
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any] | str | os.PathLike | None = None, **overrides: Any) -> "InferenceConfig":
+        """Build from a DeepSpeed-style config (a mapping, a JSON file path, or None), then apply
+        ``overrides`` (field names). Raises ValueError naming the dotted key for an unknown key, a
+        wrong type or a value out of range; FileNotFoundError for a missing file."""
+        if config is None:
+            config = {}
+        elif not isinstance(config, Mapping):
+            with open(config, encoding="utf-8") as f:
+                try:
+                    config = json.load(f)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{os.fspath(config)}: not valid JSON: {exc}") from None
+        values = _from_deepspeed(config)
+        known = {f.name for f in fields(cls)}
+        for name, value in overrides.items():
+            if name not in known:
+                raise ValueError(f"{name}: unknown setting; allowed are {', '.join(sorted(known))}")
+            values[name] = value
+        return cls(**values)
+
+
+def _section(value: Any, key: str, allowed: set[str]) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{key or 'config'}: expected a JSON object, got {value!r}")
+    allowed = allowed | IGNORED_KEYS.get(key, set())
+    for name in value:
+        if name not in allowed:
+            dotted = f"{key}.{name}" if key else name
+            raise ValueError(f"{dotted}: unknown key; allowed keys are {', '.join(sorted(allowed))}")
+    return {k: v for k, v in value.items() if k not in IGNORED_KEYS.get(key, set())}
+
+
+def _from_deepspeed(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The `InferenceConfig` fields a DeepSpeed-style config sets, its keys checked."""
+    top = _section(config, "", {"zero_optimization", "aio", "dtype", "bf16", "bfloat16", "fp16"})
+    values: dict[str, Any] = {}
+    zero = _section(top.get("zero_optimization", {}), "zero_optimization",
+                    {"offload_param", "stage3_prefetch_bucket_size", "aio"})
+    param = _section(zero.get("offload_param", {}), "zero_optimization.offload_param",
+                     {"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu"})
+    values.update(param)
+    if "stage3_prefetch_bucket_size" in zero:
+        values["prefetch_bucket_size"] = zero["stage3_prefetch_bucket_size"]
+    if "aio" in top and "aio" in zero:
+        raise ValueError("zero_optimization.aio: aio is given both at the top level and inside zero_optimization; keep one")
+    if "aio" in top or "aio" in zero:
+        values["aio"] = AioConfig.from_dict(top.get("aio", zero.get("aio")))
+    enabled = []
+    for key, dtype in (("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("fp16", "float16")):
+        if key in top:
+            section = _section(top[key], key, {"enabled"})
+            if not isinstance(section.get("enabled", False), bool):
+                raise ValueError(f"{key}.enabled: expected true or false, got {section['enabled']!r}")
+            if section.get("enabled", False):
+                enabled.append((key, dtype))
+    if len(enabled) > 1 or (enabled and "dtype" in top):
+        named = [k + ".enabled" for k, _ in enabled] + (["dtype"] if "dtype" in top else [])
+        raise ValueError(f"{', '.join(named)}: more than one dtype is set; keep one")
+    if enabled:
+        values["dtype"] = enabled[0][1]
+    if "dtype" in top:
+        values["dtype"] = top["dtype"]
+    return values

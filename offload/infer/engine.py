@@ -1,0 +1,443 @@
+"""`init_inference`: a Hugging Face causal LM whose weights are read from its safetensors checkpoint
+with O_DIRECT: what fits in the memory budget once, the rest streamed layer by layer every forward."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import time
+from collections.abc import Iterator
+from typing import Any, Mapping
+
+import psutil
+import torch
+from torch import nn
+
+from offload.infer.config import InferenceConfig
+from offload.infer.convert import converted_copy
+from offload.infer.plan import BudgetError, Plan, UnitSize, format_bytes, make_plan
+from offload.infer.stream import LayerStreamer, ParamRef, Unit, load_resident
+from offload.storage.safetensors_reader import SafetensorsCheckpoint, read_windows, tensor_views, windows_nbytes
+from tensorio import AioHandle, aligned_tensor
+
+__all__ = ["CheckpointMismatchError", "InferenceEngine", "init_inference"]
+
+log = logging.getLogger("offload.infer")
+
+# Modules outside the repeated blocks that may be streamed (the output head); the rest stays resident.
+_STREAMABLE_OUTSIDE = (nn.Linear,)
+_STREAMABLE_OUTSIDE_NAMES = ("Conv1D",)
+_DISK_PROBE_BYTES = 256 << 20
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint and the model disagree: a missing or unexpected tensor, or a shape; names it."""
+
+
+def init_inference(model: str | os.PathLike | nn.Module, config: Mapping[str, Any] | str | os.PathLike | None = None,
+                   **overrides: Any) -> "InferenceEngine":
+    """Run a causal LM with its weights read from NVMe: resident where the budget allows, streamed otherwise.
+
+    ``model``: a checkpoint directory (config.json and model.safetensors, or shards with
+    model.safetensors.index.json), or a transformers model built on the meta device (then its
+    checkpoint is ``checkpoint=DIR`` or the directory in ``model.config._name_or_path``).
+    ``config``: a DeepSpeed-style dict or JSON path (``zero_optimization.offload_param`` with
+    ``device``, ``max_in_cpu`` (elements, or bytes as "8GiB"), ``buffer_count``, ``buffer_size``,
+    ``nvme_path``; ``stage3_prefetch_bucket_size``; ``aio``; ``dtype``). ``overrides``: the same
+    settings by their `InferenceConfig` field names, plus ``checkpoint``.
+
+    Raises ValueError naming the key for a bad setting; FileNotFoundError / SafetensorsError naming
+    the file for a missing, truncated or invalid checkpoint file; CheckpointMismatchError naming the
+    tensor for a missing or unexpected tensor or a shape mismatch; BudgetError with the figures when
+    the budget, the buffers or the machine cannot hold the plan.
+    """
+    checkpoint = overrides.pop("checkpoint", None)
+    return InferenceEngine(model, InferenceConfig.from_dict(config, **overrides), checkpoint=checkpoint)
+
+
+class InferenceEngine:
+    """A model ready to generate; see `init_inference`. ``module`` is the transformers model;
+    ``plan`` says what is resident and what is streamed. Use as a context manager or call ``close``."""
+
+    def __init__(self, model: str | os.PathLike | nn.Module, settings: InferenceConfig, *,
+                 checkpoint: str | os.PathLike | None = None) -> None:
+        self.settings = settings
+        self._closed = False
+        start = time.perf_counter()
+        # 1. The reads' handle, and the checkpoint's headers (every file checked before any tensor is read).
+        self.handle = AioHandle.from_config(settings.aio)
+        try:
+            directory = _checkpoint_directory(model, checkpoint)
+            self.checkpoint = SafetensorsCheckpoint(directory, self.handle)
+            # 2. The model's skeleton on the meta device, in the compute dtype (the checkpoint's by default).
+            self.dtype = settings.dtype or self.checkpoint.dominant_dtype() or torch.float32
+            self.module = _skeleton(model, directory, self.dtype)
+            self.device = _compute_device(settings.compute_device)
+            # 3. One record per unit, its tensors matched to the checkpoint's (names, shapes).
+            self.units = _units(self.module, self.checkpoint)
+            self._load_bytes = _materialize_buffers(self.module, self.checkpoint, self.handle, self.device)
+            # 4. The placement; streamed tensors must be on the disk in the compute dtype.
+            self.plan = self._make_plan(kv_bytes=0, kv_shape=(0, 0))
+            if any(self._needs_conversion(u) for u in self.units if u.name not in self.plan.resident):
+                self._use_converted_copy()
+            if self.plan.streamed and settings.disk_gbps is None:
+                self.plan = self._make_plan(0, (0, 0), disk=_measure_disk(self.handle, self.checkpoint))
+            # 5. Resident weights read once; the streamer's hooks on every unit that may stream.
+            self.streamer = LayerStreamer(self.handle, buffer_count=settings.buffer_count,
+                                          lookahead=self._lookahead_units(), stager=None)
+            for unit in self.units:
+                if unit.streamable:
+                    self.streamer.attach(unit)
+            self._apply(self.plan)
+        except BaseException:
+            self.handle.close()
+            raise
+        self.load_seconds = time.perf_counter() - start
+        """Seconds `init_inference` took: headers, plan and the resident weights' reads."""
+
+    # ---- the model's surface ---------------------------------------------------------------------
+
+    def generate(self, inputs: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        """``module.generate(inputs, **kwargs)`` with streamed weights: greedy, sampling, attention
+        masks, streamers all work as in transformers. The KV cache for the batch and the full length
+        is reserved in the budget first (resident layers are demoted to streamed where needed).
+
+        Raises BudgetError with the figures when the batch and length do not fit.
+        """
+        ids = inputs if inputs is not None else kwargs.get("input_ids")
+        batch, prompt = (ids.shape[0], ids.shape[-1]) if ids is not None else (1, 0)
+        generation = kwargs.get("generation_config") or self.module.generation_config
+        new = kwargs.get("max_new_tokens", generation.max_new_tokens)
+        total = prompt + new if new is not None else kwargs.get("max_length", generation.max_length)
+        beams = kwargs.get("num_beams", generation.num_beams) or 1
+        returns = kwargs.get("num_return_sequences", generation.num_return_sequences) or 1
+        self.reserve(batch * max(beams, returns), total)
+        with self._running():
+            return self.module.generate(inputs, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """``module(*args, **kwargs)`` with streamed weights, under ``torch.no_grad()``."""
+        ids = args[0] if args else kwargs.get("input_ids")
+        if ids is not None:
+            cache = kwargs.get("past_key_values", kwargs.get("cache"))
+            past = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+            self.reserve(ids.shape[0], past + ids.shape[-1])
+        with self._running():
+            return self.module(*args, **kwargs)
+
+    def reserve(self, batch: int, tokens: int) -> Plan:
+        """Re-plan for a KV cache of ``batch`` sequences of ``tokens`` tokens: it counts against the
+        budget, so resident layers become streamed where it needs their room (and come back when it
+        shrinks again). Returns the plan. Raises BudgetError naming the figures when even the weights
+        that must stay plus that cache exceed the budget, or the plan exceeds the machine's memory."""
+        self._check_open()
+        kv = self.kv_bytes(batch, tokens)
+        plan = self._make_plan(kv, (batch, tokens), disk=(self.plan.disk_bps, self.plan.disk_source))
+        total = psutil.virtual_memory().total
+        need = plan.memory_bytes + self.activation_bytes(batch, tokens)
+        if need > total:
+            raise BudgetError(
+                f"batch {batch} x {tokens} tokens needs {format_bytes(need)} of memory (resident weights "
+                f"{format_bytes(plan.resident_bytes)} + buffers {format_bytes(plan.buffers_bytes)} + KV cache "
+                f"{format_bytes(kv)} + activations {format_bytes(self.activation_bytes(batch, tokens))}), more than this "
+                f"machine's {format_bytes(total)}; lower max_in_cpu, the batch size or the number of tokens")
+        if plan.resident != self.plan.resident:
+            log.info("offload.infer: re-placing for batch %d x %d tokens (KV cache %s)", batch, tokens, format_bytes(kv))
+            self._apply(plan)
+        self.plan = plan
+        return plan
+
+    # ---- figures ----------------------------------------------------------------------------------
+
+    def io_bytes(self) -> int:
+        """Bytes read from the checkpoint so far: resident weights once, plus every streamed read."""
+        return self._load_bytes + self.streamer.bytes_read
+
+    @property
+    def read_wait_seconds(self) -> float:
+        """Seconds forwards have waited for streamed reads (the I/O not hidden behind compute)."""
+        return self.streamer.wait_seconds
+
+    def kv_bytes(self, batch: int, tokens: int) -> int:
+        """Bytes of the KV cache for ``batch`` sequences of ``tokens`` tokens (keys and values, every layer)."""
+        text = self.module.config.get_text_config() if hasattr(self.module.config, "get_text_config") else self.module.config
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * text.num_hidden_layers * batch * tokens * kv_heads * head_dim * itemsize
+
+    def activation_bytes(self, batch: int, tokens: int) -> int:
+        """An upper estimate of one forward's activations over ``tokens`` tokens: hidden states and the
+        MLP's intermediates, attention scores in fp32, and fp32 logits for every position."""
+        text = self.module.config.get_text_config() if hasattr(self.module.config, "get_text_config") else self.module.config
+        hidden, heads = text.hidden_size, text.num_attention_heads
+        inner = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return batch * tokens * ((6 * hidden + 3 * inner) * itemsize + 4 * (heads * tokens + text.vocab_size))
+
+    # ---- lifetime ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for reads in flight, free the buffers and the handle. The module is unusable afterwards."""
+        if not self._closed:
+            self._closed = True
+            self.streamer.close()
+            self.handle.close()
+
+    def __enter__(self) -> "InferenceEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals --------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this inference engine is closed")
+
+    @contextlib.contextmanager
+    def _running(self) -> Iterator[None]:
+        self._check_open()
+        try:
+            with torch.no_grad():
+                yield
+        except BaseException:
+            self.streamer.reset()  # no read left in flight, no layer left bound: the next call starts clean
+            raise
+
+    def _sizes(self) -> list[UnitSize]:
+        return [UnitSize(u.name, u.nbytes, u.read_nbytes, u.buffer_nbytes, u.streamable) for u in self.units]
+
+    def _make_plan(self, kv_bytes: int, kv_shape: tuple[int, int],
+                   disk: tuple[float | None, str] | None = None) -> Plan:
+        settings = self.settings
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        budget = None if settings.device == "cpu" else settings.budget_bytes(itemsize)
+        buffer_nbytes = None if settings.buffer_size is None else settings.buffer_size * itemsize
+        if disk is None:
+            disk = (settings.disk_gbps * 1e9, "given") if settings.disk_gbps else (None, "")
+        return make_plan(self._sizes(), budget=budget, buffer_count=settings.buffer_count, buffer_nbytes=buffer_nbytes,
+                         kv_bytes=kv_bytes, kv_shape=kv_shape, disk_bps=disk[0], disk_source=disk[1])
+
+    def _lookahead_units(self) -> int | None:
+        bucket = self.settings.prefetch_bucket_size
+        if bucket is None or not self.plan.buffer_nbytes:
+            return None
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return max(1, bucket * itemsize // self.plan.buffer_nbytes)
+
+    def _needs_conversion(self, unit: Unit) -> bool:
+        return any(self.checkpoint[ref.tensor].dtype != ref.placeholder.dtype for ref in unit.params)
+
+    def _use_converted_copy(self) -> None:
+        """Streamed tensors in another dtype than they compute in: read them from a converted copy."""
+        if self.settings.nvme_path is None:
+            names = [u.name for u in self.units if u.name not in self.plan.resident and self._needs_conversion(u)]
+            raise ValueError(
+                f"zero_optimization.offload_param.nvme_path: dtype {self.dtype} differs from the checkpoint's "
+                f"({self.checkpoint.dominant_dtype()}) and {len(names)} units are streamed ({names[0]}, ...), which are "
+                f"read in place and so must be on the disk in {self.dtype}; set nvme_path to a directory for a "
+                f"converted copy (written once), or use the checkpoint's dtype, or a budget that holds them")
+        directory = converted_copy(self.checkpoint, self.dtype, self.settings.nvme_path, self.handle)
+        self.checkpoint = SafetensorsCheckpoint(directory, self.handle)
+        for unit in self.units:
+            unit.windows = self.checkpoint.windows([ref.tensor for ref in unit.params])
+        self.plan = self._make_plan(0, (0, 0))
+
+    def _apply(self, plan: Plan) -> None:
+        """Make the model match ``plan``: drop demoted units, read promoted ones, re-aim the streamer."""
+        self.streamer.reset()
+        for unit in self.units:  # 1. demote first, so that memory is freed before more is taken
+            if unit.state == "resident" and unit.name not in plan.resident:
+                unit.unbind()
+                unit.state = "on disk"
+        for unit in self.units:  # 2. then read what becomes resident
+            if unit.state != "resident" and unit.name in plan.resident:
+                self._load_bytes += load_resident(self.handle, unit, device=self.device)
+        streamed = [u for u in self.units if u.name not in plan.resident]
+        if streamed and self.device.type == "cuda":
+            from offload.infer.cuda import CudaStager  # the CUDA path: see offload/infer/cuda.py
+
+            self.streamer.stager = CudaStager(self.settings.buffer_count, plan.buffer_nbytes, self.device)
+        self.streamer.set_units(streamed, plan.buffer_nbytes)
+
+
+# ---- building the engine: the skeleton, the units, the buffers, the disk ---------------------------
+
+
+def _checkpoint_directory(model: Any, checkpoint: Any) -> str:
+    if isinstance(model, (str, os.PathLike)):
+        if checkpoint is not None:
+            raise ValueError("checkpoint: give the checkpoint either as `model` or as `checkpoint=`, not both")
+        return os.fspath(model)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a checkpoint directory or a transformers model on the meta device, "
+                        f"got {type(model).__name__}")
+    if checkpoint is not None:
+        return os.fspath(checkpoint)
+    name = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    if name and os.path.isdir(name):
+        return name
+    raise ValueError("checkpoint: the model does not say where its checkpoint is (config._name_or_path is "
+                     f"{name!r}); pass checkpoint=DIRECTORY")
+
+
+def _skeleton(model: Any, directory: str, dtype: torch.dtype) -> nn.Module:
+    """The transformers model on the meta device (no memory), its parameters in ``dtype``."""
+    import transformers
+
+    if isinstance(model, nn.Module):
+        real = [name for name, p in model.named_parameters() if p.device.type != "meta"]
+        if real:
+            raise ValueError(f"model: parameter {real[0]!r} is on {model.get_parameter(real[0]).device}, not on the "
+                             f"meta device; build the model under `with torch.device('meta'):` so that no weight is "
+                             f"in memory before the engine reads it")
+        for module in model.modules():  # parameters only: buffers (rotary frequencies) keep their dtype
+            for attr, param in list(module._parameters.items()):
+                if param is not None and param.is_floating_point() and param.dtype != dtype:
+                    module._parameters[attr] = nn.Parameter(param.to(dtype), requires_grad=False)
+        return model.eval()
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        raise FileNotFoundError(f"checkpoint {directory}: no config.json, so the model's architecture is unknown")
+    config = transformers.AutoConfig.from_pretrained(directory)
+    with torch.device("meta"):
+        module = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if os.path.isfile(os.path.join(directory, "generation_config.json")):
+        module.generation_config = transformers.GenerationConfig.from_pretrained(directory)
+    module.config._name_or_path = directory
+    return module.eval()
+
+
+def _compute_device(choice: str) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("compute_device: \"cuda\" is asked for but CUDA is not available here")
+    return torch.device("cuda" if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()) else "cpu")
+
+
+def _blocks(module: nn.Module) -> str | None:
+    """The path of the ModuleList holding the most parameters: the decoder layers."""
+    best, most = None, 0
+    for name, child in module.named_modules():
+        if isinstance(child, nn.ModuleList):
+            count = sum(p.numel() for p in child.parameters())
+            if count > most:
+                best, most = name, count
+    return best
+
+
+def _candidates(name: str, prefix: str) -> tuple[str, ...]:
+    """Checkpoint names a parameter may have: its own, without or with the base model's prefix."""
+    if prefix and name.startswith(prefix + "."):
+        return name, name[len(prefix) + 1:]
+    return (name, f"{prefix}.{name}") if prefix else (name,)
+
+
+def _units(module: nn.Module, checkpoint: SafetensorsCheckpoint) -> list[Unit]:
+    """One `Unit` per decoder layer and per other module with parameters, in forward order, each
+    parameter matched to its checkpoint tensor. Raises CheckpointMismatchError naming the tensor."""
+    blocks = _blocks(module)
+    prefix = getattr(module, "base_model_prefix", "") or ""
+    aliases: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+        params[id(param)] = param
+    where = checkpoint.index_path or checkpoint.directory
+    consumed: set[str] = set()
+    members: dict[str, list[ParamRef]] = {}
+    kinds: dict[str, tuple[nn.Module, bool]] = {}
+    for pid, names in aliases.items():
+        param = params[pid]
+        found = [key for name in names for key in _candidates(name, prefix) if key in checkpoint]
+        if not found:
+            raise CheckpointMismatchError(
+                f"parameter {names[0]!r} of {type(module).__name__} is not in the checkpoint ({where}); the "
+                f"checkpoint is for another model, or incomplete")
+        consumed.update(found)
+        entry = checkpoint[found[0]]
+        if tuple(entry.shape) != tuple(param.shape):
+            raise CheckpointMismatchError(
+                f"tensor {entry.name!r} in {entry.path} has shape {list(entry.shape)}, but parameter {names[0]!r} of "
+                f"{type(module).__name__} has shape {list(param.shape)}; the checkpoint and config.json disagree")
+        owners = tuple((module.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in names)
+        placeholder = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False)
+        owner_path = names[0].rpartition(".")[0]
+        match = re.match(rf"{re.escape(blocks)}\.\d+(?=\.)", names[0]) if blocks else None
+        unit = match.group(0) if match and len(names) == 1 else owner_path
+        streamable = len(names) == 1 and (match is not None or (
+            isinstance(owners[0][0], _STREAMABLE_OUTSIDE) or type(owners[0][0]).__name__ in _STREAMABLE_OUTSIDE_NAMES))
+        members.setdefault(unit, []).append(ParamRef(owners, entry.name, placeholder))
+        old = kinds.get(unit)
+        kinds[unit] = (module.get_submodule(unit), streamable and (old is None or old[1]))
+        for ref_owner, attr in owners:  # meta placeholder until the plan decides
+            ref_owner._parameters[attr] = placeholder
+    _check_unexpected(module, checkpoint, consumed, prefix)
+    units = []
+    for name, refs in members.items():
+        unit_module, streamable = kinds[name]
+        nbytes = sum(ref.placeholder.numel() * ref.placeholder.element_size() for ref in refs)
+        units.append(Unit(name, unit_module, tuple(refs), checkpoint.windows([r.tensor for r in refs]), nbytes, streamable))
+    return units
+
+
+def _check_unexpected(module: nn.Module, checkpoint: SafetensorsCheckpoint, consumed: set[str], prefix: str) -> None:
+    buffers = {key for name, _ in module.named_buffers() for key in _candidates(name, prefix)}
+    ignore = [re.compile(p) for p in (getattr(module, "_keys_to_ignore_on_load_unexpected", None) or [])]
+    ignore.append(re.compile(r"rotary_emb\.inv_freq"))
+    extra = [name for name in checkpoint.entries
+             if name not in consumed and name not in buffers and not any(p.search(name) for p in ignore)]
+    if extra:
+        entry = checkpoint[extra[0]]
+        more = f" (and {len(extra) - 1} more: {', '.join(extra[1:4])}{', ...' if len(extra) > 4 else ''})" if len(extra) > 1 else ""
+        raise CheckpointMismatchError(
+            f"tensor {entry.name!r} in {entry.path} has no parameter or buffer in {type(module).__name__}{more}; the "
+            f"checkpoint is for another model or config.json is wrong")
+
+
+def _materialize_buffers(module: nn.Module, checkpoint: SafetensorsCheckpoint, handle: AioHandle,
+                         device: torch.device) -> int:
+    """Give every meta buffer real memory: persistent ones from the checkpoint, the others (rotary
+    frequencies) computed by transformers' own initialisation. Returns bytes read."""
+    prefix = getattr(module, "base_model_prefix", "") or ""
+    nbytes = 0
+    to_init = []
+    for name, buffer in list(module.named_buffers()):
+        if buffer.device.type != "meta":
+            continue
+        owner_path, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_path)
+        key = next((k for k in _candidates(name, prefix) if k in checkpoint), None)
+        if key is not None:
+            windows = checkpoint.windows([key])
+            raw = aligned_tensor(windows_nbytes(windows), torch.uint8)
+            nbytes += sum(f.result() for f in read_windows(handle, windows, raw))
+            owner._buffers[attr] = tensor_views(windows, raw)[key].to(device=device, dtype=buffer.dtype).clone()
+        else:
+            owner._buffers[attr] = torch.empty_like(buffer, device=device)
+            to_init.append(owner)
+    init = getattr(module, "_init_weights", None)
+    for owner in dict.fromkeys(to_init):
+        if init is None or any(True for _ in owner.parameters(recurse=False)):
+            raise ValueError(f"buffer of {type(owner).__name__} is neither in the checkpoint nor computable here")
+        init(owner)
+    return nbytes
+
+
+def _measure_disk(handle: AioHandle, checkpoint: SafetensorsCheckpoint) -> tuple[float, str]:
+    """Read up to 256 MiB of the checkpoint's largest file with O_DIRECT; (bytes per second, description)."""
+    path = max(checkpoint.files, key=checkpoint.file_sizes.__getitem__)
+    total = min(checkpoint.file_sizes[path], _DISK_PROBE_BYTES) // 4096 * 4096
+    chunk = min(total, 64 << 20)
+    if chunk == 0:
+        return 0.0, "not measured: the checkpoint is smaller than a page"
+    buffer = aligned_tensor(chunk, torch.uint8)
+    start = time.perf_counter()
+    for offset in range(0, total - chunk + 1, chunk):
+        handle.read(buffer, path, offset).result()
+    seconds = time.perf_counter() - start
+    moved = (total // chunk) * chunk
+    return moved / seconds, f"measured: {format_bytes(moved)} of {os.path.basename(path)} read with O_DIRECT"

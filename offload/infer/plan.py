@@ -1,0 +1,202 @@
+"""Placement: which weights stay in memory and which are streamed from the disk each forward.
+
+Pure arithmetic on sizes (no model, no disk), so it is tested on its own. Every streamed byte is read
+once per forward, so a byte kept resident saves the same one byte per forward wherever it is: the
+plan keeps what must stay (embeddings, norms, tied weights), then as many whole units (decoder
+layers, the output head) as the budget holds after the KV cache. Resident layers are spread evenly
+through the forward rather than bunched at its start, so that the disk keeps reading the next
+streamed layer while each resident one computes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["BudgetError", "Plan", "UnitSize", "format_bytes", "make_plan"]
+
+
+class BudgetError(ValueError):
+    """The memory budget, the buffers or the machine cannot hold what the plan needs; names the figures."""
+
+
+def format_bytes(nbytes: float) -> str:
+    """ "1.50 GiB", "12.3 MiB", "512 B"."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.2f} {unit}" if unit in ("GiB", "TiB") else f"{nbytes / size:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+@dataclass(frozen=True, slots=True)
+class UnitSize:
+    """One unit of placement (a decoder layer, the output head, the embeddings) as the plan sees it."""
+
+    name: str
+    """Module path, e.g. "model.layers.3"."""
+    nbytes: int
+    """Its weights' bytes in memory."""
+    read_nbytes: int
+    """Bytes one read of it moves from the disk (its aligned windows)."""
+    buffer_nbytes: int
+    """Buffer bytes its windows need."""
+    streamable: bool
+    """False for what must stay resident (embeddings, norms, tied weights)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What stays in memory, what is streamed, and what it costs per forward."""
+
+    units: tuple[UnitSize, ...]
+    """Every unit, in forward order."""
+    resident: frozenset[str]
+    budget: int
+    """Bytes for resident weights and the KV cache (``max_in_cpu``); -1 with device "cpu" (no limit)."""
+    kv_bytes: int
+    """KV cache reserved in the budget (0 until a batch is known)."""
+    kv_shape: tuple[int, int]
+    """(batch, tokens) the KV reservation is for."""
+    buffer_count: int
+    buffer_nbytes: int
+    """Bytes per ring buffer (0 when nothing is streamed)."""
+    disk_bps: float | None = None
+    """Disk read speed in bytes per second, or None when unknown."""
+    disk_source: str = ""
+    """How ``disk_bps`` was obtained ("measured: ..." or "given")."""
+
+    @property
+    def streamed(self) -> tuple[UnitSize, ...]:
+        """The streamed units, in forward order."""
+        return tuple(u for u in self.units if u.name not in self.resident)
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(u.nbytes for u in self.units if u.name in self.resident)
+
+    @property
+    def streamed_bytes(self) -> int:
+        """Weight bytes streamed per forward."""
+        return sum(u.nbytes for u in self.streamed)
+
+    @property
+    def read_bytes_per_forward(self) -> int:
+        """Bytes read from the disk per forward (the streamed units' windows, alignment slack included)."""
+        return sum(u.read_nbytes for u in self.streamed)
+
+    @property
+    def buffers_bytes(self) -> int:
+        return self.buffer_count * self.buffer_nbytes if self.streamed else 0
+
+    @property
+    def disk_seconds_per_forward(self) -> float | None:
+        """Time the disk needs to read one forward's streamed bytes, or None when its speed is unknown."""
+        if not self.disk_bps:
+            return None
+        return self.read_bytes_per_forward / self.disk_bps
+
+    @property
+    def memory_bytes(self) -> int:
+        """Resident weights + ring buffers + reserved KV cache: the plan's memory, activations aside."""
+        return self.resident_bytes + self.buffers_bytes + self.kv_bytes
+
+    def describe(self) -> str:
+        """The plan as a few lines for people."""
+        resident = [u for u in self.units if u.name in self.resident]
+        budget = "no limit (device cpu)" if self.budget < 0 else format_bytes(self.budget)
+        lines = [f"placement: budget {budget} for resident weights and the KV cache",
+                 f"  resident: {format_bytes(self.resident_bytes)} in memory: {_names(resident)}"]
+        streamed = self.streamed
+        if streamed:
+            lines.append(f"  streamed: {format_bytes(self.streamed_bytes)} per forward from the checkpoint "
+                         f"({format_bytes(self.read_bytes_per_forward)} read, alignment included): {_names(streamed)}")
+            lines.append(f"  buffers: {self.buffer_count} x {format_bytes(self.buffer_nbytes)} (locked ring, "
+                         f"read ahead while a layer computes)")
+        else:
+            lines.append("  streamed: nothing (every weight is in memory)")
+        batch, tokens = self.kv_shape
+        lines.append(f"  KV cache: {format_bytes(self.kv_bytes)} reserved"
+                     + (f" (batch {batch} x {tokens} tokens)" if batch else " (none yet: reserved per generate call)"))
+        lines.append(f"  memory: {format_bytes(self.memory_bytes)} = resident + buffers + KV cache, activations aside")
+        if streamed:
+            if self.disk_bps:
+                lines.append(f"  disk: {self.disk_bps / 1e9:.2f} GB/s ({self.disk_source}): "
+                             f"{self.disk_seconds_per_forward:.3f} s per forward to read the streamed weights")
+            else:
+                lines.append("  disk: speed unknown")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+def _names(units: Sequence[UnitSize]) -> str:
+    """ "model.embed_tokens, model.norm, model.layers.{0,3,5} (3 of them)": repeated blocks folded."""
+    groups: dict[str, list[str]] = {}
+    order: list[str] = []
+    for unit in units:
+        match = re.fullmatch(r"(.*)\.(\d+)", unit.name)
+        key, leaf = (match.group(1), match.group(2)) if match else (unit.name, "")
+        if key not in groups:
+            order.append(key)
+        groups.setdefault(key, []).append(leaf)
+    parts = []
+    for key in order:
+        leaves = groups[key]
+        if leaves == [""]:
+            parts.append(key)
+        else:
+            parts.append(f"{key}.{{{','.join(leaves)}}} ({len(leaves)})")
+    return ", ".join(parts) if parts else "nothing"
+
+
+def _spread_order(count: int) -> list[int]:
+    """0..count-1 ordered so that every prefix is spread evenly (bit-reversed order: 0, n/2, n/4, 3n/4, ...)."""
+    bits = max(1, (count - 1).bit_length())
+    return sorted(range(count), key=lambda i: int(format(i, f"0{bits}b")[::-1], 2))
+
+
+def make_plan(units: Sequence[UnitSize], *, budget: int | None, buffer_count: int, buffer_nbytes: int | None = None,
+              kv_bytes: int = 0, kv_shape: tuple[int, int] = (0, 0), disk_bps: float | None = None,
+              disk_source: str = "") -> Plan:
+    """Place ``units`` (in forward order) within ``budget`` bytes (None: everything resident, device "cpu").
+
+    The units that are not streamable and ``kv_bytes`` of KV cache come first; then streamable units,
+    largest first (ties spread evenly through the forward), while they fit. ``buffer_nbytes`` is the
+    user's buffer size in bytes (None: the largest streamed unit's).
+
+    Raises BudgetError naming the figures when the budget cannot hold the units that must stay plus
+    the KV cache, or when ``buffer_nbytes`` cannot hold a streamed unit.
+    """
+    if budget is None:
+        return Plan(tuple(units), frozenset(u.name for u in units), -1, kv_bytes, kv_shape, buffer_count, 0,
+                    disk_bps, disk_source)
+    # 1. What must stay, and the KV cache: both have to fit.
+    required = [u for u in units if not u.streamable]
+    must = sum(u.nbytes for u in required) + kv_bytes
+    if must > budget:
+        kv = f" plus a KV cache of {format_bytes(kv_bytes)} for batch {kv_shape[0]} x {kv_shape[1]} tokens" if kv_bytes else ""
+        raise BudgetError(
+            f"zero_optimization.offload_param.max_in_cpu: the budget of {format_bytes(budget)} cannot hold the weights "
+            f"that must stay in memory ({format_bytes(must - kv_bytes)}: {_names(required)}){kv}; raise max_in_cpu to at "
+            f"least {format_bytes(must)}" + (" or lower the batch size or the number of tokens" if kv_bytes else ""))
+    # 2. Then whole streamable units, largest first; equal ones spread through the forward.
+    streamable = [u for u in units if u.streamable]
+    rank = {streamable[i].name: r for r, i in enumerate(_spread_order(len(streamable)))}
+    room = budget - must
+    resident = {u.name for u in required}
+    for unit in sorted(streamable, key=lambda u: (-u.nbytes, rank[u.name])):
+        if unit.nbytes <= room:
+            resident.add(unit.name)
+            room -= unit.nbytes
+    # 3. The ring's buffers hold the largest streamed unit.
+    streamed = [u for u in units if u.name not in resident]
+    need = max((u.buffer_nbytes for u in streamed), default=0)
+    if buffer_nbytes is not None and streamed and buffer_nbytes < need:
+        largest = max(streamed, key=lambda u: u.buffer_nbytes)
+        raise BudgetError(
+            f"zero_optimization.offload_param.buffer_size: a buffer of {format_bytes(buffer_nbytes)} cannot hold "
+            f"{largest.name!r}, which is streamed and needs {format_bytes(need)} ({need} bytes, its aligned windows); "
+            f"raise buffer_size or leave it out to size the buffers to the largest streamed layer")
+    return Plan(tuple(units), frozenset(resident), budget, kv_bytes, kv_shape, buffer_count, need, disk_bps, disk_source)
