@@ -17,8 +17,8 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
-# data_ptr -> how the buffer is locked ("cuda-registered", "mlocked" or "not locked: <reason>").
-_lock_status: dict[int, str] = {}
+# data_ptr -> (how the buffer is locked: "cuda-registered", "mlocked" or "not locked: <reason>", its bytes).
+_lock_status: dict[int, tuple[str, int]] = {}
 _status_lock = threading.Lock()
 
 
@@ -75,25 +75,20 @@ def locked_tensor(num_elem: int, dtype: torch.dtype = torch.uint8) -> torch.Tens
     status = _lock(tensor)
     ptr, nbytes = tensor.data_ptr(), tensor.untyped_storage().nbytes()
     with _status_lock:
-        _lock_status[ptr] = status
+        _lock_status[ptr] = (status, nbytes)
     if status.startswith("not locked") and not getattr(locked_tensor, "_warned", False):
         locked_tensor._warned = True  # type: ignore[attr-defined]
         log.warning("tensorio: buffers are %s", status)
     # Unlock when the memory goes away: the mapping lives exactly as long as the last view.
-    weakref.finalize(region, _forget, ptr, nbytes, status)
+    weakref.finalize(region, unlock_at, ptr)
     return tensor
-
-
-def _forget(ptr: int, nbytes: int, status: str) -> None:
-    with _status_lock:
-        if _lock_status.pop(ptr, None) is not None:
-            _unlock(ptr, nbytes, status)
 
 
 def lock_status(tensor: torch.Tensor) -> str:
     """How ``tensor``'s memory is locked: "cuda-registered", "mlocked" or "not locked: <reason>"."""
     with _status_lock:
-        return _lock_status.get(tensor.untyped_storage().data_ptr(), "not locked: not a tensorio locked buffer")
+        entry = _lock_status.get(tensor.untyped_storage().data_ptr())
+    return entry[0] if entry else "not locked: not a tensorio locked buffer"
 
 
 def free_locked_tensor(tensor: torch.Tensor) -> None:
@@ -101,9 +96,25 @@ def free_locked_tensor(tensor: torch.Tensor) -> None:
 
     Raises ValueError for a tensor that ``locked_tensor`` did not make.
     """
-    ptr = tensor.untyped_storage().data_ptr()
-    with _status_lock:
-        status = _lock_status.pop(ptr, None)
-    if status is None:
+    if not unlock_at(tensor.untyped_storage().data_ptr()):
         raise ValueError("free_locked_tensor: this tensor was not made by locked_tensor/new_cpu_locked_tensor")
-    _unlock(ptr, tensor.untyped_storage().nbytes(), status)
+
+
+def unlock_at(ptr: int) -> bool:
+    """Unlock the ``locked_tensor`` buffer starting at address ``ptr``; False when there is none."""
+    with _status_lock:
+        entry = _lock_status.pop(ptr, None)
+    if entry is None:
+        return False
+    _unlock(ptr, entry[1], entry[0])
+    return True
+
+
+def in_locked_buffer(tensor: torch.Tensor) -> bool:
+    """Whether all of ``tensor``'s bytes lie inside one live ``locked_tensor`` buffer (a view counts)."""
+    if tensor.device.type != "cpu":
+        return False
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    with _status_lock:
+        return any(base <= start and end <= base + nbytes for base, (_, nbytes) in _lock_status.items())

@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from ._buffers import free_locked_tensor, locked_tensor
+from ._buffers import in_locked_buffer, locked_tensor, unlock_at
 from ._config import MiB, AioConfig
 from ._errors import TensorIOError
 from ._fs import DIRECT_ALIGN, direct_supported, fd_is_direct, open_for_io, probe_direct, reopen_buffered
@@ -98,22 +98,34 @@ class AioHandle:
 
     # ---- the Pythonic surface -------------------------------------------------------------------
 
-    def read(self, tensor: torch.Tensor, path: PathOrFd, offset: int = 0) -> IOFuture:
+    def read(self, tensor: torch.Tensor, path: PathOrFd, offset: int = 0, file_offset: int | None = None, *,
+             validate: bool | None = None) -> IOFuture | int:
         """Start filling ``tensor`` from ``path`` (a file name or an open fd) at byte ``offset``.
 
         Returns a future whose ``result()`` is the byte count, or raises TensorIOError (a short
         file, EIO, ...). Raises at once TypeError/ValueError for a bad tensor or offset and
         TensorIOError when the file cannot be opened. Do not touch ``tensor`` until it is done.
+
+        DeepSpeed's ``read(buffer, filename, validate, file_offset=0)`` works too: a bool third
+        argument (or ``validate=``) makes it that synchronous call, which returns 0 once done.
         """
+        if isinstance(offset, bool) or validate is not None or file_offset is not None:
+            return self._deepspeed_read_write(False, tensor, path, offset, file_offset, validate)
         return self._start(False, tensor, path, offset)
 
-    def write(self, tensor: torch.Tensor, path: PathOrFd, offset: int = 0) -> IOFuture:
+    def write(self, tensor: torch.Tensor, path: PathOrFd, offset: int = 0, file_offset: int | None = None, *,
+              validate: bool | None = None) -> IOFuture | int:
         """Start writing ``tensor``'s bytes to ``path`` (a file name or an open fd) at byte ``offset``.
 
         Returns a future whose ``result()`` is the byte count, or raises TensorIOError (ENOSPC, EIO,
         ...). Raises at once TypeError/ValueError for a bad tensor or offset and TensorIOError when
         the file cannot be created. Do not modify ``tensor`` until it is done.
+
+        DeepSpeed's ``write(buffer, filename, validate, file_offset=0)`` works too: a bool third
+        argument (or ``validate=``) makes it that synchronous call, which returns 0 once done.
         """
+        if isinstance(offset, bool) or validate is not None or file_offset is not None:
+            return self._deepspeed_read_write(True, tensor, path, offset, file_offset, validate)
         return self._start(True, tensor, path, offset)
 
     def _start(self, write: bool, tensor: torch.Tensor, path: PathOrFd, offset: int) -> IOFuture:
@@ -179,23 +191,28 @@ class AioHandle:
 
     # ---- the DeepSpeed aio_handle surface ---------------------------------------------------------
 
+    # Return values are DeepSpeed's (csrc/aio/py_lib/deepspeed_py_io_handle.cpp, py_ds_aio.cpp). Where
+    # DeepSpeed returns -1, prints, or moves fewer bytes without a word (a short read or write, a failed
+    # validation, an unopenable file), tensorio raises TensorIOError instead.
+
     def sync_pread(self, buffer: torch.Tensor, filename: PathOrFd | None = None, file_offset: int = 0, *,
                    fd: int | None = None) -> int:
-        """Read ``buffer`` from ``filename`` (or ``fd``) at ``file_offset``; returns 1 when done.
+        """Read ``buffer`` from ``filename`` (or ``fd``) at ``file_offset`` and wait.
 
-        Raises TensorIOError naming the path, offset and length when the read fails.
+        Returns the operations completed: 1, plus the asynchronous ones still pending, which this
+        call waits for too (as in DeepSpeed). Raises TensorIOError naming the path, offset and length
+        when this or a pending operation failed.
         """
-        self.read(buffer, _target(filename, fd), file_offset).result()
-        return 1
+        return self._sync(False, buffer, _target(filename, fd), file_offset, validate=False)
 
     def sync_pwrite(self, buffer: torch.Tensor, filename: PathOrFd | None = None, file_offset: int = 0, *,
                     fd: int | None = None) -> int:
-        """Write ``buffer`` to ``filename`` (or ``fd``) at ``file_offset``; returns 1 when done.
+        """Write ``buffer`` to ``filename`` (or ``fd``) at ``file_offset`` and wait.
 
-        Raises TensorIOError naming the path, offset and length when the write fails.
+        Returns the operations completed: 1, plus the asynchronous ones still pending (as in
+        DeepSpeed). Raises TensorIOError naming the path, offset and length when one failed.
         """
-        self.write(buffer, _target(filename, fd), file_offset).result()
-        return 1
+        return self._sync(True, buffer, _target(filename, fd), file_offset, validate=False)
 
     def async_pread(self, buffer: torch.Tensor, filename: PathOrFd | None = None, file_offset: int = 0, *,
                     fd: int | None = None) -> int:
@@ -204,34 +221,37 @@ class AioHandle:
 
     def async_pwrite(self, buffer: torch.Tensor, filename: PathOrFd | None = None, file_offset: int = 0, *,
                      fd: int | None = None) -> int:
-        """Start a write; returns 0 at once. ``wait()`` reports its completion or raises its error."""
+        """Start a write; returns 0 at once. ``wait()`` reports its completion or raises its error.
+
+        As in DeepSpeed, an int ``filename`` is an open file descriptor (``async_pwrite(buf, fd, off)``).
+        """
         return self._start_pending(True, buffer, _target(filename, fd), file_offset, validate=False)
 
     def pread(self, buffer: torch.Tensor, filename: PathOrFd | None = None, validate: bool = False,
               async_op: bool = False, file_offset: int = 0, *, fd: int | None = None) -> int:
-        """DeepSpeed's ``pread``: synchronous (returns 1) or, with ``async_op``, started (returns 0).
+        """DeepSpeed's ``pread``: with ``async_op`` started (returns 0), else as ``sync_pread``.
 
         With ``validate`` the bytes are checked against an independent buffered read of the file and
         a mismatch raises TensorIOError (from here, or from ``wait()`` for an asynchronous read).
         """
-        return self._validated(False, buffer, _target(filename, fd), validate, async_op, file_offset)
+        if async_op:
+            return self._start_pending(False, buffer, _target(filename, fd), file_offset, validate=validate)
+        return self._sync(False, buffer, _target(filename, fd), file_offset, validate=validate)
 
     def pwrite(self, buffer: torch.Tensor, filename: PathOrFd | None = None, validate: bool = False,
                async_op: bool = False, file_offset: int = 0, *, fd: int | None = None) -> int:
-        """DeepSpeed's ``pwrite``: synchronous (returns 1) or, with ``async_op``, started (returns 0).
+        """DeepSpeed's ``pwrite``: with ``async_op`` started (returns 0), else as ``sync_pwrite``.
 
         With ``validate`` the file is read back independently and a mismatch raises TensorIOError.
         """
-        return self._validated(True, buffer, _target(filename, fd), validate, async_op, file_offset)
-
-    def _validated(self, write: bool, buffer: torch.Tensor, path: PathOrFd, validate: bool, async_op: bool,
-                   offset: int) -> int:
         if async_op:
-            return self._start_pending(write, buffer, path, offset, validate=validate)
-        self._start(write, buffer, path, offset).result()
-        if validate:
-            _validate(buffer, path, offset)
-        return 1
+            return self._start_pending(True, buffer, _target(filename, fd), file_offset, validate=validate)
+        return self._sync(True, buffer, _target(filename, fd), file_offset, validate=validate)
+
+    def _sync(self, write: bool, buffer: torch.Tensor, path: PathOrFd, offset: int, *, validate: bool) -> int:
+        # DeepSpeed's synchronous calls queue the operation, then wait for everything queued.
+        self._start_pending(write, buffer, path, offset, validate=validate)
+        return self.wait()
 
     def _start_pending(self, write: bool, buffer: torch.Tensor, path: PathOrFd, offset: int, *,
                        validate: bool) -> int:
@@ -240,10 +260,25 @@ class AioHandle:
             self._pending.append((future, buffer if validate else None, path, offset))
         return 0
 
+    def _deepspeed_read_write(self, write: bool, buffer: torch.Tensor, path: PathOrFd, offset: int | bool,
+                              file_offset: int | None, validate: bool | None) -> int:
+        # DeepSpeed's read/write(buffer, filename, validate, file_offset=0): synchronous, outside the
+        # wait() accounting, 0 when done.
+        if isinstance(offset, bool):
+            validate, offset = offset if validate is None else validate, 0
+        if offset and file_offset:
+            raise TypeError("pass the file offset once: offset= or DeepSpeed's file_offset=")
+        offset = file_offset or offset
+        self._start(write, buffer, path, offset).result()
+        if validate:
+            _validate(buffer, path, offset)
+        return 0
+
     def wait(self) -> int:
         """Wait for every asynchronous operation started since the last ``wait()``; return their count.
 
-        Raises the first failed operation's TensorIOError once all of them have finished.
+        Returns 0 when none is pending. Raises the first failed operation's TensorIOError once all of
+        them have finished.
         """
         with self._pending_lock:
             pending, self._pending = self._pending, []
@@ -261,12 +296,30 @@ class AioHandle:
         return len(pending)
 
     def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
-        """A page-aligned, locked CPU tensor of ``num_elem`` elements of ``example_tensor``'s dtype."""
+        """A page-aligned, locked, zero-filled 1-D CPU tensor of ``num_elem`` elements of
+        ``example_tensor``'s dtype. Any handle's ``free_cpu_locked_tensor`` unlocks it."""
         return locked_tensor(int(num_elem), example_tensor.dtype)
 
-    def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> None:
-        """Unlock a tensor from ``new_cpu_locked_tensor``. Raises ValueError for any other tensor."""
-        free_locked_tensor(tensor)
+    def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> bool:
+        """Unlock a tensor from ``new_cpu_locked_tensor``; returns True, or False (doing nothing) for
+        any other tensor, an already freed one, or a view not starting at its buffer (as DeepSpeed).
+
+        Unlike DeepSpeed, the memory stays valid until the tensor's last reference goes.
+        """
+        return unlock_at(tensor.data_ptr())
+
+    def is_pinned(self, buffer: torch.Tensor) -> bool:
+        """Whether ``buffer`` lies inside one ``new_cpu_locked_tensor`` buffer or is torch-pinned
+        (DeepSpeed's test for a buffer that needs no bounce copy)."""
+        if buffer.device.type != "cpu":
+            return False
+        return in_locked_buffer(buffer) or buffer.is_pinned()
+
+    def get_alignment(self) -> int:
+        """DeepSpeed's alignment number: 512 x ``intra_op_parallelism`` (its callers size buffers and
+        file offsets to multiples of it). tensorio needs no alignment to be correct; its fast path
+        is page-aligned (4096) memory and offsets."""
+        return self.config.thread_count * 512
 
     def get_block_size(self) -> int:
         """The block size in bytes."""
@@ -289,7 +342,7 @@ class AioHandle:
         return self.config.thread_count
 
     def get_thread_count(self) -> int:
-        """Workers a request is spread over."""
+        """Workers a request is spread over (tensorio's name; DeepSpeed's handle has no such getter)."""
         return self.config.thread_count
 
     # ---- lifetime ---------------------------------------------------------------------------------
