@@ -364,7 +364,7 @@ class AioHandle:
 
 
 def _close_backend(backend) -> None:
-    backend.close()
+    backend.close()  # looked up when called, so that tensorio.testing's patch applies
 
 
 def _target(filename: PathOrFd | None, fd: int | None) -> PathOrFd:
