@@ -15,6 +15,7 @@ partition; `OffloadAdam` steps the partitions with its state in memory or on NVM
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -115,15 +116,43 @@ def _warn_no_effect(zero: Any) -> None:
 
 def _assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int, group: Any,
               optimizer: Any, lr_scheduler: Any) -> "Engine":
-    """Build the engine in the order each part needs the one before it."""
+    """Build the engine in the order each part needs the one before it.
+
+    All or nothing: on any error the model's parameters get their original tensors back, and every
+    swap file, hook and thread made so far is removed, before the error propagates.
+    """
     zero = cfg.zero_optimization
-    offload_param, offload_opt = zero.offload_param, zero.offload_optimizer
     check_nvme_paths(cfg)
     _warn_no_effect(zero)
-    if cfg.fp16.enabled:
-        model.half()
-    elif cfg.bf16.enabled:
-        model.to(torch.bfloat16)
+    with contextlib.ExitStack() as undo:
+        originals = [(p, p.data) for p in model.parameters()]  # references, not copies
+        undo.callback(_restore, originals)
+        engine = _build(model, cfg, undo, world_size=world_size, rank=rank, group=group, optimizer=optimizer,
+                        lr_scheduler=lr_scheduler)
+        undo.pop_all()  # success: nothing to undo
+    dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None
+    if dtype is not None:  # floating buffers follow the parameters, as model.half() would cast them
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.is_floating_point():
+                    module._buffers[name] = buffer.to(dtype)
+    return engine
+
+
+def _restore(originals: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+    for param, data in originals:
+        param.data = data
+
+
+def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, world_size: int, rank: int,
+           group: Any, optimizer: Any, lr_scheduler: Any) -> "Engine":
+    """`_assemble`'s steps; each thing made is registered in ``undo`` for removal on failure."""
+    zero = cfg.zero_optimization
+    offload_param, offload_opt = zero.offload_param, zero.offload_optimizer
+    dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None
+    if dtype is not None:  # parameter by parameter; the originals stay referenced until success
+        for p in model.parameters():
+            p.data = p.data.to(dtype)
     if world_size > 1:  # every rank starts from rank 0's weights
         for p in model.parameters():
             dist.broadcast(p.data, 0, group=group)
@@ -134,8 +163,10 @@ def _assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int
     if nvme:
         check_against_model(cfg, {n: p.numel() for n, p in model.named_parameters()
                                   if p.numel() > zero.stage3_param_persistence_threshold})
-    swap = (SwapFile(offload_param.nvme_path, cfg.aio, kind="params", key="zero_optimization.offload_param.nvme_path")
-            if nvme else None)
+    swap = None
+    if nvme:
+        swap = SwapFile(offload_param.nvme_path, cfg.aio, kind="params", key="zero_optimization.offload_param.nvme_path")
+        undo.callback(swap.close)
     records = build_records(model, world_size=world_size, rank=rank, nvme=nvme,
                             max_in_cpu=offload_param.max_in_cpu if nvme else 0,
                             persistence_threshold=zero.stage3_param_persistence_threshold, swap=swap)
@@ -152,7 +183,10 @@ def _assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int
     in_backward = _updates_in_backward(cfg, optimizer, trainable)
     grad_swap = (SwapFile(offload_opt.nvme_path, cfg.aio, kind="grads", key="zero_optimization.offload_optimizer.nvme_path")
                  if offload_opt.device == "nvme" and not in_backward else None)
+    if grad_swap is not None:
+        undo.callback(grad_swap.close)
     reducer = GradReducer(store, world_size=world_size, rank=rank, group=group, swap=grad_swap)
+    undo.callback(reducer.remove)
     # 4. Optimizer offload: OffloadAdam over the partitions; it plans its sub-groups from their sizes,
     #    so it comes after the partitions exist and before anything runs.
     #    With on-disk partitions updated during backward, applied gradients lent to the optimizer's
@@ -172,6 +206,8 @@ def _assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int
     with checkpoint.sized_partitions(trainable):
         opt = _build_optimizer(cfg, optimizer, [rec.partition for rec in trainable], overlap_backward=in_backward,
                                spare_limit=spare_limit, sub_group_size=sub_group_size)
+    if hasattr(opt, "close"):
+        undo.callback(opt.close)
     if in_backward:
         if spare_limit is not None:
             writeback = PartitionWriteBack(store, opt, limit=offload_param.buffer_size)
@@ -179,6 +215,7 @@ def _assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int
     scheduler = _build_scheduler(cfg, lr_scheduler, opt)
     # 5. Gather hooks and prefetch: last, since they gather the partitions placed above.
     store.install(model)
+    undo.callback(store.remove_hooks)
     return Engine(model, cfg, store, reducer, opt, scheduler, world_size=world_size, rank=rank, group=group,
                   writeback=writeback)
 
@@ -305,6 +342,11 @@ class Engine:
         self._reducer = reducer
         self._writeback = writeback
         self._chunks = _step_chunks(store.records, config)
+        self._failure: str | None = None
+        """Why the model's parameters may be partly updated (a step failed part way); None: they are whole."""
+        self._last_checkpoint: str | None = None
+        self._grads_failure: str | None = None
+        """Why the accumulated gradients are incomplete (a backward failed); cleared by zero_grad."""
         self.timers = PhaseTimers.from_config(config, log=log.info if rank == 0 else (lambda line: None))
         self._finalizer = weakref.finalize(self, _close, store, reducer, optimizer)
 
@@ -336,9 +378,13 @@ class Engine:
             # Saved-tensor hooks here too: reentrant activation checkpointing re-runs forward in backward.
             with self.timers.phase("backward"), self._store.saved_tensor_hooks():
                 loss.backward()
-        except BaseException:
+        except BaseException as error:
             if self._reducer.consumer is not None:
                 self._abandon_updates()  # this backward's updates are forgotten, their buffers let go
+                self._failed(error)  # some partitions were already updated during this backward
+            else:
+                self._grads_failure = (f"the backward of step {self.global_steps + 1} failed ({type(error).__name__}: "
+                                       f"{error}), so the accumulated gradients are incomplete")
             raise
         finally:
             self._store.end_backward()  # sync point: every gathered parameter and unused prefetch is released
@@ -353,6 +399,10 @@ class Engine:
         Raises tensorio.TensorIOError when the swap files fail, RuntimeError when fp16 overflows at
         the minimum loss scale.
         """
+        self._check_not_failed("step")
+        if self._grads_failure is not None:
+            raise RuntimeError(f"cannot step: {self._grads_failure}; call zero_grad() and run the accumulation "
+                               f"again, or load_checkpoint(...)")
         if self.is_gradient_accumulation_boundary():
             with self.timers.phase("step"):
                 self._optimizer_step()
@@ -368,6 +418,18 @@ class Engine:
         if self.rank == 0:
             log.info(f"step {self.global_steps}: lr {self.get_lr()}, skipped {self.skipped_steps}{scale}")
 
+    def _failed(self, error: BaseException) -> None:
+        """A step failed after it began to change parameters: refuse to step or save until a load."""
+        self._failure = f"step {self.global_steps + 1} failed part way ({type(error).__name__}: {error})"
+
+    def _check_not_failed(self, what: str) -> None:
+        if self._failure is not None:
+            resume = (f"load_checkpoint({os.path.dirname(self._last_checkpoint)!r}, "
+                      f"tag={os.path.basename(self._last_checkpoint)!r})" if self._last_checkpoint else
+                      "load_checkpoint(...) with your last checkpoint")
+            raise RuntimeError(f"cannot {what}: {self._failure}, so some parameters may carry its update and others "
+                               f"not; {what} would go on from a mixed model. Resume with {resume}")
+
     def _optimizer_step(self) -> None:
         records = [rec for rec in self._store.records if rec.param.requires_grad]
         if self._reducer.consumer is not None:  # partitions were updated during backward
@@ -375,12 +437,18 @@ class Engine:
                 self.optimizer.step()  # sync point: waits for those updates; steps any partition left
                 if self._writeback is not None:
                     self._writeback.finish()  # sync point: on-disk partitions written back
-            except BaseException:
+            except BaseException as error:
                 self._abandon_updates()
+                self._failed(error)
                 raise
             self._finish_step(records)
             return
-        factor = self._unscale_and_clip(records)
+        try:
+            factor = self._unscale_and_clip(records)
+        except BaseException as error:  # nothing is updated yet: the parameters are whole
+            self._grads_failure = (f"step {self.global_steps + 1} failed before its update ({type(error).__name__}: "
+                                   f"{error}): its gradients are lost, the parameters are whole")
+            raise
         if factor is None:  # fp16 overflow: the step is skipped
             self.skipped_steps += 1
             self.zero_grad()
@@ -388,6 +456,15 @@ class Engine:
         # 3. The update, chunk by chunk: NVMe partitions (and offloaded gradients) are read in,
         #    stepped and written back. Three chunks are in memory at most: the next one being read,
         #    this one being stepped, the previous one being written (each a third of the swap budget).
+        try:
+            self._update_in_chunks(factor)
+        except BaseException as error:
+            self._failed(error)
+            raise
+        self._finish_step(records)
+
+    def _update_in_chunks(self, factor: float) -> None:
+        """Phase 3 of a step without updates during backward (see `_optimizer_step`)."""
         chunks = self._chunks
         grad_reads = self._start_chunk(chunks[0]) if chunks else {}
         writing: tuple[list[ParamRecord], list] = ([], [])
@@ -410,7 +487,6 @@ class Engine:
             writing = (chunk, self._store.start_stores(chunk))
             grad_reads = next_reads
         self._store.finish_stores(*writing)
-        self._finish_step(records)
 
     def _abandon_updates(self) -> None:
         """After a failure on the updates-during-backward path: the optimizer's thread is joined and its
@@ -473,6 +549,7 @@ class Engine:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the accumulated gradient partitions (in memory and offloaded)."""
+        self._grads_failure = None
         self._reducer.clear()
         for rec in self._store.records:
             rec.partition.grad = None
@@ -527,6 +604,7 @@ class Engine:
         must call it. Raises TypeError for a ``client_state`` entry that is neither, OSError naming
         the file (ENOSPC, ...), TensorIOError.
         """
+        self._check_not_failed("save a checkpoint")
         tag = tag if tag is not None else f"global_step{self.global_steps}"
         self._settle()
         state = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
@@ -534,8 +612,10 @@ class Engine:
                  "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
                  "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
                  "client_state": dict(client_state or {})}
-        return checkpoint.save_checkpoint(save_dir, tag, rank=self.rank, group=self.group, store=self._store,
+        path = checkpoint.save_checkpoint(save_dir, tag, rank=self.rank, group=self.group, store=self._store,
                                           optimizer=self.optimizer, state=state)
+        self._last_checkpoint = path
+        return path
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None
                         ) -> tuple[str | None, dict[str, Any] | None]:
@@ -557,6 +637,7 @@ class Engine:
         self.global_steps, self.micro_steps = state["global_steps"], state["micro_steps"]
         self.skipped_steps = state["skipped_steps"]
         self.zero_grad()
+        self._failure, self._last_checkpoint = None, path  # every partition holds the checkpoint's values
         return path, state["client_state"]
 
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "model.safetensors") -> bool:

@@ -1,0 +1,152 @@
+"""Faults injected at every request of a training step, a checkpoint save and a load: after each,
+the last good checkpoint loads and training continues bit-identical to a run that never failed; an
+engine whose step failed part way refuses to step or save until it is loaded; a failed initialize
+leaves the model as it was and no file behind."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+import torch
+
+from offload.train.engine import initialize
+from tensorio import TensorIOError
+from tensorio.testing import FailNth, inject_faults
+from test_engine import engine_config, mlp, mlp_batches, mlp_loss
+
+BATCHES = mlp_batches(4)
+
+# gradient_clipping 0: the updates run during backward; 1.0: the step runs after backward, in chunks
+CONFIGS = {"in backward": {}, "after backward": {"gradient_clipping": 1.0}}
+
+
+def _step(engine, batch):
+    loss = mlp_loss(engine, batch)
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def _state(engine):
+    return {name: tensor.clone() for name, tensor in engine.full_parameters()}
+
+
+def _same(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.fixture(params=list(CONFIGS))
+def engine(request, disk_dir):
+    engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, "nvme", "nvme", **CONFIGS[request.param]))
+    yield engine
+    engine.close()
+
+
+def _continue_from(engine, ckpt):
+    """Load the good checkpoint, take two steps: their losses and the parameters after them."""
+    engine.load_checkpoint(ckpt.parent if ckpt.name == "whole" else ckpt, tag="whole" if ckpt.name == "whole" else None)
+    losses = [_step(engine, BATCHES[2]), _step(engine, BATCHES[3])]
+    return losses, _state(engine)
+
+
+def test_a_fault_at_every_request_of_a_step_leaves_the_checkpoint_to_resume_from(engine, tmp_path, request):
+    updates_in_backward = request.node.callspec.params["engine"] == "in backward"
+    for batch in BATCHES[:2]:
+        _step(engine, batch)
+    engine.save_checkpoint(tmp_path)
+    reference = _continue_from(engine, tmp_path)
+    engine.load_checkpoint(tmp_path)
+    with inject_faults() as counted:
+        _step(engine, BATCHES[2])
+    assert counted.count > 0
+    failures = 0
+    for n in range(1, counted.count + 1):
+        engine.load_checkpoint(tmp_path)
+        with inject_faults(FailNth(n, errno.ENOSPC)) as faults:
+            phase = "forward"
+            try:
+                loss = mlp_loss(engine, BATCHES[2])
+                phase = "backward"
+                engine.backward(loss)
+                phase = "step"
+                engine.step()
+            except TensorIOError as error:
+                failures += 1
+                assert error.errno == errno.ENOSPC
+                if phase != "forward":
+                    with pytest.raises(RuntimeError, match=r"cannot step: .*step 3 failed") as refused:
+                        engine.step()
+                    if "failed part way" in str(refused.value):  # parameters may be partly updated
+                        assert "load_checkpoint" in str(refused.value)
+                        with pytest.raises(RuntimeError, match=r"cannot save a checkpoint: step 3 failed part way"):
+                            engine.save_checkpoint(tmp_path, tag="mixed")
+                    else:  # only the gradients are lost: the parameters are whole, a save keeps them
+                        assert not (updates_in_backward and phase == "backward")
+                        engine.save_checkpoint(tmp_path, tag="whole")
+                        losses, params = _continue_from(engine, tmp_path / "whole")
+                        assert losses == reference[0], f"fault at request {n}"
+                        _same(params, reference[1])
+                        engine.load_checkpoint(tmp_path, tag="global_step2")  # latest names "whole" now
+                        (tmp_path / "latest").write_text("global_step2")
+        assert faults.count >= 1
+        assert not (tmp_path / "mixed").exists() and (tmp_path / "latest").read_text() == "global_step2"
+        losses, params = _continue_from(engine, tmp_path)
+        assert losses == reference[0], f"fault at request {n}"
+        _same(params, reference[1])
+    assert failures > 0  # writes at least fail loudly
+
+
+def test_a_fault_at_every_request_of_a_save_and_a_load_keeps_the_last_good_checkpoint(engine, tmp_path):
+    for batch in BATCHES[:2]:
+        _step(engine, batch)
+    engine.save_checkpoint(tmp_path)
+    reference = _continue_from(engine, tmp_path)
+    engine.load_checkpoint(tmp_path)
+    with inject_faults() as saving:
+        engine.save_checkpoint(tmp_path, tag="again")
+    with inject_faults() as loading:
+        engine.load_checkpoint(tmp_path, tag="global_step2")
+    for n in range(1, saving.count + 1):
+        engine.load_checkpoint(tmp_path, tag="global_step2")
+        with inject_faults(FailNth(n, errno.EIO)):
+            with pytest.raises(TensorIOError):
+                engine.save_checkpoint(tmp_path, tag="broken")
+        assert not (tmp_path / "broken").exists()
+        losses, params = _continue_from(engine, tmp_path)
+        assert losses == reference[0], f"fault at save request {n}"
+        _same(params, reference[1])
+    for n in range(1, loading.count + 1):
+        with inject_faults(FailNth(n, errno.EIO)):
+            with pytest.raises(TensorIOError):
+                engine.load_checkpoint(tmp_path, tag="global_step2")
+        losses, params = _continue_from(engine, tmp_path)
+        assert losses == reference[0], f"fault at load request {n}"
+        _same(params, reference[1])
+
+
+def test_a_failed_initialize_leaves_the_model_as_it_was_and_no_file(disk_dir):
+    model = mlp()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with inject_faults(FailNth(3, errno.ENOSPC, op="write")):
+        with pytest.raises(TensorIOError) as info:
+            initialize(model=model, config=engine_config(disk_dir, "nvme", "nvme"))
+    assert info.value.errno == errno.ENOSPC
+    assert list(disk_dir.iterdir()) == []  # the swap files are gone
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[name]), name
+    engine, *_ = initialize(model=model, config=engine_config(disk_dir, "nvme", "nvme"))  # a retry works
+    _step(engine, BATCHES[0])
+    engine.close()
+
+
+def test_a_failed_initialize_under_bf16_gives_the_fp32_parameters_back(disk_dir):
+    model = mlp()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with inject_faults(FailNth(2, errno.ENOSPC, op="write")):
+        with pytest.raises(TensorIOError):
+            initialize(model=model, config=engine_config(disk_dir, "nvme", "nvme", bf16={"enabled": True}))
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p.detach(), before[name]), name
