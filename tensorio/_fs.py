@@ -10,7 +10,7 @@ import os
 import stat
 import threading
 
-from ._errors import io_error
+from ._errors import TensorIOError, io_error
 
 log = logging.getLogger("tensorio")
 
@@ -113,10 +113,11 @@ def direct_supported(directory: str) -> bool:
     return supported
 
 
-def open_for_io(path: str, *, write: bool, direct: bool) -> int:
+def open_for_io(path: str, *, write: bool, direct: bool, offset: int = 0, length: int = 0) -> int:
     """Open ``path`` for a read or a write (created 0600, never truncated); returns the fd.
 
-    Raises TensorIOError naming the path for a missing file or directory or a permission problem.
+    Raises TensorIOError naming the path (see `open_error`); ``offset`` and ``length`` are the
+    request's, for the message.
     """
     flags = os.O_CLOEXEC | (os.O_RDWR | os.O_CREAT if write else os.O_RDONLY)
     if direct:
@@ -124,8 +125,32 @@ def open_for_io(path: str, *, write: bool, direct: bool) -> int:
     try:
         return os.open(path, flags, FILE_MODE)
     except OSError as exc:
-        raise io_error(exc.errno or errno.EIO, "open for " + ("write" if write else "read"),
-                       path=path, offset=0, length=0) from None
+        raise open_error(exc.errno or errno.EIO, path, write=write, offset=offset, length=length) from None
+
+
+def open_error(err: int, path: str, *, write: bool, offset: int, length: int) -> TensorIOError:
+    """The TensorIOError for a failed open of ``path``, saying what is wrong with the path.
+
+    A directory is named as one (O_DIRECT opens of a directory fail with EINVAL, which would
+    otherwise read as an O_DIRECT problem); a missing file or directory names the missing part.
+    """
+    op = "write" if write else "read"
+    if err == errno.EISDIR or (err == errno.EINVAL and os.path.isdir(path)):
+        return TensorIOError(errno.EISDIR, f"cannot {op} a directory", path=path, offset=offset, length=length,
+                             hint="pass the path of a file, not of a directory")
+    if err in (errno.ENOENT, errno.ENOTDIR):
+        directory = os.path.dirname(os.path.abspath(path))
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            return TensorIOError(errno.ENOTDIR, "parent is not a directory", path=path, offset=offset,
+                                 length=length, hint=f"{directory} is a file, not a directory")
+        if not os.path.isdir(directory):
+            hint = f"create {directory} first" if write else f"{directory} does not exist; check the path"
+            return TensorIOError(errno.ENOENT, "directory does not exist", path=path, offset=offset, length=length,
+                                 hint=hint)
+        if not write:
+            return TensorIOError(errno.ENOENT, "open for read failed: the file does not exist", path=path,
+                                 offset=offset, length=length, hint="check the path, or write the file first")
+    return io_error(err, "open for " + op, path=path, offset=offset, length=length)
 
 
 def fd_is_direct(fd: int) -> bool:

@@ -18,7 +18,8 @@ import torch
 from ._buffers import in_locked_buffer, locked_tensor, unlock_at
 from ._config import MiB, AioConfig
 from ._errors import TensorIOError
-from ._fs import DIRECT_ALIGN, direct_supported, fd_is_direct, open_for_io, probe_direct, reopen_buffered
+from ._files import FileTable, OpenFile
+from ._fs import DIRECT_ALIGN, direct_supported, open_error, probe_direct
 from ._plan import Mode, piece_size, plan_pieces
 from ._request import IOFuture, Request, Task
 from ._threads import ThreadBackend
@@ -62,8 +63,9 @@ class AioHandle:
     unaligned heads and tails. A write changes exactly the bytes [offset, offset + nbytes) of the
     file (created with mode 0600, never truncated); a read fills the whole tensor or fails.
 
-    A handle dropped without ``close()`` is closed when it is garbage collected, like a Python
-    file: its started requests finish, then its threads and rings go.
+    Requests on the same file share one descriptor (per mode and O_DIRECT setting), held until the
+    last of them completes. A handle dropped without ``close()`` is closed when it is garbage
+    collected, like a Python file: its started requests finish, then its threads and rings go.
 
     Raises RuntimeError when ``backend="io_uring"`` is asked for and io_uring cannot run here.
     """
@@ -81,6 +83,7 @@ class AioHandle:
         # Closing the backend must not need the handle: the finalizer holds only the backend, and
         # the backend's threads never see the handle, so a dropped handle is collected and closed.
         self._finalizer = weakref.finalize(self, _close_backend, self._backend)
+        self._files = FileTable()
         self._pending: list[tuple[IOFuture, torch.Tensor | None, PathOrFd, int]] = []  # for wait()
         self._pending_lock = threading.Lock()
         self._closed = False
@@ -135,57 +138,47 @@ class AioHandle:
         tensor = _check_tensor(tensor)
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
             raise ValueError(f"file offset must be an integer >= 0, got {offset!r}")
-        # 2. Open the file (or adopt the caller's fd) and decide on O_DIRECT.
-        direct_fd, buffered_fd, owned, name, direct = self._open(write, path)
-        # 3. Plan the pieces and hand them to the backend.
         nbytes = tensor.numel() * tensor.element_size()
+        # 2. Take the file's shared descriptor (or the caller's fd), with or without O_DIRECT.
+        file, name = self._open(write, path, offset, nbytes)
+        # 3. Plan the pieces; unaligned ones need the buffered companion descriptor.
         pieces = plan_pieces(offset=offset, nbytes=nbytes, buf_addr=tensor.data_ptr(),
-                             block_size=self.config.block_size, direct=direct, align=DIRECT_ALIGN)
-        if direct and buffered_fd is None and any(p.mode is Mode.BUFFERED for p in pieces):
+                             block_size=self.config.block_size, direct=file.direct, align=DIRECT_ALIGN)
+        if file.direct and any(p.mode is Mode.BUFFERED for p in pieces):
             try:
-                buffered_fd = reopen_buffered(direct_fd, write=write)
-            except OSError as exc:
-                for fd in owned:
-                    os.close(fd)
-                raise TensorIOError(exc.errno or errno.EIO, "reopen for unaligned I/O failed", path=name,
-                                    offset=offset, length=nbytes) from None
-            owned.append(buffered_fd)
-        request = Request(write=write, path=name, tensor=tensor, offset=offset, direct_fd=direct_fd,
-                          buffered_fd=buffered_fd,
-                          owned_fds=owned, pieces=len(pieces))
+                file.buffered()
+            except (OSError, ValueError) as exc:
+                file.release()
+                raise TensorIOError(getattr(exc, "errno", None) or errno.EIO, "reopen for unaligned I/O failed",
+                                    path=name, offset=offset, length=nbytes) from None
+        # 4. Hand the pieces to the backend; the request releases the file after its last piece.
+        request = Request(write=write, path=name, tensor=tensor, offset=offset, file=file, pieces=len(pieces))
         if pieces:
             self._backend.submit([Task(request, piece) for piece in pieces])
         return request.future
 
-    def _open(self, write: bool, path: PathOrFd) -> tuple[int, int | None, list[int], str, bool]:
-        """(direct-or-only fd, buffered fd or None, fds to close, name for errors, O_DIRECT?)."""
+    def _open(self, write: bool, path: PathOrFd, offset: int, nbytes: int) -> tuple[OpenFile, str]:
+        """(the shared open file, the name for errors)."""
         if isinstance(path, bool) or not isinstance(path, (int, str, os.PathLike)):
             raise TypeError(f"filename must be a path or an open file descriptor, got {type(path).__name__}")
         if isinstance(path, int):
-            try:
-                direct = fd_is_direct(path)
-            except OSError as exc:
-                raise TensorIOError(exc.errno or errno.EBADF, "bad file descriptor", path=f"fd {path}",
-                                    offset=0, length=0) from None
-            return path, None if direct else path, [], f"fd {path}", direct
+            return self._files.acquire_fd(path, write=write), f"fd {path}"
         name = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(name))
-        direct = self._direct_for(directory, name)
-        fd = open_for_io(name, write=write, direct=direct)
-        return fd, None if direct else fd, [fd], name, direct
+        direct = self._direct_for(write, name, offset, nbytes)
+        return self._files.acquire_path(name, write=write, direct=direct, offset=offset, length=nbytes), name
 
-    def _direct_for(self, directory: str, name: str) -> bool:
+    def _direct_for(self, write: bool, name: str, offset: int, nbytes: int) -> bool:
         mode = self.config.direct
         if mode is False:
             return False
+        directory = os.path.dirname(os.path.abspath(name))
         if not os.path.isdir(directory):
-            raise TensorIOError(errno.ENOENT, "directory does not exist", path=name, offset=0, length=0,
-                                hint=f"create {directory} first")
+            raise open_error(errno.ENOENT, name, write=write, offset=offset, length=nbytes)
         if mode is True:
             supported, reason = probe_direct(directory)
             if not supported:
                 raise TensorIOError(errno.EINVAL, "direct=True but O_DIRECT is unavailable", path=name,
-                                    offset=0, length=0, hint=f"{reason}; use direct=\"auto\" or False")
+                                    offset=offset, length=nbytes, hint=f"{reason}; use direct=\"auto\" or False")
             return True
         return direct_supported(directory)
 

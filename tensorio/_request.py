@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from ._errors import TensorIOError, io_error
-from ._fs import reopen_buffered
+from ._files import OpenFile
 from ._plan import Mode, Piece
 
 
@@ -77,13 +77,13 @@ class IOFuture:
 
 
 class Request:
-    """One read or write of a whole tensor: owns its file descriptors until its last piece is done."""
+    """One read or write of a whole tensor: holds its shared file until its last piece is done."""
 
-    __slots__ = ("write", "path", "tensor", "memory", "address", "direct_fd", "buffered_fd", "owned_fds",
-                 "offset", "nbytes", "future", "error", "_remaining", "_lock")
+    __slots__ = ("write", "path", "tensor", "memory", "address", "file", "offset", "nbytes", "future", "error",
+                 "_remaining", "_lock")
 
-    def __init__(self, *, write: bool, path: str, tensor: torch.Tensor, offset: int,
-                 direct_fd: int | None, buffered_fd: int | None, owned_fds: list[int], pieces: int) -> None:
+    def __init__(self, *, write: bool, path: str, tensor: torch.Tensor, offset: int, file: OpenFile,
+                 pieces: int) -> None:
         self.write = write
         self.path = path
         self.tensor = tensor  # kept alive until the I/O is done
@@ -91,9 +91,7 @@ class Request:
         self.address = tensor.data_ptr()
         self.offset = offset
         self.nbytes = len(self.memory)
-        self.direct_fd = direct_fd
-        self.buffered_fd = buffered_fd
-        self.owned_fds = owned_fds  # closed when the last piece finishes
+        self.file = file  # released when the last piece finishes
         self.future = IOFuture()
         self.error: TensorIOError | None = None
         self._remaining = pieces
@@ -105,16 +103,8 @@ class Request:
     def op(self) -> str:
         return "write" if self.write else "read"
 
-    def buffered(self) -> int:
-        """The buffered descriptor, opened on first need (a short O_DIRECT transfer's remainder)."""
-        with self._lock:
-            if self.buffered_fd is None:
-                self.buffered_fd = reopen_buffered(self.direct_fd, write=self.write)
-                self.owned_fds.append(self.buffered_fd)
-            return self.buffered_fd
-
     def piece_finished(self, error: TensorIOError | None) -> None:
-        """Count one piece as finished; the last one closes the files and resolves the future."""
+        """Count one piece as finished; the last one releases the file and resolves the future."""
         with self._lock:
             if error is not None and self.error is None:
                 self.error = error
@@ -124,8 +114,7 @@ class Request:
             self._finish()
 
     def _finish(self) -> None:
-        for fd in self.owned_fds:
-            os.close(fd)
+        self.file.release()
         self.tensor = self.memory = None  # the caller's memory is released with the last piece
         self.future._resolve(0 if self.error else self.nbytes, self.error)
 
@@ -180,8 +169,8 @@ class Task:
 
     @property
     def fd(self) -> int:
-        request = self.request
-        return request.buffered_fd if self.mode is Mode.BUFFERED else request.direct_fd  # type: ignore[return-value]
+        file = self.request.file
+        return file.buffered_fd if self.mode is Mode.BUFFERED else file.fd  # type: ignore[return-value]
 
     @property
     def position(self) -> int:
@@ -222,7 +211,7 @@ class Task:
             return True
         if self.mode is not Mode.BUFFERED and (self.position % align or (self.length - self.done) % align):
             # A short O_DIRECT transfer left an unaligned remainder: finish it through the page cache.
-            request.buffered()
+            request.file.buffered()
             self.mode = Mode.BUFFERED
         return False
 

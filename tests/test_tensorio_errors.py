@@ -49,6 +49,41 @@ def test_write_into_missing_directory(disk_dir, handle):
     assert "no_such_dir" in str(info.value) and "does not exist" in str(info.value)
 
 
+@pytest.mark.parametrize("direct", ["auto", False])
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_a_directory_is_named_as_one(disk_dir, op, direct):
+    # O_DIRECT opens of a directory fail with EINVAL, which used to read "try direct=False".
+    with AioHandle(backend="threads", direct=direct) as h:
+        with pytest.raises(TensorIOError) as info:
+            getattr(h, op)(torch.empty(10), disk_dir)
+    err = info.value
+    assert err.errno == errno.EISDIR and err.path == str(disk_dir)
+    assert f"cannot {op} a directory: {disk_dir}" in str(err) and "pass the path of a file" in str(err)
+    assert "direct=False" not in str(err)
+
+
+@pytest.mark.parametrize("direct", ["auto", False])
+def test_wrong_paths_name_what_is_missing(disk_dir, direct):
+    (disk_dir / "file").write_bytes(b"x")
+    with AioHandle(backend="threads", direct=direct) as h:
+        with pytest.raises(TensorIOError) as info:
+            h.read(torch.empty(10), disk_dir / "nope.bin")
+        assert info.value.errno == errno.ENOENT
+        assert f"the file does not exist: {disk_dir / 'nope.bin'}" in str(info.value)
+        with pytest.raises(TensorIOError) as info:
+            h.read(torch.empty(10), disk_dir / "no_dir" / "x.bin")
+        assert f"directory does not exist: {disk_dir / 'no_dir' / 'x.bin'}" in str(info.value)
+        assert f"{disk_dir / 'no_dir'} does not exist" in str(info.value) and "create" not in str(info.value)
+        with pytest.raises(TensorIOError) as info:
+            h.write(torch.empty(10), disk_dir / "no_dir" / "x.bin")
+        assert info.value.errno == errno.ENOENT and f"create {disk_dir / 'no_dir'} first" in str(info.value)
+        with pytest.raises(TensorIOError) as info:
+            h.write(torch.empty(10), disk_dir / "file" / "x.bin")
+        assert info.value.errno == errno.ENOTDIR
+        assert f"parent is not a directory: {disk_dir / 'file' / 'x.bin'}" in str(info.value)
+        assert f"{disk_dir / 'file'} is a file, not a directory" in str(info.value)
+
+
 def test_permission_problem(disk_dir, handle):
     path = disk_dir / "ro.bin"
     path.write_bytes(b"\0" * 100)
