@@ -35,6 +35,17 @@ CONFIGS = {
 }
 
 
+def add_run_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of one run that `build_run` and the training loop read (optimizer_memory has them too)."""
+    ap.add_argument("--dir", default=None, help="directory on the NVMe disk for the swap file")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--sub-group-size", type=int, default=1 << 21)
+    ap.add_argument("--buffer-count", type=int, default=4)
+    ap.add_argument("--model-config", default="{}", help="JSON overrides of GPT2Config (tests use a tiny model)")
+
+
 def build_run(args: argparse.Namespace):
     """The benchmark's (model, optimizer, tokens) for one configuration, seeded alike for every one."""
     import torch
@@ -85,14 +96,8 @@ def _child(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     """Run every configuration ``--repeats`` times; print medians and the two ratios; return them."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", default=None, help="directory on the NVMe disk for the swap file")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=3)
+    add_run_arguments(ap)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--sub-group-size", type=int, default=1 << 21)
-    ap.add_argument("--buffer-count", type=int, default=4)
-    ap.add_argument("--model-config", default="{}", help="JSON overrides of GPT2Config (tests use a tiny model)")
     ap.add_argument("--malloc-mmap-threshold", type=int, default=None, metavar="BYTES",
                     help="run every configuration with MALLOC_MMAP_THRESHOLD_=BYTES (glibc); default: unset")
     ap.add_argument("--child", choices=["torch", "offload"], dest="optimizer", help=argparse.SUPPRESS)

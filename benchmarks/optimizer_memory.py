@@ -17,6 +17,7 @@ import ctypes
 import os
 
 from benchmarks._common import RssSampler
+from benchmarks.optimizer_colossal import add_run_arguments, build_run
 
 
 class _MallInfo2(ctypes.Structure):
@@ -40,16 +41,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--optimizer", choices=["torch", "offload"], default="offload")
     ap.add_argument("--fraction", type=float, default=1.0)
-    ap.add_argument("--dir", default=None, help="directory on the NVMe disk for the swap file")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--sub-group-size", type=int, default=1 << 21)
-    ap.add_argument("--buffer-count", type=int, default=4)
-    ap.add_argument("--model-config", default="{}", help="JSON overrides of GPT2Config (tests use a tiny model)")
+    add_run_arguments(ap)
     args = ap.parse_args(argv)
 
-    from benchmarks.optimizer_colossal import build_run
     from offload import OffloadAdam
 
     print(f"GPT-2 {args.model_config} {args.optimizer} fraction={args.fraction} batch={args.batch} seq={args.seq} "
