@@ -147,10 +147,10 @@ def test_updates_run_during_backward_only_when_nothing_needs_every_gradient_firs
     engine.close()
 
 
-def test_a_failed_parameter_write_back_raises_and_leaks_no_buffer(disk_dir):
+def test_a_failed_parameter_write_back_raises_and_leaks_no_buffer(disk_dir, tmp_path):
     """Parameters on NVMe updated during backward: a write-back that fails (a real ENOSPC) is raised by
-    step(), every buffer handed over is let go, the optimizer commits nothing, and training goes on
-    once the disk is back."""
+    step(), every buffer handed over is let go, the optimizer commits nothing, the engine refuses to step
+    from the mixed model, and training goes on from the last checkpoint once the disk is back."""
     import errno
     from offload.train.checkpoint import sized_partitions as _sized
     from tensorio import TensorIOError
@@ -163,6 +163,7 @@ def test_a_failed_parameter_write_back_raises_and_leaks_no_buffer(disk_dir):
     assert engine._writeback is not None
     batches = gpt2_batches(4)
     train(engine, batches[:2], gpt2_loss)
+    engine.save_checkpoint(tmp_path)
     state_before = optimizer_state()
     swap = engine._store.swap
     original = swap._handle.write
@@ -178,15 +179,18 @@ def test_a_failed_parameter_write_back_raises_and_leaks_no_buffer(disk_dir):
     state_after = optimizer_state()
     for i, entry in state_before["state"].items():
         assert torch.equal(state_after["state"][i]["exp_avg"], entry["exp_avg"]), i
-    engine.zero_grad()
+    with pytest.raises(RuntimeError, match="cannot step: step 3 failed part way"):
+        engine.step()
+    engine.load_checkpoint(tmp_path)
     losses = train(engine, batches[3:], gpt2_loss)
     assert all(torch.isfinite(torch.tensor(losses)))
     engine.close()
 
 
-def test_parameters_on_disk_updated_during_backward_survive_a_failed_backward_and_an_eval_between(disk_dir):
-    """A backward that raises half-way forgets its updates and lets every buffer go; a forward between
-    backward and step waits for the write-backs and leaves training as it would have been."""
+def test_parameters_on_disk_updated_during_backward_survive_a_failed_backward_and_an_eval_between(disk_dir, tmp_path):
+    """A backward that raises half-way forgets its updates and lets every buffer go, and the engine
+    refuses to step until the last checkpoint is loaded; a forward between backward and step waits for
+    the write-backs and leaves training as it would have been."""
     build, data, loss_fn = MODELS["mlp"]
     batches = data(4)
     ref_losses, ref_params = reference(build(), batches, loss_fn, 1)
@@ -201,6 +205,7 @@ def test_parameters_on_disk_updated_during_backward_survive_a_failed_backward_an
         engine.step()
         losses.append(loss.item())
     assert_close(losses, dict(engine.full_parameters()), ref_losses, ref_params)
+    engine.save_checkpoint(tmp_path)
 
     def fail(grad):
         raise RuntimeError("injected failure in backward")
@@ -214,7 +219,9 @@ def test_parameters_on_disk_updated_during_backward_survive_a_failed_backward_an
     assert not engine.optimizer._in_backward
     assert all(rec.partition.numel() == 0 for rec in engine.records if rec.on_disk)
     assert engine._store.budget.held <= engine._store.budget.buffer_elements
-    engine.zero_grad()
+    with pytest.raises(RuntimeError, match="cannot step: step 5 failed part way"):
+        engine.step()
+    engine.load_checkpoint(tmp_path)
     assert all(torch.isfinite(torch.tensor(train(engine, batches, loss_fn))))
     engine.close()
 
