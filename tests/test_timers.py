@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from offload.config import EngineConfig
-from offload.timers import PhaseTimers
+from offload.train.timers import PhaseTimers
 
 
 class FakeClock:
