@@ -182,14 +182,14 @@ def test_sampling_equals_transformers_with_the_same_seed(models):
 
 
 def write_tokenizer(directory: Path, vocab_size: int = 256) -> transformers.PreTrainedTokenizerFast:
-    """A word-level tokenizer over "w0" ... "w255" (no download), saved into ``directory``."""
+    """A word-level tokenizer over "<pad>", "<s>", "</s>", "w3" ... "w255" (no download), saved into ``directory``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {f"w{i}": i for i in range(vocab_size)}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="w0", pad_token="w0",
-                                                     bos_token="w1", eos_token="w2")
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<pad>", pad_token="<pad>",
+                                                     bos_token="<s>", eos_token="</s>")
     tokenizer.save_pretrained(directory)
     return tokenizer
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -92,10 +93,14 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
     if args.prompt is not None:
         import transformers
 
+        names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+        if not any(os.path.isfile(os.path.join(args.checkpoint, name)) for name in names):
+            ap.error(f"--prompt needs a tokenizer in {args.checkpoint} (none of {', '.join(names)}); "
+                     f"use --prompt-ids instead")
         try:
             tokenizer = transformers.AutoTokenizer.from_pretrained(args.checkpoint)
         except (OSError, ValueError) as exc:
-            ap.error(f"--prompt needs a tokenizer in {args.checkpoint} ({exc}); use --prompt-ids instead")
+            ap.error(f"--prompt: the tokenizer in {args.checkpoint} cannot be loaded ({exc}); use --prompt-ids instead")
         ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     else:
         try:

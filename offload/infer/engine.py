@@ -255,9 +255,8 @@ class InferenceEngine:
             if unit.state == "resident" and unit.name not in plan.resident:
                 unit.unbind()
                 unit.state = "on disk"
-        for unit in self.units:  # 2. then read what becomes resident
-            if unit.state != "resident" and unit.name in plan.resident:
-                self._load_bytes += load_resident(self.handle, unit, device=self.device)
+        promoted = [u for u in self.units if u.state != "resident" and u.name in plan.resident]
+        self._load_bytes += load_resident(self.handle, promoted, device=self.device)  # 2. then read what becomes resident
         streamed = [u for u in self.units if u.name not in plan.resident]
         if streamed and self.device.type == "cuda":
             from offload.infer.cuda import CudaStager  # the CUDA path: see offload/infer/cuda.py

@@ -236,21 +236,37 @@ class LayerStreamer:
         self._free_buffers()
 
 
-def load_resident(handle: AioHandle, unit: Unit, *, device: torch.device | None = None) -> int:
-    """Read ``unit`` into memory of its own and bind its parameters there for good; returns bytes read.
+def load_resident(handle: AioHandle, units: list[Unit], *, device: torch.device | None = None) -> int:
+    """Read ``units`` into memory of their own and bind their parameters there for good; returns bytes read.
 
-    The windows are read into one page-aligned buffer (O_DIRECT) that the parameters are views of, so
-    nothing is copied; a tensor whose dtype differs from its parameter's is converted (and then only
-    the converted copy stays). Raises TensorIOError from the reads.
+    Every unit's windows are read into one page-aligned buffer of its own (O_DIRECT) that its
+    parameters are views of, so nothing is copied; all reads are started before the first is waited
+    for, so the disk has them all queued. A tensor whose dtype differs from its parameter's is
+    converted (then only the converted copy stays). Raises the first TensorIOError once all reads
+    have finished.
     """
-    buffer = aligned_tensor(unit.buffer_nbytes, torch.uint8)
-    nbytes = sum(future.result() for future in read_windows(handle, unit.windows, buffer))
-    views = tensor_views(unit.windows, buffer)
-    for ref in unit.params:
-        value = views[ref.tensor]
-        dtype = ref.placeholder.dtype
-        if value.dtype != dtype or (device is not None and device.type != "cpu"):
-            value = value.to(device=device or "cpu", dtype=dtype)
-        ref.bind(value)
-    unit.state = "resident"
+    # 1. Start every read.
+    pending = []
+    for unit in units:
+        buffer = aligned_tensor(unit.buffer_nbytes, torch.uint8)
+        pending.append((unit, buffer, read_windows(handle, unit.windows, buffer)))
+    # 2. Sync point: wait for all of them, then bind (or convert) each unit's tensors.
+    nbytes, error = 0, None
+    for unit, buffer, futures in pending:
+        for future in futures:
+            try:
+                nbytes += future.result()
+            except BaseException as exc:  # noqa: BLE001 - raised below, once every read has finished
+                error = error or exc
+    if error is not None:
+        raise error
+    for unit, buffer, _ in pending:
+        views = tensor_views(unit.windows, buffer)
+        for ref in unit.params:
+            value = views[ref.tensor]
+            dtype = ref.placeholder.dtype
+            if value.dtype != dtype or (device is not None and device.type != "cpu"):
+                value = value.to(device=device or "cpu", dtype=dtype)
+            ref.bind(value)
+        unit.state = "resident"
     return nbytes

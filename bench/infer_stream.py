@@ -1,0 +1,445 @@
+"""Benchmark: generation from a checkpoint larger than RAM, weights streamed from NVMe, beside fio and Accelerate.
+
+    python -m bench.infer_stream --dir /work/bench-llama                 # the full run (28.6 GB checkpoint)
+    python -m bench.infer_stream --dir /tmp/x --scale 0.025 --layers 4 --shards 5 --budgets 1MiB \\
+        --big-batch-budget 1MiB --accelerate-budget 1MiB --fio-size 16MiB     # tiny, as the test runs it
+
+1. Writes, once, a random-weight Llama checkpoint (hidden 5120, intermediate 13824, 44 layers, 40
+   heads, vocab 32000, bf16: 28.6 GB in 46 shards), one tensor at a time and each shard dropped from
+   the page cache once written; ``--scale`` shrinks hidden, intermediate and vocab. Reused by later
+   runs (``bench-checkpoint.json`` records what was written).
+2. Measures fio's O_DIRECT sequential read speed in the same directory, with our aio settings.
+3. Runs each configuration in a fresh process, the checkpoint's pages dropped from the page cache
+   first: ours at each budget (batch 1) and at ``--big-batch`` (16); Accelerate's
+   ``load_checkpoint_and_dispatch`` and ``from_pretrained(device_map="auto")`` with the same
+   max_memory and disk offload. Each reports load time, time to first token, seconds per token
+   (median of the decode steps), peak RSS (the kernel's VmHWM, reset after the warm-up), page-cache growth (/proc/meminfo
+   Cached, and the checkpoint's own pages by mincore) and bytes read.
+4. Prints a table, then the targets: batch-1 s/token <= 1.1 x (bytes streamed per token / fio);
+   at the Accelerate budget >= 1.6x load_checkpoint_and_dispatch's and >= 1.2x from_pretrained's
+   tokens/s; page-cache growth < 256 MB; batch 16 >= 12x the tokens/s of batch 1; load <= 1.2 x
+   (resident bytes / fio), so that time to first token <= that + the first forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+PAGE = 4096
+MARKER = "bench-checkpoint.json"
+_REPO = Path(__file__).resolve().parent.parent
+
+
+# ---- page-cache figures -----------------------------------------------------------------------------
+
+
+def page_cache_bytes(paths) -> int:
+    """Bytes of the files ``paths`` now in the page cache: mincore over a read-only shared mapping,
+    which touches (and so loads) no page."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    total = 0
+    for path in paths:
+        size = os.path.getsize(path)
+        if size == 0:
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+            if addr in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
+            try:
+                vec = np.zeros((size + PAGE - 1) // PAGE, dtype=np.uint8)
+                if libc.mincore(addr, size, vec.ctypes.data) != 0:
+                    raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
+                total += int((vec & 1).sum()) * PAGE
+            finally:
+                libc.munmap(addr, size)
+        finally:
+            os.close(fd)
+    return total
+
+
+def meminfo_cached() -> int:
+    """The system's page cache ("Cached" in /proc/meminfo), in bytes."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Cached:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def reset_peak_rss() -> None:
+    """Make the kernel's peak RSS of this process (VmHWM) its current RSS (Linux 4.0+; else a no-op)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss() -> int:
+    """The kernel's peak RSS of this process (VmHWM, since the last `reset_peak_rss`), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _files(directory: Path) -> list[str]:
+    return sorted(str(p) for p in directory.rglob("*") if p.is_file())
+
+
+# ---- 1. the checkpoint ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Spec:
+    """The random Llama written for the benchmark."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    vocab: int
+    shards: int
+    seed: int = 0
+
+    @classmethod
+    def scaled(cls, scale: float, layers: int, shards: int) -> "Spec":
+        """The 28.6 GB model (scale 1), or one whose hidden, intermediate and vocab sizes are scaled."""
+        hidden = max(64, int(5120 * scale) // 64 * 64)
+        head_dim = 128 if hidden >= 128 else 32
+        return cls(hidden, max(64, int(13824 * scale) // 2 * 2), layers, hidden // head_dim,
+                   max(256, int(32000 * scale)), shards)
+
+    def config(self):
+        import transformers
+
+        return transformers.LlamaConfig(
+            hidden_size=self.hidden, intermediate_size=self.intermediate, num_hidden_layers=self.layers,
+            num_attention_heads=self.heads, num_key_value_heads=self.heads, vocab_size=self.vocab,
+            max_position_embeddings=4096, dtype="bfloat16", tie_word_embeddings=False,
+            bos_token_id=1, eos_token_id=2)
+
+
+def write_checkpoint(directory: Path, spec: Spec) -> Path:
+    """Write ``spec``'s random bf16 checkpoint to ``directory`` (once: reused when its marker matches).
+
+    The model is never whole in memory: tensors are generated one at a time and written with
+    `SafetensorsWriter`, shard by shard in state-dict order (as ``save_pretrained`` shards); each
+    finished shard is synced and dropped from the page cache.
+    """
+    import torch
+    import transformers
+
+    from offload.infer.convert import drop_page_cache
+    from offload.storage.safetensors_writer import atomic_safetensors
+
+    marker = directory / MARKER
+    if marker.is_file() and json.loads(marker.read_text()) == asdict(spec):
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    config = spec.config()
+    with torch.device("meta"):
+        skeleton = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    tensors = [(name, tuple(p.shape)) for name, p in skeleton.named_parameters()]
+    total = sum(int(np.prod(shape)) * 2 for _, shape in tensors)
+    shards: dict[int, list[tuple[str, tuple]]] = {}
+    offset = 0
+    for name, shape in tensors:  # a tensor goes to the shard its first byte falls in: spec.shards even shards
+        shards.setdefault(offset * spec.shards // total, []).append((name, shape))
+        offset += int(np.prod(shape)) * 2
+    shards = list(shards.values())
+    generator = torch.Generator().manual_seed(spec.seed)
+    weight_map = {}
+    for number, members in enumerate(shards, 1):
+        file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        members = sorted(members)  # safetensors orders a file's tensors by name
+        layout = {name: (torch.bfloat16, shape) for name, shape in members}
+        with atomic_safetensors(directory / file, layout, {"format": "pt"}) as out:
+            for name, shape in members:
+                if name.endswith("norm.weight"):
+                    value = torch.ones(shape, dtype=torch.bfloat16)
+                else:
+                    value = torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=generator)
+                out.write(name, value)
+                del value
+        drop_page_cache(directory / file)
+        weight_map.update({name: file for name, _ in members})
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    config.save_pretrained(directory)
+    marker.write_text(json.dumps(asdict(spec)))
+    return directory
+
+
+# ---- 3. one configuration, in a fresh process ---------------------------------------------------------
+
+
+class _Clock:
+    """A transformers streamer that records when each new token arrives."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt = True
+
+    def put(self, value) -> None:
+        if self._prompt:
+            self._prompt = False
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def child(args: dict) -> dict:
+    """Run one configuration (``args["kind"]``: "ours", "accelerate-dispatch" or "accelerate-auto")."""
+    import psutil
+    import torch
+    import transformers
+
+    checkpoint = Path(args["checkpoint"])
+    config = transformers.AutoConfig.from_pretrained(checkpoint)
+    # Warm up torch and the model's code on a tiny copy, so that neither counts in load or first token.
+    tiny = transformers.AutoModelForCausalLM.from_config(
+        config.__class__(**{**config.to_dict(), "num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 64,
+                            "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 64}))
+    tiny.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    del tiny
+    if args["kind"] != "ours":
+        import accelerate  # noqa: F401 - imported before the clock starts
+    process = psutil.Process()
+    baseline = process.memory_info().rss
+    reset_peak_rss()  # the peak from here on: loading and generating, not the imports and the warm-up
+    files = _files(checkpoint)
+    cached0, resident0, io0 = meminfo_cached(), page_cache_bytes(files), process.io_counters().read_bytes
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, config.vocab_size, (args["batch"], args["prompt_tokens"]), generator=generator)
+    budget = args["budget"]
+    start = time.perf_counter()
+    figures: dict = {}
+    if args["kind"] == "ours":
+        from offload.infer import init_inference
+
+        model = init_inference(checkpoint, max_in_cpu=f"{budget}B", buffer_count=args["buffer_count"], aio=args["aio"],
+                               disk_gbps=args["disk_gbps"])
+        print(model.plan.describe(), file=sys.stderr)
+    elif args["kind"] == "accelerate-dispatch":
+        from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+
+        with init_empty_weights():
+            empty = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = load_checkpoint_and_dispatch(empty, str(checkpoint), device_map="auto", max_memory={"cpu": budget},
+                                             offload_folder=args["offload_folder"], dtype=torch.bfloat16,
+                                             no_split_module_classes=["LlamaDecoderLayer"])
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            checkpoint, device_map="auto", max_memory={"cpu": budget}, offload_folder=args["offload_folder"],
+            dtype=torch.bfloat16)
+    load_s = time.perf_counter() - start
+    clock = _Clock()
+    begin = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args["new_tokens"], do_sample=False,
+                   pad_token_id=0, streamer=clock)
+    steps = np.diff(np.array(clock.times))
+    s_per_token = float(np.median(steps)) if len(steps) else None
+    figures.update(
+        kind=args["kind"], budget=budget, batch=args["batch"], load_s=load_s, first_token_s=clock.times[0] - begin,
+        ttft_s=load_s + clock.times[0] - begin, s_per_token=s_per_token,
+        tokens_per_s=args["batch"] / s_per_token if s_per_token else None, decode_steps=[float(s) for s in steps],
+        peak_rss=peak_rss(), baseline_rss=baseline,
+        cached_growth=meminfo_cached() - cached0, checkpoint_cache_growth=page_cache_bytes(files) - resident0,
+        read_bytes=process.io_counters().read_bytes - io0)
+    if args["kind"] == "ours":
+        plan = model.plan
+        figures.update(resident_bytes=plan.resident_bytes, read_bytes_per_forward=plan.read_bytes_per_forward,
+                       plan_memory_bytes=plan.memory_bytes, read_wait_s=model.read_wait_seconds,
+                       activation_bytes=model.activation_bytes(args["batch"], args["prompt_tokens"] + args["new_tokens"]),
+                       io_bytes=model.io_bytes())
+        model.close()
+    return figures
+
+
+def run_child(payload: dict) -> dict:
+    """``child(payload)`` in a fresh interpreter (its peak RSS its own); its figures. Raises RuntimeError."""
+    command = [sys.executable, "-m", "bench.infer_stream", "--child", json.dumps(payload)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(_REPO), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=_REPO, check=False)
+    sys.stderr.write(done.stderr[-4000:] if done.returncode else "")
+    if done.returncode:
+        raise RuntimeError(f"{payload['kind']} at {payload['budget']} bytes, batch {payload['batch']} failed "
+                           f"(exit status {done.returncode})")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ---- the run --------------------------------------------------------------------------------------
+
+
+def _gib(nbytes: float) -> str:
+    from offload.infer.plan import format_bytes
+
+    return format_bytes(nbytes)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark; print the configuration, a table and the targets; return every figure."""
+    from offload.infer.config import parse_bytes
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", help="checkpoint directory (written once, then reused); on the disk to measure")
+    ap.add_argument("--scale", type=float, default=1.0, help="scale hidden, intermediate and vocab (1: the 28.6 GB model)")
+    ap.add_argument("--layers", type=int, default=44)
+    ap.add_argument("--shards", type=int, default=46)
+    ap.add_argument("--budgets", default="1GiB,8GiB,16GiB", help="our budgets (max_in_cpu) at batch 1")
+    ap.add_argument("--big-batch", type=int, default=16)
+    ap.add_argument("--big-batch-budget", default="8GiB")
+    ap.add_argument("--accelerate", default="dispatch,auto", help="Accelerate runs: dispatch, auto, or none")
+    ap.add_argument("--accelerate-budget", default="8GiB", help="max_memory for Accelerate (and our comparison run)")
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--buffer-count", type=int, default=3)
+    ap.add_argument("--aio", type=json.loads, default={"block_size": 1 << 20, "queue_depth": 32})
+    ap.add_argument("--fio-size", default="4GiB", help="bytes fio reads (its own file, removed afterwards)")
+    ap.add_argument("--out", help="write every figure to this JSON file")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return {}
+    if not args.dir:
+        ap.error("--dir is required")
+
+    directory = Path(args.dir).resolve()
+    spec = Spec.scaled(args.scale, args.layers, args.shards)
+    budgets = [parse_bytes("--budgets", b) for b in args.budgets.split(",") if b]
+    big_budget = parse_bytes("--big-batch-budget", args.big_batch_budget)
+    acc_budget = parse_bytes("--accelerate-budget", args.accelerate_budget)
+    accelerate_kinds = [k for k in args.accelerate.split(",") if k and k != "none"]
+    print(f"configuration: {spec}, bf16; prompt {args.prompt_tokens} tokens, {args.new_tokens} new; budgets "
+          f"{', '.join(map(_gib, budgets))}; batch {args.big_batch} at {_gib(big_budget)}; Accelerate "
+          f"({', '.join(accelerate_kinds) or 'none'}) at {_gib(acc_budget)}; aio {args.aio}; {args.buffer_count} buffers")
+
+    # 1. The checkpoint, once.
+    start = time.perf_counter()
+    checkpoint = write_checkpoint(directory / "checkpoint", spec)
+    size = sum(os.path.getsize(f) for f in _files(checkpoint) if f.endswith(".safetensors"))
+    print(f"checkpoint: {checkpoint} ({size / 1e9:.2f} GB, {len(list(checkpoint.glob('*.safetensors')))} shards; "
+          f"ready in {time.perf_counter() - start:.1f} s)")
+
+    # 2. fio's O_DIRECT read speed on the same disk, with our aio settings.
+    from bench.fio import FioError, job_for_config, run_fio
+    from tensorio import AioConfig
+
+    try:
+        job = job_for_config(AioConfig.from_dict(args.aio), directory=directory, rw="read",
+                             size=parse_bytes("--fio-size", args.fio_size))
+        fio = run_fio(job)
+        fio_bps = fio.bw_bytes
+        print(f"fio: {fio.gb_per_s:.3f} GB/s O_DIRECT sequential read ({' '.join(fio.command[1:])})")
+    except FioError as exc:
+        fio_bps = None
+        print(f"fio: not measured ({exc}); the disk-bound targets are skipped")
+
+    # 3. Each configuration in its own process, the checkpoint cold.
+    runs = [("ours", b, 1) for b in budgets] + [("ours", big_budget, args.big_batch)]
+    if accelerate_kinds and ("ours", acc_budget, 1) not in runs:
+        runs.append(("ours", acc_budget, 1))
+    runs += [(f"accelerate-{k}", acc_budget, 1) for k in accelerate_kinds]
+    results = []
+    for kind, budget, batch in runs:
+        offload_folder = directory / "accelerate-offload"
+        for path in _files(checkpoint) + (_files(offload_folder) if offload_folder.exists() else []):
+            _drop(path)
+        payload = {"kind": kind, "checkpoint": str(checkpoint), "budget": budget, "batch": batch,
+                   "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "buffer_count": args.buffer_count,
+                   "aio": args.aio, "disk_gbps": fio_bps / 1e9 if fio_bps else None, "offload_folder": str(offload_folder)}
+        result = run_child(payload)
+        results.append(result)
+        _print_row(result)
+
+    # 4. The targets.
+    targets = _targets(results, fio_bps, budgets, big_budget, args.big_batch, acc_budget)
+    print("targets:")
+    for line in targets:
+        print("  " + line)
+    figures = {"spec": asdict(spec), "checkpoint_bytes": size, "fio_bps": fio_bps, "runs": results, "targets": targets}
+    if args.out:
+        Path(args.out).write_text(json.dumps(figures, indent=1))
+    return figures
+
+
+def _drop(path: str) -> None:
+    from offload.infer.convert import drop_page_cache
+
+    drop_page_cache(path)
+
+
+def _print_row(r: dict) -> None:
+    s = r["s_per_token"]
+    print(f"{r['kind']:>20} budget {_gib(r['budget']):>10} batch {r['batch']:>3}: load {r['load_s']:7.2f} s, "
+          f"first token {r['ttft_s']:7.2f} s, {s if s is None else round(s, 3)} s/token, "
+          f"{r['tokens_per_s'] or 0:.3f} tokens/s, peak RSS {_gib(r['peak_rss'])} (baseline {_gib(r['baseline_rss'])}), "
+          f"page cache +{r['cached_growth'] / 1e6:.0f} MB (checkpoint +{r['checkpoint_cache_growth'] / 1e6:.0f} MB), "
+          f"read {r['read_bytes'] / 1e9:.2f} GB")
+
+
+def _targets(results: list[dict], fio_bps: float | None, budgets: list[int], big_budget: int, big_batch: int,
+             acc_budget: int) -> list[str]:
+    def find(kind: str, budget: int, batch: int) -> dict | None:
+        return next((r for r in results if r["kind"] == kind and r["budget"] == budget and r["batch"] == batch), None)
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    lines = []
+    for budget in budgets:
+        r = find("ours", budget, 1)
+        if r and fio_bps and r["s_per_token"] and r["read_bytes_per_forward"]:
+            bound = r["read_bytes_per_forward"] / fio_bps
+            ratio = r["s_per_token"] / bound
+            lines.append(f"batch 1 at {_gib(budget)}: {r['s_per_token']:.3f} s/token = {ratio:.2f}x the disk bound "
+                         f"{bound:.3f} s ({r['read_bytes_per_forward'] / 1e9:.2f} GB per token at fio's "
+                         f"{fio_bps / 1e9:.2f} GB/s); target <= 1.1x: {verdict(ratio <= 1.1)}")
+        if r and fio_bps:
+            allowed = 1.2 * r["resident_bytes"] / fio_bps
+            lines.append(f"time to first token at {_gib(budget)}: {r['ttft_s']:.2f} s = load {r['load_s']:.2f} s + first "
+                         f"forward {r['first_token_s']:.2f} s; target load <= 1.2 x resident {r['resident_bytes'] / 1e9:.2f} "
+                         f"GB / fio = {allowed:.2f} s: {verdict(r['load_s'] <= allowed)}")
+    ours = find("ours", acc_budget, 1)
+    for kind, factor in (("accelerate-dispatch", 1.6), ("accelerate-auto", 1.2)):
+        other = find(kind, acc_budget, 1)
+        if ours and other and ours["tokens_per_s"] and other["tokens_per_s"]:
+            ratio = ours["tokens_per_s"] / other["tokens_per_s"]
+            lines.append(f"at {_gib(acc_budget)}: ours {ratio:.2f}x {kind}'s tokens/s; target >= {factor}x: {verdict(ratio >= factor)}")
+    for r in results:
+        if r["kind"] == "ours":
+            growth = max(r["cached_growth"], r["checkpoint_cache_growth"])
+            lines.append(f"page cache, ours at {_gib(r['budget'])} batch {r['batch']}: +{growth / 1e6:.0f} MB; "
+                         f"target < 256 MB: {verdict(growth < 256e6)}")
+    small, big = find("ours", big_budget, 1), find("ours", big_budget, big_batch)
+    if small and big and small["tokens_per_s"] and big["tokens_per_s"]:
+        ratio = big["tokens_per_s"] / small["tokens_per_s"]
+        lines.append(f"batch {big_batch} at {_gib(big_budget)}: {ratio:.1f}x the tokens/s of batch 1; target >= 12x: "
+                     f"{verdict(ratio >= 12)}")
+    return lines
+
+
+if __name__ == "__main__":
+    main()

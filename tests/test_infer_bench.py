@@ -1,0 +1,53 @@
+"""bench/infer_stream.py at a tiny scale: it writes its checkpoint, measures fio, runs every kind of
+configuration in child processes and prints the targets (the figures themselves mean nothing here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+
+import pytest
+import torch
+import transformers
+from test_infer_generate import scratch_dir
+
+from bench.fio import fio_path
+from bench.infer_stream import Spec, main, write_checkpoint
+
+
+def test_tiny_run_end_to_end(capsys):
+    if fio_path() is None:
+        pytest.skip("fio is not installed")
+    accelerate = "dispatch" if importlib.util.find_spec("accelerate") else "none"
+    root = scratch_dir("infer-bench-")
+    try:
+        figures = main(["--dir", str(root), "--scale", "0.025", "--layers", "4", "--shards", "5", "--budgets", "700KiB",
+                        "--big-batch", "4", "--big-batch-budget", "700KiB", "--accelerate", accelerate,
+                        "--accelerate-budget", "700KiB", "--fio-size", "16MiB", "--prompt-tokens", "8",
+                        "--new-tokens", "3", "--out", str(root / "figures.json")])
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    printed = capsys.readouterr().out
+    kinds = [(r["kind"], r["batch"]) for r in figures["runs"]]
+    assert kinds[:2] == [("ours", 1), ("ours", 4)]
+    assert ("accelerate-dispatch", 1) in kinds or accelerate == "none"
+    for run in figures["runs"]:
+        assert run["s_per_token"] > 0 and run["peak_rss"] >= run["baseline_rss"] > 0
+    ours = figures["runs"][0]
+    assert ours["read_bytes_per_forward"] > 0 and ours["io_bytes"] >= 3 * ours["read_bytes_per_forward"]
+    assert figures["fio_bps"] > 0 and "fio:" in printed and "targets:" in printed
+    assert any("x the disk bound" in line for line in figures["targets"])
+    assert any(line.startswith("page cache, ours") and line.endswith(": met") for line in figures["targets"])
+
+
+def test_written_checkpoint_loads_in_transformers(tmp_path):
+    spec = Spec.scaled(0.0125, layers=2, shards=3)
+    assert (spec.hidden, spec.heads, spec.vocab) == (64, 2, 400)
+    directory = write_checkpoint(tmp_path / "ckpt", spec)
+    assert len(list(directory.glob("model-*.safetensors"))) == 3
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and model.dtype == torch.bfloat16
+    mtime = (directory / "bench-checkpoint.json").stat().st_mtime_ns
+    write_checkpoint(tmp_path / "ckpt", spec)  # written once: the second call reuses it
+    assert (directory / "bench-checkpoint.json").stat().st_mtime_ns == mtime
+    assert Spec.scaled(1.0, 44, 46) == Spec(5120, 13824, 44, 40, 32000, 46)
