@@ -112,10 +112,14 @@ class EngineConfig:
 
         ``world_size`` is the number of data-parallel ranks (`world_size_from_env()` before the process
         group exists). Missing batch sizes are derived as DeepSpeed derives them.
-        Raises ValueError naming the dotted key for an unknown key, a wrong type, an "auto" value, a value
+        Raises ValueError naming the type received when ``config`` is not a mapping, and naming the
+        dotted key for an unknown key, a wrong type, an "auto" value, a value
         out of range or a contradiction (batch sizes that do not multiply out, "nvme" without nvme_path,
         NVMe offload below stage 3, ``aio`` given twice, ...).
         """
+        if isinstance(config, (str, os.PathLike)):
+            raise ValueError(f"config: from_dict takes a dict, got the path {os.fspath(config)!r}; "
+                             f"use EngineConfig.from_file for a JSON file")
         values = section_values(config, "", _JSON_KEYS)
         world_size = integral("world_size", world_size, minimum=1)
         batch = [values.pop(key, None) for key in _BATCH_KEYS]
@@ -148,7 +152,9 @@ class EngineConfig:
     def from_file(cls, path: str | os.PathLike, *, world_size: int) -> "EngineConfig":
         """Load a JSON config file that has no "auto" values (see ``from_dict``; else use resolve_auto).
 
-        Raises FileNotFoundError for a missing file and ValueError for bad JSON or a bad value.
+        Raises ValueError for a ``path`` that is neither str nor os.PathLike (naming its type), OSError
+        (FileNotFoundError, IsADirectoryError, PermissionError) naming the path for a file that cannot
+        be read, and ValueError for bad JSON or a bad value.
         """
         return cls.from_dict(read_config(path), world_size=world_size)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import math
 import os
@@ -38,18 +39,40 @@ AUTO_ARGUMENTS = {
 def read_config(source: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
     """Return a deep copy of a config given as a mapping, or the JSON object read from a file path.
 
-    Raises FileNotFoundError for a missing file and ValueError for invalid JSON or a non-object.
+    Raises ValueError naming the type received for anything else (a list, a number, bytes, ...);
+    FileNotFoundError, IsADirectoryError, PermissionError (OSError) naming the path for a file that
+    cannot be read; ValueError naming the path for invalid JSON, text that is not UTF-8, or a top
+    level that is not a JSON object.
     """
     if isinstance(source, Mapping):
         return copy.deepcopy(dict(source))
-    with open(source, encoding="utf-8") as f:
-        try:
+    if not isinstance(source, (str, os.PathLike)) or not isinstance(os.fspath(source), str):
+        raise ValueError(
+            f"config: expected a dict or the path (str or os.PathLike) of a DeepSpeed-format JSON file, got "
+            f"{_describe(source)}"
+        )
+    path = os.fspath(source)
+    try:
+        with open(path, encoding="utf-8") as f:
             data = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{os.fspath(source)}: not valid JSON: {exc}") from None
+    except OSError as exc:
+        where = path if os.path.isabs(path) else f"{path} (in {os.getcwd()})"
+        reason = {errno.ENOENT: "does not exist", errno.EISDIR: "is a directory, not a JSON file",
+                  errno.EACCES: "is not readable by this process"}.get(exc.errno, exc.strerror or str(exc))
+        raise type(exc)(exc.errno, f"config file {where} {reason}; pass the path of a DeepSpeed-format JSON "
+                                   f"config or a dict") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); is it a JSON config?") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{os.fspath(source)}: expected a JSON object at the top, got {type(data).__name__}")
+        raise ValueError(f"{path}: expected a JSON object at the top, got {type(data).__name__}")
     return data
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
 def auto_error(key: str) -> ValueError:
