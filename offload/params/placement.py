@@ -1,11 +1,17 @@
-"""Placement: partition every parameter of a model and put this rank's partitions in memory or on NVMe."""
+"""Placement: partition parameters and put this rank's partitions in memory or on NVMe.
+
+`Placement` decides and places one parameter at a time (so that `offload.zero.Init` can place each
+module's parameters as soon as the module is built); `build_records` places a whole model.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from tensorio import aligned_tensor
+from tensorio import IOFuture, aligned_tensor
 
 from offload.params.partition import partition_bounds, partition_numel
 from offload.params.store import ParamRecord
@@ -15,29 +21,39 @@ _WRITES_IN_FLIGHT = 8
 """Initial writes in flight at most: bounds the memory of partitions on their way to the disk."""
 
 
-def build_records(model: nn.Module, *, world_size: int, rank: int, nvme: bool, max_in_cpu: int,
-                  persistence_threshold: int, swap: SwapFile | None) -> list[ParamRecord]:
-    """Partition every distinct parameter of ``model`` and place this rank's partitions.
+@dataclass(slots=True)
+class Placement:
+    """Where each partition goes: with ``swap``, partitions go to the swap file in order once
+    ``max_in_cpu`` elements are kept in memory; parameters of at most ``persistence_threshold``
+    elements stay whole in memory."""
 
-    With ``nvme``, partitions go to the swap file in order once ``max_in_cpu`` elements are kept in
-    memory; parameters of at most ``persistence_threshold`` elements stay whole in memory.
-    Raises ValueError for a parameter that is not a floating-point CPU tensor.
-    """
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    records: list[ParamRecord] = []
-    in_cpu = 0
-    writes = []
-    for name, p in model.named_parameters():
+    world_size: int
+    rank: int
+    swap: SwapFile | None
+    max_in_cpu: int = 0
+    persistence_threshold: int = 0
+    in_cpu: int = 0
+    """Elements of non-persistent partitions kept in memory so far."""
+    _writes: list[IOFuture] = field(default_factory=list)
+
+    def place(self, p: nn.Parameter, names: list[str], index: int) -> ParamRecord:
+        """Partition ``p``, keep this rank's partition in memory or start writing it to the swap file;
+        ``p.data`` becomes an empty placeholder unless the partition is kept whole. Waits for earlier
+        writes when too many are in flight (`finish` waits for the rest).
+
+        Raises ValueError (naming the parameter) for one that is not a floating-point CPU tensor,
+        TensorIOError for a failed write.
+        """
+        name = names[0]
         if not p.is_floating_point() or p.device.type != "cpu":
             raise ValueError(f"parameter {name!r} is {p.dtype} on {p.device}; the engine partitions floating-point "
                              f"CPU parameters: build the model on the CPU (model.to('cpu'))")
+        world_size, rank = self.world_size, self.rank
         numel = p.numel()
         part = partition_numel(numel, world_size)
         start, end = partition_bounds(numel, world_size, rank)
-        persistent = numel <= persistence_threshold
-        to_disk = nvme and not persistent and in_cpu + part > max_in_cpu
+        persistent = numel <= self.persistence_threshold
+        to_disk = self.swap is not None and not persistent and self.in_cpu + part > self.max_in_cpu
         keep_full = persistent or (world_size == 1 and not to_disk)
         flat = p.data.reshape(-1)
         if world_size == 1 and not to_disk:
@@ -45,27 +61,64 @@ def build_records(model: nn.Module, *, world_size: int, rank: int, nvme: bool, m
         else:  # page-aligned when bound for the disk: O_DIRECT from it, no staging copy
             local = aligned_tensor(part, p.dtype) if to_disk else torch.zeros(part, dtype=p.dtype)
             local[:max(0, min(end, numel) - start)] = flat[start:min(end, numel)]
-        if not to_disk:
-            in_cpu += part if nvme and not persistent else 0
-        rec = ParamRecord(index=len(records), names=names[id(p)], param=p, shape=p.shape, numel=numel,
+        if not to_disk and self.swap is not None and not persistent:
+            self.in_cpu += part
+        rec = ParamRecord(index=index, names=list(names), param=p, shape=p.shape, numel=numel,
                           partition=nn.Parameter(local, requires_grad=p.requires_grad), partition_numel=part,
                           keep_full=keep_full)
-        if p.requires_grad:  # created while the parameter has its full shape: autograd checks it
-            with torch.enable_grad():
-                rec.accumulator = p.view_as(p).grad_fn.next_functions[0][0]
+        attach_accumulator(rec)
         if to_disk:
-            rec.offset = swap.allocate(local.nbytes)
-            writes.append((swap.write(local, rec.offset), local))
+            rec.offset = self.swap.allocate(local.nbytes)
+            self._writes.append(self.swap.write(local, rec.offset))  # the request keeps ``local`` alive
             rec.partition.data = torch.empty(0, dtype=p.dtype)
         if keep_full:
             rec.full = flat
         else:
             p.data = torch.empty(0, dtype=p.dtype)
-        records.append(rec)
-        if len(writes) >= _WRITES_IN_FLIGHT:  # sync point
-            for future, _ in writes:
-                future.result()
-            writes = []
-    for future, _ in writes:
-        future.result()
+        if len(self._writes) >= _WRITES_IN_FLIGHT:
+            self.finish()
+        return rec
+
+    def finish(self) -> None:
+        """Wait for every write `place` started (sync point). Raises the first failure's TensorIOError."""
+        writes, self._writes = self._writes, []
+        for future in writes:
+            future.exception()  # wait for all before raising: never leave a write behind
+        for future in writes:
+            future.result()
+
+
+def attach_accumulator(rec: ParamRecord) -> None:
+    """Hold the parameter's AccumulateGrad node (its gradient hooks hang on it), made while the parameter
+    has its full shape, which autograd checks: a zero-stride stand-in gives it that shape for free."""
+    p = rec.param
+    if not p.requires_grad:
+        rec.accumulator = None
+        return
+    data = p.data
+    if tuple(data.shape) != tuple(rec.shape):
+        p.data = torch.zeros((), dtype=p.dtype).expand(rec.shape)
+    try:
+        with torch.enable_grad():
+            rec.accumulator = p.view_as(p).grad_fn.next_functions[0][0]
+    finally:
+        p.data = data
+
+
+def parameter_names(model: nn.Module) -> dict[int, list[str]]:
+    """Every name of each distinct parameter of ``model`` (tied ones have several), by ``id``."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
+def build_records(model: nn.Module, placement: Placement) -> list[ParamRecord]:
+    """Partition every distinct parameter of ``model`` and place this rank's partitions (see `Placement`).
+
+    Raises ValueError for a parameter that is not a floating-point CPU tensor, TensorIOError.
+    """
+    names = parameter_names(model)
+    records = [placement.place(p, names[id(p)], index) for index, (_, p) in enumerate(model.named_parameters())]
+    placement.finish()
     return records

@@ -29,7 +29,7 @@ from torch import nn
 
 from offload.config import EngineConfig, ZeroConfig, check_against_model, check_nvme_paths, world_size_from_env
 from offload.optim import OffloadAdam
-from offload.params import ParamRecord, ParamStore, Prefetcher, SwapBudget, build_records
+from offload.params import ParamRecord, ParamStore, Placement, Prefetcher, SwapBudget, build_records
 from offload.storage import SwapFile
 from offload.train import checkpoint
 from offload.train.grads import GradReducer
@@ -167,9 +167,12 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
     if nvme:
         swap = SwapFile(offload_param.nvme_path, cfg.aio, kind="params", key="zero_optimization.offload_param.nvme_path")
         undo.callback(swap.close)
-    records = build_records(model, world_size=world_size, rank=rank, nvme=nvme,
-                            max_in_cpu=offload_param.max_in_cpu if nvme else 0,
-                            persistence_threshold=zero.stage3_param_persistence_threshold, swap=swap)
+    placement = Placement(world_size=world_size, rank=rank, swap=swap, max_in_cpu=offload_param.max_in_cpu if nvme else 0,
+                          persistence_threshold=zero.stage3_param_persistence_threshold)
+    try:
+        records = build_records(model, placement)
+    finally:
+        placement.finish()  # on an error too: no write is left in flight
     budget = SwapBudget(buffer_elements=offload_param.buffer_count * offload_param.buffer_size,
                         max_live=zero.stage3_max_live_parameters)
     store = ParamStore(records=records, world_size=world_size, rank=rank, swap=swap, budget=budget,
