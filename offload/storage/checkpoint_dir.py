@@ -8,16 +8,24 @@ Layout of ``save_dir``::
     save_dir/.replaced-<tag>    the old contents of <tag> while a save replaces it; restored or removed
                                 by the next save
     save_dir/.latest-*          a ``latest`` being written; removed by the next save
+    save_dir/.lock              exists while a save runs: the saving process (rank 0 of a group) holds
+                                an exclusive ``flock`` on it and wrote "<pid> <host>" into it; removed
+                                when the save ends (a killed saver leaves it, unlocked, for the next)
 
 A tag directory and ``latest`` only ever appear complete: files are written to the hidden staging
 directory, fsynced, and renamed into place; ``latest`` is replaced with ``os.replace`` after the tag is
-in place. One save (by one process or one process group) runs in a ``save_dir`` at a time.
+in place. One save (by one process or one process group) runs in a ``save_dir`` at a time: a second
+one is refused (`CheckpointInUseError`) instead of removing the first one's staging directory as a
+leftover. A tag that is a symbolic link or a file is refused, never followed or removed.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import shutil
+import socket
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,12 +34,17 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-__all__ = ["LATEST", "atomic_checkpoint", "fsync_dir", "resolve_tag"]
+__all__ = ["LATEST", "CheckpointInUseError", "atomic_checkpoint", "fsync_dir", "resolve_tag"]
 
 LATEST = "latest"
 _STAGING = ".staging-"
 _REPLACED = ".replaced-"
 _LATEST_TMP = ".latest-"
+_LOCK = ".lock"
+
+
+class CheckpointInUseError(RuntimeError):
+    """Another process is saving into the same checkpoint folder (it holds ``save_dir/.lock``)."""
 
 
 @contextmanager
@@ -60,8 +73,16 @@ def atomic_checkpoint(
     Each rank fsyncs every file and directory under the staging directory before the commit; write
     files there only (no symlinks out of it).
 
+    Saves into one ``save_dir`` are serialized by an exclusive ``flock`` on ``save_dir/.lock``, held by
+    the saving process (rank 0 of the group with ``all_ranks``) from before it clears leftovers until
+    the tag is in place or the save failed; a save that finds it held is refused, so that two runs
+    cannot remove each other's staging directories.
+
     Raises ValueError for a tag that is empty, hidden (starts with "."), "latest", or holds a path
-    separator; OSError from the file system (for example ENOSPC), with nothing made visible.
+    separator; CheckpointInUseError naming ``save_dir`` and the holder's pid when another process is
+    saving there; FileExistsError naming the path when ``save_dir/<tag>`` is a symbolic link or a
+    file and IsADirectoryError when ``save_dir/latest`` is a directory (nothing is followed or
+    removed); OSError from the file system (for example ENOSPC), with nothing made visible.
     """
     save_dir = Path(save_dir)
     _check_tag(tag)
@@ -69,49 +90,62 @@ def atomic_checkpoint(
     leader = not distributed or dist.get_rank(group) == 0
     where = f"checkpoint {save_dir / tag}"
     error: BaseException | None = None
+    lock: int | None = None  # rank 0's descriptor of save_dir/.lock, held until the save has ended
 
-    # 1. rank 0 clears what earlier crashes left and creates the staging directory
+    # 1. rank 0 locks the folder, clears what earlier crashes left and creates the staging directory
     staging = None
     if leader:
         try:
             save_dir.mkdir(parents=True, exist_ok=True)
+            lock = _lock(save_dir)
+            _check_target(save_dir, tag, update_latest)
             _clean_leftovers(save_dir)
             staging = tempfile.mkdtemp(prefix=f"{_STAGING}{tag}-", dir=save_dir)
         except BaseException as exc:
             error = exc
-    if distributed:
-        staging = _from_rank_zero(staging, group)
-    if error is not None:
-        raise error
-    if staging is None:
-        raise RuntimeError(f"{where}: rank 0 could not create the staging directory; see its error")
-
-    # 2. every rank writes and fsyncs; sync point: all ranks agree whether all of them succeeded
     try:
-        yield Path(staging)
-        _fsync_tree(Path(staging))
-    except BaseException as exc:
-        error = exc
-    if _failed_anywhere(error is not None, distributed, group):
-        if leader:
-            shutil.rmtree(staging, ignore_errors=True)
+        if distributed:
+            staging = _from_rank_zero(staging, group)
         if error is not None:
             raise error
-        raise RuntimeError(f"{where} was not saved: another rank failed while writing it (see its error)")
+        if staging is None:
+            raise RuntimeError(f"{where}: rank 0 could not start the save (see its error)")
 
-    # 3. rank 0 renames it into place and updates latest; sync point: nobody returns before that
-    if leader:
+        # 2. every rank writes and fsyncs; sync point: all ranks agree whether all of them succeeded
         try:
-            _move_into_place(Path(staging), save_dir, tag)
-            if update_latest:
-                _write_latest(save_dir, tag)
+            yield Path(staging)
+            _fsync_tree(Path(staging))
         except BaseException as exc:
-            shutil.rmtree(staging, ignore_errors=True)
             error = exc
-    if _failed_anywhere(error is not None, distributed, group) and error is None:
-        raise RuntimeError(f"{where} was not saved: rank 0 could not move it into place (see its error)")
-    if error is not None:
-        raise error
+        failed = _failed_anywhere(error is not None, distributed, group)
+
+        # 3. rank 0 renames it into place and updates latest (or removes it), then unlocks the folder;
+        #    sync point: nobody returns before that
+        if leader:
+            if failed:
+                shutil.rmtree(staging, ignore_errors=True)
+            else:
+                try:
+                    _move_into_place(Path(staging), save_dir, tag)
+                    if update_latest:
+                        _write_latest(save_dir, tag)
+                except BaseException as exc:
+                    shutil.rmtree(staging, ignore_errors=True)
+                    error = exc
+            held, lock = lock, None
+            _unlock(save_dir, held)
+        commit_failed = _failed_anywhere(not failed and error is not None, distributed, group)
+        if failed:
+            if error is not None:
+                raise error
+            raise RuntimeError(f"{where} was not saved: another rank failed while writing it (see its error)")
+        if error is not None:
+            raise error
+        if commit_failed:
+            raise RuntimeError(f"{where} was not saved: rank 0 could not move it into place (see its error)")
+    finally:
+        if lock is not None:
+            _unlock(save_dir, lock)
 
 
 def resolve_tag(load_dir: str | os.PathLike, tag: str | None = None) -> Path:
@@ -192,19 +226,96 @@ def _ignore_vanished(function, path, exc_info) -> None:
         raise exc_info[1]
 
 
+def _lock(save_dir: Path) -> int:
+    """Take ``save_dir``'s save lock; return the descriptor that holds it.
+
+    Raises CheckpointInUseError naming the folder and the holder's pid when another process holds it.
+    """
+    path = save_dir / _LOCK
+    while True:
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(descriptor, 200, 0).decode(errors="replace").split()
+            os.close(descriptor)
+            who = f"process {holder[0]} on {holder[1]}" if len(holder) == 2 else "another process"
+            raise CheckpointInUseError(
+                f"checkpoint folder {save_dir} is being saved to by {who}, which holds {path}; two runs saving "
+                f"into one folder would remove each other's staging directories: save into another folder, "
+                f"or save again once that save has ended"
+            ) from None
+        except BaseException:
+            os.close(descriptor)
+            raise
+        # the previous holder removes the file before it unlocks: a lock taken on the file it removed
+        # is a lock nobody else sees, so take the one on the file that is there now
+        try:
+            current = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            current = None
+        opened = os.fstat(descriptor)
+        if current is not None and (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino):
+            break
+        os.close(descriptor)
+    try:
+        os.ftruncate(descriptor, 0)
+        os.pwrite(descriptor, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+    except BaseException:
+        _unlock(save_dir, descriptor)
+        raise
+    return descriptor
+
+
+def _unlock(save_dir: Path, descriptor: int) -> None:
+    """Remove ``save_dir/.lock`` while holding it, then let it go (a waiting opener sees it gone)."""
+    try:
+        (save_dir / _LOCK).unlink(missing_ok=True)
+    finally:
+        os.close(descriptor)
+
+
+def _check_target(save_dir: Path, tag: str, update_latest: bool) -> None:
+    """Refuse a tag path that a save could only replace by following or removing what is not its own."""
+    target = save_dir / tag
+    if target.is_symlink():
+        raise FileExistsError(
+            errno.EEXIST,
+            f"checkpoint {target} is a symbolic link (to {os.readlink(target)}); a save replaces the tag's "
+            f"directory and neither follows nor removes links: remove the link or save under another tag",
+        )
+    if target.exists() and not target.is_dir():
+        raise FileExistsError(
+            errno.EEXIST,
+            f"checkpoint {target} is a file, not a checkpoint directory; remove it or save under another tag",
+        )
+    latest = save_dir / LATEST
+    if update_latest and latest.is_dir() and not latest.is_symlink():
+        raise IsADirectoryError(
+            errno.EISDIR, f"{latest} is a directory; it must be a file naming the newest tag: remove or rename it"
+        )
+
+
+def _remove(entry: Path) -> None:
+    """Remove a file, a link (not what it points to) or a directory tree."""
+    if entry.is_symlink() or not entry.is_dir():
+        entry.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(entry, onerror=_ignore_vanished)
+
+
 def _clean_leftovers(save_dir: Path) -> None:
+    """Remove what interrupted saves left; only under the folder's save lock (no other save runs)."""
     for entry in save_dir.iterdir():
-        if entry.name.startswith(_STAGING):
-            # another process (a rank cleaning up its failed save) may be removing it at the same time
-            shutil.rmtree(entry, onerror=_ignore_vanished)
-        elif entry.name.startswith(_LATEST_TMP):
-            entry.unlink(missing_ok=True)
+        if entry.name.startswith((_STAGING, _LATEST_TMP)):
+            # a staging directory's rank may still be removing it after its failed save
+            _remove(entry)
         elif entry.name.startswith(_REPLACED):
             # a crash between the two renames of a replacement: the old contents are whole, the new are
             # not in place, so put the old back; a crash after the second rename: the old are garbage
             tag_dir = save_dir / entry.name[len(_REPLACED):]
-            if tag_dir.exists():
-                shutil.rmtree(entry)
+            if os.path.lexists(tag_dir):
+                _remove(entry)
             else:
                 os.rename(entry, tag_dir)
                 fsync_dir(save_dir)
@@ -212,6 +323,7 @@ def _clean_leftovers(save_dir: Path) -> None:
 
 def _move_into_place(staging: Path, save_dir: Path, tag: str) -> None:
     target = save_dir / tag
+    _check_target(save_dir, tag, update_latest=False)  # again: made since the save started?
     if target.exists():
         # rename-aside: POSIX rename cannot replace a non-empty directory
         replaced = save_dir / f"{_REPLACED}{tag}"
