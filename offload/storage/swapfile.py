@@ -7,7 +7,9 @@ outlive the process: it is removed by `close`, and a file left by a process that
 reclaimed by the next `SwapFile` made in the same directory (see `stale_swap_files`).
 
 Liveness: the owning process holds an exclusive ``flock`` on its swap file for as long as the file
-exists. A swap file nobody holds a lock on, whose named process is not running, is stale.
+exists. A swap file nobody holds a lock on is stale when its named process is not running, or runs
+but started after the file was last written (its pid was reused). ``python -m offload.swapfiles DIR``
+lists the stale swap files of a directory and removes them with ``--remove``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import fcntl
 import logging
 import os
 import re
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -24,8 +27,8 @@ import torch
 
 from tensorio import DIRECT_ALIGN, AioConfig, AioHandle, IOFuture, aligned_tensor
 
-__all__ = ["PAGE", "SwapFile", "StaleSwapFile", "check_swap_directory", "remove_stale_swap_files",
-           "stale_swap_files"]
+__all__ = ["PAGE", "SwapFile", "StaleSwapFile", "check_swap_directory", "is_swap_file_name",
+           "remove_stale_swap_files", "stale_swap_files"]
 
 log = logging.getLogger("offload")
 
@@ -143,11 +146,25 @@ class StaleSwapFile:
 
     path: str
     pid: int
+    """The process that made it (from its name)."""
     nbytes: int
+    """Disk space it takes (allocated blocks)."""
+    reason: str = ""
+    """Why it is stale: its process is not running, or its pid now names a younger process."""
+
+
+def is_swap_file_name(name: str) -> bool:
+    """Whether ``name`` (a file name, no directory) is one `SwapFile` gives its files."""
+    return _NAME.match(name) is not None
 
 
 def stale_swap_files(directory: str | os.PathLike) -> list[StaleSwapFile]:
-    """The swap files in ``directory`` whose process is not running and which nobody holds locked."""
+    """The swap files in ``directory`` that nobody holds locked and whose process is gone (not running,
+    or its pid reused by a process started after the file's last write), sorted by name. Files of this
+    process are never stale. A missing directory has none.
+
+    Raises NotADirectoryError / PermissionError (OSError) naming ``directory`` when it cannot be listed.
+    """
     stale = []
     try:
         names = sorted(os.listdir(directory))
@@ -159,42 +176,75 @@ def stale_swap_files(directory: str | os.PathLike) -> list[StaleSwapFile]:
             continue
         pid = int(match["pid"])
         path = os.path.join(os.fspath(directory), name)
-        if _process_alive(pid) or _locked(path):
-            continue
+        if pid == os.getpid():
+            continue  # ours; and opening it to test the lock could drop a POSIX (NFS) lock we hold
         try:
-            stale.append(StaleSwapFile(path=path, pid=pid, nbytes=os.stat(path).st_blocks * 512))
+            info = os.stat(path, follow_symlinks=False)
         except FileNotFoundError:
             continue  # removed meanwhile
+        reason = _gone(pid, info.st_mtime)
+        if reason is None or _locked(path):
+            continue
+        stale.append(StaleSwapFile(path=path, pid=pid, nbytes=info.st_blocks * 512, reason=reason))
     return stale
 
 
 def remove_stale_swap_files(directory: str | os.PathLike) -> list[StaleSwapFile]:
-    """Remove the stale swap files of ``directory`` (see `stale_swap_files`), logging each; return them."""
+    """Remove the stale swap files of ``directory`` (see `stale_swap_files`), logging each; return the
+    ones removed. A file that cannot be removed (another user's, say) is logged and left; nothing raises
+    except listing ``directory`` (see `stale_swap_files`)."""
     removed = []
     for entry in stale_swap_files(directory):
         try:
             os.unlink(entry.path)
         except FileNotFoundError:
             continue
-        log.warning("removed the stale swap file %s (%.1f MB) of process %d, which is no longer running",
-                    entry.path, entry.nbytes / 1e6, entry.pid)
+        except OSError as exc:
+            log.warning("could not remove the stale swap file %s (%.1f MB; %s): %s", entry.path, entry.nbytes / 1e6,
+                        entry.reason, exc.strerror or exc)
+            continue
+        log.warning("removed the stale swap file %s (%.1f MB): %s", entry.path, entry.nbytes / 1e6, entry.reason)
         removed.append(entry)
     return removed
 
 
-def _process_alive(pid: int) -> bool:
+_REUSE_MARGIN = 1.0
+"""Seconds by which a process must have started after a swap file's last write to be taken for a
+reused pid rather than its owner (clock granularity and rounding stay well below this)."""
+
+
+def _gone(pid: int, last_write: float) -> str | None:
+    """Why process ``pid`` cannot be the owner of a file last written at ``last_write``, or None if it can."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return False
+        return f"process {pid} is not running"
     except PermissionError:
-        return True  # another user's process
-    return True
+        pass  # another user's process
+    state, started = _process_stat(pid)
+    if state == "Z":
+        return f"process {pid} has exited (its parent has not reaped it yet)"
+    if started is not None and started > last_write + _REUSE_MARGIN:
+        return f"process {pid} is not running (pid {pid} now names a process started after the file's last write)"
+    return None
+
+
+def _process_stat(pid: int) -> tuple[str | None, float | None]:
+    """Process ``pid``'s state letter and start time in ``time.time()`` seconds (Linux /proc); None when unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            stat = file.read()
+        fields = stat[stat.rindex(b")") + 2:].split()  # from field 3 (state) on
+        state, ticks = fields[0].decode(), int(fields[19])  # field 22: starttime, in clock ticks since boot
+    except (OSError, ValueError, IndexError):
+        return None, None
+    since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+    return state, time.time() - since_boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _locked(path: str) -> bool:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError:
         return True  # cannot tell: leave it alone
     try:
