@@ -13,9 +13,7 @@ import torch
 from test_infer_generate import (
     PAD,
     REPO,
-    build_model,
-    save_checkpoint,
-    scratch_dir,
+    saved_model,
     tight_budget,
     write_tokenizer,
 )
@@ -25,10 +23,7 @@ from offload.infer.cli import main
 
 @pytest.fixture(scope="module")
 def gpt2():
-    root = scratch_dir("infer-cli-")
-    model = build_model("gpt2")
-    yield save_checkpoint(model, root / "gpt2"), model
-    shutil.rmtree(root, ignore_errors=True)
+    yield from saved_model("gpt2")
 
 
 def _expected(model, ids: list[int], new: int) -> list[int]:

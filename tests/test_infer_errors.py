@@ -13,9 +13,9 @@ from test_infer_generate import (
     NEW_TOKENS,
     PAD,
     build_model,
+    one_thread,  # noqa: F401 - the module's autouse fixture
     prompts,
-    save_checkpoint,
-    scratch_dir,
+    saved_model,
     tight_budget,
 )
 
@@ -24,21 +24,10 @@ from offload.storage.safetensors_reader import SafetensorsError
 from tensorio import TensorIOError
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def pristine():
     """A small sharded Llama checkpoint; tests copy it before breaking it."""
-    root = scratch_dir("infer-errors-")
-    model = build_model("llama")
-    yield save_checkpoint(model, root / "llama"), model
-    shutil.rmtree(root, ignore_errors=True)
+    yield from saved_model("llama")
 
 
 @pytest.fixture

@@ -61,6 +61,16 @@ def scratch_dir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir=root))
 
 
+def saved_model(kind: str, shard: str = "60KB", **overrides):
+    """A generator for module fixtures: yields (checkpoint directory on the disk, the model), then removes it."""
+    root = scratch_dir(f"infer-{kind}-")
+    model = build_model(kind, **overrides)
+    try:
+        yield save_checkpoint(model, root / kind, shard), model
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def prompts(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and attention mask: one prompt of 8, or 4 prompts of 8, 5, 3 and 8 tokens, left-padded."""
     gen = torch.Generator().manual_seed(batch)
@@ -277,3 +287,14 @@ def test_io_bytes_close_and_context_manager(models):
     engine.close()  # twice is fine
     with pytest.raises(RuntimeError, match="closed"):
         engine.generate(prompts(1)[0], max_new_tokens=2)
+
+
+def test_prefetch_bucket_limits_the_reads_in_flight(models):
+    directory, model = models["llama", torch.float32]
+    layer = max(u.nbytes for u in init_inference(directory, device="cpu", disk_gbps=1.0).units if u.streamable)
+    config = {"zero_optimization": {"stage3_prefetch_bucket_size": layer // 4, "offload_param": {"buffer_count": 3}}}
+    with init_inference(directory, config, max_in_cpu=tight_budget(directory), disk_gbps=1.0) as engine:
+        assert engine.streamer.lookahead == 1 and len(engine.streamer.buffers) == 3
+        ids, mask = prompts(1)
+        ours = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False)
+    assert ours.tolist() == reference(model, 1, do_sample=False).sequences.tolist()

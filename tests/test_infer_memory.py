@@ -10,10 +10,8 @@ own pages in the page cache (mincore) must grow by less than 64 MB: reads are O_
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
-from test_infer_generate import build_model, save_checkpoint, scratch_dir
+from test_infer_generate import saved_model
 
 from bench.infer_stream import _files, meminfo_cached, page_cache_bytes, run_child
 from offload.infer.convert import drop_page_cache
@@ -24,13 +22,10 @@ BUDGET = 48 << 20
 
 @pytest.fixture(scope="module")
 def big_checkpoint():
-    root = scratch_dir("infer-memory-")
-    model = build_model("llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=16, num_attention_heads=8,
-                        num_key_value_heads=8, vocab_size=8192)
-    directory = save_checkpoint(model, root / "llama", shard="40MB")
-    del model
-    yield directory
-    shutil.rmtree(root, ignore_errors=True)
+    for directory, model in saved_model("llama", "40MB", hidden_size=512, intermediate_size=1536, num_hidden_layers=16,
+                                        num_attention_heads=8, num_key_value_heads=8, vocab_size=8192):
+        del model
+        yield directory
 
 
 def test_peak_rss_within_the_plan_and_page_cache_untouched(big_checkpoint):

@@ -112,8 +112,8 @@ class InferenceConfig:
 
     aio: AioConfig = field(default_factory=lambda: AioConfig(block_size=8 << 20, queue_depth=8))
     """``aio``: the tensorio settings of the reads. Without an ``aio`` section: 8 MiB pieces, 8 in
-    flight (whole layers are streamed; fewer, larger pieces leave the cores to the compute). A
-    section given fills its missing keys with DeepSpeed's defaults (1 MiB, 8)."""
+    flight (whole layers are streamed; fewer, larger pieces cost the I/O thread less CPU). A section
+    given fills its missing keys with DeepSpeed's defaults (1 MiB, 8)."""
 
     disk_gbps: float | None = None
     """The disk's read speed for the plan's figures, in GB/s; None measures a short O_DIRECT read of

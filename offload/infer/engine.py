@@ -85,8 +85,7 @@ class InferenceEngine:
             if self.plan.streamed and settings.disk_gbps is None:
                 self.plan = self._make_plan(0, (0, 0), disk=_measure_disk(self.handle, self.checkpoint))
             # 5. Resident weights read once; the streamer's hooks on every unit that may stream.
-            self.streamer = LayerStreamer(self.handle, buffer_count=settings.buffer_count,
-                                          lookahead=self._lookahead_units(), stager=None)
+            self.streamer = LayerStreamer(self.handle, buffer_count=settings.buffer_count)
             for unit in self.units:
                 if unit.streamable:
                     self.streamer.attach(unit)
@@ -223,12 +222,13 @@ class InferenceEngine:
         return make_plan(self._sizes(), budget=budget, buffer_count=settings.buffer_count, buffer_nbytes=buffer_nbytes,
                          kv_bytes=kv_bytes, kv_shape=kv_shape, disk_bps=disk[0], disk_source=disk[1])
 
-    def _lookahead_units(self) -> int | None:
+    def _lookahead_units(self, plan: Plan) -> int | None:
+        """Reads in flight that ``stage3_prefetch_bucket_size`` allows (at least one), None for no limit."""
         bucket = self.settings.prefetch_bucket_size
-        if bucket is None or not self.plan.buffer_nbytes:
+        if bucket is None or not plan.buffer_nbytes:
             return None
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return max(1, bucket * itemsize // self.plan.buffer_nbytes)
+        return max(1, bucket * itemsize // plan.buffer_nbytes)
 
     def _needs_conversion(self, unit: Unit) -> bool:
         return any(self.checkpoint[ref.tensor].dtype != ref.placeholder.dtype for ref in unit.params)
@@ -262,7 +262,7 @@ class InferenceEngine:
             from offload.infer.cuda import CudaStager  # the CUDA path: see offload/infer/cuda.py
 
             self.streamer.stager = CudaStager(self.settings.buffer_count, plan.buffer_nbytes, self.device)
-        self.streamer.set_units(streamed, plan.buffer_nbytes)
+        self.streamer.set_units(streamed, plan.buffer_nbytes, self._lookahead_units(plan))
 
 
 # ---- building the engine: the skeleton, the units, the buffers, the disk ---------------------------
@@ -427,16 +427,24 @@ def _materialize_buffers(module: nn.Module, checkpoint: SafetensorsCheckpoint, h
 
 
 def _measure_disk(handle: AioHandle, checkpoint: SafetensorsCheckpoint) -> tuple[float, str]:
-    """Read up to 256 MiB of the checkpoint's largest file with O_DIRECT; (bytes per second, description)."""
-    path = max(checkpoint.files, key=checkpoint.file_sizes.__getitem__)
-    total = min(checkpoint.file_sizes[path], _DISK_PROBE_BYTES) // 4096 * 4096
-    chunk = min(total, 64 << 20)
-    if chunk == 0:
+    """Read up to 256 MiB of the checkpoint's largest files with O_DIRECT, 64 MiB per request;
+    (bytes per second, description)."""
+    files = sorted(checkpoint.files, key=checkpoint.file_sizes.__getitem__, reverse=True)
+    chunk = min(64 << 20, _DISK_PROBE_BYTES)
+    buffer = aligned_tensor(min(chunk, checkpoint.file_sizes[files[0]]) // 4096 * 4096, torch.uint8)
+    if buffer.numel() == 0:
         return 0.0, "not measured: the checkpoint is smaller than a page"
-    buffer = aligned_tensor(chunk, torch.uint8)
+    moved, used = 0, []
     start = time.perf_counter()
-    for offset in range(0, total - chunk + 1, chunk):
-        handle.read(buffer, path, offset).result()
+    for path in files:
+        size = checkpoint.file_sizes[path] // 4096 * 4096  # whole pages: every read is O_DIRECT
+        for offset in range(0, size, buffer.numel()):
+            if moved >= _DISK_PROBE_BYTES:
+                break
+            moved += handle.read(buffer[: min(buffer.numel(), size - offset)], path, offset).result()
+        used.append(os.path.basename(path))
+        if moved >= _DISK_PROBE_BYTES:
+            break
     seconds = time.perf_counter() - start
-    moved = (total // chunk) * chunk
-    return moved / seconds, f"measured: {format_bytes(moved)} of {os.path.basename(path)} read with O_DIRECT"
+    where = used[0] if len(used) == 1 else f"{len(used)} files"
+    return moved / seconds, f"measured: {format_bytes(moved)} of {where} read with O_DIRECT"

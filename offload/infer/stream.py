@@ -86,10 +86,11 @@ class LayerStreamer:
     (the CUDA path) copies a buffer to the GPU before the layer computes; None computes on the CPU.
     """
 
-    def __init__(self, handle: AioHandle, *, buffer_count: int, lookahead: int | None = None, stager=None) -> None:
+    def __init__(self, handle: AioHandle, *, buffer_count: int, stager=None) -> None:
         self.handle = handle
         self.buffer_count = buffer_count
-        self.lookahead = buffer_count if lookahead is None else max(1, min(lookahead, buffer_count))
+        self.lookahead = buffer_count
+        """Reads in flight at most (``stage3_prefetch_bucket_size``), at most ``buffer_count``."""
         self.stager = stager
         self.buffers: list[torch.Tensor] = []
         self.buffer_nbytes = 0
@@ -111,9 +112,11 @@ class LayerStreamer:
             unit.module.register_forward_hook(lambda module, args, out: self.release(unit), always_call=True),
         ]
 
-    def set_units(self, units: list[Unit], buffer_nbytes: int) -> None:
-        """Stream ``units`` (forward order) from now on, through buffers of ``buffer_nbytes`` bytes."""
+    def set_units(self, units: list[Unit], buffer_nbytes: int, lookahead: int | None = None) -> None:
+        """Stream ``units`` (forward order) from now on, through buffers of ``buffer_nbytes`` bytes,
+        with at most ``lookahead`` reads in flight (None: as many as buffers)."""
         self.reset()
+        self.lookahead = self.buffer_count if lookahead is None else max(1, min(lookahead, self.buffer_count))
         if buffer_nbytes != self.buffer_nbytes or not units:
             self._free_buffers()
         if units and not self.buffers:
