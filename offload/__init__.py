@@ -45,6 +45,7 @@ from offload.train import (
     grad_norm,
     initialize,
 )
+from offload import zero  # noqa: E402  (deepspeed.zero's surface: Init, GatheredParameters, ...)
 
 __all__ = [
     "AdamParams",
@@ -80,4 +81,5 @@ __all__ = [
     "resolve_tag",
     "save_tensors_safetensors",
     "world_size_from_env",
+    "zero",
 ]

@@ -32,6 +32,10 @@ class Placement:
     swap: SwapFile | None
     max_in_cpu: int = 0
     persistence_threshold: int = 0
+    accumulators: bool = True
+    """Attach each parameter's AccumulateGrad node (see `attach_accumulator`); False under
+    `offload.zero.Init`, which may place from inside a dispatch mode, below autograd: `initialize`
+    attaches them then."""
     in_cpu: int = 0
     """Elements of non-persistent partitions kept in memory so far."""
     _writes: list[IOFuture] = field(default_factory=list)
@@ -66,9 +70,10 @@ class Placement:
         rec = ParamRecord(index=index, names=list(names), param=p, shape=p.shape, numel=numel,
                           partition=nn.Parameter(local, requires_grad=p.requires_grad), partition_numel=part,
                           keep_full=keep_full)
-        attach_accumulator(rec)
+        if self.accumulators:
+            attach_accumulator(rec)
         if to_disk:
-            rec.offset = self.swap.allocate(local.nbytes)
+            rec.offset = self.swap.allocate(local.nbytes, slots=2)  # the step's commit rule: `ParamStore.write_update`
             self._writes.append(self.swap.write(local, rec.offset))  # the request keeps ``local`` alive
             rec.partition.data = torch.empty(0, dtype=p.dtype)
         if keep_full:

@@ -20,16 +20,19 @@ buffer is counted in the swap budget.
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tensorio import IOFuture
+from tensorio import IOFuture, aligned_tensor
 
+from offload.params.partition import partition_bounds
 from offload.params.prefetch import Prefetcher, SwapBudget
-from offload.storage.swapfile import SwapFile
+from offload.storage.swapfile import SwapFile, aligned_size
 
 
 @dataclass(slots=True, eq=False)
@@ -48,7 +51,13 @@ class ParamRecord:
     """Never released: persistent (small) parameters, and at world size 1 those in memory (the
     partition is then a view of the parameter itself)."""
     offset: int = -1
-    """Byte offset of the partition in the parameter swap file (NVMe records only)."""
+    """Byte offset of the partition's first slot in the parameter swap file (NVMe records only); the
+    second slot follows at ``offset + slot_bytes`` (see `slot_offset`)."""
+    slot: int = 0
+    """The committed slot: the partition as of the last committed step (a failed step rolls back to it)."""
+    latest: int = 0
+    """The slot holding the newest values: the other one once a step has written its update there,
+    until that step commits (``slot = latest``) or rolls back (``latest = slot``)."""
     buffer: torch.Tensor | None = None
     """The page-aligned buffer a read fills, counted in the swap budget until dropped."""
     read: IOFuture | None = None
@@ -78,6 +87,10 @@ class ParamRecord:
     def on_disk(self) -> bool:
         return self.offset >= 0
 
+    def slot_offset(self, slot: int) -> int:
+        """Byte offset of slot ``slot`` (0 or 1) of the on-disk partition."""
+        return self.offset + slot * aligned_size(self.partition_numel * self.partition.dtype.itemsize)
+
 
 @dataclass(slots=True, eq=False)
 class _Saved:
@@ -89,7 +102,7 @@ class _Saved:
     stride: tuple[int, ...]
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(eq=False)
 class ParamStore:
     """The records, the swap file, the budget and the prefetcher: gather and release."""
 
@@ -110,20 +123,58 @@ class ParamStore:
     keep_for_update: bool = False
     """Set by `begin_backward` for a backward whose updates run as gradients arrive: an on-disk trainable
     partition's buffer is kept when its parameter is released, for the update to use (see `take_buffer`)."""
+    updates: object = None
+    """A step whose updates run during the passes (the engine's ``DeferredStep``): `gather` first calls
+    its ``values(rec)``, which waits for ``rec``'s update and returns the updated partition when the step
+    holds it (None: gather as usual); prefetch skips partitions its ``holds(rec)``. With it, every module
+    using a trainable parameter gets the gather hooks, so that no forward uses a parameter before its update."""
     _live: dict[int, ParamRecord] = field(default_factory=dict)
     """Storage address of each gathered, releasable parameter -> its record (for the pack hook)."""
+    shaped_placeholders: bool = False
+    """Released parameters get a zero-stride placeholder of their full shape, one per record (while a
+    model is built under `offload.zero.Init`, whose code reads shapes), rather than an empty one."""
     _placeholders: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    _shaped: dict[int, torch.Tensor] = field(default_factory=dict)
+    _by_param: dict[int, ParamRecord] = field(default_factory=dict)
+    _external: dict[int, list[ParamRecord]] = field(default_factory=dict)
+    """Module id -> records its forward uses beyond its own parameters (`register_external`)."""
     _hooks: list = field(default_factory=list)
+    _serial: int = 0
+
+    def __post_init__(self) -> None:
+        self._by_param = {id(rec.param): rec for rec in self.records}
+        self._serial = next(_SERIALS)
+        _STORES.add(self)
+
+    # ---- records ---------------------------------------------------------------------------------
+
+    def add(self, rec: ParamRecord) -> None:
+        """Append a record placed after the store was made (``rec.index`` must be its position)."""
+        if rec.index != len(self.records):
+            raise RuntimeError(f"internal error: record {rec.name!r} has index {rec.index}, expected {len(self.records)}")
+        self.records.append(rec)
+        self._by_param[id(rec.param)] = rec
+
+    def record_of(self, param: torch.Tensor) -> ParamRecord | None:
+        """The record of ``param`` in this store, or None."""
+        rec = self._by_param.get(id(param))
+        return rec if rec is not None and rec.param is param else None
 
     # ---- gather / release ---------------------------------------------------------------------
 
     def gather(self, rec: ParamRecord) -> torch.Tensor:
         """Make ``rec.param`` the full tensor; return the flat full tensor."""
+        # 0. A step whose update runs now (``updates``) first makes sure this partition's has run.
+        held = self.updates.values(rec) if self.updates is not None else None
         if rec.full is not None:
             return rec.full
         # 1. The partition's data: in memory, or read from NVMe (prefetched, on demand, or kept from
-        #    an earlier gather in this backward).
-        if rec.on_disk:
+        #    an earlier gather in this backward), or the updated buffer the step holds.
+        if held is not None:
+            self.prefetcher.observe(rec.index)
+            self._prefetch()
+            local = held
+        elif rec.on_disk:
             self.prefetcher.observe(rec.index)
             self._arrive(rec)
             local = rec.buffer
@@ -170,23 +221,25 @@ class ParamStore:
             return
         self._live.pop(rec.full.untyped_storage().data_ptr(), None)
         rec.full = None
-        rec.param.data = self.placeholder(rec.param.dtype)
+        rec.param.data = self.placeholder_of(rec)
         if not self._keeps(rec):
             self._drop_buffer(rec)
 
     def _keeps(self, rec: ParamRecord) -> bool:
         return self.keep_for_update and rec.on_disk and rec.param.requires_grad
 
-    def take_buffer(self, rec: ParamRecord) -> torch.Tensor:
+    def take_buffer(self, rec: ParamRecord, *, observe: bool = True) -> torch.Tensor:
         """The page-aligned buffer holding an on-disk partition's values, for its update: the one kept
         from this backward's gather, else one read now (sync point). The caller owns it from here and
-        gives its elements back to the budget with `return_buffer`."""
+        gives its elements back to the budget with `return_buffer`. ``observe``: count it as a gather in
+        the recorded order (not for a step run in the forward, whose gathers count themselves)."""
         if rec.full is not None:
             self.release(rec)  # the gradient is final: no backward node reads the parameter any more
         if rec.buffer is None or rec.read is not None:
             # Not gathered in this backward (a bias, an embedding): part of the recorded order, so
             # that from the next step on it is read ahead like any gather.
-            self.prefetcher.observe(rec.index)
+            if observe:
+                self.prefetcher.observe(rec.index)
             self._arrive(rec)
         buffer, rec.buffer = rec.buffer, None
         return buffer
@@ -211,7 +264,8 @@ class ParamStore:
         if not rec.on_disk or rec.read is not None or rec.buffer is not None:
             raise RuntimeError(f"internal error: parameter {rec.name!r} cannot be read (on disk: {rec.on_disk}, "
                                f"read in flight: {rec.read is not None}, buffered: {rec.buffer is not None})")
-        rec.buffer, rec.read = self.swap.read_new(rec.partition_numel, rec.partition.dtype, rec.offset)
+        rec.buffer, rec.read = self.swap.read_new(rec.partition_numel, rec.partition.dtype,
+                                                  rec.slot_offset(rec.latest))
         self.budget.held += rec.partition_numel
 
     def prefetch_from_start(self) -> None:
@@ -225,7 +279,8 @@ class ParamStore:
         ahead = 0
         for index in self.prefetcher.upcoming():
             rec = self.records[index]
-            if rec.buffer is not None or rec.full is not None:  # in flight, gathered, or kept for its update
+            if rec.buffer is not None or rec.full is not None or (self.updates is not None and self.updates.holds(rec)):
+                # in flight, gathered, kept for its update, or held by the step updating it
                 ahead += rec.partition_numel if rec.read is not None else 0
                 continue
             if not rec.on_disk:
@@ -245,9 +300,18 @@ class ParamStore:
             self.budget.held -= rec.partition_numel
 
     def placeholder(self, dtype: torch.dtype) -> torch.Tensor:
+        """The empty tensor that stands in for released parameters and on-disk partitions of ``dtype``."""
         if dtype not in self._placeholders:
             self._placeholders[dtype] = torch.empty(0, dtype=dtype)
         return self._placeholders[dtype]
+
+    def placeholder_of(self, rec: ParamRecord) -> torch.Tensor:
+        """What ``rec.param.data`` is while released (see ``shaped_placeholders``)."""
+        if not self.shaped_placeholders:
+            return self.placeholder(rec.param.dtype)
+        if rec.index not in self._shaped:  # one element of memory, its own storage
+            self._shaped[rec.index] = torch.zeros((), dtype=rec.param.dtype).expand(rec.shape)
+        return self._shaped[rec.index]
 
     def release_all(self) -> None:
         """End of a backward or step: release everything not kept and drop unused prefetches."""
@@ -279,16 +343,61 @@ class ParamStore:
         """A copy of ``rec``'s partition (read from NVMe when it is there: sync point)."""
         if not rec.on_disk:
             return rec.partition.detach().clone()
-        buffer, future = self.swap.read_new(rec.partition_numel, rec.partition.dtype, rec.offset)
+        buffer, future = self.swap.read_new(rec.partition_numel, rec.partition.dtype, rec.slot_offset(rec.latest))
         future.result()
         return buffer
 
     def write_partition(self, rec: ParamRecord, values: torch.Tensor) -> IOFuture:
         """Start writing ``values`` (``partition_numel`` elements, page-aligned, kept unchanged until the
-        future is done) over ``rec``'s on-disk partition."""
+        future is done) over ``rec``'s on-disk partition, in place (its newest slot): for writes outside a
+        step, such as loading weights. A step's update goes to the other slot instead (`write_update`)."""
         if not rec.on_disk:
             raise RuntimeError(f"internal error: parameter {rec.name!r} has no on-disk partition to write")
-        return self.swap.write(values, rec.offset)
+        return self.swap.write(values, rec.slot_offset(rec.latest))
+
+    def write_update(self, rec: ParamRecord, values: torch.Tensor) -> IOFuture:
+        """Start writing a step's update of ``rec`` (as `write_partition`) to the slot that is not the
+        committed one, which stays readable until `commit_slots`; from now on reads take the new slot,
+        so none may start before this write is done (the caller keeps ``values`` for uses until then)."""
+        if not rec.on_disk:
+            raise RuntimeError(f"internal error: parameter {rec.name!r} has no on-disk partition to write")
+        future = self.swap.write(values, rec.slot_offset(1 - rec.slot))
+        rec.latest = 1 - rec.slot
+        return future
+
+    def commit_slots(self) -> None:
+        """Every update written since the last commit has landed and the step is final: its slots become
+        the committed ones."""
+        for rec in self.records:
+            rec.slot = rec.latest
+
+    def rollback_slots(self) -> list[ParamRecord]:
+        """A step failed: forget the updates it wrote; reads take the committed slots again. Returns the
+        records rolled back. The caller waits for those writes first (never read a slot being written)."""
+        rolled = [rec for rec in self.records if rec.latest != rec.slot]
+        for rec in rolled:
+            rec.latest = rec.slot
+        return rolled
+
+    def write_back(self, rec: ParamRecord) -> None:
+        """The gathered full tensor of ``rec`` was changed in place: put this rank's slice into its partition,
+        in memory or on NVMe (sync point: waits for the write). Raises TensorIOError."""
+        if rec.full is None:
+            raise RuntimeError(f"internal error: parameter {rec.name!r} is not gathered")
+        if rec.keep_full and self.world_size == 1:
+            return  # the partition is the parameter itself
+        start, end = partition_bounds(rec.numel, self.world_size, self.rank)
+        values = rec.full[start:min(end, rec.numel)]
+        if not rec.on_disk:
+            rec.partition.data[:values.numel()].copy_(values)
+            return
+        if self.world_size == 1 and rec.buffer is not None and rec.full.data_ptr() == rec.buffer.data_ptr():
+            staged = rec.buffer  # the buffer the gather read: page-aligned, the whole partition
+        else:
+            staged = aligned_tensor(rec.partition_numel, rec.partition.dtype)
+            staged.zero_()
+            staged[:values.numel()].copy_(values)
+        self.write_partition(rec, staged).result()
 
     def io_bytes(self) -> dict[str, int]:
         """Bytes read from and written to the parameter swap file so far."""
@@ -320,7 +429,7 @@ class ParamStore:
 
     def start_stores(self, recs: list[ParamRecord]) -> list:
         """Start writing the updated on-disk partitions of ``recs``; return the futures."""
-        return [self.swap.write(rec.partition.data, rec.offset) for rec in recs if rec.on_disk]
+        return [self.write_update(rec, rec.partition.data) for rec in recs if rec.on_disk]
 
     def finish_stores(self, recs: list[ParamRecord], writes: list) -> None:
         """Wait for ``start_stores``'s writes (sync point: a partition is dropped only once on disk)."""
@@ -340,13 +449,24 @@ class ParamStore:
     # ---- hooks ---------------------------------------------------------------------------------
 
     def install(self, model: nn.Module) -> None:
-        """Register the forward pre/post hooks on every module that owns parameters."""
+        """Register the forward pre/post hooks on every module that owns parameters, or uses parameters
+        of another module (`register_external`)."""
         by_param = {id(rec.param): rec for rec in self.records}
         for module in model.modules():
             recs = [by_param[id(p)] for p in module.parameters(recurse=False) if id(p) in by_param]
-            if any(not rec.keep_full for rec in recs):
-                self._hooks.append(module.register_forward_pre_hook(_PreForward(self, recs)))
-                self._hooks.append(module.register_forward_hook(_PostForward(self, recs), always_call=True))
+            recs += [by_param[id(p)] for p in EXTERNAL.get(module, ()) if id(p) in by_param]
+            self._hook(module, recs)
+
+    def register_external(self, module: nn.Module, rec: ParamRecord) -> None:
+        """Gather ``rec`` around ``module``'s forward too (a parameter it uses but does not own); takes
+        effect at once when the hooks are installed already."""
+        if self._hooks:
+            self._hook(module, [rec])
+
+    def _hook(self, module: nn.Module, recs: list[ParamRecord]) -> None:
+        if any(not rec.keep_full or (self.updates is not None and rec.param.requires_grad) for rec in recs):
+            self._hooks.append(module.register_forward_pre_hook(_PreForward(self, recs)))
+            self._hooks.append(module.register_forward_hook(_PostForward(self, recs), always_call=True))
 
     def pack(self, tensor: torch.Tensor) -> object:
         """Saved-tensor pack hook: a gathered parameter (or a view of it) becomes a token."""
@@ -399,3 +519,22 @@ class _PostForward:
             rec.users = max(0, rec.users - 1)
             if rec.users == 0 and not self.store.reused_soon(rec):
                 self.store.release(rec)  # saved tokens gather it again in backward
+
+
+EXTERNAL: "weakref.WeakKeyDictionary[nn.Module, list[nn.Parameter]]" = weakref.WeakKeyDictionary()
+"""Module -> parameters its forward uses beyond its own (`offload.zero.register_external_parameter`)."""
+
+_SERIALS = itertools.count()
+_STORES: "weakref.WeakSet[ParamStore]" = weakref.WeakSet()
+"""Every live store: `find_record` looks a parameter up in them."""
+
+
+def find_record(param: torch.Tensor) -> tuple[ParamStore, ParamRecord] | None:
+    """The store and record of a partitioned parameter (built under `offload.zero.Init` or handed to
+    an engine), or None for a parameter no store holds. The newest store wins (an engine over Init's)."""
+    found = None
+    for store in list(_STORES):
+        rec = store.record_of(param)
+        if rec is not None and (found is None or store._serial > found[0]._serial):
+            found = (store, rec)
+    return found

@@ -16,6 +16,7 @@ partition; `OffloadAdam` steps the partitions with its state in memory or on NVM
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import logging
@@ -30,11 +31,15 @@ from torch import nn
 from offload.config import EngineConfig, ZeroConfig, check_against_model, check_nvme_paths, world_size_from_env
 from offload.optim import OffloadAdam
 from offload.params import ParamRecord, ParamStore, Placement, Prefetcher, SwapBudget, build_records
+from offload.params.construct import BUILT, built_store
+from offload.params.placement import attach_accumulator, parameter_names
 from offload.storage import SwapFile
 from offload.train import checkpoint
 from offload.train.grads import GradReducer
 from offload.train.loss_scaler import build_loss_scaler
 from offload.train.timers import PhaseTimers
+from offload.train.deferred import DeferredStep
+from offload.train.rollback import StepRollback
 from offload.train.writeback import PartitionWriteBack
 
 __all__ = ["Engine", "initialize"]
@@ -139,16 +144,11 @@ def _assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int
     return engine
 
 
-def _restore(originals: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
-    for param, data in originals:
-        param.data = data
-
-
-def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, world_size: int, rank: int,
-           group: Any, optimizer: Any, lr_scheduler: Any) -> "Engine":
-    """`_assemble`'s steps; each thing made is registered in ``undo`` for removal on failure."""
+def _partition(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, world_size: int, rank: int,
+               group: Any) -> tuple[list[ParamRecord], SwapFile | None]:
+    """Steps 1 and 2 of `_build` for a model built whole: cast, partition, place."""
     zero = cfg.zero_optimization
-    offload_param, offload_opt = zero.offload_param, zero.offload_optimizer
+    offload_param = zero.offload_param
     dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None
     if dtype is not None:  # parameter by parameter; the originals stay referenced until success
         for p in model.parameters():
@@ -156,9 +156,6 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
     if world_size > 1:  # every rank starts from rank 0's weights
         for p in model.parameters():
             dist.broadcast(p.data, 0, group=group)
-    # 1. Partition, and 2. parameter offload: each rank keeps its slice of every parameter, in memory
-    #    or in the swap file. First, because everything below works on partitions, and so that the
-    #    full parameters are freed before the optimizer allocates its state.
     nvme = offload_param.device == "nvme"
     if nvme:
         check_against_model(cfg, {n: p.numel() for n, p in model.named_parameters()
@@ -170,25 +167,76 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
     placement = Placement(world_size=world_size, rank=rank, swap=swap, max_in_cpu=offload_param.max_in_cpu if nvme else 0,
                           persistence_threshold=zero.stage3_param_persistence_threshold)
     try:
-        records = build_records(model, placement)
+        return build_records(model, placement), swap
     finally:
         placement.finish()  # on an error too: no write is left in flight
+
+
+def _adopt(model: nn.Module, built: ParamStore, cfg: EngineConfig, *, world_size: int
+           ) -> tuple[list[ParamRecord], SwapFile | None]:
+    """Steps 1 and 2 of `_build` for a model built under `offload.zero.Init`: take its records as they are,
+    named and numbered as the model names its parameters (records of parameters the model dropped, such as
+    a weight replaced by a tied one, are left out). Raises ValueError where the config disagrees with the build."""
+    key = "zero_optimization.offload_param.device"
+    if (built.swap is not None) != (cfg.zero_optimization.offload_param.device == "nvme"):
+        raise ValueError(f"{key}: {cfg.zero_optimization.offload_param.device!r}, but the model was built under "
+                         f"zero.Init with its parameters {'on NVMe' if built.swap is not None else 'in memory'}; "
+                         f"pass initialize() the config zero.Init got")
+    if built.world_size != world_size:
+        raise ValueError(f"the model was built under zero.Init with {built.world_size} ranks, initialize() runs with "
+                         f"{world_size}")
+    dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None
+    names = parameter_names(model)
+    records = []
+    for index, (name, p) in enumerate(model.named_parameters()):
+        if dtype is not None and p.dtype != dtype:
+            raise ValueError(f"parameter {name!r} is {p.dtype}, the config trains in {dtype}; build the model under "
+                             f"zero.Init with the same fp16/bf16 config (or dtype=)")
+        rec = built.record_of(p)
+        rec.index, rec.names = index, names[id(p)]
+        attach_accumulator(rec)
+        records.append(rec)
+    for rec in records:
+        if rec.full is None:
+            rec.param.data = torch.empty(0, dtype=rec.param.dtype)
+    BUILT.pop(id(built), None)  # the engine owns the swap file from here
+    return records, built.swap
+
+
+def _restore(originals: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+    for param, data in originals:
+        param.data = data
+
+
+def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, world_size: int, rank: int,
+           group: Any, optimizer: Any, lr_scheduler: Any) -> "Engine":
+    """`_assemble`'s steps; each thing made is registered in ``undo`` for removal on failure."""
+    zero = cfg.zero_optimization
+    offload_param, offload_opt = zero.offload_param, zero.offload_optimizer
+    built = built_store(model)
+    if built is not None:  # built under offload.zero.Init: partitioned and placed already
+        records, swap = _adopt(model, built, cfg, world_size=world_size)
+    else:
+        records, swap = _partition(model, cfg, undo, world_size=world_size, rank=rank, group=group)
     budget = SwapBudget(buffer_elements=offload_param.buffer_count * offload_param.buffer_size,
                         max_live=zero.stage3_max_live_parameters)
     store = ParamStore(records=records, world_size=world_size, rank=rank, swap=swap, budget=budget,
                        prefetcher=Prefetcher(bucket_elements=zero.stage3_prefetch_bucket_size), group=group,
                        reuse_distance=zero.stage3_max_reuse_distance)
-    # 3. Gradient reduction: hooks on the partitioned parameters' gradient accumulators. With the
-    #    optimizer state on NVMe the gradient partitions go there too, beside it.
-    #    When the update can run during backward (see _updates_in_backward), each reduced gradient goes
-    #    straight to the optimizer instead.
+    # 3. Gradient reduction: hooks on the partitioned parameters' gradient accumulators. Where the
+    #    update runs is chosen here (see _update_mode): during backward, each reduced gradient goes
+    #    straight to the optimizer (earlier micro-batches' partitions kept in memory and added to it);
+    #    in the next forward, the gradients are kept in memory, each one's norm taken as it is reduced;
+    #    after backward, with the optimizer state on NVMe, the gradient partitions go there too.
     trainable = [rec for rec in records if rec.param.requires_grad]
-    in_backward = _updates_in_backward(cfg, optimizer, trainable)
+    mode = _update_mode(cfg, optimizer, trainable)
+    in_backward = mode != AFTER_BACKWARD  # the optimizer's thread runs the updates
     grad_swap = (SwapFile(offload_opt.nvme_path, cfg.aio, kind="grads", key="zero_optimization.offload_optimizer.nvme_path")
                  if offload_opt.device == "nvme" and not in_backward else None)
     if grad_swap is not None:
         undo.callback(grad_swap.close)
-    reducer = GradReducer(store, world_size=world_size, rank=rank, group=group, swap=grad_swap)
+    reducer = GradReducer(store, world_size=world_size, rank=rank, group=group, swap=grad_swap,
+                          norms=mode == IN_FORWARD)
     undo.callback(reducer.remove)
     # 4. Optimizer offload: OffloadAdam over the partitions; it plans its sub-groups from their sizes,
     #    so it comes after the partitions exist and before anything runs.
@@ -211,16 +259,23 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
                                spare_limit=spare_limit, sub_group_size=sub_group_size)
     if hasattr(opt, "close"):
         undo.callback(opt.close)
+    rollback = deferred = None
     if in_backward:
         if spare_limit is not None:
             writeback = PartitionWriteBack(store, opt, limit=offload_param.buffer_size)
-        reducer.consumer = functools.partial(_hand_over, opt, writeback)
+        # The parameters commit and roll back with the optimizer's state (docs/engine.md, "Failures").
+        rollback = StepRollback(store, limit=offload_param.buffer_size)
+        opt.add_step_hooks(on_commit=rollback.committed, on_abort=rollback.aborted)
+        if mode == IN_BACKWARD:
+            reducer.consumer = functools.partial(_hand_over, opt, writeback, rollback)
+        else:  # the forward's gathers wait for, and take, the updated partitions
+            deferred = store.updates = DeferredStep(store, opt, writeback, trainable, rollback)
     scheduler = _build_scheduler(cfg, lr_scheduler, opt)
     # 5. Gather hooks and prefetch: last, since they gather the partitions placed above.
     store.install(model)
     undo.callback(store.remove_hooks)
     return Engine(model, cfg, store, reducer, opt, scheduler, world_size=world_size, rank=rank, group=group,
-                  writeback=writeback)
+                  writeback=writeback, rollback=rollback, deferred=deferred)
 
 
 _SWAP_BUFFER_SHARE = 16
@@ -255,29 +310,44 @@ def _host_memory_bytes() -> int:
     return psutil.virtual_memory().total
 
 
-def _updates_in_backward(cfg: EngineConfig, client: Any, trainable: list[ParamRecord]) -> bool:
-    """Whether the optimizer can update each partition during backward, as soon as its gradient is
-    reduced, so that the optimizer state's NVMe traffic overlaps the forward and backward passes.
+IN_BACKWARD, IN_FORWARD, AFTER_BACKWARD = "during backward", "in the next forward", "after backward"
+"""Where a step's update runs (`_update_mode`; docs/engine.md)."""
 
-    Only when nothing has to see all gradients first: one micro step per step (no accumulation), no
-    clipping, no fp16 overflow check; and only for the optimizer we build (OffloadAdam), with (some
-    of) its state on NVMe. On-disk partitions are updated from the buffer their backward read and written
-    back by `PartitionWriteBack`, which needs their whole state on NVMe (``ratio`` 1.0).
+
+def _update_mode(cfg: EngineConfig, client: Any, trainable: list[ParamRecord]) -> str:
+    """Where each step's update runs, so that the optimizer state's NVMe traffic overlaps compute.
+
+    The fast paths need the optimizer we build (OffloadAdam) with its state on NVMe, and, for on-disk
+    partitions (updated from the buffer a pass read and written back by `PartitionWriteBack`), all of
+    that state (``ratio`` 1.0):
+
+    - IN_BACKWARD: each partition is updated as soon as its gradient is final, when nothing has to see
+      every gradient first: no clipping, no fp16 overflow check. With accumulation, the earlier
+      micro-batches' gradient partitions are kept and added to the last one's as it arrives.
+    - IN_FORWARD: with gradient clipping or fp16, the step validates (global norm, overflow) after
+      backward and the updates run during the next forward, in its order (`DeferredStep`); this needs
+      the whole state offloaded.
+    - AFTER_BACKWARD otherwise: the chunked step.
     """
     offload_opt = cfg.zero_optimization.offload_optimizer
-    return (offload_opt.device == "nvme" and offload_opt.ratio > 0 and cfg.gradient_accumulation_steps == 1
-            and cfg.gradient_clipping == 0 and not cfg.fp16.enabled
+    fast = (offload_opt.device == "nvme" and offload_opt.ratio > 0
             and (client is None or isinstance(client, (torch.optim.Adam, torch.optim.AdamW)))
             and (offload_opt.ratio == 1.0 or not any(rec.on_disk for rec in trainable)))
+    if not fast:
+        return AFTER_BACKWARD
+    if cfg.gradient_clipping == 0 and not cfg.fp16.enabled:
+        return IN_BACKWARD
+    return IN_FORWARD if offload_opt.ratio == 1.0 else AFTER_BACKWARD
 
 
-def _hand_over(opt: OffloadAdam, writeback: PartitionWriteBack | None, rec: ParamRecord, grad: torch.Tensor) -> None:
+def _hand_over(opt: OffloadAdam, writeback: PartitionWriteBack | None, rollback: StepRollback, rec: ParamRecord,
+               grad: torch.Tensor) -> None:
     """Give a reduced gradient partition to the optimizer, which updates it in the background."""
+    rollback.before_update(rec)
     if rec.on_disk:
         writeback.hand_over(rec, grad)
         return
-    rec.partition.grad = grad.view(rec.partition.shape).to(rec.partition.dtype)
-    opt.grad_ready(rec.partition)
+    opt.grad_ready(rec.partition, grad=grad.view(rec.partition.shape))
 
 
 def _build_optimizer(cfg: EngineConfig, client: Any, params: list[nn.Parameter], *,
@@ -331,7 +401,8 @@ class Engine:
 
     def __init__(self, module: nn.Module, config: EngineConfig, store: ParamStore, reducer: GradReducer,
                  optimizer: torch.optim.Optimizer, lr_scheduler: Any, *, world_size: int, rank: int,
-                 group: Any, writeback: PartitionWriteBack | None = None) -> None:
+                 group: Any, writeback: PartitionWriteBack | None = None, rollback: StepRollback | None = None,
+                 deferred: DeferredStep | None = None) -> None:
         self.module = module
         self.config = config
         self.optimizer = optimizer
@@ -344,12 +415,18 @@ class Engine:
         self._store = store
         self._reducer = reducer
         self._writeback = writeback
+        self._rollback = rollback
+        """The fast paths' commit rule for parameters (None: the chunked step after backward)."""
+        self._deferred = deferred
+        """The step that runs in the next forward (None: the update runs during or after backward)."""
         self._chunks = _step_chunks(store.records, config)
         self._failure: str | None = None
         """Why the model's parameters may be partly updated (a step failed part way); None: they are whole."""
         self._last_checkpoint: str | None = None
         self._grads_failure: str | None = None
         """Why the accumulated gradients are incomplete (a backward failed); cleared by zero_grad."""
+        self._rolled_back: str | None = None
+        """The last step that failed and was rolled back entirely (training may go on)."""
         self.timers = PhaseTimers.from_config(config, log=log.info if rank == 0 else (lambda line: None))
         self._finalizer = weakref.finalize(self, _close, store, reducer, optimizer)
 
@@ -360,11 +437,19 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the model's forward pass (parameters are gathered module by module)."""
-        self._settle()
+        """Run the model's forward pass (parameters are gathered module by module). After a step whose
+        update runs in the next forward, this is it: each gather waits for, and uses, its updated partition.
+        Raises the update's error (TensorIOError) when it failed; the step is then rolled back."""
+        if self._deferred is None:
+            self._settle()
         self._store.begin_forward()
-        with self.timers.phase("forward"), self._store.saved_tensor_hooks():
-            return self.module(*args, **kwargs)
+        try:
+            with self.timers.phase("forward"), self._store.saved_tensor_hooks():
+                return self.module(*args, **kwargs)
+        except BaseException as error:
+            if self._deferred is not None and self._deferred.failed:
+                self._give_up(error, gradients_lost=False)  # the update of the last step failed
+            raise
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` (divided by gradient_accumulation_steps, times the fp16 loss scale).
@@ -375,16 +460,24 @@ class Engine:
             loss = loss / self.config.gradient_accumulation_steps
         if self.loss_scaler is not None:
             loss = self.loss_scaler.scale_loss(loss)
+        boundary = self.is_gradient_accumulation_boundary()
+        # The micro-batch that ends an accumulation hands its gradients to the optimizer (plus the kept ones).
+        self._reducer.boundary = boundary
         # On-disk partitions updated during backward keep the buffer their backward read (see _writeback.py).
-        self._store.begin_backward(keep_for_update=self._writeback is not None)
+        updating = self._reducer.consumer is not None and boundary
+        self._store.begin_backward(keep_for_update=updating and self._writeback is not None)
         try:
+            if self._deferred is not None:
+                self._finish_deferred()  # sync point: the last step's updates have run, its writes landed
+            if updating:
+                self._rollback.begin_step()
             # Saved-tensor hooks here too: reentrant activation checkpointing re-runs forward in backward.
             with self.timers.phase("backward"), self._store.saved_tensor_hooks():
                 loss.backward()
         except BaseException as error:
-            if self._reducer.consumer is not None:
-                self._abandon_updates()  # this backward's updates are forgotten, their buffers let go
-                self._failed(error)  # some partitions were already updated during this backward
+            if self._rollback is not None and (updating or self._rollback.uncommitted):
+                # This backward's updates (and the last step's, if uncommitted) are given up.
+                self._give_up(error, gradients_lost=True)
             else:
                 self._grads_failure = (f"the backward of step {self.global_steps + 1} failed ({type(error).__name__}: "
                                        f"{error}), so the accumulated gradients are incomplete")
@@ -407,8 +500,9 @@ class Engine:
             raise RuntimeError(f"cannot step: {self._grads_failure}; call zero_grad() and run the accumulation "
                                f"again, or load_checkpoint(...)")
         if self.is_gradient_accumulation_boundary():
+            snapshot = self._counters() if self._rollback is not None else None
             with self.timers.phase("step"):
-                self._optimizer_step()
+                self._optimizer_step(snapshot)
             self.global_steps += 1
             if self.global_steps % self.config.steps_per_print == 0:
                 self._report()
@@ -425,6 +519,46 @@ class Engine:
         """A step failed after it began to change parameters: refuse to step or save until a load."""
         self._failure = f"step {self.global_steps + 1} failed part way ({type(error).__name__}: {error})"
 
+    def _give_up(self, error: BaseException, *, gradients_lost: bool) -> None:
+        """A step on a fast path failed: join the optimizer's thread and give up every uncommitted step
+        (`StepRollback`). When that undid everything, the counters, schedule and loss scale go back to
+        the last committed step and training may go on (with ``gradients_lost``, from a new backward);
+        otherwise refuse to step or save until a load."""
+        self._abandon_updates()
+        total, snapshot, uncopied = self._rollback.take_aborts()
+        if not total:
+            self._failed(error)
+            self._failure += (f"; the in-memory partitions {', '.join(uncopied[:3])}{' ...' if len(uncopied) > 3 else ''} "
+                              f"were updated without a copy to undo it (beyond offload_param.buffer_size elements)")
+            return
+        failed_step = self.global_steps + 1
+        if snapshot is not None:
+            self._restore_counters(snapshot)
+            failed_step = self.global_steps + 1
+        self._rolled_back = (f"step {failed_step} failed ({type(error).__name__}: {error}) and was rolled back "
+                             f"entirely: parameters and optimizer state are those after step {self.global_steps}")
+        log.warning("%s", self._rolled_back)
+        if gradients_lost:
+            self._grads_failure = f"{self._rolled_back}, and the gradients of this accumulation are lost"
+
+    def _counters(self) -> dict[str, Any]:
+        """What a step changes besides parameters and optimizer state, to undo it (`_give_up`)."""
+        return {"global_steps": self.global_steps, "skipped_steps": self.skipped_steps,
+                "micro_steps": self.micro_steps + 1 - self.config.gradient_accumulation_steps,
+                "lr": [group["lr"] for group in self.optimizer.param_groups],
+                "lr_scheduler": copy.deepcopy(self.lr_scheduler.state_dict()) if self.lr_scheduler is not None else None,
+                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
+
+    def _restore_counters(self, snapshot: dict[str, Any]) -> None:
+        self.global_steps, self.skipped_steps = snapshot["global_steps"], snapshot["skipped_steps"]
+        self.micro_steps = snapshot["micro_steps"]
+        for group, lr in zip(self.optimizer.param_groups, snapshot["lr"]):
+            group["lr"] = lr
+        if snapshot["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(snapshot["lr_scheduler"])
+        if snapshot["loss_scaler"] is not None:
+            self.loss_scaler.load_state_dict(snapshot["loss_scaler"])
+
     def _check_not_failed(self, what: str) -> None:
         if self._failure is not None:
             resume = (f"load_checkpoint({os.path.dirname(self._last_checkpoint)!r}, "
@@ -433,18 +567,21 @@ class Engine:
             raise RuntimeError(f"cannot {what}: {self._failure}, so some parameters may carry its update and others "
                                f"not; {what} would go on from a mixed model. Resume with {resume}")
 
-    def _optimizer_step(self) -> None:
+    def _optimizer_step(self, snapshot: dict[str, Any] | None) -> None:
         records = [rec for rec in self._store.records if rec.param.requires_grad]
         if self._reducer.consumer is not None:  # partitions were updated during backward
+            self._rollback.counted(snapshot)
             try:
                 self.optimizer.step()  # sync point: waits for those updates; steps any partition left
                 if self._writeback is not None:
                     self._writeback.finish()  # sync point: on-disk partitions written back
             except BaseException as error:
-                self._abandon_updates()
-                self._failed(error)
+                self._give_up(error, gradients_lost=True)
                 raise
             self._finish_step(records)
+            return
+        if self._deferred is not None:
+            self._step_in_next_forward(records, snapshot)
             return
         try:
             factor = self._unscale_and_clip(records)
@@ -464,7 +601,45 @@ class Engine:
         except BaseException as error:
             self._failed(error)
             raise
+        self._store.commit_slots()  # every partition's write has landed
         self._finish_step(records)
+
+    def _step_in_next_forward(self, records: list[ParamRecord], snapshot: dict[str, Any]) -> None:
+        """A step whose update runs in the next forward (`DeferredStep`): check the gradients (fp16
+        overflow, global norm) from each partition's norm, taken as it was reduced, then hand the step
+        over with the clip coefficient times the inverse loss scale; the schedule steps now (the update
+        uses the hyperparameters of this moment)."""
+        try:
+            factor = self._step_factor([rec.grad_norm for rec in records if rec.grad_norm is not None])
+            if factor is not None:
+                grads = {rec.index: rec.grad for rec in records if rec.grad is not None}
+                self._rollback.begin_step()
+                self._rollback.counted(snapshot)
+                self._store.prefetch_from_start()  # the forward's first partitions, which the updates read
+                self._deferred.begin(grads, factor)
+                del grads
+        except BaseException as error:
+            if self._rollback.uncommitted:
+                self._give_up(error, gradients_lost=True)
+            else:  # nothing is updated yet: the parameters are whole
+                self._grads_failure = (f"step {self.global_steps + 1} failed before its update ({type(error).__name__}: "
+                                       f"{error}): its gradients are lost, the parameters are whole")
+            raise
+        if factor is None:  # fp16 overflow: the step is skipped
+            self.skipped_steps += 1
+            self.zero_grad()
+            return
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.zero_grad()  # the step holds the gradients now
+
+    def _finish_deferred(self) -> None:
+        """Let the step handed to the next forward finish (sync point); give it up if it failed."""
+        try:
+            self._deferred.finish()
+        except BaseException as error:
+            self._give_up(error, gradients_lost=False)
+            raise
 
     def _update_in_chunks(self, factor: float) -> None:
         """Phase 3 of a step without updates during backward (see `_optimizer_step`)."""
@@ -480,9 +655,9 @@ class Engine:
                 if rec.index in grad_reads:
                     buffer, future = grad_reads[rec.index]
                     future.result()
-                    grad = buffer if factor == 1.0 else buffer.mul_(factor)
+                    grad = buffer
                 if grad is not None:
-                    rec.partition.grad = grad.to(rec.partition.dtype)
+                    rec.partition.grad = (grad if factor == 1.0 else grad.mul_(factor)).to(rec.partition.dtype)
             self.optimizer.step()
             for rec in chunk:
                 rec.partition.grad = None
@@ -492,15 +667,21 @@ class Engine:
         self._store.finish_stores(*writing)
 
     def _abandon_updates(self) -> None:
-        """After a failure on the updates-during-backward path: the optimizer's thread is joined and its
-        step forgotten first (nothing commits), then every partition handed over is let go."""
+        """After a failure on a fast path (or before a load): the optimizer's thread is joined and its
+        uncommitted steps forgotten first (nothing commits; the parameters roll back with them), then
+        every partition handed over is let go."""
         self.optimizer.abandon_step()
         if self._writeback is not None:
             self._writeback.abort()
+        if self._deferred is not None:
+            self._deferred.abandon()
 
     def _settle(self) -> None:
-        """Before partitions are read between backward and step (a forward, a save): every update
-        handed over so far has run and its write-back landed, so the swap file holds what it says."""
+        """Before partitions are read between backward and step, or between a step and the forward that
+        runs its update (a save, `full_parameters`): every update handed over so far has run and its
+        write-back landed, so the swap file holds what it says."""
+        if self._deferred is not None:
+            self._finish_deferred()
         if self._writeback is not None:
             self._writeback.settle()
 
@@ -521,33 +702,39 @@ class Engine:
         return {rec.index: self._reducer.start_read(rec) for rec in chunk if rec.grad_on_disk}
 
     def _unscale_and_clip(self, records: list[ParamRecord]) -> float | None:
-        """Phases 1 and 2 of a step. Returns the factor still to apply to offloaded gradients as they are
-        read (in-memory ones are scaled in place here), or None when fp16 overflowed."""
-        from offload.train.clip import clip_grad_norm_
-
-        in_memory = [rec.grad for rec in records if rec.grad is not None]
+        """Phases 1 and 2 of a step after backward: the factor every gradient is multiplied by as it
+        is applied (`_step_factor`), or None when fp16 overflowed."""
         self._reducer.drain()  # sync point: every offloaded gradient is on disk
         # Offloaded gradients are summarised by their partition's norm: the global norm and the
-        # overflow check need nothing else, and they are scaled when read back in phase 3.
-        norms = [rec.grad_norm.clone() for rec in records if rec.grad_on_disk]
+        # overflow check need nothing else.
+        norms = [torch.linalg.vector_norm(rec.grad) for rec in records if rec.grad is not None]
+        norms += [rec.grad_norm for rec in records if rec.grad_on_disk]
+        return self._step_factor(norms)
+
+    def _step_factor(self, norms: list[torch.Tensor]) -> float | None:
+        """From the gradient partitions' norms (this rank's; every rank calls this): the factor each
+        gradient is multiplied by in the update, the clip coefficient times the inverse loss scale, or
+        None when fp16 overflowed (the step is skipped; the loss scale is updated either way).
+
+        As ``torch.nn.utils.clip_grad_norm_`` (bit for bit at world size 1): multiplied by ``max_norm /
+        (norm + 1e-6)`` when that is below 1, ``norm`` the global norm of the unscaled gradients; with fp16,
+        one multiply for both (DeepSpeed's combined scale), unscaled by the loss scale of their backward
+        (the scale before this step's update of it)."""
+        from offload.train.clip import clip_coefficient, total_norm
+
         factor = 1.0
         # 1. fp16: a step with an inf/NaN gradient on any rank is skipped and the scale lowered.
         if self.loss_scaler is not None:
-            overflow = self.loss_scaler.has_overflow(in_memory + norms, group=self.group)
+            scale = self.loss_scaler.loss_scale
+            overflow = self.loss_scaler.has_overflow(norms, group=self.group)
             self.loss_scaler.update(overflow)
             if overflow:
                 return None
-            self.loss_scaler.unscale_(in_memory + norms)
-            factor /= self.loss_scaler.loss_scale
-        # 2. Clip by the global norm over all ranks' partitions. clip_grad_norm_ scales the norms of
-        #    offloaded partitions like any gradient: their ratio is the coefficient still to apply.
+            factor = 1.0 / scale
+        # 2. Clip by the global norm over all ranks' partitions.
         if self.config.gradient_clipping > 0:
-            before = [float(n) for n in norms]
-            clip_grad_norm_(in_memory + norms, self.config.gradient_clipping, group=self.group)
-            for old, new in zip(before, norms):
-                if old > 0:
-                    factor *= float(new) / old
-                    break
+            norm = total_norm(norms, group=self.group)
+            factor *= clip_coefficient(norm * factor if factor != 1.0 else norm, self.config.gradient_clipping)
         return factor
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -628,8 +815,9 @@ class Engine:
         FileNotFoundError for a missing checkpoint and ValueError when it was saved with another
         world size or for another model (before any parameter changes).
         """
-        if self._reducer.consumer is not None:
+        if self._rollback is not None:
             self._abandon_updates()  # updates still running would write over the loaded values
+            self._rollback.take_aborts()
         self._store.release_all()  # partitions read ahead would hold the values from before the load
         path, state = checkpoint.load_checkpoint(load_dir, tag, rank=self.rank, world_size=self.world_size,
                                                  store=self._store, optimizer=self.optimizer)
@@ -641,7 +829,22 @@ class Engine:
         self.skipped_steps = state["skipped_steps"]
         self.zero_grad()
         self._failure, self._last_checkpoint = None, path  # every partition holds the checkpoint's values
+        self._rolled_back = None
         return path, state["client_state"]
+
+    def load_pretrained(self, checkpoint_dir: str | os.PathLike) -> list[str]:
+        """Read a Hugging Face checkpoint (config.json beside model.safetensors, or shards with their
+        index) into the partitions, tensor by tensor through tensorio: never whole in memory. Call it
+        before the first step (the optimizer's state is not touched). Returns the checkpoint's tensors
+        the model has no place for. Raises FileNotFoundError / SafetensorsError naming the file, and
+        ValueError for missing parameters or a shape mismatch (before any partition changes)."""
+        from offload.params.pretrained import load_pretrained
+
+        if self._rollback is not None:
+            self._abandon_updates()
+            self._rollback.take_aborts()
+        self._store.release_all()
+        return load_pretrained(self.module, self._store, os.fspath(checkpoint_dir), self.config.aio)
 
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "model.safetensors") -> bool:
         """Write the whole model's weights (in the training dtype: 16-bit under fp16/bf16) to

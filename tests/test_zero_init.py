@@ -1,0 +1,219 @@
+"""offload.zero: models built partition by partition equal models built whole (weights, then training),
+GatheredParameters reads and modifies partitions, external parameters are gathered, pretrained
+weights load into the partitions, and building stays within its memory bound."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from offload import zero
+from offload.train.engine import initialize
+from test_engine import LR, WD, engine_config, gpt2, gpt2_batches, gpt2_loss, llama, reference, train
+
+BUILDERS = {"gpt2": gpt2, "llama": llama}
+
+
+def _gathered(model: nn.Module) -> dict[str, torch.Tensor]:
+    with zero.GatheredParameters(list(model.parameters())):
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("kind", list(BUILDERS))
+@pytest.mark.parametrize("device", ["nvme", "cpu"])
+def test_init_builds_the_same_weights_and_trains_the_same(disk_dir, kind, device):
+    build = BUILDERS[kind]
+    batches = gpt2_batches(5)
+    ref_losses, ref_params = reference(build(), batches, gpt2_loss, 1)
+    config = engine_config(disk_dir, device if device == "nvme" else "cpu", "nvme")
+    plain = {name: p.detach().clone() for name, p in build().named_parameters()}
+    with zero.Init(config_dict_or_path=config):
+        model = build()
+    if device == "nvme":  # nothing of the model is left in memory but placeholders
+        assert all(p.untyped_storage().nbytes() <= p.element_size() for p in model.parameters())
+    built = _gathered(model)
+    assert built.keys() == plain.keys()
+    for name in plain:
+        assert torch.equal(built[name], plain[name]), name
+    engine, *_ = initialize(model=model, config=config)
+    losses = train(engine, batches, gpt2_loss)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    for name, tensor in engine.full_parameters():
+        torch.testing.assert_close(tensor, ref_params[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    engine.close()
+
+
+def test_init_disabled_builds_the_model_whole(disk_dir):
+    with zero.Init(config_dict_or_path=engine_config(disk_dir, "nvme", "nvme"), enabled=False):
+        model = gpt2()
+    assert all(p.numel() == p.untyped_storage().nbytes() // p.element_size() for p in model.parameters())
+
+
+def test_gathered_parameters_modify_and_write_back_and_read_only_drops_changes(disk_dir):
+    config = engine_config(disk_dir, "nvme", "nvme")
+    with zero.Init(config_dict_or_path=config):
+        model = gpt2()
+    weight = model.transformer.h[0].mlp.c_fc.weight
+    with zero.GatheredParameters(weight):  # read only: a change is not kept
+        assert weight.shape == (32, 128) and weight.stride() == (128, 1)
+        weight.data.fill_(3.0)
+    with zero.GatheredParameters([weight]):
+        assert not torch.all(weight == 3.0)
+    with zero.GatheredParameters(weight, modifier_rank=0):
+        weight.data.fill_(0.5)
+    assert weight.untyped_storage().nbytes() <= weight.element_size()  # partitioned again
+    engine, *_ = initialize(model=model, config=config)
+    assert torch.all(dict(engine.full_parameters())["transformer.h.0.mlp.c_fc.weight"] == 0.5)
+    with zero.GatheredParameters(weight, modifier_rank=0):  # after initialize: the engine's partitions
+        weight.data.fill_(-1.0)
+    assert torch.all(dict(engine.full_parameters())["transformer.h.0.mlp.c_fc.weight"] == -1.0)
+    train(engine, gpt2_batches(1), gpt2_loss)
+    engine.close()
+
+
+class _SharedScale(nn.Module):
+    """The second block reads the first block's weight in its forward: an external parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(16, 16)
+        self.second = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x)) + x @ self.first.weight.t()
+
+
+class _SecondUsesFirst(nn.Module):
+    def __init__(self, owner: nn.Linear) -> None:
+        super().__init__()
+        self.owner = [owner]  # not a submodule: its weight is external to this module
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) + x @ self.owner[0].weight.t()
+
+
+class _External(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(16, 16)
+        self.second = _SecondUsesFirst(self.first)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x))
+
+
+def test_an_external_parameter_is_gathered_once_registered(disk_dir):
+    config = engine_config(disk_dir, "nvme", "nvme")
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
+    expected = _External()(x)
+    model = _External()
+    engine, *_ = initialize(model=model, config=config)
+    with pytest.raises(RuntimeError):  # the weight is an empty placeholder in second's forward
+        engine(x)
+    zero.register_external_parameter(model.second, model.first.weight)
+    torch.testing.assert_close(engine(x), expected)
+    engine.close()
+    with zero.Init(config_dict_or_path=config):  # registered before initialize: picked up by it
+        built = _External()
+        zero.register_external_parameter(built.second, built.first.weight)
+    engine, *_ = initialize(model=built, config=config)
+    torch.testing.assert_close(engine(x), expected)
+    engine.close()
+
+
+def test_pretrained_weights_load_into_partitions_as_from_pretrained_does(disk_dir, tmp_path):
+    source = gpt2()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.mul_(1.5)  # not the random init: the load must be what changes the weights
+    source.save_pretrained(tmp_path / "ckpt", max_shard_size="20KB")
+    assert (tmp_path / "ckpt" / "model.safetensors.index.json").exists()
+    expected = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "ckpt")
+    config = engine_config(disk_dir, "nvme", "nvme", gradient_clipping=0.0)
+    model = zero.from_pretrained(tmp_path / "ckpt", config)
+    loaded = _gathered(model)
+    for name, p in expected.named_parameters():
+        assert torch.equal(loaded[name], p.detach()), name
+    # engine.load_pretrained on a model built any way, then the 16-bit save round-trips
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    engine, *_ = initialize(model=gpt2(), config=config)
+    assert engine.load_pretrained(tmp_path / "ckpt") == []
+    every_name = dict(expected.named_parameters(remove_duplicate=False))
+    for name, tensor in engine.full_parameters():
+        assert torch.equal(tensor, every_name[name].detach()), name
+    engine.save_16bit_model(tmp_path / "out")
+    json.dump(expected.config.to_dict(), open(tmp_path / "out" / "config.json", "w"))
+    again = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out")
+    for name, p in expected.named_parameters():
+        assert torch.equal(dict(again.named_parameters())[name], p), name
+    engine.close()
+
+
+def test_pretrained_errors_name_the_tensor(disk_dir, tmp_path):
+    gpt2().save_pretrained(tmp_path / "ckpt")
+    config = engine_config(disk_dir, "nvme", "nvme")
+    other = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=80, n_positions=16)
+    with zero.Init(config_dict_or_path=config):
+        model = transformers.GPT2LMHeadModel(other)
+    engine, *_ = initialize(model=model, config=config)
+    with pytest.raises(ValueError, match=r"tensor 'transformer\.wte\.weight' has shape \[64, 32\], the model's "
+                                         r"parameter \[80, 32\]"):
+        engine.load_pretrained(tmp_path / "ckpt")
+    engine.close()
+
+
+def test_initialize_refuses_a_config_that_disagrees_with_the_build(disk_dir):
+    with zero.Init(config_dict_or_path=engine_config(disk_dir, "nvme", "nvme")):
+        model = gpt2()
+    with pytest.raises(ValueError, match=r"zero_optimization\.offload_param\.device: 'none', but the model was "
+                                         r"built under zero\.Init with its parameters on NVMe"):
+        initialize(model=model, config=engine_config(disk_dir, "none", "none"))
+
+
+BUILD_CHILD = textwrap.dedent("""
+    import json, sys, psutil, threading, torch, transformers
+    from offload import zero
+    peak = [0]; done = threading.Event()
+    def sample():
+        process = psutil.Process()
+        while not done.wait(0.002):
+            peak[0] = max(peak[0], process.memory_info().rss)
+    config = json.loads(sys.argv[1]); enabled = sys.argv[2] == "1"
+    hf = transformers.GPT2Config(n_layer=6, n_embd=512, n_head=8, vocab_size=8192, n_positions=64)
+    base = psutil.Process().memory_info().rss
+    thread = threading.Thread(target=sample); thread.start()
+    with zero.Init(config_dict_or_path=config, enabled=enabled):
+        model = transformers.GPT2LMHeadModel(hf)
+    done.set(); thread.join()
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    largest = max(p.numel() * 4 for p in model.parameters())
+    print(json.dumps({"growth": peak[0] - base, "weights": weights, "largest": largest}))
+""")
+
+
+def test_building_under_init_stays_within_one_module_and_the_budget(disk_dir):
+    """A model several times the budget: the build's peak RSS growth stays under the largest module's
+    weights plus the budget (buffer_size elements) plus a fixed allowance for the interpreter's own
+    allocations; built whole, the same model grows by its full weights."""
+    config = engine_config(disk_dir, "nvme", "nvme")
+    config["zero_optimization"]["offload_param"]["buffer_size"] = 1 << 20  # 4 MiB of fp32
+    results = {}
+    for enabled in ("1", "0"):
+        out = subprocess.run([sys.executable, "-c", BUILD_CHILD, json.dumps(config), enabled], check=True,
+                             capture_output=True, text=True).stdout
+        results[enabled] = json.loads(out.strip().splitlines()[-1])
+    under, whole = results["1"], results["0"]
+    assert under["weights"] > 8 * (4 << 20)  # several times the budget
+    bound = under["largest"] + (4 << 20) + (24 << 20)
+    assert under["growth"] < bound, (under, bound)
+    assert whole["growth"] > under["weights"] * 0.9 > under["growth"]
