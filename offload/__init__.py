@@ -29,6 +29,7 @@ from offload.config import (
     resolve_auto,
     world_size_from_env,
 )
+from offload.infer import init_inference
 from offload.optim import OffloadAdam
 from offload.params import owned_numel, padded_numel, partition_bounds, partition_numel
 from offload.storage import atomic_checkpoint, resolve_tag, save_tensors_safetensors
@@ -72,6 +73,7 @@ __all__ = [
     "check_nvme_paths",
     "clip_grad_norm_",
     "grad_norm",
+    "init_inference",
     "initialize",
     "owned_numel",
     "padded_numel",
