@@ -1,0 +1,87 @@
+"""The swap space a training run will need, checked before anything is written: a run that cannot
+fit is refused at the start with the figures, not hours later with ENOSPC."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from dataclasses import dataclass
+
+from offload.config import EngineConfig
+from offload.params.partition import partition_numel
+from offload.storage.swapfile import PAGE, aligned_size
+
+__all__ = ["SwapSpace", "check_swap_space", "swap_space_needed"]
+
+_STATE_BYTES = 12
+"""Optimizer state per parameter element at most: fp32 exp_avg, exp_avg_sq and master copy."""
+
+_SLOTS = 2
+"""The optimizer state's A/B slots (see docs/optimizer_offload.md)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SwapSpace:
+    """Bytes each swap file will hold at most, by directory."""
+
+    params: int
+    optimizer: int
+    grads: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.optimizer + self.grads
+
+
+def swap_space_needed(cfg: EngineConfig, params: list[tuple[int, int, bool]], *, world_size: int,
+                      params_on_disk: bool, grads_on_disk: bool) -> SwapSpace:
+    """The swap space of one rank: ``params`` holds (elements, element size, trainable) of each distinct
+    parameter, in order. Parameter partitions go to disk beyond ``max_in_cpu`` elements and above the
+    persistence threshold (with ``params_on_disk``: not placed yet); the optimizer keeps ``ratio`` of
+    its state on NVMe in two slots; offloaded gradients are fp32. An upper bound: sub-group padding is
+    counted as a page per parameter."""
+    zero = cfg.zero_optimization
+    on_disk = state = grads = 0
+    in_cpu = 0
+    for numel, size, trainable in params:
+        part = partition_numel(numel, world_size)
+        if params_on_disk and zero.offload_param.device == "nvme" and numel > zero.stage3_param_persistence_threshold:
+            if in_cpu + part > zero.offload_param.max_in_cpu:
+                on_disk += aligned_size(part * size)
+            else:
+                in_cpu += part
+        if not trainable:
+            continue  # frozen: no optimizer state, no gradient
+        state += _STATE_BYTES * part + PAGE
+        grads += aligned_size(4 * part)
+    off = zero.offload_optimizer
+    optimizer = int(_SLOTS * state * off.ratio) if off.device == "nvme" else 0
+    return SwapSpace(params=on_disk, optimizer=optimizer, grads=grads if grads_on_disk and off.device == "nvme" else 0)
+
+
+def check_swap_space(cfg: EngineConfig, needed: SwapSpace) -> None:
+    """Raise OSError(ENOSPC) naming the directories, the bytes needed and the bytes free, when the file
+    systems of ``offload_param.nvme_path`` and ``offload_optimizer.nvme_path`` cannot hold ``needed``
+    (the two may share one file system)."""
+    zero = cfg.zero_optimization
+    wanted: dict[int, list[tuple[str, str, int]]] = {}
+    for key, path, nbytes in (("offload_param.nvme_path", zero.offload_param.nvme_path, needed.params),
+                              ("offload_optimizer.nvme_path", zero.offload_optimizer.nvme_path,
+                               needed.optimizer + needed.grads)):
+        if nbytes and path:
+            wanted.setdefault(os.stat(path).st_dev, []).append((key, os.path.abspath(path), nbytes))
+    for entries in wanted.values():
+        total = sum(nbytes for _, _, nbytes in entries)
+        free = shutil.disk_usage(entries[0][1]).free
+        if total > free:
+            what = " and ".join(f"zero_optimization.{key} {path!r} ({_gb(nbytes)})" for key, path, nbytes in entries)
+            raise OSError(errno.ENOSPC, f"not enough swap space: {what} need {_gb(total)} in all (parameters "
+                                        f"{_gb(needed.params)}, optimizer state in two slots {_gb(needed.optimizer)}, "
+                                        f"gradients {_gb(needed.grads)}), the file system has {_gb(free)} free; free "
+                                        f"space, point nvme_path at a larger disk, or keep more in memory (max_in_cpu, "
+                                        f"offload_optimizer.ratio)")
+
+
+def _gb(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.3f} GB"

@@ -1,0 +1,63 @@
+"""The engine computes the swap space it needs before writing anything, and refuses a file system
+that cannot hold it, naming the figures."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+import torch
+from torch import nn
+
+from offload.config import EngineConfig
+from offload.train.engine import initialize
+from offload.train.space import swap_space_needed
+from test_engine import engine_config
+
+
+@pytest.fixture
+def small_filesystem():
+    """A 32 MiB ext4 image, loop-mounted (root only)."""
+    if os.geteuid() != 0 or shutil.which("mkfs.ext4") is None:
+        pytest.skip("mounting a loop image needs root and mkfs.ext4")
+    root = tempfile.mkdtemp()
+    image, mount = os.path.join(root, "fs.img"), os.path.join(root, "mnt")
+    os.mkdir(mount)
+    with open(image, "wb") as file:
+        file.truncate(32 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", image], check=True)
+    if subprocess.run(["mount", "-o", "loop", image, mount]).returncode != 0:
+        shutil.rmtree(root)
+        pytest.skip("loop mounts are not allowed here")
+    yield mount
+    subprocess.run(["umount", mount], check=True)
+    shutil.rmtree(root)
+
+
+def test_a_file_system_too_small_is_refused_before_anything_is_written(small_filesystem):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 8))  # 4.2 M parameters: ~135 MB of swap
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with pytest.raises(OSError, match=r"not enough swap space: zero_optimization\.offload_param\.nvme_path .* and "
+                                      r"zero_optimization\.offload_optimizer\.nvme_path .* need 0\.1\d\d GB in all "
+                                      r"\(parameters 0\.017 GB, optimizer state in two slots 0\.10\d GB, gradients "
+                                      r"0\.017 GB\), the file system has 0\.0\d\d GB free") as info:
+        initialize(model=model, config=engine_config(small_filesystem, "nvme", "nvme"))
+    assert info.value.errno == errno.ENOSPC
+    assert os.listdir(small_filesystem) == ["lost+found"]  # nothing written
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+
+
+def test_the_space_needed_counts_what_goes_to_disk():
+    cfg = EngineConfig.from_dict(engine_config("/tmp", "nvme", "nvme"), world_size=1)
+    params = [(1000, 4, True), (1024, 4, False)]
+    needed = swap_space_needed(cfg, params, world_size=1, params_on_disk=True, grads_on_disk=True)
+    assert needed.params == 4096 + 4096  # each partition padded to a page
+    assert needed.optimizer == 2 * (12 * 1000 + 4096)  # the frozen one has no state
+    assert needed.grads == 4096
+    cfg.zero_optimization.offload_param.max_in_cpu = 1000  # the first one stays in memory
+    assert swap_space_needed(cfg, params, world_size=1, params_on_disk=True, grads_on_disk=False).params == 4096
