@@ -24,22 +24,7 @@ from offload.config.training import AdamParams, Bf16Config, Fp16Config, Optimize
 from offload.config.zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 from offload.params.partition import partition_numel
 
-__all__ = [
-    "AdamParams",
-    "Bf16Config",
-    "EngineConfig",
-    "Fp16Config",
-    "OffloadOptimizerConfig",
-    "OffloadParamConfig",
-    "OptimizerConfig",
-    "SchedulerConfig",
-    "WarmupParams",
-    "ZeroConfig",
-    "check_against_model",
-    "check_nvme_paths",
-    "resolve_auto",
-    "world_size_from_env",
-]
+__all__ = ["EngineConfig", "check_against_model", "check_nvme_paths", "world_size_from_env"]
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _JSON_KEYS = {
