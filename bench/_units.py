@@ -1,31 +1,10 @@
-"""Byte sizes as people type them ("128K", "1M", "2G") and as reports print them."""
+"""Byte sizes as reports print them; parsed by tensorio's `parse_size` ("128K", "1M", "2G", "20GB")."""
 
 from __future__ import annotations
 
-import re
+from tensorio import format_size, parse_size  # the one parser of sizes; re-exported for bench
 
-_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-_PATTERN = re.compile(r"^\s*(\d+)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """Bytes in ``text``: an integer with an optional binary suffix K, M, G or T ("KiB"/"KB" too).
-
-    Raises ValueError naming the text when it is not such a size.
-    """
-    match = _PATTERN.match(text)
-    if not match:
-        raise ValueError(f"{text!r} is not a size; write bytes or use a suffix, e.g. 4096, 128K, 1M, 2G")
-    return int(match.group(1)) * _SUFFIX[match.group(2).upper()]
-
-
-def format_size(nbytes: int) -> str:
-    """Short binary size: 131072 -> "128K", 1048576 -> "1M", 1536 -> "1536"."""
-    for suffix in ("T", "G", "M", "K"):
-        unit = _SUFFIX[suffix]
-        if nbytes >= unit and nbytes % unit == 0:
-            return f"{nbytes // unit}{suffix}"
-    return str(nbytes)
+__all__ = ["format_bytes", "format_ns", "format_size", "parse_size"]
 
 
 def format_bytes(nbytes: float) -> str:

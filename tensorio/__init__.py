@@ -9,6 +9,7 @@ from ._errors import TensorIOError
 from ._fs import DIRECT_ALIGN, filesystem_type, probe_direct
 from ._handle import AioHandle
 from ._request import IOFuture
+from ._units import format_size, parse_size
 from ._uring import probe_io_uring
 
 __all__ = [
@@ -19,9 +20,11 @@ __all__ = [
     "TensorIOError",
     "aligned_tensor",
     "filesystem_type",
+    "format_size",
     "free_locked_tensor",
     "lock_status",
     "locked_tensor",
+    "parse_size",
     "probe_direct",
     "probe_io_uring",
 ]

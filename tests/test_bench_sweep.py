@@ -1,10 +1,9 @@
-"""The sweep's pure parts: grids, picking the best, sizes, percentiles. No disk involved."""
+"""The sweep's pure parts: grids, picking the best, percentiles. No disk involved (sizes: test_tensorio_units.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench._units import format_size, parse_size
 from bench.measure import Measurement, PointResult, _percentile
 from bench.sweep import GRIDS, Grid, best_points, chosen_config, config_key
 from tensorio import AioConfig
@@ -59,23 +58,6 @@ def test_chosen_config_is_best_over_all_disks():
     disk2 = [_point(4096, 0.5, 0.5), _point(MiB, 2.0, 2.0)]
     assert chosen_config([disk1]).block_size == 4096
     assert chosen_config([disk1, disk2]).block_size == MiB  # 4.0 GB/s summed beats 3.5
-
-
-@pytest.mark.parametrize(("text", "value"), [("4096", 4096), ("128K", 128 << 10), ("1m", MiB), ("2GiB", 2 << 30),
-                                             ("1 G", 1 << 30), ("3KB", 3072)])
-def test_parse_size(text, value):
-    assert parse_size(text) == value
-
-
-@pytest.mark.parametrize("text", ["", "1.5M", "-1", "12X", "M"])
-def test_parse_size_rejects(text):
-    with pytest.raises(ValueError, match="not a size"):
-        parse_size(text)
-
-
-def test_format_size_round_trips():
-    for value in (512, 4096, 128 << 10, MiB, 3 * MiB, 1 << 30, 1536):
-        assert parse_size(format_size(value)) == value
 
 
 def test_percentile_nearest_rank():

@@ -17,15 +17,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 import torch
 
-from tensorio import AioConfig
+from tensorio import AioConfig, parse_size
 
-__all__ = ["IGNORED_KEYS", "InferenceConfig", "parse_bytes", "parse_dtype"]
+__all__ = ["IGNORED_KEYS", "InferenceConfig", "parse_dtype"]
 
 #: DeepSpeed keys accepted and without effect in inference (training-only or about the GPU).
 IGNORED_KEYS = {
@@ -41,22 +40,14 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
-          "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
-def parse_bytes(key: str, text: str) -> int:
-    """Bytes in a size such as "8GiB", "512 MiB", "1.5GB", "8G" (K/M/G/T alone are binary).
-
-    Raises ValueError naming ``key`` when ``text`` is not a size.
-    """
-    match = _SIZE.match(text)
-    unit = match and _UNITS.get(match.group(2).lower())
-    if not match or unit is None:
-        raise ValueError(f"{key}: {text!r} is not a size; write elements as a number or bytes such as \"8GiB\", "
-                         f"\"512MiB\", \"20GB\"")
-    return int(float(match.group(1)) * unit)
+def _bytes(key: str, text: str) -> int:
+    """`tensorio.parse_size` of ``text``; its ValueError names ``key`` and says elements are a number."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise ValueError(f"{key}: {exc}; or elements of the model's dtype as a number") from None
 
 
 def parse_dtype(key: str, value: Any) -> torch.dtype | None:
@@ -90,7 +81,8 @@ class InferenceConfig:
 
     max_in_cpu: int | str = 1_000_000_000
     """``offload_param.max_in_cpu``: the memory budget for weights kept resident and the KV cache,
-    as elements of the model's dtype (DeepSpeed's unit; 1e9 by default) or as bytes ("8GiB")."""
+    as elements of the model's dtype (DeepSpeed's unit; 1e9 by default) or as bytes in a string
+    (`tensorio.parse_size`: "8GiB", "8G", "8 GiB" binary, "20GB" decimal)."""
 
     buffer_count: int = 3
     """``offload_param.buffer_count``: locked buffers in the prefetch ring, each one streamed layer. >= 1."""
@@ -127,7 +119,7 @@ class InferenceConfig:
         if self.device not in ("nvme", "cpu"):
             raise ValueError(f"{key}.device: {self.device!r} is not allowed; use \"nvme\" or \"cpu\"")
         if isinstance(self.max_in_cpu, str):
-            parse_bytes(f"{key}.max_in_cpu", self.max_in_cpu)
+            _bytes(f"{key}.max_in_cpu", self.max_in_cpu)
         else:
             self.max_in_cpu = _int(f"{key}.max_in_cpu", self.max_in_cpu, 0)
         self.buffer_count = _int(f"{key}.buffer_count", self.buffer_count, 1)
@@ -152,7 +144,7 @@ class InferenceConfig:
     def budget_bytes(self, itemsize: int) -> int:
         """``max_in_cpu`` in bytes, for a model whose weights have ``itemsize`` bytes per element."""
         if isinstance(self.max_in_cpu, str):
-            return parse_bytes("zero_optimization.offload_param.max_in_cpu", self.max_in_cpu)
+            return _bytes("zero_optimization.offload_param.max_in_cpu", self.max_in_cpu)
         return self.max_in_cpu * itemsize
 
     @classmethod
