@@ -1,6 +1,7 @@
-"""What the benchmark scripts share: peak RSS sampling and running a configuration in a child process.
+"""What the benchmark scripts share: peak RSS (sampled, or the kernel's high-water mark) and running a
+configuration in a child process.
 
-Byte sizes ("128K", "1G") are parsed by the installed tool's ``bench._units.parse_size``.
+Byte sizes ("128K", "1G", "8 GiB", "20GB") are parsed by ``tensorio.parse_size``.
 """
 
 from __future__ import annotations
@@ -22,15 +23,23 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 class RssSampler:
-    """This process's resident set size (psutil), sampled by a thread while the ``with`` block runs.
+    """This process's resident set size, measured while the ``with`` block runs.
 
-    A sample is taken on entry, every ``interval`` seconds, and on exit; ``peak`` is the highest.
-    Peaks shorter than ``interval`` can fall between two samples. ``mark(name, **figures)`` starts a
-    phase; ``phases()`` gives each phase's duration and highest sample.
+    By default a thread samples it (psutil) on entry, every ``interval`` seconds, and on exit;
+    peaks shorter than ``interval`` can fall between two samples. With ``kernel_peak=True`` no peak
+    is missed: the kernel's high-water mark (VmHWM in /proc/self/status) is reset on entry (by
+    writing 5 to /proc/self/clear_refs, Linux 4.0+) and read, then reset again, at each `mark` and
+    on exit, so each sample is the highest RSS since the one before. That mark is the process's
+    own: use one such sampler at a time. Where clear_refs cannot be written, it samples instead.
+
+    ``peak`` is the highest sample. ``mark(name, **figures)`` starts a phase; ``phases()`` gives each
+    phase's duration and highest sample.
     """
 
-    def __init__(self, interval: float = 0.002) -> None:
+    def __init__(self, interval: float = 0.002, *, kernel_peak: bool = False) -> None:
         self.interval = interval
+        self.kernel_peak = kernel_peak
+        """Whether the samples are the kernel's high-water mark (False after entry where it cannot be reset)."""
         self.samples: list[tuple[float, int]] = []
         """(time.perf_counter(), RSS in bytes) of each sample."""
         self.marks: list[tuple[float, str, dict[str, Any]]] = []
@@ -39,17 +48,25 @@ class RssSampler:
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
 
     def __enter__(self) -> "RssSampler":
+        self.kernel_peak = self.kernel_peak and _reset_high_water_mark()
         self._sample()
-        self._thread.start()
+        if not self.kernel_peak:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+        if not self.kernel_peak:
+            self._stop.set()
+            self._thread.join()
         self._sample()
 
     def _sample(self) -> None:
-        self.samples.append((time.perf_counter(), self._process.memory_info().rss))
+        if self.kernel_peak:
+            rss = _high_water_mark()
+            _reset_high_water_mark()
+        else:
+            rss = self._process.memory_info().rss
+        self.samples.append((time.perf_counter(), rss))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -62,6 +79,8 @@ class RssSampler:
 
     def mark(self, name: str, **figures: Any) -> None:
         """End the current phase and start phase ``name`` now; ``figures`` are reported with it."""
+        if self.kernel_peak:
+            self._sample()  # the ending phase's high-water mark, timed before the new phase starts
         self.marks.append((time.perf_counter(), name, figures))
 
     def phases(self) -> list[dict[str, Any]]:
@@ -71,6 +90,25 @@ class RssSampler:
             peak = max((rss for t, rss in self.samples if start <= t < end), default=0)
             rows.append({"phase": name, "seconds": end - start, "peak_rss": peak, **figures})
         return rows
+
+
+def _reset_high_water_mark() -> bool:
+    """Make the kernel's peak RSS of this process (VmHWM) its current RSS; False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _high_water_mark() -> int:
+    """The kernel's peak RSS of this process since the last reset (VmHWM), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("/proc/self/status has no VmHWM line")
 
 
 def run_child(module: str, args: Sequence[str], *, mmap_threshold: int | None = None) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""bench/infer_stream.py at a tiny scale: it writes its checkpoint, measures fio, runs every kind of
+"""benchmarks/infer_stream.py at a tiny scale: it writes its checkpoint, measures fio, runs every kind of
 configuration in child processes and prints the targets (the figures themselves mean nothing here)."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import transformers
 from test_infer_generate import scratch_dir
 
 from bench.fio import fio_path
-from bench.infer_stream import Spec, main, write_checkpoint
+from benchmarks._common import RssSampler
+from benchmarks.infer_stream import Spec, main, write_checkpoint
 
 
 def test_tiny_run_end_to_end(capsys):
@@ -52,3 +53,16 @@ def test_written_checkpoint_loads_in_transformers(tmp_path):
     write_checkpoint(tmp_path / "ckpt", spec)  # written once: the second call reuses it
     assert (directory / "bench-checkpoint.json").stat().st_mtime_ns == mtime
     assert Spec.scaled(1.0, 44, 46) == Spec(5120, 13824, 44, 40, 32000, 46)
+
+
+def test_kernel_peak_sees_a_short_peak_in_its_phase():
+    with RssSampler(kernel_peak=True) as rss:
+        rss.mark("spike")
+        spike = b"x" * (128 << 20)  # written, so resident; freed at once: no sampler thread would be sure to see it
+        del spike
+        rss.mark("after")
+        rss.mark("end")
+    assert rss.kernel_peak  # Linux with /proc/self/clear_refs, as this project's machines have
+    spike, after = rss.phases()
+    assert spike["peak_rss"] - after["peak_rss"] >= 100 << 20
+    assert rss.peak == max(r for _, r in rss.samples) >= spike["peak_rss"]

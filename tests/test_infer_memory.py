@@ -1,7 +1,7 @@
 """Memory and page cache while generating from a model several times the budget, in a fresh process.
 
 The model (a Llama of about 250 MB in fp32) is five times the budget. The child process (the
-benchmark's, bench/infer_stream.py) reports its peak RSS (the kernel's VmHWM, reset after importing and
+benchmark's, benchmarks/infer_stream.py) reports its peak RSS (the kernel's VmHWM, reset after importing and
 warming up torch and transformers) and its RSS at that point; the difference must stay within the plan (resident
 weights + ring buffers + KV cache) plus the engine's activation estimate plus a stated slack of
 32 MiB (allocator caching, the model's Python objects, the read of the prompt...). The checkpoint's
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from test_infer_generate import saved_model
 
-from bench.infer_stream import _files, meminfo_cached, page_cache_bytes, run_child
+from benchmarks.infer_stream import _files, meminfo_cached, page_cache_bytes, run_config
 from offload.infer.convert import drop_page_cache
 
 SLACK = 32 << 20
@@ -35,8 +35,8 @@ def test_peak_rss_within_the_plan_and_page_cache_untouched(big_checkpoint):
     for path in files:
         drop_page_cache(path)
     cached = meminfo_cached()
-    r = run_child({"kind": "ours", "checkpoint": str(big_checkpoint), "budget": BUDGET, "batch": 1, "prompt_tokens": 32,
-                   "new_tokens": 8, "buffer_count": 3, "aio": {}, "disk_gbps": 1.0, "offload_folder": ""})
+    r = run_config({"kind": "ours", "checkpoint": str(big_checkpoint), "budget": BUDGET, "batch": 1, "prompt_tokens": 32,
+                    "new_tokens": 8, "buffer_count": 3, "aio": {}, "disk_gbps": 1.0, "offload_folder": ""})
     growth = r["peak_rss"] - r["baseline_rss"]
     bound = r["plan_memory_bytes"] + r["activation_bytes"] + SLACK
     print(f"peak RSS - baseline {growth / 2**20:.1f} MiB; plan {r['plan_memory_bytes'] / 2**20:.1f} MiB + activations "

@@ -1,7 +1,7 @@
 """Benchmark: generation from a checkpoint larger than RAM, weights streamed from NVMe, beside fio and Accelerate.
 
-    python -m bench.infer_stream --dir /work/bench-llama                 # the full run (28.6 GB checkpoint)
-    python -m bench.infer_stream --dir /tmp/x --scale 0.025 --layers 4 --shards 5 --budgets 1MiB \\
+    python -m benchmarks.infer_stream --dir /work/bench-llama --out infer_stream.json   # the full run (28.6 GB)
+    python -m benchmarks.infer_stream --dir /tmp/x --scale 0.025 --layers 4 --shards 5 --budgets 1MiB \\
         --big-batch-budget 1MiB --accelerate-budget 1MiB --fio-size 16MiB     # tiny, as the test runs it
 
 1. Writes, once, a random-weight Llama checkpoint (hidden 5120, intermediate 13824, 44 layers, 40
@@ -13,8 +13,9 @@
    first: ours at each budget (batch 1) and at ``--big-batch`` (16); Accelerate's
    ``load_checkpoint_and_dispatch`` and ``from_pretrained(device_map="auto")`` with the same
    max_memory and disk offload. Each reports load time, time to first token, seconds per token
-   (median of the decode steps), peak RSS (the kernel's VmHWM, reset after the warm-up), page-cache growth (/proc/meminfo
-   Cached, and the checkpoint's own pages by mincore) and bytes read.
+   (median of the decode steps), peak RSS (the kernel's high-water mark from after the warm-up: `RssSampler`
+   with ``kernel_peak``), page-cache growth (/proc/meminfo Cached, and the checkpoint's own pages by
+   mincore) and bytes read.
 4. Prints a table, then the targets: batch-1 s/token <= 1.1 x (bytes streamed per token / fio);
    at the Accelerate budget >= 1.6x load_checkpoint_and_dispatch's and >= 1.2x from_pretrained's
    tokens/s; page-cache growth < 256 MB; batch 16 >= 12x the tokens/s of batch 1; load <= 1.2 x
@@ -27,18 +28,17 @@ import argparse
 import ctypes
 import json
 import os
-import resource
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks._common import RssSampler, run_child
+from tensorio import parse_size
+
 PAGE = 4096
 MARKER = "bench-checkpoint.json"
-_REPO = Path(__file__).resolve().parent.parent
 
 
 # ---- page-cache figures -----------------------------------------------------------------------------
@@ -81,24 +81,6 @@ def meminfo_cached() -> int:
             if line.startswith("Cached:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def reset_peak_rss() -> None:
-    """Make the kernel's peak RSS of this process (VmHWM) its current RSS (Linux 4.0+; else a no-op)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def peak_rss() -> int:
-    """The kernel's peak RSS of this process (VmHWM, since the last `reset_peak_rss`), in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _files(directory: Path) -> list[str]:
@@ -227,44 +209,27 @@ def child(args: dict) -> dict:
         import accelerate  # noqa: F401 - imported before the clock starts
     process = psutil.Process()
     baseline = process.memory_info().rss
-    reset_peak_rss()  # the peak from here on: loading and generating, not the imports and the warm-up
     files = _files(checkpoint)
     cached0, resident0, io0 = meminfo_cached(), page_cache_bytes(files), process.io_counters().read_bytes
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, config.vocab_size, (args["batch"], args["prompt_tokens"]), generator=generator)
     budget = args["budget"]
-    start = time.perf_counter()
-    figures: dict = {}
-    if args["kind"] == "ours":
-        from offload.infer import init_inference
-
-        model = init_inference(checkpoint, max_in_cpu=f"{budget}B", buffer_count=args["buffer_count"], aio=args["aio"],
-                               disk_gbps=args["disk_gbps"])
-        print(model.plan.describe(), file=sys.stderr)
-    elif args["kind"] == "accelerate-dispatch":
-        from accelerate import init_empty_weights, load_checkpoint_and_dispatch
-
-        with init_empty_weights():
-            empty = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        model = load_checkpoint_and_dispatch(empty, str(checkpoint), device_map="auto", max_memory={"cpu": budget},
-                                             offload_folder=args["offload_folder"], dtype=torch.bfloat16,
-                                             no_split_module_classes=["LlamaDecoderLayer"])
-    else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            checkpoint, device_map="auto", max_memory={"cpu": budget}, offload_folder=args["offload_folder"],
-            dtype=torch.bfloat16)
-    load_s = time.perf_counter() - start
     clock = _Clock()
-    begin = time.perf_counter()
-    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args["new_tokens"], do_sample=False,
-                   pad_token_id=0, streamer=clock)
+    # The peak from here on: loading and generating, not the imports and the warm-up.
+    with RssSampler(kernel_peak=True) as rss:
+        start = time.perf_counter()
+        model = _load(args["kind"], checkpoint, config, args)
+        load_s = time.perf_counter() - start
+        begin = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args["new_tokens"], do_sample=False,
+                       pad_token_id=0, streamer=clock)
     steps = np.diff(np.array(clock.times))
     s_per_token = float(np.median(steps)) if len(steps) else None
-    figures.update(
+    figures = dict(
         kind=args["kind"], budget=budget, batch=args["batch"], load_s=load_s, first_token_s=clock.times[0] - begin,
         ttft_s=load_s + clock.times[0] - begin, s_per_token=s_per_token,
         tokens_per_s=args["batch"] / s_per_token if s_per_token else None, decode_steps=[float(s) for s in steps],
-        peak_rss=peak_rss(), baseline_rss=baseline,
+        peak_rss=rss.peak, peak_rss_kernel=rss.kernel_peak, baseline_rss=baseline,
         cached_growth=meminfo_cached() - cached0, checkpoint_cache_growth=page_cache_bytes(files) - resident0,
         read_bytes=process.io_counters().read_bytes - io0)
     if args["kind"] == "ours":
@@ -272,21 +237,38 @@ def child(args: dict) -> dict:
         figures.update(resident_bytes=plan.resident_bytes, read_bytes_per_forward=plan.read_bytes_per_forward,
                        plan_memory_bytes=plan.memory_bytes, read_wait_s=model.read_wait_seconds,
                        activation_bytes=model.activation_bytes(args["batch"], args["prompt_tokens"] + args["new_tokens"]),
-                       io_bytes=model.io_bytes())
+                       io_bytes=model.io_bytes(), plan=plan.describe())
         model.close()
     return figures
 
 
-def run_child(payload: dict) -> dict:
-    """``child(payload)`` in a fresh interpreter (its peak RSS its own); its figures. Raises RuntimeError."""
-    command = [sys.executable, "-m", "bench.infer_stream", "--child", json.dumps(payload)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(_REPO), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=_REPO, check=False)
-    sys.stderr.write(done.stderr[-4000:] if done.returncode else "")
-    if done.returncode:
-        raise RuntimeError(f"{payload['kind']} at {payload['budget']} bytes, batch {payload['batch']} failed "
-                           f"(exit status {done.returncode})")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def _load(kind: str, checkpoint: Path, config, args: dict):
+    """The model of configuration ``kind``, loaded with ``args["budget"]`` bytes of memory."""
+    import torch
+    import transformers
+
+    budget = args["budget"]
+    if kind == "ours":
+        from offload.infer import init_inference
+
+        return init_inference(checkpoint, max_in_cpu=f"{budget}B", buffer_count=args["buffer_count"],  # bytes
+                              aio=args["aio"], disk_gbps=args["disk_gbps"])
+    if kind == "accelerate-dispatch":
+        from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+
+        with init_empty_weights():
+            empty = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        return load_checkpoint_and_dispatch(empty, str(checkpoint), device_map="auto", max_memory={"cpu": budget},
+                                            offload_folder=args["offload_folder"], dtype=torch.bfloat16,
+                                            no_split_module_classes=["LlamaDecoderLayer"])
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        checkpoint, device_map="auto", max_memory={"cpu": budget}, offload_folder=args["offload_folder"],
+        dtype=torch.bfloat16)
+
+
+def run_config(payload: dict) -> dict:
+    """`child` (payload) in a fresh interpreter, its peak RSS its own; its figures. Raises RuntimeError."""
+    return run_child("benchmarks.infer_stream", ["--child", json.dumps(payload)])
 
 
 # ---- the run --------------------------------------------------------------------------------------
@@ -300,7 +282,7 @@ def _gib(nbytes: float) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; print the configuration, a table and the targets; return every figure."""
-    from offload.infer.config import InferenceConfig, parse_bytes
+    from offload.infer.config import InferenceConfig
     from tensorio import AioConfig
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -329,15 +311,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     directory = Path(args.dir).resolve()
     spec = Spec.scaled(args.scale, args.layers, args.shards)
-    budgets = [parse_bytes("--budgets", b) for b in args.budgets.split(",") if b]
-    big_budget = parse_bytes("--big-batch-budget", args.big_batch_budget)
-    acc_budget = parse_bytes("--accelerate-budget", args.accelerate_budget)
+    budgets = [parse_size(b) for b in args.budgets.split(",") if b]
+    big_budget = parse_size(args.big_batch_budget)
+    acc_budget = parse_size(args.accelerate_budget)
     accelerate_kinds = [k for k in args.accelerate.split(",") if k and k != "none"]
     aio = AioConfig.from_dict(args.aio) if args.aio else InferenceConfig().aio
     args.aio = aio.to_dict()
     print(f"configuration: {spec}, bf16; prompt {args.prompt_tokens} tokens, {args.new_tokens} new; budgets "
           f"{', '.join(map(_gib, budgets))}; batch {args.big_batch} at {_gib(big_budget)}; Accelerate "
           f"({', '.join(accelerate_kinds) or 'none'}) at {_gib(acc_budget)}; aio {args.aio}; {args.buffer_count} buffers")
+    load_before = os.getloadavg()
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in load_before)} ({os.cpu_count()} CPUs)")
 
     # 1. The checkpoint, once.
     start = time.perf_counter()
@@ -351,7 +335,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     try:
         job = job_for_config(aio, directory=directory, rw="read",
-                             size=parse_bytes("--fio-size", args.fio_size))
+                             size=parse_size(args.fio_size))
         fio = run_fio(job)
         fio_bps = fio.bw_bytes
         print(f"fio: {fio.gb_per_s:.3f} GB/s O_DIRECT sequential read ({' '.join(fio.command[1:])})")
@@ -372,8 +356,10 @@ def main(argv: list[str] | None = None) -> dict:
         payload = {"kind": kind, "checkpoint": str(checkpoint), "budget": budget, "batch": batch,
                    "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "buffer_count": args.buffer_count,
                    "aio": args.aio, "disk_gbps": fio_bps / 1e9 if fio_bps else None, "offload_folder": str(offload_folder)}
-        result = run_child(payload)
+        result = run_config(payload)
         results.append(result)
+        if "plan" in result:
+            print(result["plan"])
         _print_row(result)
 
     # 4. The targets.
@@ -381,7 +367,10 @@ def main(argv: list[str] | None = None) -> dict:
     print("targets:")
     for line in targets:
         print("  " + line)
-    figures = {"spec": asdict(spec), "checkpoint_bytes": size, "fio_bps": fio_bps, "runs": results, "targets": targets}
+    load_after = os.getloadavg()
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in load_after)}")
+    figures = {"spec": asdict(spec), "checkpoint_bytes": size, "fio_bps": fio_bps, "runs": results, "targets": targets,
+               "load_average": {"before": load_before, "after": load_after}}
     if args.out:
         Path(args.out).write_text(json.dumps(figures, indent=1))
     return figures
