@@ -479,6 +479,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 and sum(soak.faults.values()) >= args.faults):
             break
     fd_growth_parent = len(os.listdir("/proc/self/fd")) - fds_before
+    still_there = {path for path in soak.stale_after_kills if os.path.lexists(path)}
     summary = {
         "minutes": round((time.monotonic() - start) / 60, 2), "model": args.model, "campaigns": soak.campaigns,
         "child_runs": soak.runs, "kills": sum(soak.kills.values()), "kills_by_phase": dict(soak.kills),
@@ -487,6 +488,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "loss_mismatches": soak.loss_mismatches, "param_mismatches": soak.param_mismatches,
         "stale_swap_files_after_kills": len(soak.stale_after_kills),
         "stale_swap_files_reclaimed": len(soak.reclaimed & soak.stale_after_kills),
+        # removed by a child that was killed between the unlink and its log line (kills in "init" aim there)
+        "stale_swap_files_removed_unlogged": len(soak.stale_after_kills - soak.reclaimed - still_there),
+        "stale_swap_files_never_removed": len(soak.stale_after_kills & still_there),
         "leftover_swap_files": soak.leftover_swap_files, "leftover_staging": soak.leftover_staging,
         "child_after_close": soak.growth["after_close"], "child_after_drop": soak.growth["after_drop"],
         "parent_fd_growth": fd_growth_parent, "hangs": soak.hangs,
@@ -495,7 +499,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     leaked = [f"{when} {key} +{value}" for when, growth in soak.growth.items() for key, value in growth.items() if value]
     ok = (summary["loss_mismatches"] == summary["param_mismatches"] == summary["leftover_swap_files"]
           == summary["leftover_staging"] == summary["parent_fd_growth"] == summary["hangs"]
-          == summary["crashes"] == 0 and not leaked and soak.stale_after_kills <= soak.reclaimed and completed
+          == summary["crashes"] == summary["stale_swap_files_never_removed"] == 0 and not leaked and completed
           and len(soak.crashes) == 0)
     summary["ok"] = ok
     print(f"{summary['campaigns']} campaigns of {args.steps} steps ({args.model}), {summary['child_runs']} child "
@@ -506,7 +510,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"mismatches: {summary['loss_mismatches']} of {summary['losses_checked']} losses, "
           f"{summary['param_mismatches']} of {summary['campaigns']} final parameter sets")
     print(f"swap files: {summary['stale_swap_files_after_kills']} stale after kills, "
-          f"{summary['stale_swap_files_reclaimed']} reclaimed by the next start, {summary['leftover_swap_files']} left")
+          f"{summary['stale_swap_files_reclaimed']} reclaimed by the next start with a log line, "
+          f"{summary['stale_swap_files_removed_unlogged']} removed by a child killed before its log line, "
+          f"{summary['stale_swap_files_never_removed']} never removed; {summary['leftover_swap_files']} swap files "
+          f"left at the end of campaigns")
     print(f"leftovers: staging {summary['leftover_staging']}; child at its end, beyond before initialize: after "
           f"engine.close() {_figures(soak.growth['after_close'])}, after dropping engine and optimizer "
           f"{_figures(soak.growth['after_drop'])}; parent descriptors +{summary['parent_fd_growth']}; hangs "

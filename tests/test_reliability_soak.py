@@ -24,7 +24,10 @@ def test_soak_tiny(disk_dir):
     assert summary["kills"] >= 2 and summary["faults"] >= 1
     assert summary["loss_mismatches"] == summary["param_mismatches"] == 0, done.stdout
     assert summary["losses_checked"] >= 6
-    assert summary["stale_swap_files_reclaimed"] == summary["stale_swap_files_after_kills"]
+    assert summary["stale_swap_files_never_removed"] == 0
+    # a child killed while it removes stale files may remove one without its log line
+    assert (summary["stale_swap_files_reclaimed"] + summary["stale_swap_files_removed_unlogged"]
+            == summary["stale_swap_files_after_kills"])
     assert summary["leftover_swap_files"] == summary["leftover_staging"] == 0
     assert summary["child_after_drop"] == {"fds": 0, "threads": 0, "vmlck_kb": 0}
     # locked memory right after close() while the optimizer is still referenced: tests/test_reliability_leaks.py
