@@ -44,9 +44,6 @@ def test_close_gives_back_descriptors_threads_and_files_and_dropping_it_locked_m
     assert _vmlck_kb() <= locked
 
 
-@pytest.mark.xfail(strict=True, reason="offload/optim/swapper.py: StateSwapper.close() empties _free but keeps "
-                                       "_by_address, so OffloadAdam's locked buffers stay locked until the optimizer "
-                                       "object is garbage-collected")
 def test_close_unlocks_the_optimizer_buffers_while_the_caller_keeps_the_optimizer(disk_dir):
     gc.collect()
     locked = _vmlck_kb()

@@ -242,11 +242,13 @@ class StateSwapper:
         return all(r.where is Where.ON_DISK for r in self.records.values())
 
     def close(self) -> None:
-        """Finish the I/O in flight, stop the I/O workers and remove the swap file."""
+        """Finish the I/O in flight, stop the I/O workers, remove the swap file and let the buffers go
+        (their memory is unlocked and freed once no tensor refers to it)."""
         self.abort()
         if self._file is not None:
             self._file.close()
         self._free = []
+        self._by_address = {}
 
     # ---- internals ------------------------------------------------------------------------------------
 

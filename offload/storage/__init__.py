@@ -5,11 +5,12 @@ extents with slots, I/O through tensorio, removal); `checkpoint_dir` makes check
 appear whole or not at all; `safetensors_writer` writes safetensors files piece by piece.
 """
 
-from offload.storage.checkpoint_dir import LATEST, atomic_checkpoint, resolve_tag
+from offload.storage.checkpoint_dir import LATEST, CheckpointInUseError, atomic_checkpoint, resolve_tag
 from offload.storage.safetensors_writer import SafetensorsWriter, atomic_safetensors, save_tensors_safetensors
 from offload.storage.swapfile import SwapFile, remove_stale_swap_files, stale_swap_files
 
 __all__ = [
+    "CheckpointInUseError",
     "LATEST",
     "SafetensorsWriter",
     "SwapFile",
