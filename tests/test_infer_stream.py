@@ -73,3 +73,27 @@ def test_nested_call_of_the_same_layer(ring):
     streamer.release(units[2])
     assert units[2].state == "on disk"
     _check(modules, weights, [2, 3])
+
+
+
+def test_load_resident_calls_meanwhile_once_every_read_is_started(ring, monkeypatch):
+    from offload.infer import stream
+
+    modules, units, streamer, weights = ring
+    streamer.reset()
+    started, calls = [], []
+    read_windows = stream.read_windows
+    monkeypatch.setattr(stream, "read_windows", lambda *a: started.append(a) or read_windows(*a))
+
+    def meanwhile():
+        calls.append(len(started))
+        raise RuntimeError("meanwhile failed")
+
+    with pytest.raises(RuntimeError, match="meanwhile failed"):  # raised after the reads, not instead of waiting
+        stream.load_resident(streamer.handle, units[:2], meanwhile=meanwhile)
+    assert calls == [2]
+    nbytes = stream.load_resident(streamer.handle, units[:2], meanwhile=lambda: calls.append(len(started)))
+    assert calls == [2, 4] and nbytes == sum(u.read_nbytes for u in units[:2])
+    assert all(u.state == "resident" for u in units[:2])
+    x = torch.randn(3, 8)
+    assert torch.equal(modules[1](x), x @ weights["layer1.weight"].T)

@@ -255,9 +255,12 @@ class InferenceEngine:
             if unit.state == "resident" and unit.name not in plan.resident:
                 unit.unbind()
                 unit.state = "on disk"
+        # 2. Then read what becomes resident, locking the ring's buffers while the disk reads.
         promoted = [u for u in self.units if u.state != "resident" and u.name in plan.resident]
-        self._load_bytes += load_resident(self.handle, promoted, device=self.device)  # 2. then read what becomes resident
         streamed = [u for u in self.units if u.name not in plan.resident]
+        ring = plan.buffer_nbytes if streamed else 0
+        self._load_bytes += load_resident(self.handle, promoted, device=self.device,
+                                          meanwhile=lambda: self.streamer.allocate(ring))
         if streamed and self.device.type == "cuda":
             from offload.infer.cuda import CudaStager  # the CUDA path: see offload/infer/cuda.py
 

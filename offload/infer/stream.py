@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -117,11 +118,7 @@ class LayerStreamer:
         with at most ``lookahead`` reads in flight (None: as many as buffers)."""
         self.reset()
         self.lookahead = self.buffer_count if lookahead is None else max(1, min(lookahead, self.buffer_count))
-        if buffer_nbytes != self.buffer_nbytes or not units:
-            self._free_buffers()
-        if units and not self.buffers:
-            self.buffers = [locked_tensor(buffer_nbytes, torch.uint8) for _ in range(self.buffer_count)]
-            self.buffer_nbytes = buffer_nbytes
+        self.allocate(buffer_nbytes if units else 0)
         self.units = list(units)
         for unit in self.units:
             unit.state = "on disk"
@@ -129,6 +126,15 @@ class LayerStreamer:
         self._free = deque(range(len(self.buffers)))
         self._next = 0
         self._issue()
+
+    def allocate(self, buffer_nbytes: int) -> None:
+        """Make the ring ``buffer_count`` locked buffers of ``buffer_nbytes`` bytes (0: none); nothing to
+        do when it already is. No read may be in flight (`reset` first)."""
+        if buffer_nbytes != self.buffer_nbytes:
+            self._free_buffers()
+        if buffer_nbytes and not self.buffers:
+            self.buffers = [locked_tensor(buffer_nbytes, torch.uint8) for _ in range(self.buffer_count)]
+            self.buffer_nbytes = buffer_nbytes
 
     # ---- the hot path -----------------------------------------------------------------------------
 
@@ -239,22 +245,30 @@ class LayerStreamer:
         self._free_buffers()
 
 
-def load_resident(handle: AioHandle, units: list[Unit], *, device: torch.device | None = None) -> int:
+def load_resident(handle: AioHandle, units: list[Unit], *, device: torch.device | None = None,
+                  meanwhile: Callable[[], None] | None = None) -> int:
     """Read ``units`` into memory of their own and bind their parameters there for good; returns bytes read.
 
     Every unit's windows are read into one page-aligned buffer of its own (O_DIRECT) that its
     parameters are views of, so nothing is copied; all reads are started before the first is waited
-    for, so the disk has them all queued. A tensor whose dtype differs from its parameter's is
-    converted (then only the converted copy stays). Raises the first TensorIOError once all reads
-    have finished.
+    for, so the disk has them all queued. ``meanwhile`` is called once they are all started, before
+    any is waited for (the engine locks the ring's buffers there, while the disk reads). A tensor
+    whose dtype differs from its parameter's is converted (then only the converted copy stays).
+    Raises the first TensorIOError (or ``meanwhile``'s error) once all reads have finished.
     """
-    # 1. Start every read.
+    # 1. Start every read, then do the caller's other work while the disk reads.
     pending = []
     for unit in units:
         buffer = aligned_tensor(unit.buffer_nbytes, torch.uint8)
         pending.append((unit, buffer, read_windows(handle, unit.windows, buffer)))
+    error = None
+    try:
+        if meanwhile is not None:
+            meanwhile()
+    except BaseException as exc:  # noqa: BLE001 - raised below, once every read has finished
+        error = exc
     # 2. Sync point: wait for all of them, then bind (or convert) each unit's tensors.
-    nbytes, error = 0, None
+    nbytes = 0
     for unit, buffer, futures in pending:
         for future in futures:
             try:
