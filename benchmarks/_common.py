@@ -111,14 +111,23 @@ def _high_water_mark() -> int:
     raise OSError("/proc/self/status has no VmHWM line")
 
 
+class ChildError(RuntimeError):
+    """`run_child`'s child failed: its ``returncode`` (negative: killed by that signal) and the end of its ``stderr``."""
+
+    def __init__(self, message: str, returncode: int, stderr: str) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+        self.stderr = stderr
+
+
 def run_child(module: str, args: Sequence[str], *, mmap_threshold: int | None = None) -> dict[str, Any]:
     """Run ``python -m module *args`` in a fresh interpreter (so that its peak RSS is its own) and
     return the JSON object it printed on its last line of output.
 
     The child runs in the current directory with the clone on its PYTHONPATH. ``mmap_threshold``
     sets glibc's ``MALLOC_MMAP_THRESHOLD_`` for it (None: glibc's default; a value inherited from
-    the environment is dropped either way). Raises RuntimeError, with the end of the child's error
-    output, when it fails.
+    the environment is dropped either way). Raises `ChildError` (a RuntimeError), with the end of the
+    child's error output, when it fails.
     """
     env = dict(os.environ)
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
@@ -128,5 +137,6 @@ def run_child(module: str, args: Sequence[str], *, mmap_threshold: int | None = 
     command = [sys.executable, "-m", module, *args]
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if done.returncode:
-        raise RuntimeError(f"{' '.join(command)} failed with exit status {done.returncode}:\n{done.stderr[-3000:]}")
+        raise ChildError(f"{' '.join(command)} failed with exit status {done.returncode}:\n{done.stderr[-3000:]}",
+                         done.returncode, done.stderr[-3000:])
     return json.loads(done.stdout.strip().splitlines()[-1])

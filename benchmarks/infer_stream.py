@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks._common import RssSampler, run_child
+from benchmarks._common import ChildError, RssSampler, run_child
 from tensorio import parse_size
 
 PAGE = 4096
@@ -74,13 +74,18 @@ def page_cache_bytes(paths) -> int:
     return total
 
 
-def meminfo_cached() -> int:
-    """The system's page cache ("Cached" in /proc/meminfo), in bytes."""
+def meminfo(key: str) -> int:
+    """A figure of /proc/meminfo ("Cached", "MemAvailable", ...) in bytes; 0 where it is missing."""
     with open("/proc/meminfo") as f:
         for line in f:
-            if line.startswith("Cached:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def meminfo_cached() -> int:
+    """The system's page cache ("Cached" in /proc/meminfo), in bytes."""
+    return meminfo("Cached")
 
 
 def _files(directory: Path) -> list[str]:
@@ -356,7 +361,12 @@ def main(argv: list[str] | None = None) -> dict:
         payload = {"kind": kind, "checkpoint": str(checkpoint), "budget": budget, "batch": batch,
                    "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "buffer_count": args.buffer_count,
                    "aio": args.aio, "disk_gbps": fio_bps / 1e9 if fio_bps else None, "offload_folder": str(offload_folder)}
-        result = run_config(payload)
+        available = meminfo("MemAvailable")
+        try:
+            result = run_config(payload)
+        except ChildError as exc:  # one configuration failing (the OOM killer, on a shared machine) loses only its row
+            result = {"kind": kind, "budget": budget, "batch": batch, "error": _failure(exc)}
+        result["mem_available_before"] = available
         results.append(result)
         if "plan" in result:
             print(result["plan"])
@@ -382,7 +392,21 @@ def _drop(path: str) -> None:
     drop_page_cache(path)
 
 
+def _failure(exc: ChildError) -> str:
+    """What went wrong in a child, in one line."""
+    if exc.returncode < 0:
+        import signal
+
+        return f"killed by {signal.Signals(-exc.returncode).name}" + (" (the OOM killer?)" if exc.returncode == -9 else "")
+    lines = exc.stderr.strip().splitlines()
+    return f"exit status {exc.returncode}: {lines[-1] if lines else 'no error output'}"
+
+
 def _print_row(r: dict) -> None:
+    if "error" in r:
+        print(f"{r['kind']:>20} budget {_gib(r['budget']):>10} batch {r['batch']:>3}: FAILED, {r['error']} "
+              f"(MemAvailable {_gib(r['mem_available_before'])} when it started)")
+        return
     s = r["s_per_token"]
     print(f"{r['kind']:>20} budget {_gib(r['budget']):>10} batch {r['batch']:>3}: load {r['load_s']:7.2f} s, "
           f"first token {r['ttft_s']:7.2f} s, {s if s is None else round(s, 3)} s/token, "
@@ -394,12 +418,14 @@ def _print_row(r: dict) -> None:
 def _targets(results: list[dict], fio_bps: float | None, budgets: list[int], big_budget: int, big_batch: int,
              acc_budget: int) -> list[str]:
     def find(kind: str, budget: int, batch: int) -> dict | None:
-        return next((r for r in results if r["kind"] == kind and r["budget"] == budget and r["batch"] == batch), None)
+        return next((r for r in measured if r["kind"] == kind and r["budget"] == budget and r["batch"] == batch), None)
 
     def verdict(ok: bool) -> str:
         return "met" if ok else "NOT met"
 
-    lines = []
+    measured = [r for r in results if "error" not in r]
+    lines = [f"{r['kind']} at {_gib(r['budget'])} batch {r['batch']}: not measured ({r['error']}); the targets that "
+             f"need it are not checked" for r in results if "error" in r]
     for budget in budgets:
         r = find("ours", budget, 1)
         if r and fio_bps and r["s_per_token"] and r["read_bytes_per_forward"]:
@@ -419,7 +445,7 @@ def _targets(results: list[dict], fio_bps: float | None, budgets: list[int], big
         if ours and other and ours["tokens_per_s"] and other["tokens_per_s"]:
             ratio = ours["tokens_per_s"] / other["tokens_per_s"]
             lines.append(f"at {_gib(acc_budget)}: ours {ratio:.2f}x {kind}'s tokens/s; target >= {factor}x: {verdict(ratio >= factor)}")
-    for r in results:
+    for r in measured:
         if r["kind"] == "ours":
             growth = max(r["cached_growth"], r["checkpoint_cache_growth"])
             lines.append(f"page cache, ours at {_gib(r['budget'])} batch {r['batch']}: +{growth / 1e6:.0f} MB (system "

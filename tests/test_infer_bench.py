@@ -66,3 +66,15 @@ def test_kernel_peak_sees_a_short_peak_in_its_phase():
     spike, after = rss.phases()
     assert spike["peak_rss"] - after["peak_rss"] >= 100 << 20
     assert rss.peak == max(r for _, r in rss.samples) >= spike["peak_rss"]
+
+
+def test_a_failed_configuration_is_reported_not_fatal():
+    from benchmarks._common import ChildError
+    from benchmarks.infer_stream import _failure, _targets
+
+    assert _failure(ChildError("x", -9, "")) == "killed by SIGKILL (the OOM killer?)"
+    assert _failure(ChildError("x", 1, "Traceback\nMemoryError: no\n")) == "exit status 1: MemoryError: no"
+    failed = {"kind": "ours", "budget": 16 << 30, "batch": 1, "error": "killed by SIGKILL (the OOM killer?)"}
+    lines = _targets([failed], 1e9, [16 << 30], 8 << 30, 16, 8 << 30)
+    assert lines == ["ours at 16.00 GiB batch 1: not measured (killed by SIGKILL (the OOM killer?)); the targets that "
+                     "need it are not checked"]
