@@ -298,3 +298,17 @@ def test_prefetch_bucket_limits_the_reads_in_flight(models):
         ids, mask = prompts(1)
         ours = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False)
     assert ours.tolist() == reference(model, 1, do_sample=False).sequences.tolist()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_the_output_head_gets_a_contiguous_input(models, kind):
+    """generate passes the head a slice of the last position; with a weight that does not require grad,
+    torch.matmul would multiply a non-contiguous one through a copy of the weight per sequence."""
+    directory, model = models[kind, torch.float32]
+    with init_inference(directory, max_in_cpu=tight_budget(directory, 4), disk_gbps=1.0) as engine:
+        head = engine.module.get_output_embeddings()
+        seen = []
+        head.register_forward_pre_hook(lambda _, args: seen.append(args[0].is_contiguous()))
+        ids, mask = prompts(4)
+        engine.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=PAD, do_sample=False)
+    assert seen and all(seen)
