@@ -1,8 +1,18 @@
-"""Engine benchmark: one GPT-2 trained with plain PyTorch and with the stage-3 engine at offload none,
-cpu and nvme (parameters and optimizer), side by side.
+"""Engine benchmark: one GPT-2 trained with plain PyTorch, with the stage-3 engine at offload none,
+cpu and nvme (parameters and optimizer), and with DeepSpeed on the same JSON, side by side.
 
     python -m benchmarks.engine_step --dir /work/tmp
     python -m benchmarks.engine_step --dir /work/tmp --modes nvme --model-config '{"n_layer": 24, "n_embd": 1024}'
+    python -m benchmarks.engine_step --dir /work/tmp --modes torch,nvme,deepspeed --clip 1.0 --gas 2 --dtype bf16
+
+``--clip`` (gradient_clipping; plain PyTorch calls clip_grad_norm_), ``--gas`` (gradient_accumulation_steps:
+a step is that many micro-batches; plain PyTorch backpropagates loss / gas) and ``--dtype bf16`` (the
+engines train bf16 weights with fp32 master weights in the optimizer; plain PyTorch runs the forward
+under bf16 autocast with fp32 weights) give every mode the same work. ``deepspeed`` runs DeepSpeed's
+stage-3 engine (it must be installed; it JIT-builds its ops on first use) on the same JSON as ``nvme``,
+with the model built under its ``zero.Init`` (on the CPU it fails otherwise). Each step's global
+gradient norm is recorded: with ``--clip``, "clipped" counts the steps whose norm was above it, the
+steps a speculative update (step during backward, redo when the norm turns out too large) would redo.
 
 Each configuration runs in its own subprocess (so that peak RSS is its own): a warm-up step, then
 timed steps; ``--repeats N`` runs every configuration N times, interleaved, and reports medians over
@@ -25,7 +35,7 @@ import time
 from bench.fio import job_for_config, run_fio
 from benchmarks._common import RssSampler, run_child
 
-MODES = ("torch", "none", "cpu", "nvme")
+MODES = ("torch", "none", "cpu", "nvme", "deepspeed")
 DEFAULT_MODEL = {"n_layer": 6, "n_embd": 512, "n_head": 8, "vocab_size": 8192, "n_positions": 256}
 
 
@@ -37,59 +47,99 @@ def _child(args: dict) -> None:
 
     proc = psutil.Process()
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # lazy imports (torch._dynamo) before the baseline
+    mode, clip, gas, bf16 = args["mode"], args["clip"], args["gas"], args["dtype"] == "bf16"
+    if mode == "deepspeed":
+        import deepspeed  # noqa: F401 (its import and accelerator setup before the baseline)
     baseline = proc.memory_info().rss
     torch.manual_seed(0)
     config = transformers.GPT2Config(**args["model"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    model = transformers.GPT2LMHeadModel(config)
-    params = sum(p.numel() for p in model.parameters())
     gen = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, config.vocab_size, (args["batch"], args["seq"]), generator=gen)
+    batches = [[torch.randint(0, config.vocab_size, (args["batch"], args["seq"]), generator=gen) for _ in range(gas)]
                for _ in range(args["warmup"] + args["steps"])]
-    if args["mode"] == "torch":
+    norms: list[float] = []
+    if mode == "torch":
+        model = transformers.GPT2LMHeadModel(config)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
 
-        def step(batch: torch.Tensor) -> float:
-            loss = model(batch, labels=batch).loss
-            loss.backward()
+        def step(micro: list[torch.Tensor]) -> float:
+            for batch in micro:
+                with autocast:
+                    loss = model(batch, labels=batch).loss
+                (loss / gas if gas > 1 else loss).backward()
+            if clip:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
             opt.step()
             opt.zero_grad()
             return loss.item()
     else:
-        from offload import initialize
-
         zero = {"stage": 3, "sub_group_size": args["sub_group_size"],
                 "stage3_prefetch_bucket_size": args["buffer_size"] * 2,
                 "stage3_param_persistence_threshold": args["persistence"],
-                "offload_param": {"device": args["mode"]}, "offload_optimizer": {"device": args["mode"]}}
-        if args["mode"] == "nvme":
-            zero["offload_param"].update(nvme_path=args["dir"], max_in_cpu=args["max_in_cpu"],
+                "offload_param": {"device": mode}, "offload_optimizer": {"device": mode}}
+        if args["reuse_distance"] is not None:
+            zero["stage3_max_reuse_distance"] = args["reuse_distance"]
+        if mode in ("nvme", "deepspeed"):
+            zero["offload_param"].update(device="nvme", nvme_path=args["dir"], max_in_cpu=args["max_in_cpu"],
                                          buffer_count=args["buffer_count"], buffer_size=args["buffer_size"])
-            zero["offload_optimizer"].update(nvme_path=args["dir"], buffer_count=4, pipeline_read=True,
-                                             pipeline_write=True)
-        engine, *_ = initialize(model=model, config={
-            "train_micro_batch_size_per_gpu": args["batch"], "zero_optimization": zero, "aio": args["aio"],
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
+            zero["offload_optimizer"].update(device="nvme", nvme_path=args["dir"], buffer_count=4,
+                                             pipeline_read=True, pipeline_write=True)
+        ds_config = {"train_micro_batch_size_per_gpu": args["batch"], "gradient_accumulation_steps": gas,
+                     "gradient_clipping": clip, "zero_optimization": zero, "aio": args["aio"],
+                     "bf16": {"enabled": bf16}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+        if mode == "deepspeed":
+            engine = _deepspeed_engine(config, ds_config)
+        else:
+            from offload import initialize
 
-        def step(batch: torch.Tensor) -> float:
-            loss = engine(batch, labels=batch).loss
-            engine.backward(loss)
-            engine.step()
+            engine, *_ = initialize(model=transformers.GPT2LMHeadModel(config), config=ds_config)
+
+        def step(micro: list[torch.Tensor]) -> float:
+            for i, batch in enumerate(micro):
+                loss = engine(batch, labels=batch).loss
+                engine.backward(loss)
+                if clip and i == gas - 1 and mode != "deepspeed":
+                    norms.append(engine.get_global_grad_norm())  # taken as gradients were reduced: cheap
+                engine.step()
+            if clip and mode == "deepspeed":
+                norms.append(float(engine.get_global_grad_norm()))
             return loss.item()
-    for batch in batches[:args["warmup"]]:
-        step(batch)
+    params = args["params"]
+    for micro in batches[:args["warmup"]]:
+        step(micro)
     times = []
     with RssSampler() as rss:
         io_before = proc.io_counters()
-        for batch in batches[args["warmup"]:]:
+        for micro in batches[args["warmup"]:]:
             start = time.perf_counter()
-            step(batch)
+            step(micro)
             times.append(time.perf_counter() - start)
         io_after = proc.io_counters()
     n = len(times)
-    print(json.dumps({"mode": args["mode"], "params": params, "step_s": statistics.median(times), "times": times,
-                      "peak_rss": rss.peak, "baseline_rss": baseline,
+    path = None
+    if mode in MODES[1:4]:
+        path = ("during backward" if engine._reducer.consumer is not None else
+                "in the next forward" if engine._deferred is not None else "after backward")
+    print(json.dumps({"mode": mode, "params": params, "step_s": statistics.median(times), "times": times,
+                      "peak_rss": rss.peak, "baseline_rss": baseline, "norms": norms, "path": path,
+                      "clipped": sum(1 for norm in norms if norm > clip) if clip else 0,
                       "read_per_step": (io_after.read_bytes - io_before.read_bytes) / n,
                       "written_per_step": (io_after.write_bytes - io_before.write_bytes) / n}))
+
+
+def _deepspeed_engine(model_config, ds_config: dict):
+    """DeepSpeed's stage-3 engine on ``ds_config``, the model built under its zero.Init (one process)."""
+    import deepspeed
+    import transformers
+
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533"), ("RANK", "0"), ("LOCAL_RANK", "0"),
+                       ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    deepspeed.init_distributed(dist_backend="gloo")
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        model = transformers.GPT2LMHeadModel(model_config)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    return engine
 
 
 def run_mode(mode: str, args: argparse.Namespace, directory: str) -> dict:
@@ -98,7 +148,9 @@ def run_mode(mode: str, args: argparse.Namespace, directory: str) -> dict:
                "warmup": args.warmup, "steps": args.steps, "dir": os.path.abspath(directory),
                "sub_group_size": args.sub_group_size, "buffer_count": args.buffer_count,
                "buffer_size": args.buffer_size, "persistence": args.persistence, "max_in_cpu": int(args.max_in_cpu),
-               "aio": {"block_size": args.block_size, "queue_depth": args.queue_depth}}
+               "aio": {"block_size": args.block_size, "queue_depth": args.queue_depth}, "clip": args.clip,
+               "gas": args.gas, "dtype": args.dtype, "params": args.params,
+               "reuse_distance": 0 if mode == "deepspeed" else args.reuse_distance}
     threshold = args.malloc_mmap_threshold if args.malloc_mmap_threshold >= 0 else None
     return run_child("benchmarks.engine_step", ["--child", json.dumps(payload)], mmap_threshold=threshold)
 
@@ -122,6 +174,13 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
                     help="offload_param.max_in_cpu: parameter elements kept in RAM (0: all on NVMe; DeepSpeed's default is 1e9)")
     ap.add_argument("--block-size", type=int, default=1 << 20)
     ap.add_argument("--queue-depth", type=int, default=32)
+    ap.add_argument("--clip", type=float, default=0.0, help="gradient_clipping (0: off)")
+    ap.add_argument("--gas", type=int, default=1, help="gradient_accumulation_steps: micro-batches per step")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                    help="bf16: engines train bf16 weights (fp32 masters), plain PyTorch under bf16 autocast")
+    ap.add_argument("--reuse-distance", type=int, default=None,
+                    help="stage3_max_reuse_distance (default: DeepSpeed's, 1e9; deepspeed mode always gets 0, "
+                         "without which it crashes at max_in_cpu 0)")
     ap.add_argument("--fio-size", type=int, default=1 << 30, help="bytes fio moves per direction")
     ap.add_argument("--malloc-mmap-threshold", type=int, default=131072,
                     help="glibc MALLOC_MMAP_THRESHOLD_ for the children, so that RSS follows live memory "
@@ -135,12 +194,15 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     args.model_config = model
     if args.buffer_size is None:
         args.buffer_size = max(model["vocab_size"] * model["n_embd"], 4 * model["n_embd"] ** 2 + 4 * model["n_embd"])
+    layer = 12 * model["n_embd"] ** 2 + 13 * model["n_embd"]
+    args.params = model["n_layer"] * layer + (model["vocab_size"] + model["n_positions"] + 2) * model["n_embd"]
     modes = [m for m in args.modes.split(",") if m]
     for mode in modes:
         if mode not in MODES:
             raise SystemExit(f"--modes: {mode!r} is not one of {MODES}")
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-engine-") as directory:
-        print(f"model={json.dumps(model)} batch={args.batch} seq={args.seq} warmup={args.warmup} steps={args.steps} "
+        print(f"model={json.dumps(model)} batch={args.batch} seq={args.seq} gas={args.gas} clip={args.clip} "
+              f"dtype={args.dtype} reuse_distance={args.reuse_distance} warmup={args.warmup} steps={args.steps} "
               f"buffer_count={args.buffer_count} buffer_size={args.buffer_size} sub_group_size={args.sub_group_size} "
               f"block_size={args.block_size} queue_depth={args.queue_depth} dir={directory}")
         runs: dict[str, list[dict]] = {mode: [] for mode in modes}
@@ -170,12 +232,28 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
               f"{r['written_per_step'] / 1e6:>18.1f} {io_s:>15.3f} {moved:>14.2f}")
         r["io_at_fio_s"] = io_s
         r["gb_per_s"] = moved
-    if "torch" in results and "nvme" in results:
-        ratio = results["nvme"]["step_s"] / results["torch"]["step_s"]
-        per_repeat = [n["step_s"] / t["step_s"] for n, t in zip(runs["nvme"], runs["torch"])]
-        print(f"nvme / plain PyTorch step time = {ratio:.2f}  (project target <= 1.3); per repeat: "
-              + " ".join(f"{r:.2f}" for r in per_repeat))
-        results["ratio"] = {"nvme_over_torch": ratio, "per_repeat": per_repeat}
+    for mode, r in results.items():
+        if r.get("path"):
+            print(f"{mode}: the update ran {r['path']}")
+        if args.clip and r["norms"]:
+            print(f"{mode}: global gradient norm above gradient_clipping {args.clip} in {r['clipped']} of "
+                  f"{len(r['norms'])} steps (a speculative step would be redone that often); norms "
+                  + " ".join(f"{x:.2f}" for x in r["norms"]))
+    ratios = {}
+    for mode, key in (("nvme", "per_repeat"), ("deepspeed", "deepspeed_per_repeat")):
+        if "torch" in results and mode in results:
+            ratio = results[mode]["step_s"] / results["torch"]["step_s"]
+            per_repeat = [n["step_s"] / t["step_s"] for n, t in zip(runs[mode], runs["torch"])]
+            print(f"{mode} / plain PyTorch step time = {ratio:.2f}  (nvme: project target <= 1.3); per repeat: "
+                  + " ".join(f"{r:.2f}" for r in per_repeat))
+            ratios[f"{mode}_over_torch"], ratios[key] = ratio, per_repeat
+    if "nvme" in results and "deepspeed" in results:
+        speedup = results["deepspeed"]["step_s"] / results["nvme"]["step_s"]
+        saved = results["deepspeed"]["peak_rss"] - results["nvme"]["peak_rss"]
+        print(f"deepspeed / nvme step time = {speedup:.2f} (target >= 2); nvme's peak RSS {saved / 1e9:.2f} GB lower")
+        ratios["deepspeed_over_nvme"] = speedup
+    if ratios:
+        results["ratio"] = ratios
     return results
 
 

@@ -77,8 +77,9 @@ def engine_config(tmp, param="none", opt="none", gas=1, micro=4, **extra) -> dic
     return config
 
 
-def reference(model, batches, loss_fn, gas):
-    """Plain PyTorch: losses and final parameters with torch.optim.AdamW (the fused kernel)."""
+def reference(model, batches, loss_fn, gas, clip=0.0):
+    """Plain PyTorch: losses and final parameters with torch.optim.AdamW (the fused kernel), clipped
+    with torch.nn.utils.clip_grad_norm_ when ``clip``."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
     losses = []
     for i, batch in enumerate(batches):
@@ -86,8 +87,46 @@ def reference(model, batches, loss_fn, gas):
         (loss / gas).backward()
         losses.append(loss.item())
         if (i + 1) % gas == 0:
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
             opt.zero_grad()
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def reference_16bit(model, batches, loss_fn, gas, dtype, clip=0.0, loss_scale=1.0):
+    """Plain PyTorch with 16-bit weights and fp32 master weights (DeepSpeed's bf16/fp16 semantics): the
+    16-bit gradients accumulated in fp32, unscaled and clipped by one multiply (the norm taken as the
+    engine takes it, one partition at a time), torch.optim.AdamW (fused) on the fp32 masters, copied back."""
+    from offload.train.clip import clip_coefficient, total_norm
+
+    model = model.to(dtype)
+    params = list(model.parameters())
+    masters = [p.detach().float().clone().requires_grad_(True) for p in params]
+    opt = torch.optim.AdamW(masters, lr=LR, weight_decay=WD, fused=True)
+    acc: list = [None] * len(params)
+    losses = []
+    for i, batch in enumerate(batches):
+        loss = loss_fn(model, batch)
+        losses.append(loss.item())
+        scaled = loss / gas if gas > 1 else loss
+        (scaled * loss_scale if loss_scale != 1.0 else scaled).backward()
+        for j, p in enumerate(params):
+            grad, p.grad = p.grad.float(), None
+            acc[j] = grad if acc[j] is None else acc[j].add_(grad)
+        if (i + 1) % gas == 0:
+            factor = 1.0 / loss_scale
+            if clip:
+                norm = total_norm([torch.linalg.vector_norm(a) for a in acc])
+                factor *= clip_coefficient(norm * factor if factor != 1.0 else norm, clip)
+            for master, a in zip(masters, acc):
+                master.grad = a if factor == 1.0 else a * factor
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                for p, master in zip(params, masters):
+                    p.copy_(master)
+            acc = [None] * len(params)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
@@ -130,27 +169,90 @@ def test_matches_plain_pytorch(disk_dir, kind, param, opt, gas):
     engine.close()
 
 
-@pytest.mark.parametrize("case,in_backward", [
-    ({}, True), ({"gas": 2}, False), ({"gradient_clipping": 1.0}, False), ({"param": "nvme"}, True),
-    ({"param": "nvme", "ratio": 0.5}, False), ({"ratio": 0.0}, False), ({"fp16": {"enabled": True}}, False)],
-    ids=["plain", "accumulation", "clipping", "params-on-disk", "params-on-disk-state-half-in-ram", "no-state-on-disk",
-         "fp16"])
-def test_updates_run_during_backward_only_when_nothing_needs_every_gradient_first(disk_dir, case, in_backward):
+BACKWARD, FORWARD, AFTER = "during backward", "in the next forward", "after backward"
+
+
+def update_mode(engine) -> str:
+    """Where the engine runs each step's update (docs/engine.md): its fast paths, or the chunked step."""
+    if engine._reducer.consumer is not None:
+        return BACKWARD
+    return FORWARD if engine._deferred is not None else AFTER
+
+
+@pytest.mark.parametrize("case,mode", [
+    ({}, BACKWARD), ({"gas": 2}, BACKWARD), ({"gradient_clipping": 1.0}, FORWARD), ({"param": "nvme"}, BACKWARD),
+    ({"param": "nvme", "gradient_clipping": 1.0, "gas": 2}, FORWARD), ({"param": "nvme", "ratio": 0.5}, AFTER),
+    ({"gradient_clipping": 1.0, "ratio": 0.5}, AFTER), ({"ratio": 0.0}, AFTER), ({"fp16": {"enabled": True}}, FORWARD),
+    ({"bf16": {"enabled": True}}, BACKWARD), ({"bf16": {"enabled": True}, "gradient_clipping": 1.0}, FORWARD)],
+    ids=["plain", "accumulation", "clipping", "params-on-disk", "params-on-disk-clipping-accumulation",
+         "params-on-disk-state-half-in-ram", "clipping-state-half-in-ram", "no-state-on-disk", "fp16", "bf16",
+         "bf16-clipping"])
+def test_where_the_update_runs(disk_dir, case, mode):
+    """During backward when nothing needs every gradient first (accumulation keeps the earlier
+    micro-batches' partitions); in the next forward with clipping or fp16; after backward otherwise."""
     case = dict(case)
     ratio = case.pop("ratio", None)
     config = engine_config(disk_dir, case.pop("param", "cpu"), "nvme", case.pop("gas", 1), **case)
     if ratio is not None:
         config["zero_optimization"]["offload_optimizer"]["ratio"] = ratio
     engine, *_ = initialize(model=mlp(), config=config)
-    assert (engine._reducer.consumer is not None) == in_backward
-    assert engine.optimizer._background is not None if in_backward else engine.optimizer._background is None
+    assert update_mode(engine) == mode
+    assert engine.optimizer._background is not None if mode != AFTER else engine.optimizer._background is None
+    engine.close()
+
+
+FAST_CASES = {  # name: (extra config, gas, 16-bit dtype or None, loss scale)
+    "clipping": ({"gradient_clipping": 0.05}, 1, None, 1.0),
+    "clipping-accumulation": ({"gradient_clipping": 0.05}, 2, None, 1.0),
+    "accumulation": ({}, 2, None, 1.0),
+    "clipping-not-reached": ({"gradient_clipping": 100.0}, 1, None, 1.0),
+    "bf16-clipping": ({"bf16": {"enabled": True}, "gradient_clipping": 0.05}, 1, torch.bfloat16, 1.0),
+    "bf16-accumulation": ({"bf16": {"enabled": True}}, 2, torch.bfloat16, 1.0),
+    "fp16-clipping-accumulation": ({"fp16": {"enabled": True, "loss_scale": 128.0}, "gradient_clipping": 0.05}, 2,
+                                   torch.float16, 128.0),
+}
+
+
+@pytest.mark.parametrize("param", ["cpu", "nvme"])
+@pytest.mark.parametrize("case", list(FAST_CASES))
+@pytest.mark.parametrize("kind", ["mlp", "gpt2"])
+def test_fast_paths_match_plain_pytorch(disk_dir, kind, case, param):
+    """Clipping, accumulation, bf16 and fp16 with the optimizer state (and the parameters) on NVMe take a
+    fast path, and give plain PyTorch's results bit for bit: clip_grad_norm_ and (loss / gas).backward()
+    for fp32; fp32 master weights (and fp32 gradient accumulation) for 16-bit."""
+    extra, gas, dtype, scale = FAST_CASES[case]
+    build, data, loss_fn = MODELS[kind]
+    batches = data(6 * gas)
+    if dtype is not None and kind == "mlp":
+        batches = [(x.to(dtype), y.to(dtype)) for x, y in batches]
+    clip = extra.get("gradient_clipping", 0.0)
+    if dtype is None:
+        ref_losses, ref_params = reference(build(), batches, loss_fn, gas, clip=clip)
+    else:
+        ref_losses, ref_params = reference_16bit(build(), batches, loss_fn, gas, dtype, clip=clip, loss_scale=scale)
+    config = engine_config(disk_dir, param, "nvme", gas, micro=len(batches[0]), **extra)
+    engine, *_ = initialize(model=build(), config=config)
+    expected = FORWARD if clip or "fp16" in extra else BACKWARD
+    assert update_mode(engine) == expected
+    losses = train(engine, batches, loss_fn)
+    assert engine.global_steps == 6 and engine.skipped_steps == 0
+    if expected == FORWARD:
+        assert engine._deferred.steps == 6  # every update ran in the forward after its step
+    # The same kernels on the same numbers in the same order: bit for bit, 16-bit included.
+    params = dict(engine.full_parameters())
+    assert losses == ref_losses
+    assert params.keys() == ref_params.keys()
+    for name, ref in ref_params.items():
+        assert torch.equal(params[name], ref), name
     engine.close()
 
 
 def test_a_failed_parameter_write_back_raises_and_leaks_no_buffer(disk_dir, tmp_path):
     """Parameters on NVMe updated during backward: a write-back that fails (a real ENOSPC) is raised by
-    step(), every buffer handed over is let go, the optimizer commits nothing, the engine refuses to step
-    from the mixed model, and training goes on from the last checkpoint once the disk is back."""
+    step(), every buffer handed over is let go, and the step is rolled back entirely (the partitions
+    written read their committed slot again, the optimizer commits nothing, the step count goes back):
+    step() refuses only the lost gradients, and once the disk is back training goes on without a load,
+    exactly as from the last checkpoint."""
     import errno
     from offload.train.checkpoint import sized_partitions as _sized
     from tensorio import TensorIOError
@@ -165,6 +267,7 @@ def test_a_failed_parameter_write_back_raises_and_leaks_no_buffer(disk_dir, tmp_
     train(engine, batches[:2], gpt2_loss)
     engine.save_checkpoint(tmp_path)
     state_before = optimizer_state()
+    params_before = dict(engine.full_parameters())
     swap = engine._store.swap
     original = swap._handle.write
     swap._handle.write = lambda tensor, path, offset=0: original(tensor, "/dev/full", offset)
@@ -179,18 +282,26 @@ def test_a_failed_parameter_write_back_raises_and_leaks_no_buffer(disk_dir, tmp_
     state_after = optimizer_state()
     for i, entry in state_before["state"].items():
         assert torch.equal(state_after["state"][i]["exp_avg"], entry["exp_avg"]), i
-    with pytest.raises(RuntimeError, match="cannot step: step 3 failed part way"):
+    with pytest.raises(RuntimeError, match="cannot step: step 3 failed .* rolled back entirely"):
         engine.step()
+    assert engine.global_steps == 2
+    for name, value in engine.full_parameters():
+        assert torch.equal(value, params_before[name]), name
+    engine.zero_grad()
+    losses = train(engine, batches[3:], gpt2_loss)  # no load: the model is whole
+    after = dict(engine.full_parameters())
     engine.load_checkpoint(tmp_path)
-    losses = train(engine, batches[3:], gpt2_loss)
-    assert all(torch.isfinite(torch.tensor(losses)))
+    assert train(engine, batches[3:], gpt2_loss) == losses
+    for name, value in engine.full_parameters():
+        assert torch.equal(value, after[name]), name
     engine.close()
 
 
 def test_parameters_on_disk_updated_during_backward_survive_a_failed_backward_and_an_eval_between(disk_dir, tmp_path):
-    """A backward that raises half-way forgets its updates and lets every buffer go, and the engine
-    refuses to step until the last checkpoint is loaded; a forward between backward and step waits for
-    the write-backs and leaves training as it would have been."""
+    """A backward that raises half-way forgets its updates and lets every buffer go: the partitions it
+    updated read their committed slot again, so the step is rolled back entirely and step() refuses only
+    the lost gradients (until zero_grad); a forward between backward and step waits for the write-backs
+    and leaves training as it would have been."""
     build, data, loss_fn = MODELS["mlp"]
     batches = data(4)
     ref_losses, ref_params = reference(build(), batches, loss_fn, 1)
@@ -219,9 +330,12 @@ def test_parameters_on_disk_updated_during_backward_survive_a_failed_backward_an
     assert not engine.optimizer._in_backward
     assert all(rec.partition.numel() == 0 for rec in engine.records if rec.on_disk)
     assert engine._store.budget.held <= engine._store.budget.buffer_elements
-    with pytest.raises(RuntimeError, match="cannot step: step 5 failed part way"):
+    with pytest.raises(RuntimeError, match="cannot step: step 5 failed .* rolled back entirely"):
         engine.step()
-    engine.load_checkpoint(tmp_path)
+    assert engine.global_steps == 4
+    for name, value in engine.full_parameters():
+        torch.testing.assert_close(value, ref_params[name], rtol=1e-5, atol=1e-7)  # as after step 4
+    engine.zero_grad()
     assert all(torch.isfinite(torch.tensor(train(engine, batches, loss_fn))))
     engine.close()
 
@@ -652,4 +766,33 @@ def test_keys_without_effect_are_named_in_a_warning(disk_dir, caplog):
     with caplog.at_level("WARNING", logger="offload"):
         engine, *_ = initialize(model=mlp(), config=config)
     assert any("reduce_bucket_size, overlap_comm" in r.getMessage() for r in caplog.records)
+    engine.close()
+
+
+@pytest.mark.parametrize("case", ["clipping-accumulation", "accumulation", "bf16-clipping"])
+def test_gradients_kept_in_the_swap_file_when_memory_is_short(disk_dir, monkeypatch, case):
+    """On a host where the gradient partitions would take more than a quarter of the memory, the fast
+    paths keep them in the gradient swap file between micro-batches and into the next forward, and the
+    results are still plain PyTorch's, bit for bit."""
+    import offload.train.engine as engine_module
+
+    extra, gas, dtype, scale = FAST_CASES[case]
+    build, data, loss_fn = MODELS["gpt2"]
+    batches = data(4 * gas)
+    clip = extra.get("gradient_clipping", 0.0)
+    if dtype is None:
+        ref_losses, ref_params = reference(build(), batches, loss_fn, gas, clip=clip)
+    else:
+        ref_losses, ref_params = reference_16bit(build(), batches, loss_fn, gas, dtype, clip=clip, loss_scale=scale)
+    monkeypatch.setattr(engine_module, "_host_memory_bytes", lambda: 64 << 10)  # a 64 KiB host
+    config = engine_config(disk_dir, "nvme", "nvme", gas, micro=len(batches[0]), **extra)
+    config["zero_optimization"]["sub_group_size"] = 1024
+    engine, *_ = initialize(model=build(), config=config)
+    assert engine._reducer.swap is not None and update_mode(engine) == (FORWARD if clip else BACKWARD)
+    losses = train(engine, batches, loss_fn)
+    params = dict(engine.full_parameters())
+    assert losses == ref_losses
+    for name, ref in ref_params.items():
+        assert torch.equal(params[name], ref), name
+    assert engine._reducer.swap.bytes_read > 0
     engine.close()

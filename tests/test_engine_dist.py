@@ -47,7 +47,7 @@ def run(rank: int, world_size: int, tmp: str, param: str, opt: str, gas: int, cl
     if world_size > 1:
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
     engine, *_ = initialize(model=gpt2(), config=config(tmp, param, opt, world_size, gas, clip))
-    assert (engine._reducer.consumer is not None) == (gas == 1 and clip == 0)  # the path under test
+    assert (engine._reducer.consumer is not None) == (clip == 0) and (engine._deferred is not None) == (clip > 0)  # the path under test
     losses = []
     for batch in batches(4 * gas):
         share = batch.chunk(world_size)[rank]

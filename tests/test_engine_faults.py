@@ -1,7 +1,9 @@
 """Faults injected at every request of a training step, a checkpoint save and a load: after each,
-the last good checkpoint loads and training continues bit-identical to a run that never failed; an
-engine whose step failed part way refuses to step or save until it is loaded; a failed initialize
-leaves the model as it was and no file behind."""
+the last good checkpoint loads and training continues bit-identical to a run that never failed; on the
+fast paths a failed step is rolled back entirely (parameters on NVMe have two slots, committed with the
+optimizer's state), so the engine saves and goes on from it as from the checkpoint; an engine whose
+chunked step failed part way refuses to step or save until it is loaded; a failed initialize leaves
+the model as it was and no file behind."""
 
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ from test_engine import engine_config, mlp, mlp_batches, mlp_loss
 
 BATCHES = mlp_batches(4)
 
-# gradient_clipping 0: the updates run during backward; 1.0: the step runs after backward, in chunks
-CONFIGS = {"in backward": {}, "after backward": {"gradient_clipping": 1.0}}
+# gradient_clipping 0: the updates run during backward; 1.0: in the next forward; with half the optimizer
+# state in memory and the parameters on NVMe: after backward, in chunks (docs/engine.md)
+CONFIGS = {"in backward": {}, "in the next forward": {"gradient_clipping": 1.0},
+           "after backward": {"gradient_clipping": 1.0, "ratio": 0.5}}
 
 
 def _step(engine, batch):
@@ -40,7 +44,13 @@ def _same(a, b):
 
 @pytest.fixture(params=list(CONFIGS))
 def engine(request, disk_dir):
-    engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, "nvme", "nvme", **CONFIGS[request.param]))
+    extra = dict(CONFIGS[request.param])
+    ratio = extra.pop("ratio", 1.0)
+    config = engine_config(disk_dir, "nvme", "nvme", **extra)
+    config["zero_optimization"]["offload_optimizer"]["ratio"] = ratio
+    engine, *_ = initialize(model=mlp(), config=config)
+    assert (engine._reducer.consumer is not None, engine._deferred is not None) == {
+        "in backward": (True, False), "in the next forward": (False, True), "after backward": (False, False)}[request.param]
     yield engine
     engine.close()
 
@@ -53,38 +63,63 @@ def _continue_from(engine, ckpt):
 
 
 def test_a_fault_at_every_request_of_a_step_leaves_the_checkpoint_to_resume_from(engine, tmp_path, request):
-    updates_in_backward = request.node.callspec.params["engine"] == "in backward"
+    path = request.node.callspec.params["engine"]
     for batch in BATCHES[:2]:
         _step(engine, batch)
     engine.save_checkpoint(tmp_path)
+    params_after_two = _state(engine)
     reference = _continue_from(engine, tmp_path)
     engine.load_checkpoint(tmp_path)
+
+    def step_three():
+        """Step 3 whole: its forward, backward and step, and, when its update runs in the next forward,
+        that forward (of step 4's batch, whose own backward never comes)."""
+        nonlocal phase
+        phase = "forward"
+        loss = mlp_loss(engine, BATCHES[2])
+        phase = "backward"
+        engine.backward(loss)
+        phase = "step"
+        engine.step()
+        if path == "in the next forward":
+            phase = "update"
+            mlp_loss(engine, BATCHES[3])
+
+    phase = ""
     with inject_faults() as counted:
-        _step(engine, BATCHES[2])
+        step_three()
     assert counted.count > 0
     failures = 0
+    failed_in: set[str] = set()
     for n in range(1, counted.count + 1):
         engine.load_checkpoint(tmp_path)
         with inject_faults(FailNth(n, errno.ENOSPC)) as faults:
-            phase = "forward"
             try:
-                loss = mlp_loss(engine, BATCHES[2])
-                phase = "backward"
-                engine.backward(loss)
-                phase = "step"
-                engine.step()
+                step_three()
             except TensorIOError as error:
                 failures += 1
+                failed_in.add(phase)
                 assert error.errno == errno.ENOSPC
-                if phase != "forward":
+                if phase == "update":  # the update failed in the next forward: rolled back entirely
+                    assert engine.global_steps == 2
+                    _same(_state(engine), params_after_two)
+                    engine.save_checkpoint(tmp_path, tag="whole")
+                    losses, params = _continue_from(engine, tmp_path / "whole")
+                    assert losses == reference[0], f"fault at request {n}"
+                    _same(params, reference[1])
+                    engine.load_checkpoint(tmp_path, tag="global_step2")  # latest names "whole" now
+                    (tmp_path / "latest").write_text("global_step2")
+                elif phase != "forward":
                     with pytest.raises(RuntimeError, match=r"cannot step: .*step 3 failed") as refused:
                         engine.step()
                     if "failed part way" in str(refused.value):  # parameters may be partly updated
+                        assert path == "after backward"  # the fast paths roll a failed step back entirely
                         assert "load_checkpoint" in str(refused.value)
                         with pytest.raises(RuntimeError, match=r"cannot save a checkpoint: step 3 failed part way"):
                             engine.save_checkpoint(tmp_path, tag="mixed")
-                    else:  # only the gradients are lost: the parameters are whole, a save keeps them
-                        assert not (updates_in_backward and phase == "backward")
+                    else:  # only the gradients are lost: the parameters are whole (or rolled back), a save keeps them
+                        assert engine.global_steps == 2
+                        _same(_state(engine), params_after_two)
                         engine.save_checkpoint(tmp_path, tag="whole")
                         losses, params = _continue_from(engine, tmp_path / "whole")
                         assert losses == reference[0], f"fault at request {n}"
@@ -97,6 +132,8 @@ def test_a_fault_at_every_request_of_a_step_leaves_the_checkpoint_to_resume_from
         assert losses == reference[0], f"fault at request {n}"
         _same(params, reference[1])
     assert failures > 0  # writes at least fail loudly
+    if path == "in the next forward":  # the update's own reads and writes were hit too
+        assert "update" in failed_in, failed_in
 
 
 def test_a_fault_at_every_request_of_a_save_and_a_load_keeps_the_last_good_checkpoint(engine, tmp_path):

@@ -44,7 +44,7 @@ def test_a_file_system_too_small_is_refused_before_anything_is_written(small_fil
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     with pytest.raises(OSError, match=r"not enough swap space: zero_optimization\.offload_param\.nvme_path .* and "
                                       r"zero_optimization\.offload_optimizer\.nvme_path .* need 0\.1\d\d GB in all "
-                                      r"\(parameters 0\.017 GB, optimizer state in two slots 0\.10\d GB, gradients "
+                                      r"\(parameters 0\.034 GB, optimizer state in two slots 0\.10\d GB, gradients "
                                       r"0\.017 GB\), the file system has 0\.0\d\d GB free") as info:
         initialize(model=model, config=engine_config(small_filesystem, "nvme", "nvme"))
     assert info.value.errno == errno.ENOSPC
@@ -56,8 +56,8 @@ def test_the_space_needed_counts_what_goes_to_disk():
     cfg = EngineConfig.from_dict(engine_config("/tmp", "nvme", "nvme"), world_size=1)
     params = [(1000, 4, True), (1024, 4, False)]
     needed = swap_space_needed(cfg, params, world_size=1, params_on_disk=True, grads_on_disk=True)
-    assert needed.params == 4096 + 4096  # each partition padded to a page
+    assert needed.params == 2 * (4096 + 4096)  # each partition padded to a page, in two slots
     assert needed.optimizer == 2 * (12 * 1000 + 4096)  # the frozen one has no state
     assert needed.grads == 4096
     cfg.zero_optimization.offload_param.max_in_cpu = 1000  # the first one stays in memory
-    assert swap_space_needed(cfg, params, world_size=1, params_on_disk=True, grads_on_disk=False).params == 4096
+    assert swap_space_needed(cfg, params, world_size=1, params_on_disk=True, grads_on_disk=False).params == 2 * 4096

@@ -148,6 +148,13 @@ class OffloadAdam(torch.optim.Optimizer):
         self._order: list[int] = [p.index for p in reversed(self._plans) if p.offloaded]
         self._seen: list[int] = []
         self._uncommitted = False  # writes of the last step still in flight (overlap_backward)
+        # 5. The step's hyperparameters, read when it begins (`start_step`), and its gradient scale.
+        self._step_groups: list[dict[str, Any]] | None = None
+        self._grad_scale = 1.0
+        self._commit_hooks: list[Callable[[], None]] = []
+        self._given: dict[int, torch.Tensor] = {}
+        """Gradients passed to `grad_ready` instead of ``.grad`` (a hand-off field: see `BackwardUpdates`)."""
+        self._abort_hooks: list[Callable[[], None]] = []
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group; only during construction (the sub-groups are planned once).
@@ -174,6 +181,8 @@ class OffloadAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._step_groups is None:
+            self._begin_step(1.0)
         if self._background is not None:
             self._background.in_backward = False
         self._sync()  # the updates handed over in backward, and the write-behind of the previous step
@@ -218,13 +227,16 @@ class OffloadAdam(torch.optim.Optimizer):
         if self._seen:
             self._order = self._seen + [i for i in self._order if i not in self._seen]
         self._seen, self._done = [], set()
+        self._step_groups, self._grad_scale = None, 1.0
+        self._given = {}
         if self._uncommitted and self._background is not None:
             # Finish the writes during the next forward, freeing their memory as each one lands.
             self._background.worker.submit(self._background.in_worker, self._finish_write_behind)
         return loss
 
     def grad_ready(self, param: torch.Tensor,
-                   on_updated: Callable[[torch.Tensor], None] | None = None) -> None:
+                   on_updated: Callable[[torch.Tensor], None] | None = None, *,
+                   grad: torch.Tensor | None = None) -> None:
         """Tell the optimizer that ``param.grad`` is final for this step (overlap_backward only).
 
         The post-accumulate-grad hooks do this for parameters that autograd computes gradients for;
@@ -236,6 +248,10 @@ class OffloadAdam(torch.optim.Optimizer):
         needs every sub-group of ``param`` offloaded. Raises RuntimeError without
         overlap_backward, ValueError for a tensor this optimizer does not update (or, with
         ``on_updated``, one with state in RAM), and the background thread's error, if it had one.
+
+        ``grad``: the gradient to apply instead of ``param.grad`` (of the parameter's shape; a 16-bit
+        parameter may take a float32 one, which ``.grad`` cannot hold: its master copy is updated with it
+        at full precision). The optimizer drops it once applied, as it frees ``.grad``.
         """
         if self._background is None:
             raise RuntimeError("grad_ready needs OffloadAdam(overlap_backward=True) with offloaded state")
@@ -245,6 +261,9 @@ class OffloadAdam(torch.optim.Optimizer):
         if on_updated is not None and not all(self._plans[i].offloaded for i, _ in self._params[index].runs):
             raise ValueError(f"grad_ready: {self._params[index].name()} has state in RAM; on_updated needs "
                              f"its whole state offloaded (nvme_offload_fraction=1.0)")
+        if grad is not None:
+            with self._background.lock:
+                self._given[index] = grad
         self._background.grad_ready(index, param, on_updated)
 
     def abandon_step(self) -> None:
@@ -257,6 +276,60 @@ class OffloadAdam(torch.optim.Optimizer):
             except BaseException:
                 pass  # the step is forgotten either way
         self._abort()
+
+    def start_step(self, grad_scale: float = 1.0) -> None:
+        """Begin the step whose gradients `grad_ready` hands over (overlap_backward only; the first
+        `grad_ready` of a step begins it with ``grad_scale`` 1 otherwise).
+
+        The step's hyperparameters (lr, betas, eps, weight_decay) are read now, so that a scheduler may
+        step before the updates have run; every gradient is multiplied by ``grad_scale`` as it is applied,
+        in float32, as ``torch.nn.utils.clip_grad_norm_`` multiplies by its coefficient (the engine passes
+        the clip coefficient times the inverse loss scale). Raises RuntimeError without overlap_backward or
+        while a step is under way (between its first `grad_ready` and `step`).
+        """
+        if self._background is None:
+            raise RuntimeError("start_step needs OffloadAdam(overlap_backward=True) with offloaded state")
+        self._background.begin(float(grad_scale))
+
+    def add_step_hooks(self, on_commit: Callable[[], None] | None = None,
+                       on_abort: Callable[[], None] | None = None) -> None:
+        """Call ``on_commit()`` each time a step's state is committed (every write succeeded; on the
+        background thread with overlap_backward, which may commit during the next forward) and
+        ``on_abort()`` each time a step is given up (on the caller's thread): the engine commits or rolls
+        back its parameter partitions with the optimizer state."""
+        if on_commit is not None:
+            self._commit_hooks.append(on_commit)
+        if on_abort is not None:
+            self._abort_hooks.append(on_abort)
+
+    def update_groups(self) -> list[list[int]]:
+        """Parameter indices (in constructor order) that are updated together: those sharing a
+        sub-group, transitively; a parameter's update waits for the gradients of its whole group."""
+        parent = list(range(len(self._params)))
+
+        def root(i: int) -> int:
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+        for plan in self._plans:
+            first = root(plan.members[0].param)
+            for member in plan.members[1:]:
+                parent[root(member.param)] = first
+        groups: dict[int, list[int]] = {}
+        for i in range(len(self._params)):
+            groups.setdefault(root(i), []).append(i)
+        return sorted(groups.values())
+
+    def raise_if_failed(self) -> None:
+        """Raise the background thread's error, if it had one, after giving the step up (overlap_backward)."""
+        if self._background is not None and self._background.worker.failed:
+            self._sync()
+
+    def _begin_step(self, grad_scale: float) -> None:
+        """Read the hyperparameters the step will use (see `start_step`)."""
+        self._step_groups = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
+        self._grad_scale = grad_scale
 
     @property
     def _in_backward(self) -> bool:
@@ -367,6 +440,8 @@ class OffloadAdam(torch.optim.Optimizer):
             if rec.new_step is not None:
                 rec.step, rec.new_step = rec.new_step, None
         self._uncommitted = False
+        for hook in self._commit_hooks:
+            hook()
 
     def _abort(self) -> None:
         self._swapper.abort()
@@ -376,31 +451,47 @@ class OffloadAdam(torch.optim.Optimizer):
             rec.new_step = None
         self._uncommitted = False
         self._seen, self._done = [], set()
+        self._step_groups, self._grad_scale = None, 1.0
+        self._given = {}
+        for hook in self._abort_hooks:
+            hook()
 
     def _has_grads(self, plan: SubGroupPlan) -> bool:
-        return any(self._params[m.param].param.grad is not None for m in plan.members)
+        return any(self._grad_of(m.param) is not None for m in plan.members)
+
+    def _grad_of(self, index: int) -> torch.Tensor | None:
+        """The gradient parameter ``index`` is updated with: the one passed to `grad_ready`, else ``.grad``."""
+        if self._given:
+            with self._background.lock:
+                given = self._given.get(index)
+            if given is not None:
+                return given
+        return self._params[index].param.grad
 
     def _check_grads(self, plan: SubGroupPlan) -> None:
         for member in plan.members:
             rec = self._params[member.param]
-            grad = rec.param.grad
+            grad = self._grad_of(member.param)
             if grad is None:
                 continue
             if grad.is_sparse:
                 raise ValueError(f"{rec.name()} has a sparse gradient; OffloadAdam needs dense gradients")
-            if grad.device != rec.param.device or grad.dtype != rec.param.dtype or grad.shape != rec.param.shape:
+            dtype_ok = grad.dtype == rec.param.dtype or (rec.master and grad.dtype == torch.float32)
+            if grad.device != rec.param.device or not dtype_ok or grad.shape != rec.param.shape:
                 raise ValueError(f"{rec.name()} has a gradient of {grad.dtype} {tuple(grad.shape)} on {grad.device}; "
-                                 f"it must match the parameter ({rec.param.dtype} on {rec.param.device})")
+                                 f"it must match the parameter ({rec.param.dtype} on {rec.param.device}; a 16-bit "
+                                 f"parameter may have a float32 gradient)")
 
     def _update(self, plan: SubGroupPlan, regions: list[torch.Tensor]) -> None:
         """Run the fused Adam/AdamW kernel on one sub-group whose state regions are ``regions``."""
-        group = self.param_groups[plan.group]
+        group = self._step_groups[plan.group] if self._step_groups is not None else self.param_groups[plan.group]
+        scale = self._grad_scale
         exp_avg, exp_avg_sq = regions[0], regions[1]
         master = regions[2] if plan.master else None
         params, grads, exp_avgs, exp_avg_sqs, steps, copy_back = [], [], [], [], [], []
         for member in plan.members:
             rec = self._params[member.param]
-            grad = rec.param.grad  # read once: with overlap_backward this runs beside the caller's thread
+            grad = self._grad_of(member.param)  # read once: with overlap_backward this runs beside the caller's thread
             if grad is None:
                 continue
             run = slice(member.offset, member.offset + member.numel)
@@ -415,12 +506,15 @@ class OffloadAdam(torch.optim.Optimizer):
             if rec.new_step is None:
                 rec.new_step = (rec.step.clone() if rec.step is not None else torch.zeros((), dtype=torch.float32)) + 1
             if master is not None:
+                flat_grad = flat_grad.float()
+            if scale != 1.0:  # clip_grad_norm_'s multiply (times the inverse loss scale), in fp32 for masters
+                flat_grad = flat_grad * scale
+            if master is not None:
                 params.append(master[run])
-                grads.append(flat_grad.float())
                 copy_back.append((flat_param, master[run]))
             else:
                 params.append(flat_param)
-                grads.append(flat_grad)
+            grads.append(flat_grad)
             exp_avgs.append(exp_avg[run])
             exp_avg_sqs.append(exp_avg_sq[run])
             steps.append(rec.new_step)

@@ -104,7 +104,8 @@ class BackwardUpdates:
 
     - *Hook side*, the caller's thread only (autograd's hooks, ``step``): ``in_backward``,
       ``_waiting``, ``_handed``, ``_hooks``.
-    - *Hand-off*, both threads at any time: ``_ready`` and ``_on_updated``, only under ``_lock``.
+    - *Hand-off*, both threads at any time: ``_ready``, ``_on_updated`` and the optimizer's ``_given``
+      (gradients passed to ``grad_ready``), only under ``_lock``.
     - *Worker side*: ``_runs_left``, ``_dependents``, ``worker_wait``, and the optimizer's own step
       state (its swapper, ``_done``, ``_seen``, ``_order``, ``_uncommitted``). While the worker has
       calls queued it alone touches them; the caller's thread touches them only after `join`
@@ -126,8 +127,8 @@ class BackwardUpdates:
         self.in_backward = False
         self._waiting: dict[int, int] = {}  # per offloaded sub-group: gradients not yet final
         self._handed: set[int] = set()  # parameters whose gradient was handed over in this backward
-        # hand-off, under _lock
-        self._lock = threading.Lock()
+        # hand-off, under lock (and the optimizer's ``_given`` gradients)
+        self.lock = self._lock = threading.Lock()
         self._ready: list[int] = []  # sub-groups handed over, not yet picked by the worker
         self._on_updated: dict[int, Callable[[torch.Tensor], Any]] = {}  # grad_ready's callbacks, by parameter
         # worker side
@@ -147,11 +148,7 @@ class BackwardUpdates:
         if self.worker.failed:
             opt._sync()  # raises that error, after aborting the step
         if not self.in_backward:
-            self.in_backward = True
-            self._waiting = {p.index: sum(1 for m in p.members if self._params[m.param].param.requires_grad)
-                             for p in self._plans if p.offloaded}
-            self._handed = set()
-            self.worker.submit(self._begin_backward)
+            self.begin(1.0)
         if index in self._handed:
             raise RuntimeError(f"{self._params[index].name()} got a second gradient in one backward (with "
                                f"overlap_backward each parameter is updated once per backward, as soon as its "
@@ -176,6 +173,21 @@ class BackwardUpdates:
                 with self._lock:
                     self._ready.append(plan_index)
                 self.worker.submit(self.in_worker, self._update_next_ready)
+
+    def begin(self, grad_scale: float) -> None:
+        """A step begins (`OffloadAdam.start_step`, or its first `grad_ready`): read its hyperparameters,
+        count the gradients each offloaded sub-group waits for, and let the worker finish the previous
+        step's writes and start reading state."""
+        if self.in_backward:
+            raise RuntimeError("a step is under way (gradients were handed over and step() has not run yet)")
+        if self.worker.failed:
+            self._opt._sync()  # raises that error, after aborting the step
+        self._opt._begin_step(grad_scale)
+        self.in_backward = True
+        self._waiting = {p.index: sum(1 for m in p.members if self._params[m.param].param.requires_grad)
+                         for p in self._plans if p.offloaded}
+        self._handed = set()
+        self.worker.submit(self._begin_backward)
 
     def wait_until(self, done: Callable[[], bool]) -> None:
         """Wait until ``done()`` is true or the worker has run everything handed over (checked as each
@@ -286,7 +298,11 @@ class BackwardUpdates:
             if left != 1:
                 continue
             param = self._params[member.param].param
-            if param.grad is not None:
+            with self._lock:
+                given = self._opt._given.pop(member.param, None)
+            if given is not None:
+                self._opt._swapper.add_spare(given)
+            elif param.grad is not None:
                 self._opt._swapper.add_spare(param.grad)
                 param.grad = None
             with self._lock:

@@ -8,7 +8,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-__all__ = ["clip_grad_norm_", "grad_norm"]
+__all__ = ["clip_coefficient", "clip_grad_norm_", "grad_norm", "total_norm"]
 
 _EPS = 1e-6
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
@@ -67,3 +67,24 @@ def clip_grad_norm_(
         for grad in grads:
             grad.mul_(coefficient)
     return norm
+
+
+def total_norm(norms: list[torch.Tensor], *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The global L2 norm (a float32 0-d tensor) from each gradient partition's own L2 norm.
+
+    Without a process group, exactly as ``torch.nn.utils.clip_grad_norm_`` computes it from the same
+    per-tensor norms (the norm of their stack, in float32), so that a clipped step is bit-identical to
+    plain PyTorch's; with one, `grad_norm` over every rank of ``group`` (summed in float64). Every rank
+    must call it.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return torch.tensor(grad_norm(norms, group=group), dtype=torch.float32)
+    if not norms:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack([norm.to(torch.float32) for norm in norms]))
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> float:
+    """``torch.nn.utils.clip_grad_norm_``'s multiplier for a global ``norm`` (float32 0-d): ``max_norm /
+    (norm + 1e-6)``, at most 1, computed as torch computes it (so the same float32 value)."""
+    return float(torch.clamp(max_norm / (norm + _EPS), max=1.0))

@@ -36,6 +36,7 @@ from offload.params.placement import attach_accumulator, parameter_names
 from offload.storage import SwapFile
 from offload.train import checkpoint
 from offload.train.grads import GradReducer
+from offload.train.space import check_swap_space, swap_space_needed
 from offload.train.loss_scaler import build_loss_scaler
 from offload.train.timers import PhaseTimers
 from offload.train.deferred import DeferredStep
@@ -203,6 +204,11 @@ def _adopt(model: nn.Module, built: ParamStore, cfg: EngineConfig, *, world_size
     return records, built.swap
 
 
+def _element_size(cfg: EngineConfig, p: nn.Parameter) -> int:
+    """Bytes per element ``p`` will be trained in (fp16/bf16 configs cast it)."""
+    return 2 if cfg.fp16.enabled or cfg.bf16.enabled else p.element_size()
+
+
 def _restore(originals: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
     for param, data in originals:
         param.data = data
@@ -214,6 +220,11 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
     zero = cfg.zero_optimization
     offload_param, offload_opt = zero.offload_param, zero.offload_optimizer
     built = built_store(model)
+    # 0. Refuse now, with the figures, a run whose swap files cannot fit (not with ENOSPC hours later).
+    distinct = {id(p): p for p in model.parameters()}.values()
+    check_swap_space(cfg, swap_space_needed(
+        cfg, [(p.numel(), _element_size(cfg, p), p.requires_grad) for p in distinct], world_size=world_size,
+        params_on_disk=built is None, grads_on_disk=offload_opt.device == "nvme"))
     if built is not None:  # built under offload.zero.Init: partitioned and placed already
         records, swap = _adopt(model, built, cfg, world_size=world_size)
     else:
@@ -231,8 +242,14 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
     trainable = [rec for rec in records if rec.param.requires_grad]
     mode = _update_mode(cfg, optimizer, trainable)
     in_backward = mode != AFTER_BACKWARD  # the optimizer's thread runs the updates
+    grad_bytes = 4 * sum(rec.partition_numel for rec in trainable)
+    keep_grads = grad_bytes <= _host_memory_bytes() // _GRADS_SHARE  # kept: across micro-batches, into the next forward
+    swap_grads = not in_backward or (not keep_grads and (mode == IN_FORWARD or cfg.gradient_accumulation_steps > 1))
+    if in_backward and swap_grads:
+        log.info("gradient partitions (%.1f GB in fp32) are kept in the gradient swap file, not in memory (more than "
+                 "1/%d of this host's)", grad_bytes / 1e9, _GRADS_SHARE)
     grad_swap = (SwapFile(offload_opt.nvme_path, cfg.aio, kind="grads", key="zero_optimization.offload_optimizer.nvme_path")
-                 if offload_opt.device == "nvme" and not in_backward else None)
+                 if offload_opt.device == "nvme" and swap_grads else None)
     if grad_swap is not None:
         undo.callback(grad_swap.close)
     reducer = GradReducer(store, world_size=world_size, rank=rank, group=group, swap=grad_swap,
@@ -269,7 +286,9 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
         if mode == IN_BACKWARD:
             reducer.consumer = functools.partial(_hand_over, opt, writeback, rollback)
         else:  # the forward's gathers wait for, and take, the updated partitions
-            deferred = store.updates = DeferredStep(store, opt, writeback, trainable, rollback)
+            deferred = store.updates = DeferredStep(
+                store, opt, writeback, trainable, rollback, grad_reads=reducer.start_read if grad_swap else None,
+                read_ahead=budget.buffer_elements)
     scheduler = _build_scheduler(cfg, lr_scheduler, opt)
     # 5. Gather hooks and prefetch: last, since they gather the partitions placed above.
     store.install(model)
@@ -280,6 +299,10 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
 
 _SWAP_BUFFER_SHARE = 16
 """OffloadAdam's swap buffers may take at most 1/16 of the host's memory."""
+
+_GRADS_SHARE = 4
+"""Gradient partitions kept between backward and the update (accumulation, the step in the next forward)
+stay in memory while they take at most 1/4 of the host's; beyond that, in the gradient swap file."""
 
 
 def _bounded_sub_group_size(cfg: EngineConfig, trainable_elements: int) -> int:
@@ -525,6 +548,7 @@ class Engine:
         the last committed step and training may go on (with ``gradients_lost``, from a new backward);
         otherwise refuse to step or save until a load."""
         self._abandon_updates()
+        self._store.release_all()  # reads in flight or failed (a failed prefetch would fail its next gather)
         total, snapshot, uncopied = self._rollback.take_aborts()
         if not total:
             self._failed(error)
@@ -610,9 +634,11 @@ class Engine:
         over with the clip coefficient times the inverse loss scale; the schedule steps now (the update
         uses the hyperparameters of this moment)."""
         try:
+            self._reducer.drain()  # sync point: every offloaded gradient is on disk
             factor = self._step_factor([rec.grad_norm for rec in records if rec.grad_norm is not None])
             if factor is not None:
                 grads = {rec.index: rec.grad for rec in records if rec.grad is not None}
+                grads.update({rec.index: None for rec in records if rec.grad_on_disk})  # read back in the forward
                 self._rollback.begin_step()
                 self._rollback.counted(snapshot)
                 self._store.prefetch_from_start()  # the forward's first partitions, which the updates read
@@ -763,10 +789,10 @@ class Engine:
         total = torch.zeros((), dtype=torch.float64)
         self._reducer.drain()
         for rec in self._store.records:
-            if rec.grad is not None:
-                total += rec.grad.double().pow(2).sum()
-            elif rec.grad_norm is not None:  # offloaded, or already applied during backward
+            if rec.grad_norm is not None:  # taken as it was reduced (offloaded, applied during backward, or kept)
                 total += rec.grad_norm.double() ** 2
+            elif rec.grad is not None:
+                total += torch.linalg.vector_norm(rec.grad).double() ** 2
         if self.world_size > 1:
             dist.all_reduce(total, group=self.group)
         return float(total.sqrt())

@@ -32,11 +32,17 @@ class GradReducer:
 
     def __init__(self, store: ParamStore, *, world_size: int, rank: int, group: object = None,
                  swap: SwapFile | None = None,
-                 consumer: Callable[[ParamRecord, torch.Tensor], None] | None = None) -> None:
+                 consumer: Callable[[ParamRecord, torch.Tensor], None] | None = None, norms: bool = False) -> None:
         self.store, self.world_size, self.rank, self.group = store, world_size, rank, group
         self.swap = swap
         self.consumer = consumer
-        """Takes each reduced gradient partition instead of accumulating it (updates during backward)."""
+        """Takes each reduced gradient partition of the accumulation's last micro-batch, with the earlier
+        ones added, instead of accumulating it (updates during backward)."""
+        self.norms = norms
+        """Take each accumulated partition's norm (``rec.grad_norm``) in the last micro-batch, as it is
+        reduced (the step in the next forward validates with them)."""
+        self.boundary = True
+        """This backward ends a gradient accumulation (the engine sets it before each backward)."""
         self._nccl = world_size > 1 and dist.get_backend(group) == "nccl"
         self._writes: collections.deque = collections.deque()
         self._hooks = []
@@ -74,7 +80,12 @@ class GradReducer:
                 dist.all_reduce(padded, group=self.group)
                 part = padded.chunk(self.world_size)[self.rank].clone()  # not a view: the rest is freed
             part.div_(self.world_size)
-        if self.consumer is not None:  # one micro step per update: nothing to accumulate
+        if self.consumer is not None and self.boundary:
+            if rec.grad is not None:  # the earlier micro-batches', kept: added as autograd accumulates
+                part, rec.grad = rec.grad.add_(part), None
+            elif rec.grad_on_disk:  # kept in the swap file (sync points: its last write, then the read)
+                self.drain()
+                part, rec.grad_on_disk = self.read(rec).add_(part), False
             rec.grad_norm = torch.linalg.vector_norm(part)
             self.consumer(rec, part)
             return
@@ -83,6 +94,8 @@ class GradReducer:
                 rec.grad = part if part.is_contiguous() else part.contiguous()
             else:
                 rec.grad.add_(part)
+            if self.norms and self.boundary:  # one pass, while the gradient is in cache
+                rec.grad_norm = torch.linalg.vector_norm(rec.grad)
             return
         # Offloaded: read-add-write when accumulating, then write behind (bounded writes in flight),
         # always from a page-aligned buffer so that the write goes straight to the disk (O_DIRECT).

@@ -18,7 +18,8 @@ _STATE_BYTES = 12
 """Optimizer state per parameter element at most: fp32 exp_avg, exp_avg_sq and master copy."""
 
 _SLOTS = 2
-"""The optimizer state's A/B slots (see docs/optimizer_offload.md)."""
+"""The optimizer state's A/B slots (see docs/optimizer_offload.md), and the on-disk parameter
+partitions' (a step's update goes to the uncommitted one: docs/engine.md, "Swap files")."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +39,8 @@ def swap_space_needed(cfg: EngineConfig, params: list[tuple[int, int, bool]], *,
                       params_on_disk: bool, grads_on_disk: bool) -> SwapSpace:
     """The swap space of one rank: ``params`` holds (elements, element size, trainable) of each distinct
     parameter, in order. Parameter partitions go to disk beyond ``max_in_cpu`` elements and above the
-    persistence threshold (with ``params_on_disk``: not placed yet); the optimizer keeps ``ratio`` of
-    its state on NVMe in two slots; offloaded gradients are fp32. An upper bound: sub-group padding is
+    persistence threshold (with ``params_on_disk``: not placed yet), in two slots; the optimizer keeps
+    ``ratio`` of its state on NVMe in two slots; offloaded gradients are fp32. An upper bound: sub-group padding is
     counted as a page per parameter."""
     zero = cfg.zero_optimization
     on_disk = state = grads = 0
@@ -48,7 +49,7 @@ def swap_space_needed(cfg: EngineConfig, params: list[tuple[int, int, bool]], *,
         part = partition_numel(numel, world_size)
         if params_on_disk and zero.offload_param.device == "nvme" and numel > zero.stage3_param_persistence_threshold:
             if in_cpu + part > zero.offload_param.max_in_cpu:
-                on_disk += aligned_size(part * size)
+                on_disk += _SLOTS * aligned_size(part * size)
             else:
                 in_cpu += part
         if not trainable:

@@ -6,6 +6,12 @@ gradient arrives while the buffer its backward read is still in memory (`ParamSt
 partition and calls back; the callback starts the write. The buffer is let go, and its elements
 leave the swap budget, once that write has landed (`reap`). Backward is held back while more than
 ``limit`` elements wait for their update or their write.
+
+The update is written to the partition's uncommitted slot (`ParamStore.write_update`): the previous
+values stay readable until the optimizer commits the step. The same hand-over serves the step that runs
+during the next forward (`offload.train.deferred`): there a partition handed over with ``hold`` keeps
+its buffer after the write has landed, until the forward has used it (`use`), which saves reading it
+again.
 """
 
 from __future__ import annotations
@@ -35,17 +41,27 @@ class PartitionWriteBack:
         self._writing = 0
         """Elements being written (under ``_lock``)."""
         self._error: BaseException | None = None
+        self._updated_recs: set[int] = set()
+        """Records handed over whose update has run (under ``_lock``)."""
+        self._unused: set[int] = set()
+        """Records handed over with ``hold`` that the forward has not used yet."""
+        self._landed: dict[int, ParamRecord] = {}
+        """Records whose write has landed, kept for a use to come."""
 
-    def hand_over(self, rec: ParamRecord, grad: torch.Tensor) -> None:
-        """Backward (a gradient hook): give ``rec``'s partition, with its values, and its reduced
-        gradient to the optimizer. Waits while too much is handed over and not yet written."""
+    def hand_over(self, rec: ParamRecord, grad: torch.Tensor, *, hold: bool = False) -> None:
+        """Give ``rec``'s partition, with its values, and its reduced gradient to the optimizer (from a
+        gradient hook in backward, or from the step that runs in the next forward). Waits while too
+        much is handed over and not yet written. ``hold``: keep the buffer after its write, until `use`.
+        The gradient is passed as it is (fp32 for a 16-bit partition: the optimizer's master copy takes it)."""
         self.reap()
-        rec.partition.data = self._store.take_buffer(rec)
-        rec.partition.grad = grad.view(rec.partition.shape).to(rec.partition.dtype)
+        rec.partition.data = self._store.take_buffer(rec, observe=not hold)
         self._held[rec.index] = rec
+        if hold:
+            self._unused.add(rec.index)
         with self._lock:
             self._waiting += rec.partition_numel
-        self._optimizer.grad_ready(rec.partition, on_updated=functools.partial(self._updated, rec))
+        self._optimizer.grad_ready(rec.partition, on_updated=functools.partial(self._updated, rec),
+                                   grad=grad.view(rec.partition.shape))
         # Back-pressure, deadlock-free: updates may wait for gradients still to come, so this waits
         # for them only while the optimizer's thread has work; writes always finish by themselves.
         # So about ``limit`` elements wait or are being written, more only while the updates wait
@@ -57,8 +73,9 @@ class PartitionWriteBack:
     def _updated(self, rec: ParamRecord, partition: torch.Tensor) -> IOFuture:
         """The optimizer's thread: ``rec``'s partition is updated; start writing it back. The optimizer
         commits its step only once this write has succeeded."""
-        future = self._store.write_partition(rec, partition.data)
+        future = self._store.write_update(rec, partition.data)
         with self._lock:
+            self._updated_recs.add(rec.index)
             self._writes.append((rec, future))
             self._waiting -= rec.partition_numel
             self._writing += rec.partition_numel
@@ -85,9 +102,30 @@ class PartitionWriteBack:
         error = future.exception()
         if error is not None and self._error is None:
             self._error = error
-        self._release(rec)
         with self._lock:
             self._writing -= rec.partition_numel
+        if rec.index in self._unused and error is None:
+            self._landed[rec.index] = rec  # the forward will use it: keep the buffer until then
+            return
+        self._release(rec)
+
+    def holds(self, rec: ParamRecord) -> bool:
+        """Whether ``rec``'s partition is handed over (its values are in ``rec.partition``, being or
+        about to be updated, or updated and kept)."""
+        return rec.index in self._held
+
+    def is_updated(self, rec: ParamRecord) -> bool:
+        """Whether the optimizer has updated ``rec`` (any thread)."""
+        with self._lock:
+            return rec.index in self._updated_recs
+
+    def use(self, rec: ParamRecord) -> None:
+        """The forward has taken ``rec``'s updated values (it holds a view): once written, the buffer
+        may go."""
+        self._unused.discard(rec.index)
+        landed = self._landed.pop(rec.index, None)
+        if landed is not None:
+            self._release(landed)
 
     def settle(self) -> None:
         """Wait until the optimizer's thread has run every update handed over (sync point) and every
@@ -123,9 +161,12 @@ class PartitionWriteBack:
         write error since the last drain."""
         while self._writes:
             self._wait_oldest_write()
-        for rec in list(self._held.values()):  # never updated: the step failed before them
+        self._unused.clear()
+        self._landed.clear()
+        for rec in list(self._held.values()):  # kept for a use, or never updated: the step failed before them
             self._release(rec)
         with self._lock:
             self._waiting = self._writing = 0
+            self._updated_recs.clear()
         error, self._error = self._error, None
         return error
