@@ -340,9 +340,13 @@ def test_parameters_on_disk_updated_during_backward_survive_a_failed_backward_an
     engine.close()
 
 
-def test_a_huge_sub_group_size_is_cut_to_what_the_host_can_hold(disk_dir, monkeypatch, caplog):
+@pytest.mark.parametrize("size,expected", [(1e9, "using 4096, chosen from the parameter sizes"),
+                                           (10**6, "using 14336 (buffers at most 1/16")])
+def test_a_huge_sub_group_size_is_cut_to_what_the_host_can_hold(disk_dir, monkeypatch, caplog, size, expected):
     """DeepSpeed's default sub_group_size (1e9) sizes its swap buffers from the config and runs hosts out
-    of memory; here the buffers stay within 1/16 of host memory, with a warning, and training is the same."""
+    of memory. Here 1e9 counts as not chosen: the size is chosen from the parameter sizes (the typical
+    partition's, 4096 elements in this model) within 1/16 of host memory, with a warning; a size that is
+    chosen but too large is cut to what fits. Training is the same."""
     import offload.train.engine as engine_module
 
     build, data, loss_fn = MODELS["gpt2"]
@@ -350,12 +354,12 @@ def test_a_huge_sub_group_size_is_cut_to_what_the_host_can_hold(disk_dir, monkey
     ref_losses, ref_params = reference(build(), batches, loss_fn, 1)
     monkeypatch.setattr(engine_module, "_host_memory_bytes", lambda: 8 << 20)  # an 8 MiB host
     config = engine_config(disk_dir, "none", "nvme", micro=2)
-    config["zero_optimization"]["sub_group_size"] = 1e9
+    config["zero_optimization"]["sub_group_size"] = size
     with caplog.at_level("WARNING", logger="offload"):
         engine, *_ = initialize(model=build(), config=config)
-    assert any("sub_group_size 1000000000" in r.getMessage() and "using 10240" in r.getMessage()
-               for r in caplog.records)
+    assert any(f"sub_group_size {int(size)}" in r.getMessage() and expected in r.getMessage() for r in caplog.records)
     assert engine.optimizer.host_state_bytes()["buffers"] <= (8 << 20) // 16
+    assert engine.optimizer._swap_config.buffer_count == 3  # not set: the updates overlap the passes
     losses = train(engine, batches, loss_fn)
     assert_close(losses, dict(engine.full_parameters()), ref_losses, ref_params)
     engine.close()

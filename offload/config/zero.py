@@ -72,8 +72,10 @@ class OffloadOptimizerConfig:
     pin_memory: bool = False
     """Stage optimizer states through page-locked host buffers."""
 
-    buffer_count: int = 4
-    """Staging buffers, each the size of the largest sub-group, for NVMe swapping. At least 1."""
+    buffer_count: int | None = None
+    """Staging buffers, each the size of the largest sub-group, for NVMe swapping. At least 1. Not set:
+    3 where the updates overlap the passes (read-ahead also goes into applied gradients' memory), else 4
+    (DeepSpeed's default)."""
 
     pipeline_read: bool | None = None
     """With device "nvme": read the next sub-group's states while the current one is updated. Not
@@ -99,11 +101,14 @@ class OffloadOptimizerConfig:
                     f'{self._KEY}.{name}: true only applies to device "nvme" (device is {self.device!r}); '
                     f"remove it or set it to false"
                 )
+        if self.buffer_count is not None:
+            self.buffer_count = integral(f"{self._KEY}.buffer_count", self.buffer_count, minimum=1)
         self.swap_config()  # the swap settings are checked there, once
 
     def swap_config(self, sub_group_size: int = 1 << 22, aio: AioConfig | None = None) -> SwapConfig:
         """The swap settings of this section for `OffloadAdam`. Raises ValueError naming the key."""
-        return prefixed(self._KEY, SwapConfig, buffer_count=self.buffer_count, pin_memory=self.pin_memory,
+        count = self.buffer_count if self.buffer_count is not None else 3  # the fewest the engine chooses
+        return prefixed(self._KEY, SwapConfig, buffer_count=count, pin_memory=self.pin_memory,
                         pipeline_read=self.pipeline_read, pipeline_write=self.pipeline_write,
                         sub_group_size=sub_group_size, aio=aio if aio is not None else AioConfig())
 

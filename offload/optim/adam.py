@@ -19,7 +19,8 @@ from tensorio import AioConfig
 
 from offload.config.swap import SwapConfig
 from offload.optim.overlap import BackgroundWorker, BackwardUpdates
-from offload.optim.subgroups import Member, ParamSpec, SubGroupPlan, plan_subgroups
+from offload.optim.subgroups import (Member, ParamSpec, SubGroupPlan, choose_buffer_count, choose_sub_group_size,
+                                     plan_subgroups)
 from offload.optim.swapper import StateSwapper, Where
 
 __all__ = ["OffloadAdam"]
@@ -60,7 +61,10 @@ class OffloadAdam(torch.optim.Optimizer):
         nvme_offload_dir: existing writable directory for the swap file; None: a private temporary
             directory, removed by ``close()`` or at exit.
         buffer_count, pin_memory, pipeline_read, pipeline_write, sub_group_size: the swap settings,
-            named as DeepSpeed's ``offload_optimizer`` section names them (see `SwapConfig`).
+            named as DeepSpeed's ``offload_optimizer`` section names them (see `SwapConfig`). Not given,
+            ``sub_group_size`` is chosen from the parameters' sizes and the host's memory and
+            ``buffer_count`` is 3 with overlap_backward, else 4 (`choose_sub_group_size`,
+            `choose_buffer_count`): the fast settings for most models.
         aio: tensorio settings for the swap file, an `AioConfig` or a dict of its keys.
         overlap_backward: update each offloaded sub-group during ``backward()`` as soon as its
             gradients are final, so that the state's I/O overlaps the backward and forward passes.
@@ -71,7 +75,8 @@ class OffloadAdam(torch.optim.Optimizer):
             reused for state read ahead until ``step()`` (None: all of them); past it they are freed.
 
     Host memory held for offloaded state: ``buffer_count`` buffers of the largest offloaded
-    sub-group's state, at most ``buffer_count * 12 * (sub_group_size + 1023)`` bytes, whatever the
+    sub-group's state, at most ``buffer_count * 12 * (sub_group_size + 1023)`` bytes (chosen: at most
+    1/16 of the host's memory), whatever the
     model's size; with overlap_backward, more state is read ahead only into the memory of gradients
     already applied and freed. 16-bit parameters get an fp32 master copy, part of the state.
 
@@ -83,8 +88,9 @@ class OffloadAdam(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, adamw_mode: bool = True,
                  nvme_offload_fraction: float = 0.0, nvme_offload_dir: str | None = None, *,
-                 amsgrad: bool = False, maximize: bool = False, buffer_count: int = 4, pin_memory: bool = True,
-                 pipeline_read: bool = True, pipeline_write: bool = True, sub_group_size: int = 1 << 22,
+                 amsgrad: bool = False, maximize: bool = False, buffer_count: int | None = None,
+                 pin_memory: bool = True, pipeline_read: bool = True, pipeline_write: bool = True,
+                 sub_group_size: int | None = None,
                  aio: AioConfig | Mapping[str, Any] | None = None, overlap_backward: bool = False,
                  spare_limit: int | None = None) -> None:
         if amsgrad:
@@ -100,9 +106,11 @@ class OffloadAdam(torch.optim.Optimizer):
         fraction = float(nvme_offload_fraction)
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"nvme_offload_fraction: {nvme_offload_fraction!r} is not allowed; use 0.0 to 1.0")
-        self._swap_config = SwapConfig(buffer_count=buffer_count, pin_memory=pin_memory,
-                                       pipeline_read=pipeline_read, pipeline_write=pipeline_write,
-                                       sub_group_size=sub_group_size, aio=aio if aio is not None else AioConfig())
+        # Checked now, before anything else; the sizes left to us are chosen once the parameters are known.
+        SwapConfig(buffer_count=buffer_count if buffer_count is not None else choose_buffer_count(overlap_backward=True),
+                   pin_memory=pin_memory, pipeline_read=pipeline_read, pipeline_write=pipeline_write,
+                   sub_group_size=sub_group_size if sub_group_size is not None else 1 << 20,
+                   aio=aio if aio is not None else AioConfig())
         # The keys of torch.optim.AdamW's param groups, so that state dicts load into either optimizer.
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=maximize, foreach=None, capturable=False, differentiable=False, fused=True,
@@ -118,6 +126,16 @@ class OffloadAdam(torch.optim.Optimizer):
                 self._params.append(_ParamRecord(param=p, group=g, index=len(self._params)))
         _check_params(self._params)
         self._index_of = {id(rec.param): rec.index for rec in self._params}
+        if buffer_count is None:
+            buffer_count = choose_buffer_count(overlap_backward=overlap_backward)
+        if sub_group_size is None:  # the typical parameter's size, within host memory (see choose_sub_group_size)
+            sub_group_size = choose_sub_group_size(
+                [r.param.numel() for r in self._params if r.param.requires_grad],
+                grad_itemsize=min((r.param.element_size() for r in self._params), default=4),
+                buffer_count=buffer_count, host_bytes=_host_memory_bytes())
+        self._swap_config = SwapConfig(buffer_count=buffer_count, pin_memory=pin_memory,
+                                       pipeline_read=pipeline_read, pipeline_write=pipeline_write,
+                                       sub_group_size=sub_group_size, aio=aio if aio is not None else AioConfig())
         # 2. Plan the sub-groups (pure), then place their state: in RAM or in the swap file.
         specs = [[ParamSpec(numel=r.param.numel(), master=r.master) for r in self._params if r.group == g]
                  for g in range(len(self.param_groups))]
@@ -760,6 +778,12 @@ def _check_params(records: list[_ParamRecord]) -> None:
             raise ValueError(f"{rec.name()} is {rec.param.dtype}; OffloadAdam supports float32, float16 and bfloat16")
         if not rec.param.is_contiguous():
             raise ValueError(f"{rec.name()} is not contiguous; OffloadAdam updates parameters in place as flat views")
+
+
+def _host_memory_bytes() -> int:
+    import psutil
+
+    return psutil.virtual_memory().total
 
 
 def _cleanup(swapper: StateSwapper, tmpdir: str | None, background: BackgroundWorker | None) -> None:

@@ -30,6 +30,7 @@ from torch import nn
 
 from offload.config import EngineConfig, ZeroConfig, check_against_model, check_nvme_paths, world_size_from_env
 from offload.optim import OffloadAdam
+from offload.optim.subgroups import choose_buffer_count, choose_sub_group_size
 from offload.params import ParamRecord, ParamStore, Placement, Prefetcher, SwapBudget, build_records
 from offload.params.construct import BUILT, built_store
 from offload.params.placement import attach_accumulator, parameter_names
@@ -262,7 +263,7 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
     #    A sub-group is updated once all its parameters' gradients are in, so until then their
     #    partitions wait in memory: on that path sub-groups are at most one swap buffer.
     writeback = None
-    sub_group_size = _bounded_sub_group_size(cfg, sum(rec.partition_numel for rec in trainable))
+    sub_group_size, buffer_count = _swap_sizes(cfg, [rec.partition_numel for rec in trainable], overlap=in_backward)
     spare_limit = None
     if in_backward and any(rec.on_disk for rec in trainable):
         spare_limit = budget.buffer_elements * 4
@@ -273,7 +274,7 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
             sub_group_size = max(1024, offload_param.buffer_size)
     with checkpoint.sized_partitions(trainable):
         opt = _build_optimizer(cfg, optimizer, [rec.partition for rec in trainable], overlap_backward=in_backward,
-                               spare_limit=spare_limit, sub_group_size=sub_group_size)
+                               spare_limit=spare_limit, sub_group_size=sub_group_size, buffer_count=buffer_count)
     if hasattr(opt, "close"):
         undo.callback(opt.close)
     rollback = deferred = None
@@ -305,26 +306,44 @@ _GRADS_SHARE = 4
 stay in memory while they take at most 1/4 of the host's; beyond that, in the gradient swap file."""
 
 
-def _bounded_sub_group_size(cfg: EngineConfig, trainable_elements: int) -> int:
-    """``sub_group_size``, cut (with a warning) where OffloadAdam's swap buffers, ``buffer_count`` x the
-    largest sub-group's state (12 bytes an element at most), would take more than 1/16 of host memory.
+_DEEPSPEED_SUB_GROUP_SIZE = 1_000_000_000
+"""DeepSpeed's default ``sub_group_size``: in a config it counts as not chosen."""
+
+
+def _swap_sizes(cfg: EngineConfig, partition_numels: list[int], *, overlap: bool) -> tuple[int, int]:
+    """``(sub_group_size, buffer_count)`` for OffloadAdam. With the optimizer state on NVMe, what the user
+    did not choose (``sub_group_size`` absent or DeepSpeed's 1e9, ``buffer_count`` absent) is chosen from the
+    parameter sizes and the host's memory (`choose_sub_group_size`, `choose_buffer_count`); a size the config
+    sets is cut (with a warning) where ``buffer_count`` x the largest sub-group's state (12 bytes an
+    element at most) would take more than 1/16 of host memory.
 
     DeepSpeed allocates its buffers from the configured size, and its default of 1e9 elements is its
     most reported cause of host OOMs; the update is the same for any sub-group size.
     """
     zero = cfg.zero_optimization
     size = max(1024, zero.sub_group_size)
-    if zero.offload_optimizer.device != "nvme":
-        return size
     count = zero.offload_optimizer.buffer_count
-    allowed = _host_memory_bytes() // _SWAP_BUFFER_SHARE // (count * 12)
-    if min(size, trainable_elements) <= allowed:
-        return size
+    if count is None:
+        count = choose_buffer_count(overlap_backward=overlap)
+    if zero.offload_optimizer.device != "nvme":
+        return size, count
+    host = _host_memory_bytes()
+    if zero.sub_group_size == _DEEPSPEED_SUB_GROUP_SIZE:
+        chosen = choose_sub_group_size(partition_numels, buffer_count=count, host_bytes=host)
+        wanted = count * min(size, sum(partition_numels)) * 12
+        (log.warning if wanted > host // _SWAP_BUFFER_SHARE else log.info)(
+            "zero_optimization.sub_group_size %d (DeepSpeed's default) would make offload_optimizer's %d swap "
+            "buffers %.1f GB; using %d, chosen from the parameter sizes and this host's memory (docs/engine.md); set "
+            "sub_group_size to choose", size, count, wanted / 1e9, chosen)
+        return chosen, count
+    allowed = host // _SWAP_BUFFER_SHARE // (count * 12)
+    if min(size, sum(partition_numels)) <= allowed:
+        return size, count
     bounded = max(1024, allowed // 1024 * 1024)
     log.warning("zero_optimization.sub_group_size %d would make offload_optimizer's %d swap buffers %.1f GB; "
                 "using %d (buffers at most 1/%d of this host's memory); set sub_group_size to choose",
-                size, count, count * min(size, trainable_elements) * 12 / 1e9, bounded, _SWAP_BUFFER_SHARE)
-    return bounded
+                size, count, count * min(size, sum(partition_numels)) * 12 / 1e9, bounded, _SWAP_BUFFER_SHARE)
+    return bounded, count
 
 
 def _host_memory_bytes() -> int:
@@ -375,12 +394,12 @@ def _hand_over(opt: OffloadAdam, writeback: PartitionWriteBack | None, rollback:
 
 def _build_optimizer(cfg: EngineConfig, client: Any, params: list[nn.Parameter], *,
                      overlap_backward: bool = False, spare_limit: int | None = None,
-                     sub_group_size: int) -> torch.optim.Optimizer:
+                     sub_group_size: int, buffer_count: int) -> torch.optim.Optimizer:
     """OffloadAdam over ``params`` with the config's or the client optimizer's hyperparameters."""
     off = cfg.zero_optimization.offload_optimizer
     swap = dict(nvme_offload_fraction=off.ratio if off.device == "nvme" else 0.0,
                 nvme_offload_dir=off.nvme_path if off.device == "nvme" else None,
-                buffer_count=off.buffer_count, pin_memory=off.pin_memory, pipeline_read=off.pipeline_read,
+                buffer_count=buffer_count, pin_memory=off.pin_memory, pipeline_read=off.pipeline_read,
                 pipeline_write=off.pipeline_write, sub_group_size=sub_group_size,
                 aio=cfg.aio, overlap_backward=overlap_backward, spare_limit=spare_limit)
     if client is None:
