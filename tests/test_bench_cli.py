@@ -131,7 +131,10 @@ def test_sweep_on_tmpfs_says_the_figures_are_buffered(shm_dir, tmp_path, capsys)
 def test_interrupted_sweep_leaves_no_files(disk_dir, tmp_path, sig):
     cmd = [sys.executable, "-m", "bench.cli", "sweep", str(disk_dir), "--quick", "--size", "256M", "--no-fio",
            "--no-progress", "--out-dir", str(tmp_path / "r"), "--config-out", str(tmp_path / "a.json")]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A shell without job control starts background jobs with SIGINT ignored, and Python then keeps it
+    # ignored: give the child the default disposition, so that its interpreter handles Ctrl-C.
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     # Wait, however long start-up takes on a loaded machine, until a benchmark file exists; the
     # sweep (7 passes of 256M for each point) is then far from its end.
     while not any(p.is_file() for s in disk_dir.glob(PREFIX + "*") for p in s.iterdir()):

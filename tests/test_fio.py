@@ -177,8 +177,11 @@ def test_interrupted_run_stops_fio_and_removes_its_file(disk_dir):
         "finally:\n"
         "    print('fio exit status', started[0].returncode, flush=True)\n"
     )
+    # A shell without job control starts background jobs with SIGINT ignored, and Python keeps it
+    # ignored: give the child the default disposition, so that its interpreter handles Ctrl-C.
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     line = proc.stdout.readline()  # fio has started
     assert line.strip().isdigit(), (line, proc.communicate())
     fio = psutil.Process(int(line))
