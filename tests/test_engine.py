@@ -766,10 +766,10 @@ def test_steps_per_print_and_wall_clock_breakdown_are_logged(disk_dir, caplog):
 
 def test_keys_without_effect_are_named_in_a_warning(disk_dir, caplog):
     config = engine_config(disk_dir)
-    config["zero_optimization"].update(reduce_bucket_size=1000, overlap_comm=False)
+    config["zero_optimization"].update(contiguous_gradients=False, allgather_bucket_size=1000)
     with caplog.at_level("WARNING", logger="offload"):
         engine, *_ = initialize(model=mlp(), config=config)
-    assert any("reduce_bucket_size, overlap_comm" in r.getMessage() for r in caplog.records)
+    assert any("contiguous_gradients, allgather_bucket_size" in r.getMessage() for r in caplog.records)
     engine.close()
 
 

@@ -30,8 +30,10 @@ def batches(n: int = 6, batch: int = 4) -> list[torch.Tensor]:
 
 # eps 1e-6: the key bias of attention has a zero gradient up to rounding noise, which Adam with
 # eps 1e-8 would amplify into lr-sized updates that differ with the summation order of the reduction.
-def config(tmp: str, param: str, opt: str, world_size: int, gas: int, clip: float) -> dict:
+def config(tmp: str, param: str, opt: str, world_size: int, gas: int, clip: float, bucket: int = 500_000_000,
+           overlap: bool = True) -> dict:
     zero = {"stage": 3, "stage3_param_persistence_threshold": 100, "sub_group_size": 4096,
+            "reduce_bucket_size": bucket, "overlap_comm": overlap,
             "offload_param": {"device": param}, "offload_optimizer": {"device": opt}}
     if param == "nvme":
         zero["offload_param"].update(nvme_path=tmp, max_in_cpu=0, buffer_size=16384, buffer_count=2)
@@ -42,12 +44,16 @@ def config(tmp: str, param: str, opt: str, world_size: int, gas: int, clip: floa
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "eps": 1e-6}}}
 
 
-def run(rank: int, world_size: int, tmp: str, param: str, opt: str, gas: int, clip: float, out: str) -> None:
+def run(rank: int, world_size: int, tmp: str, param: str, opt: str, gas: int, clip: float, out: str,
+        bucket: int = 500_000_000, overlap: bool = True) -> None:
     """Train on this rank's share of each global batch; rank 0 saves losses and full parameters."""
     if world_size > 1:
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    engine, *_ = initialize(model=gpt2(), config=config(tmp, param, opt, world_size, gas, clip))
-    assert (engine._reducer.consumer is not None) == (clip == 0) and (engine._deferred is not None) == (clip > 0)  # the path under test
+    engine, *_ = initialize(model=gpt2(), config=config(tmp, param, opt, world_size, gas, clip, bucket, overlap))
+    fast = opt == "nvme"  # the path under test: during backward without clipping, else in the next forward
+    assert (engine._reducer.consumer is not None) == (fast and clip == 0)
+    assert (engine._deferred is not None) == (fast and clip > 0)
+    assert (engine._reducer._buckets is not None) == (world_size > 1)
     losses = []
     for batch in batches(4 * gas):
         share = batch.chunk(world_size)[rank]
@@ -62,7 +68,7 @@ def run(rank: int, world_size: int, tmp: str, param: str, opt: str, gas: int, cl
     # Every rank saves its partitions into one atomic checkpoint; a fresh engine loads them back.
     path = engine.save_checkpoint(os.path.join(tmp, f"ckpt{world_size}"), client_state={"rank0": rank == 0})
     engine.close()
-    fresh, *_ = initialize(model=gpt2(), config=config(tmp, param, opt, world_size, gas, clip))
+    fresh, *_ = initialize(model=gpt2(), config=config(tmp, param, opt, world_size, gas, clip, bucket, overlap))
     loaded, client = fresh.load_checkpoint(os.path.join(tmp, f"ckpt{world_size}"))
     reloaded = {n: t for n, t in fresh.full_parameters()}
     fresh.close()
@@ -80,17 +86,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# Accumulation and clipping: the chunked step. Neither: the updates run during backward, the on-disk
-# partitions written back from there (docs/engine.md).
-@pytest.mark.parametrize("param,opt,gas,clip", [("nvme", "nvme", 2, 0.5), ("nvme", "nvme", 1, 0.0)],
-                         ids=["chunked-step", "updates-in-backward"])
-def test_world_size_two_matches_one(disk_dir, param, opt, gas, clip, monkeypatch):
+# Clipping (with accumulation): the step in the next forward. Neither: the updates run during backward,
+# the on-disk partitions written back from there. The optimizer state in memory: the chunked step after
+# backward (docs/engine.md). Gradients are reduced in buckets (a tiny one: several buckets, the largest
+# gradients alone, each waited for at once without overlap_comm).
+@pytest.mark.parametrize("param,opt,gas,clip,bucket,overlap", [
+    ("nvme", "nvme", 2, 0.5, 500_000_000, True), ("nvme", "nvme", 1, 0.0, 500_000_000, True),
+    ("nvme", "nvme", 2, 0.0, 3000, False), ("nvme", "cpu", 2, 0.5, 3000, True)],
+    ids=["step-in-next-forward", "updates-in-backward", "accumulation-small-buckets-no-overlap", "chunked-step"])
+def test_world_size_two_matches_one(disk_dir, param, opt, gas, clip, bucket, overlap, monkeypatch):
     one, two = str(disk_dir / "one.pt"), str(disk_dir / "two.pt")
-    run(0, 1, str(disk_dir), param, opt, gas, clip, one)
+    run(0, 1, str(disk_dir), param, opt, gas, clip, one, bucket, overlap)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=run, args=(r, 2, str(disk_dir), param, opt, gas, clip, two)) for r in range(2)]
+    procs = [ctx.Process(target=run, args=(r, 2, str(disk_dir), param, opt, gas, clip, two, bucket, overlap))
+             for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:

@@ -105,8 +105,13 @@ def _process_group() -> tuple[int, int, Any]:
     return dist.get_world_size(), dist.get_rank(), None
 
 
-_NO_EFFECT = ("reduce_bucket_size", "overlap_comm", "contiguous_gradients",
-              "allgather_partitions", "allgather_bucket_size", "reduce_scatter")
+_NO_EFFECT = ("contiguous_gradients", "allgather_partitions", "allgather_bucket_size", "reduce_scatter")
+
+_DEEPSPEED_BUCKET = 500_000_000
+"""DeepSpeed's default ``reduce_bucket_size`` (2 GB of fp32 per bucket): in a config it counts as not chosen."""
+
+_BUCKET = 1 << 23
+"""Elements of a gradient bucket when the config does not choose: 32 MiB of fp32, about PyTorch DDP's 25 MB."""
 
 
 def _warn_no_effect(zero: Any) -> None:
@@ -116,8 +121,8 @@ def _warn_no_effect(zero: Any) -> None:
     if zero.offload_optimizer.fast_init:
         changed.append("offload_optimizer.fast_init")
     if changed:
-        log.warning("zero_optimization: %s set but without effect in this engine (gradients are reduced per "
-                    "parameter as produced, parameters released after each use); see docs/engine.md",
+        log.warning("zero_optimization: %s set but without effect in this engine (gradients are reduced in buckets "
+                    "as produced, parameters released after each use); see docs/engine.md",
                     ", ".join(changed))
 
 
@@ -253,7 +258,9 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
                  if offload_opt.device == "nvme" and swap_grads else None)
     if grad_swap is not None:
         undo.callback(grad_swap.close)
+    bucket = zero.reduce_bucket_size if zero.reduce_bucket_size != _DEEPSPEED_BUCKET else _BUCKET
     reducer = GradReducer(store, world_size=world_size, rank=rank, group=group, swap=grad_swap,
+                          bucket_elements=bucket, overlap=zero.overlap_comm,
                           norms=mode == IN_FORWARD)
     undo.callback(reducer.remove)
     # 4. Optimizer offload: OffloadAdam over the partitions; it plans its sub-groups from their sizes,
@@ -516,7 +523,9 @@ class Engine:
             # Saved-tensor hooks here too: reentrant activation checkpointing re-runs forward in backward.
             with self.timers.phase("backward"), self._store.saved_tensor_hooks():
                 loss.backward()
+                self._reducer.flush()  # sync point: the last buckets' reductions
         except BaseException as error:
+            self._reducer.abandon()
             if self._rollback is not None and (updating or self._rollback.uncommitted):
                 # This backward's updates (and the last step's, if uncommitted) are given up.
                 self._give_up(error, gradients_lost=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import time
 from typing import Callable
 
 import torch
@@ -32,7 +33,8 @@ class GradReducer:
 
     def __init__(self, store: ParamStore, *, world_size: int, rank: int, group: object = None,
                  swap: SwapFile | None = None,
-                 consumer: Callable[[ParamRecord, torch.Tensor], None] | None = None, norms: bool = False) -> None:
+                 consumer: Callable[[ParamRecord, torch.Tensor], None] | None = None, norms: bool = False,
+                 bucket_elements: int = 0, overlap: bool = True) -> None:
         self.store, self.world_size, self.rank, self.group = store, world_size, rank, group
         self.swap = swap
         self.consumer = consumer
@@ -44,6 +46,11 @@ class GradReducer:
         self.boundary = True
         """This backward ends a gradient accumulation (the engine sets it before each backward)."""
         self._nccl = world_size > 1 and dist.get_backend(group) == "nccl"
+        self.comm_seconds = 0.0
+        """Seconds backward spent blocked in gradient reductions (a call, or the wait for a bucket's)."""
+        self._buckets = (_Buckets(self, bucket_elements, overlap=overlap)
+                         if world_size > 1 and not self._nccl and bucket_elements > 0 else None)
+        """Gradients packed and all-reduced per bucket, asynchronously (gloo); None: one call per gradient."""
         self._writes: collections.deque = collections.deque()
         self._hooks = []
         for rec in store.records:
@@ -66,20 +73,44 @@ class GradReducer:
         self.reduce(rec, grad)
 
     def reduce(self, rec: ParamRecord, grad: torch.Tensor) -> None:
-        """Reduce a full gradient to this rank's partition (mean over ranks) and accumulate it in fp32."""
+        """Reduce a full gradient to this rank's partition (mean over ranks) and accumulate it in fp32.
+
+        Across ranks over gloo, gradients are packed into buckets of ``bucket_elements`` and each full
+        bucket is all-reduced asynchronously while backward goes on (`flush` ends the last one); a
+        gradient larger than a bucket is all-reduced alone."""
         flat = grad.reshape(-1)
         if self.world_size == 1:
-            part = flat.float()  # no copy for fp32: autograd handed this tensor over
-        else:
-            padded = torch.zeros(rec.partition_numel * self.world_size, dtype=torch.float32)
-            padded[:rec.numel] = flat
-            if self._nccl:
-                part = torch.empty(rec.partition_numel, dtype=torch.float32)
-                dist.reduce_scatter_tensor(part, padded, group=self.group)
-            else:  # gloo has no reduce-scatter: all-reduce, keep this rank's slice
-                dist.all_reduce(padded, group=self.group)
-                part = padded.chunk(self.world_size)[self.rank].clone()  # not a view: the rest is freed
-            part.div_(self.world_size)
+            self._take(rec, flat.float())  # no copy for fp32: autograd handed this tensor over
+            return
+        if self._buckets is not None:
+            self._buckets.add(rec, flat)
+            return
+        padded = torch.zeros(rec.partition_numel * self.world_size, dtype=torch.float32)
+        padded[:rec.numel] = flat
+        start = time.perf_counter()
+        if self._nccl:
+            part = torch.empty(rec.partition_numel, dtype=torch.float32)
+            dist.reduce_scatter_tensor(part, padded, group=self.group)
+        else:  # gloo's reduce-scatter is 3-7x slower than its all-reduce: all-reduce, keep this rank's slice
+            dist.all_reduce(padded, group=self.group)
+            part = padded.chunk(self.world_size)[self.rank].clone()  # not a view: the rest is freed
+        self.comm_seconds += time.perf_counter() - start
+        part.div_(self.world_size)
+        self._take(rec, part)
+
+    def flush(self) -> None:
+        """End of a backward: reduce what the last bucket holds and wait for every reduction in flight
+        (sync point); every gradient partition of this backward is then taken."""
+        if self._buckets is not None:
+            self._buckets.flush()
+
+    def abandon(self) -> None:
+        """After a failed backward: wait for the reductions in flight and drop what the buckets hold."""
+        if self._buckets is not None:
+            self._buckets.abandon()
+
+    def _take(self, rec: ParamRecord, part: torch.Tensor) -> None:
+        """``rec``'s reduced gradient partition (fp32, averaged over ranks): hand it over or accumulate it."""
         if self.consumer is not None and self.boundary:
             if rec.grad is not None:  # the earlier micro-batches', kept: added as autograd accumulates
                 part, rec.grad = rec.grad.add_(part), None
@@ -106,7 +137,7 @@ class GradReducer:
         else:
             buffer = aligned_tensor(rec.partition_numel, torch.float32)
             buffer.copy_(part)
-        del part, grad, flat
+        del part
         rec.grad_norm = torch.linalg.vector_norm(buffer)  # one pass, while the buffer is in cache
         self._writes.append((self.swap.write(buffer, rec.grad_offset), buffer))
         rec.grad_on_disk = True
@@ -143,3 +174,70 @@ class GradReducer:
         self.drain()
         if self.swap is not None:
             self.swap.close()
+
+
+_BUCKETS_IN_FLIGHT = 2
+"""Bucket reductions in flight at once before backward waits for the oldest."""
+
+
+class _Buckets:
+    """Gradients packed into flat fp32 buckets (each padded to its partitions), all-reduced asynchronously
+    as each bucket fills, in the order backward produces them: the same on every rank, since every rank
+    runs the same graph. Each finished bucket's partitions go to `GradReducer._take`."""
+
+    def __init__(self, reducer: GradReducer, elements: int, *, overlap: bool) -> None:
+        self._reducer, self._elements, self._overlap = reducer, elements, overlap
+        self._buffer: torch.Tensor | None = None
+        self._members: list[tuple[ParamRecord, int]] = []
+        self._used = 0
+        self._in_flight: collections.deque = collections.deque()
+
+    def add(self, rec: ParamRecord, flat: torch.Tensor) -> None:
+        size = rec.partition_numel * self._reducer.world_size
+        if size > self._elements:  # larger than a bucket: alone, from its own padded copy
+            self._launch()
+            padded = torch.zeros(size, dtype=torch.float32)
+            padded[:rec.numel] = flat
+            self._start(padded, [(rec, 0)])
+            return
+        if self._used + size > self._elements:
+            self._launch()
+        if self._buffer is None:
+            self._buffer = torch.empty(self._elements, dtype=torch.float32)
+        view = self._buffer[self._used:self._used + size]
+        view[:rec.numel].copy_(flat)
+        view[rec.numel:].zero_()
+        self._members.append((rec, self._used))
+        self._used += size
+
+    def flush(self) -> None:
+        self._launch()
+        while self._in_flight:
+            self._finish_oldest()
+
+    def abandon(self) -> None:
+        in_flight, self._in_flight = self._in_flight, collections.deque()
+        for work, _, _ in in_flight:
+            work.wait()  # never drop memory a reduction may still write to
+        self._buffer, self._members, self._used = None, [], 0
+
+    def _launch(self) -> None:
+        if self._members:
+            self._start(self._buffer[:self._used], self._members)
+            self._buffer, self._members, self._used = None, [], 0
+
+    def _start(self, flat: torch.Tensor, members: list[tuple[ParamRecord, int]]) -> None:
+        work = dist.all_reduce(flat, group=self._reducer.group, async_op=True)
+        self._in_flight.append((work, flat, members))
+        while len(self._in_flight) > (_BUCKETS_IN_FLIGHT if self._overlap else 0):
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        work, flat, members = self._in_flight.popleft()
+        reducer = self._reducer
+        start = time.perf_counter()
+        work.wait()  # sync point
+        reducer.comm_seconds += time.perf_counter() - start
+        for rec, offset in members:
+            start = offset + reducer.rank * rec.partition_numel
+            reducer._take(rec, flat[start:start + rec.partition_numel].div(reducer.world_size))  # a copy: the bucket goes
