@@ -1,0 +1,132 @@
+"""Gradient reduction across ranks: the engine at world size 1 and 2 (two CPU processes over gloo, on this
+machine), with gradients reduced in buckets overlapped with backward or with one blocking call per parameter.
+
+    python -m benchmarks.engine_dist --repeats 3
+    python -m benchmarks.engine_dist --model-config '{"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257}'
+
+Every configuration trains the same global batch (``--batch`` sequences, split over the ranks) for
+``--steps`` timed steps after ``--warmup``; each runs in its own processes, configurations interleaved
+``--repeats`` times; medians are printed. Per configuration: the step time and the seconds per step
+rank 0's backward spent blocked in gradient reductions (``GradReducer.comm_seconds``: the part of the
+communication not hidden behind backward). The offload devices are "none" by default, so that the disk
+does not blur the communication. Headline: world size 2's blocked reduction time with buckets against
+per-parameter calls, and its step time against world size 1's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+
+CONFIGS = {  # name: (world size, reduce_bucket_size, overlap_comm)
+    "world 1": (1, None, True),
+    "world 2, per parameter": (2, 1, False),
+    "world 2, buckets": (2, None, True),
+}
+DEFAULT_MODEL = {"n_layer": 6, "n_embd": 512, "n_head": 8, "vocab_size": 8192, "n_positions": 256}
+
+
+def _rank(rank: int, world: int, args: dict, out: str) -> None:
+    import torch
+    import transformers
+
+    from offload import initialize
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the cores are shared by the ranks
+    if world > 1:
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**args["model"], resid_pdrop=0.0, embd_pdrop=0.0,
+                                                                 attn_pdrop=0.0))
+    zero = {"stage": 3, "offload_param": {"device": args["device"]}, "offload_optimizer": {"device": args["device"]},
+            "overlap_comm": args["overlap"]}
+    if args["bucket"] is not None:
+        zero["reduce_bucket_size"] = args["bucket"]
+    if args["device"] == "nvme":
+        for key in ("offload_param", "offload_optimizer"):
+            zero[key]["nvme_path"] = args["dir"]
+    engine, *_ = initialize(model=model, config={
+        "train_batch_size": args["batch"], "train_micro_batch_size_per_gpu": args["batch"] // world,
+        "zero_optimization": zero, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
+    gen = torch.Generator().manual_seed(1)
+    vocab = args["model"]["vocab_size"]
+    batches = [torch.randint(0, vocab, (args["batch"], args["seq"]), generator=gen)
+               for _ in range(args["warmup"] + args["steps"])]
+    times, comm = [], []
+    for i, batch in enumerate(batches):
+        share = batch.chunk(world)[rank]
+        if world > 1:
+            torch.distributed.barrier()
+        start, blocked = time.perf_counter(), engine._reducer.comm_seconds
+        loss = engine(share, labels=share).loss
+        engine.backward(loss)
+        engine.step()
+        if i >= args["warmup"]:
+            times.append(time.perf_counter() - start)
+            comm.append(engine._reducer.comm_seconds - blocked)
+    engine.close()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"step_s": statistics.median(times), "comm_s": statistics.median(comm), "times": times}, f)
+    if world > 1:
+        torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_config(name: str, args: argparse.Namespace, directory: str) -> dict:
+    """One configuration in fresh processes; its figures (rank 0's)."""
+    import torch.multiprocessing as mp
+
+    world, bucket, overlap = CONFIGS[name]
+    payload = {"model": args.model_config, "batch": args.batch, "seq": args.seq, "warmup": args.warmup,
+               "steps": args.steps, "device": args.device, "dir": directory, "bucket": bucket, "overlap": overlap}
+    out = os.path.join(directory, "result.json")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    mp.start_processes(_rank, args=(world, payload, out), nprocs=world, start_method="spawn")
+    with open(out) as f:
+        return json.load(f)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-config", type=json.loads, default=DEFAULT_MODEL, help="GPT2Config keys as JSON")
+    ap.add_argument("--batch", type=int, default=4, help="global batch (split over the ranks)")
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--device", choices=["none", "cpu", "nvme"], default="none", help="offload_param/optimizer device")
+    ap.add_argument("--dir", default=None, help="directory for swap files (device nvme) and results")
+    args = ap.parse_args(argv)
+    args.model_config = {**DEFAULT_MODEL, **args.model_config}
+    runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-dist-") as directory:
+        print(f"model={json.dumps(args.model_config)} global batch={args.batch} seq={args.seq} warmup={args.warmup} "
+              f"steps={args.steps} device={args.device} cpus={os.cpu_count()} repeats={args.repeats}", flush=True)
+        for _ in range(args.repeats):
+            for name in CONFIGS:
+                runs[name].append(run_config(name, args, directory))
+    results = {}
+    for name, rs in runs.items():
+        results[name] = {key: statistics.median(r[key] for r in rs) for key in ("step_s", "comm_s")}
+        print(f"{name:24s} step {results[name]['step_s']:7.3f} s   blocked in reductions {results[name]['comm_s']:6.3f} s"
+              f"   (steps: {', '.join(format(r['step_s'], '.2f') for r in rs)})")
+    per_param, buckets, one = (results["world 2, per parameter"], results["world 2, buckets"], results["world 1"])
+    print(f"world 2: reductions block backward {buckets['comm_s']:.3f} s per step with buckets against "
+          f"{per_param['comm_s']:.3f} s with one call per parameter; step {buckets['step_s'] / one['step_s']:.2f}x world 1's "
+          f"({per_param['step_s'] / one['step_s']:.2f}x per parameter)")
+    return results
+
+
+if __name__ == "__main__":
+    main()
