@@ -800,3 +800,39 @@ def test_gradients_kept_in_the_swap_file_when_memory_is_short(disk_dir, monkeypa
         assert torch.equal(params[name], ref), name
     assert engine._reducer.swap.bytes_read > 0
     engine.close()
+
+
+def test_the_step_in_the_next_forward_prepares_its_first_updates_during_backward(disk_dir):
+    """With clipping, late in backward the optimizer reads ahead the state of the updates the next forward
+    needs first, and the buffers backward read of those partitions are kept: the step hands them over at
+    once, with no read, and the forward's first gather finds its update done or under way."""
+    from offload.optim.swapper import Where
+
+    build, data, loss_fn = MODELS["gpt2"]
+    batches = data(4)
+    ref_losses, ref_params = reference(build(), batches, loss_fn, 1, clip=0.05)
+    engine, *_ = initialize(model=build(), config=engine_config(disk_dir, "nvme", "nvme", micro=2,
+                                                               gradient_clipping=0.05))
+    losses = train(engine, batches[:2], loss_fn)  # the gather order and the update order are learnt
+    store, opt, deferred = engine._store, engine.optimizer, engine._deferred
+    loss = loss_fn(engine, batches[2])
+    engine.backward(loss)
+    losses.append(loss.item())
+    units = deferred._forward_order(set(deferred._unit))
+    first = units[0]
+    on_disk = [rec.index for unit in units for rec in unit if rec.on_disk]
+    assert store.keep_next and store.keep_next == set(on_disk[:len(store.keep_next)])  # the first ones in order
+    assert store.records[on_disk[0]].buffer is not None  # the tied embedding: read by backward (lm_head), kept
+    opt._background.worker.wait_until(lambda: False)  # the read-ahead has been started
+    ahead = [i for i in opt._order if opt._swapper.records[i].where is not Where.ON_DISK]
+    assert ahead and ahead == opt._order[:len(ahead)]  # the first sub-groups of the learnt order
+    reads = store.demand_reads + store.prefetch_reads
+    engine.step()
+    assert all(engine._writeback.holds(store.records[i]) for i in [r.index for r in first if r.on_disk])
+    assert store.demand_reads + store.prefetch_reads - reads <= len(store.prefetcher.trace)  # only read-ahead
+    assert not store.keep_next
+    losses += train(engine, batches[3:], loss_fn)
+    assert losses == ref_losses
+    for name, value in engine.full_parameters():
+        assert torch.equal(value, ref_params[name]), name
+    engine.close()

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from tensorio import AioConfig
+from tensorio import AioConfig, aligned_tensor
 
 from offload.config.swap import SwapConfig
 from offload.optim.overlap import BackgroundWorker, BackwardUpdates
@@ -308,6 +308,35 @@ class OffloadAdam(torch.optim.Optimizer):
         if self._background is None:
             raise RuntimeError("start_step needs OffloadAdam(overlap_backward=True) with offloaded state")
         self._background.begin(float(grad_scale))
+
+    def read_ahead(self, nbytes: int) -> None:
+        """Between steps (overlap_backward): start reading the state of the offloaded sub-groups that come
+        first in the learnt order into ``nbytes`` of memory allocated for it, so that the next step's first
+        updates find their state in memory (the engine calls it during a backward whose updates run in the
+        next forward). The memory is lent like applied gradients' and goes back once those sub-groups are
+        written. Never waits; does nothing without overlap_backward or while a step is under way."""
+        if self._background is None or self._background.in_backward or nbytes <= 0:
+            return
+        self._background.worker.submit(self._background.in_worker, self._read_ahead, int(nbytes))
+
+    def _read_ahead(self, nbytes: int) -> None:
+        """The worker: `read_ahead`."""
+        self._finish_write_behind()  # the last step's writes land (and commit) first
+        records = self._swapper.records
+        chosen, total = [], 0
+        for index in self._order:
+            rec = records[index]
+            if rec.where is not Where.ON_DISK:
+                continue
+            if total + rec.plan.state_bytes > nbytes:
+                break
+            chosen.append(rec)
+            total += rec.plan.state_bytes
+        if not chosen:
+            return
+        self._swapper.add_spare(aligned_tensor(total // 4, torch.float32))
+        for rec in chosen:
+            self._swapper.start_read(rec, spare=True)
 
     def add_step_hooks(self, on_commit: Callable[[], None] | None = None,
                        on_abort: Callable[[], None] | None = None) -> None:

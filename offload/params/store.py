@@ -123,6 +123,10 @@ class ParamStore:
     keep_for_update: bool = False
     """Set by `begin_backward` for a backward whose updates run as gradients arrive: an on-disk trainable
     partition's buffer is kept when its parameter is released, for the update to use (see `take_buffer`)."""
+    keep_next: set[int] = field(default_factory=set)
+    """On-disk partitions whose buffer is kept when released, in the budget, past the end of backward
+    (any other `release_all` drops them): set by an engine whose updates run in the next forward, for the
+    partitions that forward updates first, so that the read backward did serves the update."""
     updates: object = None
     """A step whose updates run during the passes (the engine's ``DeferredStep``): `gather` first calls
     its ``values(rec)``, which waits for ``rec``'s update and returns the updated partition when the step
@@ -226,7 +230,7 @@ class ParamStore:
             self._drop_buffer(rec)
 
     def _keeps(self, rec: ParamRecord) -> bool:
-        return self.keep_for_update and rec.on_disk and rec.param.requires_grad
+        return (self.keep_for_update and rec.on_disk and rec.param.requires_grad) or rec.index in self.keep_next
 
     def take_buffer(self, rec: ParamRecord, *, observe: bool = True) -> torch.Tensor:
         """The page-aligned buffer holding an on-disk partition's values, for its update: the one kept
@@ -313,13 +317,18 @@ class ParamStore:
             self._shaped[rec.index] = torch.zeros((), dtype=rec.param.dtype).expand(rec.shape)
         return self._shaped[rec.index]
 
-    def release_all(self) -> None:
-        """End of a backward or step: release everything not kept and drop unused prefetches."""
+    def release_all(self, *, keep_next: bool = False) -> None:
+        """End of a backward or step (or before a load): release everything not kept and drop unused
+        prefetches; the buffers kept for the next forward's updates (``keep_next``) stay only with
+        ``keep_next`` (the end of a backward)."""
         self.keep_for_update = False
+        if not keep_next:
+            self.keep_next = set()
         for rec in self.records:
             rec.users = rec.saved = 0
             self.release(rec)
-            self._drop_buffer(rec)
+            if rec.index not in self.keep_next:
+                self._drop_buffer(rec)
 
     # ---- the passes ----------------------------------------------------------------------------
 
@@ -333,8 +342,9 @@ class ParamStore:
         self.keep_for_update = keep_for_update
 
     def end_backward(self) -> None:
-        """A backward pass ended (or failed): release everything (sync point); the first step's order is final."""
-        self.release_all()
+        """A backward pass ended (or failed): release everything but ``keep_next`` (sync point); the first
+        step's order is final."""
+        self.release_all(keep_next=True)
         self.prefetcher.end_step()
 
     # ---- partitions read or written outside the passes ----------------------------------------------

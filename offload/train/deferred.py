@@ -87,10 +87,24 @@ class DeferredStep:
         self._handed = set()
         with self._lock:
             self._updated = set()
-        self._order = self._forward_order()
+        self._order = self._forward_order(set(self._pending))
         self._cursor = 0
         self.active = True
         self._advance()
+        self._store.keep_next = set()  # those not handed over yet are prefetched buffers like any other
+
+    def prepare(self, keep_elements: int) -> None:
+        """A backward whose step will be handed over begins: keep the buffers its gathers read of the
+        on-disk partitions the next forward updates first, up to ``keep_elements`` (`ParamStore.keep_next`),
+        so that their updates need no read."""
+        keep, held = set(), 0
+        on_disk = [rec for unit in self._forward_order(set(self._unit)) for rec in unit if rec.on_disk]
+        for rec in on_disk:  # a prefix of the order
+            if held + rec.partition_numel > keep_elements:
+                break
+            keep.add(rec.index)
+            held += rec.partition_numel
+        self._store.keep_next = keep
 
     def values(self, rec: ParamRecord) -> torch.Tensor | None:
         """The store is gathering ``rec``: make sure its update has run (handing it over, and reading it,
@@ -150,13 +164,13 @@ class DeferredStep:
 
     # ---- internals --------------------------------------------------------------------------------
 
-    def _forward_order(self) -> list[list[ParamRecord]]:
-        """Units with pending updates: first as the recorded order gathers them, then the rest."""
+    def _forward_order(self, wanted: set[int]) -> list[list[ParamRecord]]:
+        """Units holding any of the records ``wanted``: first as the recorded order gathers them, then the rest."""
         seen: set[int] = set()
         order = []
-        for index in list(self._store.prefetcher.trace) + list(self._pending):
+        for index in list(self._store.prefetcher.trace) + sorted(wanted):
             unit = self._unit.get(index)
-            if unit is None or id(unit) in seen or not any(r.index in self._pending for r in unit):
+            if unit is None or id(unit) in seen or not any(r.index in wanted for r in unit):
                 continue
             seen.add(id(unit))
             order.append(unit)

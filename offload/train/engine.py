@@ -297,6 +297,8 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
             deferred = store.updates = DeferredStep(
                 store, opt, writeback, trainable, rollback, grad_reads=reducer.start_read if grad_swap else None,
                 read_ahead=budget.buffer_elements)
+            # Late in backward (most activations freed), the state of the first updates is read ahead.
+            reducer.on_half = functools.partial(opt.read_ahead, budget.buffer_elements * 4)
     scheduler = _build_scheduler(cfg, lr_scheduler, opt)
     # 5. Gather hooks and prefetch: last, since they gather the partitions placed above.
     store.install(model)
@@ -511,7 +513,9 @@ class Engine:
             loss = self.loss_scaler.scale_loss(loss)
         boundary = self.is_gradient_accumulation_boundary()
         # The micro-batch that ends an accumulation hands its gradients to the optimizer (plus the kept ones).
-        self._reducer.boundary = boundary
+        self._reducer.start_backward(boundary)
+        if self._deferred is not None and boundary:  # the next forward's first updates find their partitions
+            self._deferred.prepare(self._store.budget.buffer_elements // 2)
         # On-disk partitions updated during backward keep the buffer their backward read (see _writeback.py).
         updating = self._reducer.consumer is not None and boundary
         self._store.begin_backward(keep_for_update=updating and self._writeback is not None)

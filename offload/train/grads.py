@@ -44,7 +44,12 @@ class GradReducer:
         """Take each accumulated partition's norm (``rec.grad_norm``) in the last micro-batch, as it is
         reduced (the step in the next forward validates with them)."""
         self.boundary = True
-        """This backward ends a gradient accumulation (the engine sets it before each backward)."""
+        """This backward ends a gradient accumulation (`start_backward`)."""
+        self.on_half: Callable[[], None] | None = None
+        """Called once in each backward that ends an accumulation, when half of the trainable elements'
+        gradients have been taken (most activations are freed by then)."""
+        self._taken = 0
+        self._half = sum(rec.partition_numel for rec in store.records if rec.accumulator is not None) / 2
         self._nccl = world_size > 1 and dist.get_backend(group) == "nccl"
         self.comm_seconds = 0.0
         """Seconds backward spent blocked in gradient reductions (a call, or the wait for a bucket's)."""
@@ -109,8 +114,16 @@ class GradReducer:
         if self._buckets is not None:
             self._buckets.abandon()
 
+    def start_backward(self, boundary: bool) -> None:
+        """A backward begins; ``boundary``: it ends a gradient accumulation."""
+        self.boundary, self._taken = boundary, 0
+
     def _take(self, rec: ParamRecord, part: torch.Tensor) -> None:
         """``rec``'s reduced gradient partition (fp32, averaged over ranks): hand it over or accumulate it."""
+        if self.boundary and self.on_half is not None:
+            before, self._taken = self._taken, self._taken + rec.partition_numel
+            if before < self._half <= self._taken:
+                self.on_half()
         if self.consumer is not None and self.boundary:
             if rec.grad is not None:  # the earlier micro-batches', kept: added as autograd accumulates
                 part, rec.grad = rec.grad.add_(part), None

@@ -62,6 +62,8 @@ class PartitionWriteBack:
             self._waiting += rec.partition_numel
         self._optimizer.grad_ready(rec.partition, on_updated=functools.partial(self._updated, rec),
                                    grad=grad.view(rec.partition.shape))
+        if hold:
+            return  # the step in the next forward: its buffer came from the store's budget, its gradient was kept
         # Back-pressure, deadlock-free: updates may wait for gradients still to come, so this waits
         # for them only while the optimizer's thread has work; writes always finish by themselves.
         # So about ``limit`` elements wait or are being written, more only while the updates wait
