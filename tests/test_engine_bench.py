@@ -57,3 +57,15 @@ def test_engine_dist_benchmark_tiny(tmp_path, capsys):
     assert set(result) == set(engine_dist.CONFIGS)
     assert result["world 1"]["comm_s"] == 0 and result["world 2, buckets"]["step_s"] > 0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_clip_redo_benchmark_tiny(capsys):
+    pytest.importorskip("transformers")
+    from benchmarks import clip_redo
+
+    tiny = json.dumps({"n_layer": 1, "n_embd": 16, "n_head": 2, "n_positions": 16})
+    result = clip_redo.main(["--model-config", tiny, "--batch", "2", "--seq", "16", "--warmup-steps", "3",
+                             "--finetune-steps", "2", "--window", "2"])
+    out = capsys.readouterr().out
+    assert "fine-tune: 2 steps" in out
+    assert 1 <= result["warmup"]["steps"] <= 3 and 0 <= result["finetune"]["above"] <= 2
