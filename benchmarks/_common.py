@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -140,3 +141,10 @@ def run_child(module: str, args: Sequence[str], *, mmap_threshold: int | None = 
         raise ChildError(f"{' '.join(command)} failed with exit status {done.returncode}:\n{done.stderr[-3000:]}",
                          done.returncode, done.stderr[-3000:])
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a process group's MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

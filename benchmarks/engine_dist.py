@@ -18,10 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
+
+from benchmarks._common import free_port
 
 CONFIGS = {  # name: (world size, reduce_bucket_size, overlap_comm)
     "world 1": (1, None, True),
@@ -77,12 +78,6 @@ def _rank(rank: int, world: int, args: dict, out: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_config(name: str, args: argparse.Namespace, directory: str) -> dict:
     """One configuration in fresh processes; its figures (rank 0's)."""
     import torch.multiprocessing as mp
@@ -91,7 +86,7 @@ def run_config(name: str, args: argparse.Namespace, directory: str) -> dict:
     payload = {"model": args.model_config, "batch": args.batch, "seq": args.seq, "warmup": args.warmup,
                "steps": args.steps, "device": args.device, "dir": directory, "bucket": bucket, "overlap": overlap}
     out = os.path.join(directory, "result.json")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     mp.start_processes(_rank, args=(world, payload, out), nprocs=world, start_method="spawn")
     with open(out) as f:
         return json.load(f)

@@ -222,12 +222,12 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         write_bw = run_fio(job_for_config(_Aio, directory=directory, rw="write", size=fio_size)).bw_bytes
     params = next(iter(results.values()))["params"]
     print(f"parameters: {params / 1e6:.1f} M; fio: read {read_bw / 1e9:.2f} GB/s, write {write_bw / 1e9:.2f} GB/s")
-    print(f"{'mode':<6} {'step (s)':>9} {'peak RSS (MB)':>14} {'over baseline':>14} {'read/step (MB)':>15} {'written/step (MB)':>18} "
+    print(f"{'mode':<9} {'step (s)':>9} {'peak RSS (MB)':>14} {'over baseline':>14} {'read/step (MB)':>15} {'written/step (MB)':>18} "
           f"{'I/O at fio (s)':>15} {'GB/s achieved':>14}")
     for mode, r in results.items():
         io_s = r["read_per_step"] / read_bw + r["written_per_step"] / write_bw
         moved = (r["read_per_step"] + r["written_per_step"]) / r["step_s"] / 1e9
-        print(f"{mode:<6} {r['step_s']:>9.3f} {r['peak_rss'] / 1e6:>14.0f} {(r['peak_rss'] - r['baseline_rss']) / 1e6:>14.0f} "
+        print(f"{mode:<9} {r['step_s']:>9.3f} {r['peak_rss'] / 1e6:>14.0f} {(r['peak_rss'] - r['baseline_rss']) / 1e6:>14.0f} "
               f"{r['read_per_step'] / 1e6:>15.1f} "
               f"{r['written_per_step'] / 1e6:>18.1f} {io_s:>15.3f} {moved:>14.2f}")
         r["io_at_fio_s"] = io_s

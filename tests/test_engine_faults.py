@@ -62,6 +62,19 @@ def _continue_from(engine, ckpt):
     return losses, _state(engine)
 
 
+def _check_whole(engine, tmp_path, params_after_two, reference, n):
+    """After a failed step 3 that left (or rolled back to) the model of step 2: a save keeps it, and
+    training resumed from that save is the uninterrupted run's."""
+    assert engine.global_steps == 2
+    _same(_state(engine), params_after_two)
+    engine.save_checkpoint(tmp_path, tag="whole")
+    losses, params = _continue_from(engine, tmp_path / "whole")
+    assert losses == reference[0], f"fault at request {n}"
+    _same(params, reference[1])
+    engine.load_checkpoint(tmp_path, tag="global_step2")  # latest names "whole" now
+    (tmp_path / "latest").write_text("global_step2")
+
+
 def test_a_fault_at_every_request_of_a_step_leaves_the_checkpoint_to_resume_from(engine, tmp_path, request):
     path = request.node.callspec.params["engine"]
     for batch in BATCHES[:2]:
@@ -101,14 +114,7 @@ def test_a_fault_at_every_request_of_a_step_leaves_the_checkpoint_to_resume_from
                 failed_in.add(phase)
                 assert error.errno == errno.ENOSPC
                 if phase == "update":  # the update failed in the next forward: rolled back entirely
-                    assert engine.global_steps == 2
-                    _same(_state(engine), params_after_two)
-                    engine.save_checkpoint(tmp_path, tag="whole")
-                    losses, params = _continue_from(engine, tmp_path / "whole")
-                    assert losses == reference[0], f"fault at request {n}"
-                    _same(params, reference[1])
-                    engine.load_checkpoint(tmp_path, tag="global_step2")  # latest names "whole" now
-                    (tmp_path / "latest").write_text("global_step2")
+                    _check_whole(engine, tmp_path, params_after_two, reference, n)
                 elif phase != "forward":
                     with pytest.raises(RuntimeError, match=r"cannot step: .*step 3 failed") as refused:
                         engine.step()
@@ -118,14 +124,7 @@ def test_a_fault_at_every_request_of_a_step_leaves_the_checkpoint_to_resume_from
                         with pytest.raises(RuntimeError, match=r"cannot save a checkpoint: step 3 failed part way"):
                             engine.save_checkpoint(tmp_path, tag="mixed")
                     else:  # only the gradients are lost: the parameters are whole (or rolled back), a save keeps them
-                        assert engine.global_steps == 2
-                        _same(_state(engine), params_after_two)
-                        engine.save_checkpoint(tmp_path, tag="whole")
-                        losses, params = _continue_from(engine, tmp_path / "whole")
-                        assert losses == reference[0], f"fault at request {n}"
-                        _same(params, reference[1])
-                        engine.load_checkpoint(tmp_path, tag="global_step2")  # latest names "whole" now
-                        (tmp_path / "latest").write_text("global_step2")
+                        _check_whole(engine, tmp_path, params_after_two, reference, n)
         assert faults.count >= 1
         assert not (tmp_path / "mixed").exists() and (tmp_path / "latest").read_text() == "global_step2"
         losses, params = _continue_from(engine, tmp_path)

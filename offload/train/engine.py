@@ -684,6 +684,7 @@ class Engine:
                                        f"{error}): its gradients are lost, the parameters are whole")
             raise
         if factor is None:  # fp16 overflow: the step is skipped
+            self._store.keep_next = set()  # the buffers kept for its updates are prefetched ones now
             self.skipped_steps += 1
             self.zero_grad()
             return
