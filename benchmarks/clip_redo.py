@@ -10,8 +10,8 @@ out above it (or not finite). This counts those steps, with plain PyTorch (``cli
 the norm before clipping), on text that ships with Python, so that nothing is downloaded:
 
 1. warm-up: a small GPT-2 (byte-level: every byte a token) trained from scratch on the sources of the
-   standard library's top-level modules, until the mean gradient norm of the last ``--window`` steps
-   falls under the threshold (or ``--warmup-steps``);
+   standard library's top-level modules, at least ``--min-warmup-steps`` and then until the mean
+   gradient norm of the last ``--window`` steps falls under the threshold (or ``--warmup-steps``);
 2. fine-tune: the same model continues, at a lower learning rate, on other text (the sources of the
    ``email``, ``json``, ``http`` and ``xml`` packages, held out of the warm-up).
 
@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup-lr", type=float, default=1e-3)
     ap.add_argument("--finetune-lr", type=float, default=1e-4)
     ap.add_argument("--warmup-steps", type=int, default=3000, help="at most; ends earlier once the norm is under --clip")
+    ap.add_argument("--min-warmup-steps", type=int, default=1000, help="at least, so that the model has learnt something")
     ap.add_argument("--window", type=int, default=50, help="steps averaged for the warm-up's end")
     ap.add_argument("--finetune-steps", type=int, default=500)
     args = ap.parse_args(argv)
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
             starts = torch.randint(0, len(data) - args.seq, (args.batch,), generator=gen)
             yield torch.stack([data[s:s + args.seq] for s in starts.tolist()])
 
-    def phase(name: str, text: bytes, lr: float, steps: int, until_under: bool) -> dict:
+    def phase(name: str, text: bytes, lr: float, steps: int, until_under: bool, at_least: int = 0) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, fused=True)
         norms, losses, start = [], [], time.perf_counter()
         for step, batch in zip(range(steps), batches(text)):
@@ -87,7 +88,8 @@ def main(argv: list[str] | None = None) -> dict:
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
-            if until_under and len(norms) >= args.window and statistics.mean(norms[-args.window:]) < args.clip:
+            if (until_under and len(norms) >= max(args.window, at_least)
+                    and statistics.mean(norms[-args.window:]) < args.clip):
                 break
         above = sum(1 for norm in norms if not norm <= args.clip)  # inf / nan count as above
         quartiles = statistics.quantiles(norms, n=4) if len(norms) > 1 else norms * 3
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"parameters; batch {args.batch} x {args.seq}; clip {args.clip}; warm-up text {len(warm) / 1e6:.1f} MB (the "
           f"standard library's top-level modules), fine-tune text {len(tune) / 1e6:.1f} MB ({', '.join(FINETUNE_PACKAGES)})",
           flush=True)
-    results = {"warmup": phase("warm-up", warm, args.warmup_lr, args.warmup_steps, True),
+    results = {"warmup": phase("warm-up", warm, args.warmup_lr, args.warmup_steps, True, args.min_warmup_steps),
                "finetune": phase("fine-tune", tune, args.finetune_lr, args.finetune_steps, False)}
     return results
 

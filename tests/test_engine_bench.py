@@ -65,7 +65,7 @@ def test_clip_redo_benchmark_tiny(capsys):
 
     tiny = json.dumps({"n_layer": 1, "n_embd": 16, "n_head": 2, "n_positions": 16})
     result = clip_redo.main(["--model-config", tiny, "--batch", "2", "--seq", "16", "--warmup-steps", "3",
-                             "--finetune-steps", "2", "--window", "2"])
+                             "--min-warmup-steps", "1", "--finetune-steps", "2", "--window", "2"])
     out = capsys.readouterr().out
     assert "fine-tune: 2 steps" in out
     assert 1 <= result["warmup"]["steps"] <= 3 and 0 <= result["finetune"]["above"] <= 2
