@@ -511,6 +511,8 @@ class Engine:
             loss = loss / self.config.gradient_accumulation_steps
         if self.loss_scaler is not None:
             loss = self.loss_scaler.scale_loss(loss)
+        if self._deferred is not None:
+            self._finish_deferred()  # sync point: the last step's updates have run (raises after giving it up)
         boundary = self.is_gradient_accumulation_boundary()
         # The micro-batch that ends an accumulation hands its gradients to the optimizer (plus the kept ones).
         self._reducer.start_backward(boundary)
@@ -520,8 +522,6 @@ class Engine:
         updating = self._reducer.consumer is not None and boundary
         self._store.begin_backward(keep_for_update=updating and self._writeback is not None)
         try:
-            if self._deferred is not None:
-                self._finish_deferred()  # sync point: the last step's updates have run, its writes landed
             if updating:
                 self._rollback.begin_step()
             # Saved-tensor hooks here too: reentrant activation checkpointing re-runs forward in backward.
@@ -530,8 +530,7 @@ class Engine:
                 self._reducer.flush()  # sync point: the last buckets' reductions
         except BaseException as error:
             self._reducer.abandon()
-            if self._rollback is not None and (updating or self._rollback.uncommitted):
-                # This backward's updates (and the last step's, if uncommitted) are given up.
+            if updating:  # this backward's updates are given up (the last step committed before they began)
                 self._give_up(error, gradients_lost=True)
             else:
                 self._grads_failure = (f"the backward of step {self.global_steps + 1} failed ({type(error).__name__}: "
