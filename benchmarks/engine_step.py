@@ -73,17 +73,17 @@ def _child(args: dict) -> None:
             opt.zero_grad()
             return loss.item()
     else:
-        zero = {"stage": 3, "sub_group_size": args["sub_group_size"],
-                "stage3_prefetch_bucket_size": args["buffer_size"] * 2,
+        zero = {"stage": 3, "stage3_prefetch_bucket_size": args["buffer_size"] * 2,
                 "stage3_param_persistence_threshold": args["persistence"],
                 "offload_param": {"device": mode}, "offload_optimizer": {"device": mode}}
         if args["reuse_distance"] is not None:
             zero["stage3_max_reuse_distance"] = args["reuse_distance"]
+        if args["sub_group_size"] is not None:  # else DeepSpeed's default (1e9; the engine then chooses)
+            zero["sub_group_size"] = args["sub_group_size"]
         if mode in ("nvme", "deepspeed"):
             zero["offload_param"].update(device="nvme", nvme_path=args["dir"], max_in_cpu=args["max_in_cpu"],
                                          buffer_count=args["buffer_count"], buffer_size=args["buffer_size"])
-            zero["offload_optimizer"].update(device="nvme", nvme_path=args["dir"], buffer_count=4,
-                                             pipeline_read=True, pipeline_write=True)
+            zero["offload_optimizer"].update(device="nvme", nvme_path=args["dir"])  # the rest: each engine's defaults
         ds_config = {"train_micro_batch_size_per_gpu": args["batch"], "gradient_accumulation_steps": gas,
                      "gradient_clipping": clip, "zero_optimization": zero, "aio": args["aio"],
                      "bf16": {"enabled": bf16}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
@@ -166,7 +166,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=1, help="runs of every mode, interleaved; medians are reported")
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temporary one)")
-    ap.add_argument("--sub-group-size", type=int, default=1 << 20)
+    ap.add_argument("--sub-group-size", type=int, default=None,
+                    help="zero_optimization.sub_group_size (default: not set, DeepSpeed's 1e9, which the engine replaces "
+                         "with its own choice)")
     ap.add_argument("--buffer-count", type=int, default=2, help="offload_param.buffer_count")
     ap.add_argument("--buffer-size", type=int, default=None, help="offload_param.buffer_size (default: the largest parameter)")
     ap.add_argument("--persistence", type=int, default=100_000, help="stage3_param_persistence_threshold")
