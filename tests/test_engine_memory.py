@@ -107,10 +107,12 @@ def test_peak_host_memory_is_bounded_by_the_buffers(disk_dir, clipping):
         # runs the updates (offload/train/deferred.py): the budget (which holds the partitions handed
         # over until used), a layer gathered on demand, gradients read back ahead (at most the budget,
         # fp32), those of the partitions being updated (at most offload_param.buffer_size plus one
-        # partition) and applied gradients lent to the optimizer's read-ahead (at most the budget).
+        # partition) and the optimizer's read-ahead into spare memory: the state read ahead in
+        # backward, then applied gradients lent (at most 8 bytes an element of the budget).
         grad_writes = 3 * LAYER * 4
-        backward = param_buffers + largest_layer + grad_writes
-        forward = param_buffers + largest_layer + 2 * LAYER * 4 + (LAYER + LAYER) * 4 + 2 * LAYER * 4
+        state_ahead = 2 * LAYER * 8
+        backward = param_buffers + largest_layer + grad_writes + state_ahead
+        forward = param_buffers + largest_layer + 2 * LAYER * 4 + (LAYER + LAYER) * 4 + state_ahead
         held = max(backward, forward)
     staging = 3 * 4 * 262144  # three tensorio handles x queue_depth x block_size
     activations = 4 * LAYERS * BATCH * WIDTH * 4

@@ -170,6 +170,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._step_groups: list[dict[str, Any]] | None = None
         self._grad_scale = 1.0
         self._commit_hooks: list[Callable[[], None]] = []
+        self._in_order = False  # see start_step
         self._given: dict[int, torch.Tensor] = {}
         """Gradients passed to `grad_ready` instead of ``.grad`` (a hand-off field: see `BackwardUpdates`)."""
         self._abort_hooks: list[Callable[[], None]] = []
@@ -247,6 +248,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._seen, self._done = [], set()
         self._step_groups, self._grad_scale = None, 1.0
         self._given = {}
+        self._in_order = False
         if self._uncommitted and self._background is not None:
             # Finish the writes during the next forward, freeing their memory as each one lands.
             self._background.worker.submit(self._background.in_worker, self._finish_write_behind)
@@ -295,18 +297,22 @@ class OffloadAdam(torch.optim.Optimizer):
                 pass  # the step is forgotten either way
         self._abort()
 
-    def start_step(self, grad_scale: float = 1.0) -> None:
+    def start_step(self, grad_scale: float = 1.0, *, in_order: bool = False) -> None:
         """Begin the step whose gradients `grad_ready` hands over (overlap_backward only; the first
         `grad_ready` of a step begins it with ``grad_scale`` 1 otherwise).
 
         The step's hyperparameters (lr, betas, eps, weight_decay) are read now, so that a scheduler may
         step before the updates have run; every gradient is multiplied by ``grad_scale`` as it is applied,
         in float32, as ``torch.nn.utils.clip_grad_norm_`` multiplies by its coefficient (the engine passes
-        the clip coefficient times the inverse loss scale). Raises RuntimeError without overlap_backward or
-        while a step is under way (between its first `grad_ready` and `step`).
+        the clip coefficient times the inverse loss scale). ``in_order``: every gradient of the step is
+        known already and will be handed over in the learnt order (the engine's step in the next forward),
+        so state is read ahead into applied gradients' memory from the front of that order, not, as when
+        gradients arrive during backward, from its end (which becomes ready last). Raises RuntimeError
+        without overlap_backward or while a step is under way (between its first `grad_ready` and `step`).
         """
         if self._background is None:
             raise RuntimeError("start_step needs OffloadAdam(overlap_backward=True) with offloaded state")
+        self._in_order = in_order
         self._background.begin(float(grad_scale))
 
     def read_ahead(self, nbytes: int) -> None:
@@ -336,6 +342,8 @@ class OffloadAdam(torch.optim.Optimizer):
             return
         self._swapper.add_spare(aligned_tensor(total // 4, torch.float32))
         for rec in chosen:
+            if not self._swapper.fits_in_spares(rec):
+                break  # not lent: beyond the spare limit
             self._swapper.start_read(rec, spare=True)
 
     def add_step_hooks(self, on_commit: Callable[[], None] | None = None,
@@ -442,7 +450,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 swapper.start_read(rec)
                 in_flight += 1
         if ahead:
-            for rec in reversed(todo):
+            for rec in (todo if self._in_order else reversed(todo)):
                 if rec.where is not Where.ON_DISK:
                     continue
                 if not swapper.fits_in_spares(rec):
@@ -500,6 +508,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._seen, self._done = [], set()
         self._step_groups, self._grad_scale = None, 1.0
         self._given = {}
+        self._in_order = False
         for hook in self._abort_hooks:
             hook()
 

@@ -80,7 +80,7 @@ class DeferredStep:
         """Start the step: ``grads`` (record index -> reduced fp32 gradient partition, which the optimizer
         frees as it applies them; None: in the gradient swap file) multiplied by ``grad_scale``. Hands
         over what needs no read, and starts reading gradients."""
-        self._opt.start_step(grad_scale)
+        self._opt.start_step(grad_scale, in_order=True)
         self.failed = False
         self.steps += 1
         self._pending = dict(grads)

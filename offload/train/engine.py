@@ -273,7 +273,8 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
     sub_group_size, buffer_count = _swap_sizes(cfg, [rec.partition_numel for rec in trainable], overlap=in_backward)
     spare_limit = None
     if in_backward and any(rec.on_disk for rec in trainable):
-        spare_limit = budget.buffer_elements * 4
+        # In the next forward's step, this memory first holds the state read ahead in backward (below).
+        spare_limit = budget.buffer_elements * (_STATE_AHEAD if mode == IN_FORWARD else 4)
         if sub_group_size > offload_param.buffer_size:
             log.info("zero_optimization.sub_group_size %d is cut to offload_param.buffer_size %d: parameters on "
                      "NVMe wait in memory until their whole sub-group is updated", sub_group_size,
@@ -298,7 +299,7 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
                 store, opt, writeback, trainable, rollback, grad_reads=reducer.start_read if grad_swap else None,
                 read_ahead=budget.buffer_elements)
             # Late in backward (most activations freed), the state of the first updates is read ahead.
-            reducer.on_half = functools.partial(opt.read_ahead, budget.buffer_elements * 4)
+            reducer.on_half = functools.partial(opt.read_ahead, budget.buffer_elements * _STATE_AHEAD)
     scheduler = _build_scheduler(cfg, lr_scheduler, opt)
     # 5. Gather hooks and prefetch: last, since they gather the partitions placed above.
     store.install(model)
@@ -309,6 +310,10 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
 
 _SWAP_BUFFER_SHARE = 16
 """OffloadAdam's swap buffers may take at most 1/16 of the host's memory."""
+
+_STATE_AHEAD = 8
+"""Bytes per swap-budget element of optimizer state read ahead during backward for the updates that the
+next forward runs first: the fp32 moments of as many elements as the budget holds."""
 
 _GRADS_SHARE = 4
 """Gradient partitions kept between backward and the update (accumulation, the step in the next forward)
