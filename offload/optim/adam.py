@@ -376,6 +376,12 @@ class OffloadAdam(torch.optim.Optimizer):
             groups.setdefault(root(i), []).append(i)
         return sorted(groups.values())
 
+    def synchronize(self) -> None:
+        """Sync point: wait for the updates handed over and the last step's write-behind, and commit them
+        (the step hooks run). Raises the step's error (a TensorIOError for the swap file) after giving
+        it up."""
+        self._sync()
+
     def raise_if_failed(self) -> None:
         """Raise the background thread's error, if it had one, after giving the step up (overlap_backward)."""
         if self._background is not None and self._background.worker.failed:
@@ -672,8 +678,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 continue
             rec = self._swapper.records[plan.index]
             try:
-                self._swapper.start_read(rec)
-                yield plan, self._swapper.wait_read(rec)
+                yield plan, self._swapper.read_now(rec)
             finally:
                 self._swapper.evict(rec)
 
@@ -732,8 +737,7 @@ class OffloadAdam(torch.optim.Optimizer):
             for plan in self._plans:
                 if plan.offloaded:
                     rec = self._swapper.records[plan.index]
-                    self._swapper.start_read(rec)
-                    _fill(plan, self._swapper.wait_read(rec), steps, get, self._params)
+                    _fill(plan, self._swapper.read_now(rec), steps, get, self._params)
                     self._swapper.start_write(rec)
             self._swapper.drain()
         except BaseException:

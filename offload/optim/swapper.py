@@ -196,6 +196,13 @@ class StateSwapper:
         _expect(rec, Where.RESIDENT, "return the state of")
         return rec.regions
 
+    def read_now(self, rec: SwapRecord) -> list[torch.Tensor]:
+        """Sync point: ``rec``'s state regions, read now unless they were read ahead (unmodified, between
+        steps). Raises TensorIOError."""
+        if rec.where is Where.ON_DISK:
+            self.start_read(rec)
+        return self.wait_read(rec)
+
     def start_write(self, rec: SwapRecord) -> None:
         """Start writing ``rec``'s state to its uncommitted slot; its memory is freed when it is done."""
         _expect(rec, Where.RESIDENT, "write")
