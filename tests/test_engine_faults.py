@@ -20,8 +20,10 @@ from test_engine import engine_config, mlp, mlp_batches, mlp_loss
 BATCHES = mlp_batches(4)
 
 # gradient_clipping 0: the updates run during backward; 1.0: in the next forward; with half the optimizer
-# state in memory and the parameters on NVMe: after backward, in chunks (docs/engine.md)
+# state in memory and the parameters on NVMe: after backward, in chunks (docs/engine.md). On a host too
+# small to keep the gradients, those of on-disk partitions wait in the partitions' free slots.
 CONFIGS = {"in backward": {}, "in the next forward": {"gradient_clipping": 1.0},
+           "gradients in the parameter slots": {"gradient_clipping": 1.0, "host": 1 << 10},
            "after backward": {"gradient_clipping": 1.0, "ratio": 0.5}}
 
 
@@ -43,14 +45,20 @@ def _same(a, b):
 
 
 @pytest.fixture(params=list(CONFIGS))
-def engine(request, disk_dir):
+def engine(request, disk_dir, monkeypatch):
+    import offload.train.engine as engine_module
+
     extra = dict(CONFIGS[request.param])
-    ratio = extra.pop("ratio", 1.0)
+    ratio, host = extra.pop("ratio", 1.0), extra.pop("host", None)
+    if host is not None:
+        monkeypatch.setattr(engine_module, "_host_memory_bytes", lambda: host)
     config = engine_config(disk_dir, "nvme", "nvme", **extra)
     config["zero_optimization"]["offload_optimizer"]["ratio"] = ratio
     engine, *_ = initialize(model=mlp(), config=config)
-    assert (engine._reducer.consumer is not None, engine._deferred is not None) == {
-        "in backward": (True, False), "in the next forward": (False, True), "after backward": (False, False)}[request.param]
+    assert (engine._reducer.consumer is not None, engine._deferred is not None, engine._reducer.param_slots) == {
+        "in backward": (True, False, False), "in the next forward": (False, True, False),
+        "gradients in the parameter slots": (False, True, True), "after backward": (False, False, False),
+    }[request.param]
     yield engine
     engine.close()
 
@@ -94,7 +102,7 @@ def test_a_fault_at_every_request_of_a_step_leaves_the_checkpoint_to_resume_from
         engine.backward(loss)
         phase = "step"
         engine.step()
-        if path == "in the next forward":
+        if engine._deferred is not None:
             phase = "update"
             mlp_loss(engine, BATCHES[3])
 
@@ -131,7 +139,7 @@ def test_a_fault_at_every_request_of_a_step_leaves_the_checkpoint_to_resume_from
         assert losses == reference[0], f"fault at request {n}"
         _same(params, reference[1])
     assert failures > 0  # writes at least fail loudly
-    if path == "in the next forward":  # the update's own reads and writes were hit too
+    if engine._deferred is not None:  # the update's own reads and writes were hit too
         assert "update" in failed_in, failed_in
 
 

@@ -43,9 +43,9 @@ def test_a_file_system_too_small_is_refused_before_anything_is_written(small_fil
     model = nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 8))  # 4.2 M parameters: ~135 MB of swap
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     with pytest.raises(OSError, match=r"not enough swap space: zero_optimization\.offload_param\.nvme_path .* and "
-                                      r"zero_optimization\.offload_optimizer\.nvme_path .* need 0\.1\d\d GB in all "
-                                      r"\(parameters 0\.034 GB, optimizer state in two slots 0\.10\d GB, gradients "
-                                      r"0\.017 GB\), the file system has 0\.0\d\d GB free") as info:
+                                      r"zero_optimization\.offload_optimizer\.nvme_path .* need 0\.10\d GB in all "
+                                      r"\(parameters 0\.034 GB, optimizer state in two slots 0\.067 GB, gradients "
+                                      r"0\.000 GB\), the file system has 0\.0\d\d GB free") as info:
         initialize(model=model, config=engine_config(small_filesystem, "nvme", "nvme"))
     assert info.value.errno == errno.ENOSPC
     assert os.listdir(small_filesystem) == ["lost+found"]  # nothing written
@@ -54,10 +54,16 @@ def test_a_file_system_too_small_is_refused_before_anything_is_written(small_fil
 
 def test_the_space_needed_counts_what_goes_to_disk():
     cfg = EngineConfig.from_dict(engine_config("/tmp", "nvme", "nvme"), world_size=1)
-    params = [(1000, 4, True), (1024, 4, False)]
-    needed = swap_space_needed(cfg, params, world_size=1, params_on_disk=True, grads_on_disk=True)
-    assert needed.params == 2 * (4096 + 4096)  # each partition padded to a page, in two slots
-    assert needed.optimizer == 2 * (12 * 1000 + 4096)  # the frozen one has no state
-    assert needed.grads == 4096
+    params = [(1000, 4, True, None), (1024, 4, False, None), (2000, 2, True, None)]
+    needed = swap_space_needed(cfg, params, world_size=1, grads_on_disk=True)
+    assert needed.params == 2 * (4096 + 4096 + 4096)  # each partition padded to a page, in two slots
+    assert needed.optimizer == 2 * (8 * 1000 + 4096 + 12 * 2000 + 4096)  # fp32: two moments; 16-bit: and a master
+    assert needed.grads == 4096 + 8192  # the frozen one has neither
+    # On the fast paths an on-disk fp32 partition's gradient waits in its free slot; a 16-bit one's does not fit
+    assert swap_space_needed(cfg, params, world_size=1, grads_on_disk=True, grads_in_param_slots=True).grads == 8192
     cfg.zero_optimization.offload_param.max_in_cpu = 1000  # the first one stays in memory
-    assert swap_space_needed(cfg, params, world_size=1, params_on_disk=True, grads_on_disk=False).params == 2 * 4096
+    in_cpu = swap_space_needed(cfg, params, world_size=1, grads_on_disk=False, grads_in_param_slots=True)
+    assert (in_cpu.params, in_cpu.grads) == (2 * 4096 + 2 * 4096, 0)
+    placed = [(1000, 4, True, True), (1024, 4, False, False)]  # placed by zero.Init: their space is taken already
+    needed = swap_space_needed(cfg, placed, world_size=1, grads_on_disk=True, grads_in_param_slots=True)
+    assert (needed.params, needed.grads) == (0, 0)

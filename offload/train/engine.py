@@ -229,8 +229,9 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
     # 0. Refuse now, with the figures, a run whose swap files cannot fit (not with ENOSPC hours later).
     distinct = {id(p): p for p in model.parameters()}.values()
     check_swap_space(cfg, swap_space_needed(
-        cfg, [(p.numel(), _element_size(cfg, p), p.requires_grad) for p in distinct], world_size=world_size,
-        params_on_disk=built is None, grads_on_disk=offload_opt.device == "nvme"))
+        cfg, [(p.numel(), _element_size(cfg, p), p.requires_grad, None if built is None else built.record_of(p).on_disk)
+              for p in distinct], world_size=world_size, grads_on_disk=offload_opt.device == "nvme",
+        grads_in_param_slots=_fast_optimizer(cfg, optimizer) and offload_opt.ratio == 1.0))
     if built is not None:  # built under offload.zero.Init: partitioned and placed already
         records, swap = _adopt(model, built, cfg, world_size=world_size)
     else:
@@ -252,16 +253,19 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
     keep_grads = grad_bytes <= _host_memory_bytes() // _GRADS_SHARE  # kept: across micro-batches, into the next forward
     swap_grads = not in_backward or (not keep_grads and (mode == IN_FORWARD or cfg.gradient_accumulation_steps > 1))
     if in_backward and swap_grads:
-        log.info("gradient partitions (%.1f GB in fp32) are kept in the gradient swap file, not in memory (more than "
-                 "1/%d of this host's)", grad_bytes / 1e9, _GRADS_SHARE)
+        log.info("gradient partitions (%.1f GB in fp32) are kept on disk, not in memory (more than 1/%d of this "
+                 "host's): each on-disk fp32 partition's in its free parameter slot, the rest in the gradient swap "
+                 "file", grad_bytes / 1e9, _GRADS_SHARE)
     grad_swap = (SwapFile(offload_opt.nvme_path, cfg.aio, kind="grads", key="zero_optimization.offload_optimizer.nvme_path")
                  if offload_opt.device == "nvme" and swap_grads else None)
     if grad_swap is not None:
         undo.callback(grad_swap.close)
     bucket = zero.reduce_bucket_size if zero.reduce_bucket_size != _DEEPSPEED_BUCKET else _BUCKET
+    # On the fast paths a step's on-disk partitions commit with the optimizer state, so until the next
+    # step writes its update there, a partition's other slot is free: an fp32 one holds its gradient.
     reducer = GradReducer(store, world_size=world_size, rank=rank, group=group, swap=grad_swap,
                           bucket_elements=bucket, overlap=zero.overlap_comm,
-                          norms=mode == IN_FORWARD)
+                          norms=mode == IN_FORWARD, param_slots=in_backward)
     undo.callback(reducer.remove)
     # 4. Optimizer offload: OffloadAdam over the partitions; it plans its sub-groups from their sizes,
     #    so it comes after the partitions exist and before anything runs.
@@ -370,6 +374,14 @@ IN_BACKWARD, IN_FORWARD, AFTER_BACKWARD = "during backward", "in the next forwar
 """Where a step's update runs (`_update_mode`; docs/engine.md)."""
 
 
+def _fast_optimizer(cfg: EngineConfig, client: Any) -> bool:
+    """Whether the optimizer is ours (`OffloadAdam`, built or taking over a torch Adam/AdamW) with
+    state on NVMe: the fast paths' first condition (`_update_mode`)."""
+    offload_opt = cfg.zero_optimization.offload_optimizer
+    return (offload_opt.device == "nvme" and offload_opt.ratio > 0
+            and (client is None or isinstance(client, (torch.optim.Adam, torch.optim.AdamW))))
+
+
 def _update_mode(cfg: EngineConfig, client: Any, trainable: list[ParamRecord]) -> str:
     """Where each step's update runs, so that the optimizer state's NVMe traffic overlaps compute.
 
@@ -386,10 +398,7 @@ def _update_mode(cfg: EngineConfig, client: Any, trainable: list[ParamRecord]) -
     - AFTER_BACKWARD otherwise: the chunked step.
     """
     offload_opt = cfg.zero_optimization.offload_optimizer
-    fast = (offload_opt.device == "nvme" and offload_opt.ratio > 0
-            and (client is None or isinstance(client, (torch.optim.Adam, torch.optim.AdamW)))
-            and (offload_opt.ratio == 1.0 or not any(rec.on_disk for rec in trainable)))
-    if not fast:
+    if not _fast_optimizer(cfg, client) or (offload_opt.ratio < 1.0 and any(rec.on_disk for rec in trainable)):
         return AFTER_BACKWARD
     if cfg.gradient_clipping == 0 and not cfg.fp16.enabled:
         return IN_BACKWARD
@@ -518,6 +527,8 @@ class Engine:
             loss = self.loss_scaler.scale_loss(loss)
         if self._deferred is not None:
             self._finish_deferred()  # sync point: the last step's updates have run (raises after giving it up)
+        if self._reducer.param_slots and self._rollback.uncommitted:
+            self._wait_for_commit()
         boundary = self.is_gradient_accumulation_boundary()
         # The micro-batch that ends an accumulation hands its gradients to the optimizer (plus the kept ones).
         self._reducer.start_backward(boundary)
@@ -700,6 +711,16 @@ class Engine:
         """Let the step handed to the next forward finish (sync point); give it up if it failed."""
         try:
             self._deferred.finish()
+        except BaseException as error:
+            self._give_up(error, gradients_lost=False)
+            raise
+
+    def _wait_for_commit(self) -> None:
+        """Sync point: the last step's writes have landed and it committed, so that the gradients this
+        backward writes to the partitions' free slots overwrite nothing a rollback needs. Gives the step
+        up if it failed."""
+        try:
+            self.optimizer.synchronize()
         except BaseException as error:
             self._give_up(error, gradients_lost=False)
             raise

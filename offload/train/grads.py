@@ -34,9 +34,14 @@ class GradReducer:
     def __init__(self, store: ParamStore, *, world_size: int, rank: int, group: object = None,
                  swap: SwapFile | None = None,
                  consumer: Callable[[ParamRecord, torch.Tensor], None] | None = None, norms: bool = False,
-                 bucket_elements: int = 0, overlap: bool = True) -> None:
+                 bucket_elements: int = 0, overlap: bool = True, param_slots: bool = False) -> None:
         self.store, self.world_size, self.rank, self.group = store, world_size, rank, group
         self.swap = swap
+        self.param_slots = param_slots and swap is not None
+        """Offloaded gradients of on-disk fp32 partitions go to the partition's free slot in the parameter
+        swap file, not to ``swap``: valid where a step's partitions commit with the optimizer state (the
+        fast paths), since between a commit and the next step's first update the slot that is not the
+        committed one holds nothing (`slot_for_gradient`)."""
         self.consumer = consumer
         """Takes each reduced gradient partition of the accumulation's last micro-batch, with the earlier
         ones added, instead of accumulating it (updates during backward)."""
@@ -61,7 +66,7 @@ class GradReducer:
         for rec in store.records:
             if rec.accumulator is None:
                 continue
-            if swap is not None:
+            if swap is not None and not self._in_param_slot(rec):
                 rec.grad_offset = swap.allocate(rec.partition_numel * 4)
             before, after = functools.partial(self._before_accumulate, rec), functools.partial(self._after_accumulate, rec)
             self._hooks.append(rec.accumulator.register_prehook(before))
@@ -152,7 +157,8 @@ class GradReducer:
             buffer.copy_(part)
         del part
         rec.grad_norm = torch.linalg.vector_norm(buffer)  # one pass, while the buffer is in cache
-        self._writes.append((self.swap.write(buffer, rec.grad_offset), buffer))
+        swap, offset = self._location(rec)
+        self._writes.append((swap.write(buffer, offset), buffer))
         rec.grad_on_disk = True
         while len(self._writes) > _WRITES_IN_FLIGHT:
             self._writes.popleft()[0].result()
@@ -165,7 +171,20 @@ class GradReducer:
 
     def start_read(self, rec: ParamRecord):
         """Start reading this step's offloaded gradient partition: (buffer, future)."""
-        return self.swap.read_new(rec.partition_numel, torch.float32, rec.grad_offset)
+        swap, offset = self._location(rec)
+        return swap.read_new(rec.partition_numel, torch.float32, offset)
+
+    def _in_param_slot(self, rec: ParamRecord) -> bool:
+        return self.param_slots and rec.on_disk and rec.partition.dtype.itemsize >= 4
+
+    def _location(self, rec: ParamRecord) -> tuple[SwapFile, int]:
+        """The swap file and byte offset of ``rec``'s offloaded gradient partition."""
+        if not self._in_param_slot(rec):
+            return self.swap, rec.grad_offset
+        if rec.latest != rec.slot:
+            raise RuntimeError(f"internal error: the gradient of {rec.name!r} would overwrite the update of a step "
+                               f"not committed yet (the engine waits for the commit before backward)")
+        return self.store.swap, rec.slot_offset(1 - rec.slot)
 
     def drain(self) -> None:
         """Wait for every gradient write in flight (sync point). Raises TensorIOError."""

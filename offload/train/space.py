@@ -14,8 +14,11 @@ from offload.storage.swapfile import PAGE, aligned_size
 
 __all__ = ["SwapSpace", "check_swap_space", "swap_space_needed"]
 
-_STATE_BYTES = 12
-"""Optimizer state per parameter element at most: fp32 exp_avg, exp_avg_sq and master copy."""
+_STATE_BYTES = 8
+"""Optimizer state per element of an fp32 parameter: exp_avg and exp_avg_sq (fp32)."""
+
+_MASTER_BYTES = 4
+"""Plus, for a 16-bit parameter, its fp32 master copy."""
 
 _SLOTS = 2
 """The optimizer state's A/B slots (see docs/optimizer_offload.md), and the on-disk parameter
@@ -35,27 +38,32 @@ class SwapSpace:
         return self.params + self.optimizer + self.grads
 
 
-def swap_space_needed(cfg: EngineConfig, params: list[tuple[int, int, bool]], *, world_size: int,
-                      params_on_disk: bool, grads_on_disk: bool) -> SwapSpace:
-    """The swap space of one rank: ``params`` holds (elements, element size, trainable) of each distinct
-    parameter, in order. Parameter partitions go to disk beyond ``max_in_cpu`` elements and above the
-    persistence threshold (with ``params_on_disk``: not placed yet), in two slots; the optimizer keeps
-    ``ratio`` of its state on NVMe in two slots; offloaded gradients are fp32. An upper bound: sub-group padding is
-    counted as a page per parameter."""
+def swap_space_needed(cfg: EngineConfig, params: list[tuple[int, int, bool, bool | None]], *, world_size: int,
+                      grads_on_disk: bool, grads_in_param_slots: bool = False) -> SwapSpace:
+    """The swap space of one rank: ``params`` holds (elements, element size, trainable, on disk) of each
+    distinct parameter, in order; "on disk" is None for a parameter not placed yet (its partition goes
+    to disk beyond ``max_in_cpu`` elements and above the persistence threshold, in two slots), else
+    whether it was placed on disk already (by `offload.zero.Init`: its space is taken). The optimizer
+    keeps ``ratio`` of its state on NVMe in two slots; offloaded gradients are fp32, except where
+    ``grads_in_param_slots`` puts an on-disk fp32 partition's gradient in its uncommitted slot
+    (`GradReducer`). An upper bound: sub-group padding is counted as a page per parameter."""
     zero = cfg.zero_optimization
     on_disk = state = grads = 0
     in_cpu = 0
-    for numel, size, trainable in params:
+    for numel, size, trainable, placed in params:
         part = partition_numel(numel, world_size)
-        if params_on_disk and zero.offload_param.device == "nvme" and numel > zero.stage3_param_persistence_threshold:
-            if in_cpu + part > zero.offload_param.max_in_cpu:
+        disk = bool(placed)
+        if placed is None and zero.offload_param.device == "nvme" and numel > zero.stage3_param_persistence_threshold:
+            disk = in_cpu + part > zero.offload_param.max_in_cpu
+            if disk:
                 on_disk += _SLOTS * aligned_size(part * size)
             else:
                 in_cpu += part
         if not trainable:
             continue  # frozen: no optimizer state, no gradient
-        state += _STATE_BYTES * part + PAGE
-        grads += aligned_size(4 * part)
+        state += (_STATE_BYTES + (_MASTER_BYTES if size < 4 else 0)) * part + PAGE
+        if not (grads_in_param_slots and disk and size >= 4):
+            grads += aligned_size(4 * part)
     off = zero.offload_optimizer
     optimizer = int(_SLOTS * state * off.ratio) if off.device == "nvme" else 0
     return SwapSpace(params=on_disk, optimizer=optimizer, grads=grads if grads_on_disk and off.device == "nvme" else 0)
