@@ -131,6 +131,51 @@ def test_an_external_parameter_is_gathered_once_registered(disk_dir):
     engine.close()
 
 
+class _WeightOf(nn.Module):
+    """Hands out its weight instead of using it, as some embeddings do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16, 16) * 0.1)
+
+    def forward(self) -> torch.Tensor:
+        return self.weight
+
+
+class _ReturnsWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(16, 16)
+        self.table = _WeightOf()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.first(x) @ self.table().t()
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_a_parameter_a_forward_returns_is_detected_as_external(disk_dir, clip):
+    """As in DeepSpeed, a parameter returned by a module's forward is registered as an external parameter
+    of the module that called it, with no call to register_external_parameter: training matches plain
+    PyTorch (the weight read from NVMe in the caller's forward and gathered again for backward)."""
+    batches = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+
+    def loss_fn(model, batch):
+        return model(batch).pow(2).mean()
+
+    ref_losses, ref_params = reference(_ReturnsWeight(), batches, loss_fn, 1, clip=clip)
+    model = _ReturnsWeight()
+    engine, *_ = initialize(model=model, config=engine_config(disk_dir, "nvme", "nvme", gradient_clipping=clip))
+    assert all(rec.on_disk for rec in engine.records)
+    losses = train(engine, batches, loss_fn)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    params = dict(engine.full_parameters())
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-7)
+    assert engine._store.forwards == []  # every forward that began has ended
+    engine.close()
+
+
 def test_pretrained_weights_load_into_partitions_as_from_pretrained_does(disk_dir, tmp_path):
     source = gpt2()
     with torch.no_grad():

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from tensorio import IOFuture, aligned_tensor
 
@@ -140,8 +141,10 @@ class ParamStore:
     _placeholders: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
     _shaped: dict[int, torch.Tensor] = field(default_factory=dict)
     _by_param: dict[int, ParamRecord] = field(default_factory=dict)
-    _external: dict[int, list[ParamRecord]] = field(default_factory=dict)
-    """Module id -> records its forward uses beyond its own parameters (`register_external`)."""
+    forwards: list[nn.Module] = field(default_factory=list)
+    """The modules whose forward is under way, innermost last (`_ForwardEntry`, `_ForwardExit`)."""
+    _detected: dict[int, set[int]] = field(default_factory=dict)
+    """Module id -> indices of the records found to be its external parameters (`_ForwardExit`)."""
     _hooks: list = field(default_factory=list)
     _serial: int = 0
 
@@ -460,9 +463,13 @@ class ParamStore:
 
     def install(self, model: nn.Module) -> None:
         """Register the forward pre/post hooks on every module that owns parameters, or uses parameters
-        of another module (`register_external`)."""
+        of another module (`register_external`), and on every module the hooks that keep the stack of
+        forwards under way, which detect a parameter a module's forward returns (see `_ForwardExit`)."""
         by_param = {id(rec.param): rec for rec in self.records}
         for module in model.modules():
+            # First, so that a returned parameter is detected before its owner's hook releases it.
+            self._hooks.append(module.register_forward_pre_hook(_ForwardEntry(self)))
+            self._hooks.append(module.register_forward_hook(_ForwardExit(self), always_call=True))
             recs = [by_param[id(p)] for p in module.parameters(recurse=False) if id(p) in by_param]
             recs += [by_param[id(p)] for p in EXTERNAL.get(module, ()) if id(p) in by_param]
             self._hook(module, recs)
@@ -508,6 +515,47 @@ class ParamStore:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self.forwards.clear()
+        self._detected.clear()
+
+
+class _ForwardEntry:
+    def __init__(self, store: ParamStore) -> None:
+        self.store = store
+
+    def __call__(self, module: nn.Module, args: object) -> None:
+        self.store.forwards.append(module)
+
+
+class _ForwardExit:
+    """Detects external parameters as DeepSpeed does: a parameter that a module's forward returns (a
+    module handing out its weight, as some embeddings do) is used by the forward that called it, so it
+    is registered as an external parameter of that caller (`register_external`): kept gathered until
+    the caller's forward ends, and gathered around it from then on. Uses in any other way are not
+    visible to hooks: register those with `offload.zero.register_external_parameter`."""
+
+    def __init__(self, store: ParamStore) -> None:
+        self.store = store
+
+    def __call__(self, module: nn.Module, args: object, output: object) -> None:
+        forwards = self.store.forwards
+        if forwards and forwards[-1] is module:
+            forwards.pop()
+        if not forwards or isinstance(output, torch.Tensor) and not isinstance(output, nn.Parameter):
+            return  # the outermost forward, or a plain tensor: nothing to look for
+        caller = forwards[-1]
+        for value in tree_flatten(output)[0]:
+            rec = self.store.record_of(value) if isinstance(value, nn.Parameter) else None
+            if rec is None or rec.keep_full:
+                continue
+            detected = self.store._detected.setdefault(id(caller), set())
+            if rec.index in detected:
+                continue
+            detected.add(rec.index)
+            # Still gathered (this hook runs before its owner's releases it); from here on the caller's
+            # hooks hold it, as if its pre-forward hook had gathered it.
+            rec.users += 1
+            self.store.register_external(caller, rec)
 
 
 class _PreForward:
