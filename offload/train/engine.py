@@ -276,9 +276,10 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
     writeback = None
     sub_group_size, buffer_count = _swap_sizes(cfg, [rec.partition_numel for rec in trainable], overlap=in_backward)
     spare_limit = None
+    window = min(budget.buffer_elements, _host_memory_bytes() // (_WINDOW_SHARE * 4))
     if in_backward and any(rec.on_disk for rec in trainable):
         # In the next forward's step, this memory first holds the state read ahead in backward (below).
-        spare_limit = budget.buffer_elements * (_STATE_AHEAD if mode == IN_FORWARD else 4)
+        spare_limit = window * (_STATE_AHEAD if mode == IN_FORWARD else 4)
         if sub_group_size > offload_param.buffer_size:
             log.info("zero_optimization.sub_group_size %d is cut to offload_param.buffer_size %d: parameters on "
                      "NVMe wait in memory until their whole sub-group is updated", sub_group_size,
@@ -292,7 +293,7 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
     rollback = deferred = None
     if in_backward:
         if spare_limit is not None:
-            writeback = PartitionWriteBack(store, opt, limit=offload_param.buffer_size)
+            writeback = PartitionWriteBack(store, opt, limit=min(offload_param.buffer_size, window))
         # The parameters commit and roll back with the optimizer's state (docs/engine.md, "Failures").
         rollback = StepRollback(store, limit=offload_param.buffer_size)
         opt.add_step_hooks(on_commit=rollback.committed, on_abort=rollback.aborted)
@@ -301,9 +302,9 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
         else:  # the forward's gathers wait for, and take, the updated partitions
             deferred = store.updates = DeferredStep(
                 store, opt, writeback, trainable, rollback, grad_reads=reducer.start_read if grad_swap else None,
-                read_ahead=budget.buffer_elements)
+                read_ahead=window)
             # Late in backward (most activations freed), the state of the first updates is read ahead.
-            reducer.on_half = functools.partial(opt.read_ahead, budget.buffer_elements * _STATE_AHEAD)
+            reducer.on_half = functools.partial(opt.read_ahead, window * _STATE_AHEAD)
     scheduler = _build_scheduler(cfg, lr_scheduler, opt)
     # 5. Gather hooks and prefetch: last, since they gather the partitions placed above.
     store.install(model)
@@ -316,8 +317,15 @@ _SWAP_BUFFER_SHARE = 16
 """OffloadAdam's swap buffers may take at most 1/16 of the host's memory."""
 
 _STATE_AHEAD = 8
-"""Bytes per swap-budget element of optimizer state read ahead during backward for the updates that the
-next forward runs first: the fp32 moments of as many elements as the budget holds."""
+"""Bytes per read-ahead window element of optimizer state read ahead during backward for the updates that
+the next forward runs first: the fp32 moments of as many elements as the window holds."""
+
+_WINDOW_SHARE = 64
+"""The fast paths' read-ahead windows (gradients read back, state read ahead, applied gradients lent to
+it, partitions waiting for their update or write-back) hold the swap budget's elements, but at most 1/64 of the host's memory in fp32 bytes each: the
+budget follows ``offload_param.buffer_size``, which configs set to the largest parameter (DeepSpeed
+requires it), and a 3 B GPT-2's embedding made those windows 1.2-2.5 GB each, far more than the one
+layer of look-ahead that keeps the disk busy."""
 
 _GRADS_SHARE = 4
 """Gradient partitions kept between backward and the update (accumulation, the step in the next forward)
