@@ -8,7 +8,8 @@
 
 One DeepSpeed JSON config serves both engines: parameters and optimizer on NVMe (``max_in_cpu`` 0),
 ``gradient_clipping`` 1.0 (``--clipping``), fp32, AdamW. Steps: ``--steps`` on one repeated batch for each size of
-``--batch`` (default 1 x 128, then 4 x 128: the first row of the larger batch is the smaller one).
+``--batch`` (default 1 x 128, then 4 x 128: the first row of the larger batch is the smaller one);
+``--checkpointing`` turns Hugging Face's activation checkpointing on in every run.
 
 Each part runs in its own child process, so that its peak RSS is its own: fio reads and writes in
 ``--nvme-dir`` (before and after the engine; the faster of each is counted, which makes the I/O
@@ -114,6 +115,12 @@ def _data(spec: dict):
     return torch.randint(0, spec["vocab"], (max(spec["batches"]), spec["seq"]), generator=gen)
 
 
+def _checkpointing(model, spec: dict) -> None:
+    """``--checkpointing``: Hugging Face's activation checkpointing (non-reentrant), for every run alike."""
+    if spec.get("checkpointing"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def _baseline() -> int:
     """RSS of the interpreter with torch and transformers imported, before any model exists."""
     import torch
@@ -131,6 +138,7 @@ def _child_reference(spec: dict) -> dict:
     baseline = _baseline()
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(_gpt2_config(spec, spec["ref_layers"]))
+    _checkpointing(model, spec)
     opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=0.0, fused=True)
     data = _data(spec)
     seconds, losses = {}, {}
@@ -184,6 +192,7 @@ def _child_train(spec: dict, save) -> dict:
     with RssSampler(kernel_peak=True) as rss:  # the kernel's high-water mark: no peak missed
         with zero_init(config_dict_or_path=config):
             model = transformers.GPT2LMHeadModel(_gpt2_config(spec, spec["layers"]))
+    _checkpointing(model, spec)
     out["build_s"], out["build_peak_rss"] = time.perf_counter() - start, rss.peak
     save(out)
     print(f"[{spec['engine']}] build: {out['build_s']:.1f} s, peak RSS {rss.peak / GB:.2f} GB "
@@ -333,6 +342,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", help="comma-separated batch sizes, each trained for --steps (default 1,4)")
     ap.add_argument("--lr", type=float)
     ap.add_argument("--clipping", type=float, help="gradient_clipping (default 1.0; 0 turns it off)")
+    ap.add_argument("--checkpointing", action="store_true",
+                    help="activation checkpointing (model.gradient_checkpointing_enable) in every run, the "
+                         "reference included: activations of one layer at a time instead of all")
     ap.add_argument("--buffer-count", type=int, default=2, help="offload_param.buffer_count")
     ap.add_argument("--buffer-size", type=int, help="offload_param.buffer_size (default: the largest parameter)")
     ap.add_argument("--block-size", type=int, default=1 << 20)
@@ -367,7 +379,7 @@ def main(argv: list[str] | None = None) -> dict:
     params = gpt2_parameters(spec["layers"], spec["hidden"], spec["vocab"], spec["seq"])
     ref_params = gpt2_parameters(spec["ref_layers"], spec["hidden"], spec["vocab"], spec["seq"])
     largest = max(spec["vocab"] * spec["hidden"], 4 * spec["hidden"] ** 2)
-    spec.update(buffer_count=args.buffer_count, buffer_size=args.buffer_size or largest,
+    spec.update(checkpointing=args.checkpointing, buffer_count=args.buffer_count, buffer_size=args.buffer_size or largest,
                 block_size=args.block_size, queue_depth=args.queue_depth)
     mmap = args.malloc_mmap_threshold if args.malloc_mmap_threshold >= 0 else None
     rss_limit = int(args.rss_limit * GB) if args.rss_limit else int(0.85 * psutil.virtual_memory().total)
@@ -384,7 +396,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"positions {spec['seq']}: {params / 1e9:.3f} B parameters, fp32; training state {state / GB:.1f} GB "
               f"= {state / memory:.2f} x this machine's {memory / 2**30:.1f} GiB of RAM")
         print(f"training: batches {spec['batches']} x {spec['seq']} tokens, {spec['steps']} steps each on a repeated "
-              f"batch, AdamW lr {spec['lr']}, gradient_clipping {spec['clipping']}; reference: plain PyTorch, {spec['ref_layers']} "
+              f"batch, AdamW lr {spec['lr']}, gradient_clipping {spec['clipping']}, activation checkpointing "
+              f"{'on' if spec['checkpointing'] else 'off'}; reference: plain PyTorch, {spec['ref_layers']} "
               f"layers ({ref_params / 1e9:.3f} B parameters), scaled x {params / ref_params:.2f}")
         print(f"config: {json.dumps(ds_config(spec, directory))}")
         print(f"disk: {directory}, {free / GB:.1f} GB free; swap files need {need['offload'] / GB:.1f} GB here "
