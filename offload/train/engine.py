@@ -322,10 +322,10 @@ the next forward runs first: the fp32 moments of as many elements as the window 
 
 _WINDOW_SHARE = 64
 """The fast paths' read-ahead windows (gradients read back, state read ahead, applied gradients lent to
-it, partitions waiting for their update or write-back) hold the swap budget's elements, but at most 1/64 of the host's memory in fp32 bytes each: the
-budget follows ``offload_param.buffer_size``, which configs set to the largest parameter (DeepSpeed
-requires it), and a 3 B GPT-2's embedding made those windows 1.2-2.5 GB each, far more than the one
-layer of look-ahead that keeps the disk busy."""
+it, partitions waiting for their update or write-back) hold the swap budget's elements, but at most
+1/64 of the host's memory in fp32 bytes each: the budget follows ``offload_param.buffer_size``, which
+configs set to the largest parameter (DeepSpeed requires it), and a 3 B GPT-2's embedding made those
+windows 1.2-2.5 GB each, far more than the one layer of look-ahead that keeps the disk busy."""
 
 _GRADS_SHARE = 4
 """Gradient partitions kept between backward and the update (accumulation, the step in the next forward)
@@ -533,10 +533,9 @@ class Engine:
             loss = loss / self.config.gradient_accumulation_steps
         if self.loss_scaler is not None:
             loss = self.loss_scaler.scale_loss(loss)
-        if self._deferred is not None:
-            self._finish_deferred()  # sync point: the last step's updates have run (raises after giving it up)
-        if self._reducer.param_slots and self._rollback.uncommitted:
-            self._wait_for_commit()
+        # Sync point: the last step's updates have run, and, where this backward's gradients go to the
+        # partitions' free slots, the step has committed (raises after giving it up).
+        self._finish_last_step(commit=self._reducer.param_slots)
         boundary = self.is_gradient_accumulation_boundary()
         # The micro-batch that ends an accumulation hands its gradients to the optimizer (plus the kept ones).
         self._reducer.start_backward(boundary)
@@ -715,20 +714,15 @@ class Engine:
             self.lr_scheduler.step()
         self.zero_grad()  # the step holds the gradients now
 
-    def _finish_deferred(self) -> None:
-        """Let the step handed to the next forward finish (sync point); give it up if it failed."""
+    def _finish_last_step(self, *, commit: bool = False) -> None:
+        """Let the step handed to the next forward finish and, with ``commit``, wait until the last step
+        has committed, so that gradients written to the partitions' free slots overwrite nothing a
+        rollback needs (sync points); give the step up if it failed."""
         try:
-            self._deferred.finish()
-        except BaseException as error:
-            self._give_up(error, gradients_lost=False)
-            raise
-
-    def _wait_for_commit(self) -> None:
-        """Sync point: the last step's writes have landed and it committed, so that the gradients this
-        backward writes to the partitions' free slots overwrite nothing a rollback needs. Gives the step
-        up if it failed."""
-        try:
-            self.optimizer.synchronize()
+            if self._deferred is not None:
+                self._deferred.finish()
+            if commit and self._rollback.uncommitted:
+                self.optimizer.synchronize()
         except BaseException as error:
             self._give_up(error, gradients_lost=False)
             raise
@@ -772,8 +766,7 @@ class Engine:
         """Before partitions are read between backward and step, or between a step and the forward that
         runs its update (a save, `full_parameters`): every update handed over so far has run and its
         write-back landed, so the swap file holds what it says."""
-        if self._deferred is not None:
-            self._finish_deferred()
+        self._finish_last_step()
         if self._writeback is not None:
             self._writeback.settle()
 

@@ -41,7 +41,7 @@ class GradReducer:
         """Offloaded gradients of on-disk fp32 partitions go to the partition's free slot in the parameter
         swap file, not to ``swap``: valid where a step's partitions commit with the optimizer state (the
         fast paths), since between a commit and the next step's first update the slot that is not the
-        committed one holds nothing (`slot_for_gradient`)."""
+        committed one holds nothing (`_location`)."""
         self.consumer = consumer
         """Takes each reduced gradient partition of the accumulation's last micro-batch, with the earlier
         ones added, instead of accumulating it (updates during backward)."""
@@ -271,5 +271,5 @@ class _Buckets:
         work.wait()  # sync point
         reducer.comm_seconds += time.perf_counter() - start
         for rec, offset in members:
-            start = offset + reducer.rank * rec.partition_numel
-            reducer._take(rec, flat[start:start + rec.partition_numel].div(reducer.world_size))  # a copy: the bucket goes
+            first = offset + reducer.rank * rec.partition_numel
+            reducer._take(rec, flat[first:first + rec.partition_numel].div(reducer.world_size))  # a copy: the bucket goes
