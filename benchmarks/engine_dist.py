@@ -75,6 +75,7 @@ def _rank(rank: int, world: int, args: dict, out: str) -> None:
         with open(out, "w") as f:
             json.dump({"step_s": statistics.median(times), "comm_s": statistics.median(comm), "times": times}, f)
     if world > 1:
+        torch.distributed.barrier()  # no rank tears its connections down while another still uses them
         torch.distributed.destroy_process_group()
 
 
