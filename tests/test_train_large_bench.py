@@ -31,10 +31,20 @@ def test_train_large_benchmark_tiny(tmp_path, capsys):
     # a tiny model's requests are below the O_DIRECT alignment and partly served by the page cache.
     assert all(r["param_read"] > 0 and r["read"] > 0 for r in run["steps"])
     assert all(r["param_written"] > 0 and r["written"] > 0 for r in run["steps"][1:])
+    # fio beside every step: before the first and after each, counted in the run's figures too.
+    beside = [run["fio_before_steps"]] + [r["fio_after"] for r in run["steps"]]
+    assert all(f["read"] > 0 and f["write"] > 0 for f in beside)
+    assert len(result["fio"]["runs"]) == 2 + len(beside)
     summary = result["summary"]["offload"]
     assert set(summary["batches"]) == {1, 2}
     for batch in summary["batches"].values():
         assert batch["loss_met"] and batch["compute_s"] > 0 and batch["io_at_fio_s"] > 0
+        assert batch["io_beside_s"] > 0 and batch["ratio"] > 0 and batch["ratio_strict"] > 0
+    # The fastest fio figure of the run makes the stricter bound for every step.
+    fastest = result["fio"]
+    for row in run["steps"]:
+        at_fastest = row["read"] / fastest["read"] + row["written"] / fastest["write"]
+        assert train_large._io_beside(run, row) >= at_fastest
     assert result["swap_files_left"] == []  # the engine removed its swap files on close
     assert json.loads(out.read_text())["params"] == result["params"]
     assert list(swap.iterdir()) == []  # and the benchmark its directory
