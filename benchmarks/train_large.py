@@ -21,7 +21,8 @@ less than 1 GiB available, so that an out-of-memory child does not take others' 
 Reported: the build's peak RSS over the interpreter's before it (target <= 2 GB), then per step its
 time, loss, bytes read and written by the process (/proc/self/io, which counts O_DIRECT I/O) and by
 the parameter swap file alone (``engine.io_bytes()``; the rest is the optimizer's swap file), its peak
-RSS, its forward / backward / step split, the process's CPU seconds and the optimizer's I/O wait.
+RSS, its forward / backward / step split, the process's CPU seconds, the optimizer's I/O wait and the
+share of the step (and of its forward and backward) the disk was busy (`DiskBusy`).
 The summary takes, per batch size, the medians of the steps after the run's first two (the first has
 no update to apply: with clipping a step's update runs during the next forward; the second's finds
 the optimizer state never written, so reads none of it) and marks the targets: peak RSS while training <= 10% of
@@ -213,6 +214,7 @@ def _child_train(spec: dict, save) -> dict:
     data = _data(spec)
     param_io = getattr(engine, "io_bytes", None) if spec["engine"] == "offload" else None
     io_wait = getattr(opt, "io_wait_seconds", None)
+    disk = DiskBusy(spec["nvme_dir"])
     out["fio_before_steps"] = _fio_beside_steps(spec)
     for batch in spec["batches"]:
         x = data[:batch]
@@ -220,19 +222,21 @@ def _child_train(spec: dict, save) -> dict:
             io0, p0, w0 = proc.io_counters(), param_io() if param_io else None, io_wait() if io_wait else 0.0
             cpu0 = proc.cpu_times()
             with RssSampler(kernel_peak=True) as rss:
-                t0 = time.perf_counter()
+                t0, busy0 = time.perf_counter(), disk.busy_ms()
                 loss = engine(x, labels=x).loss
-                t1 = time.perf_counter()
+                t1, busy1 = time.perf_counter(), disk.busy_ms()
                 engine.backward(loss)
-                t2 = time.perf_counter()
+                t2, busy2 = time.perf_counter(), disk.busy_ms()
                 engine.step()
-                t3 = time.perf_counter()
+                t3, busy3 = time.perf_counter(), disk.busy_ms()
             io1, p1, cpu1 = proc.io_counters(), param_io() if param_io else None, proc.cpu_times()
             row = {"batch": batch, "step": step + 1, "seconds": t3 - t0, "forward_s": t1 - t0, "backward_s": t2 - t1,
                    "step_s": t3 - t2, "cpu_s": cpu1.user + cpu1.system - cpu0.user - cpu0.system,
                    "loss": loss.item(), "peak_rss": rss.peak,
                    "read": io1.read_bytes - io0.read_bytes, "written": io1.write_bytes - io0.write_bytes,
-                   "io_wait": (io_wait() - w0) if io_wait else None}
+                   "io_wait": (io_wait() - w0) if io_wait else None,
+                   "disk_busy": disk.share(busy0, busy3, t3 - t0), "disk_busy_forward": disk.share(busy0, busy1, t1 - t0),
+                   "disk_busy_backward": disk.share(busy1, busy2, t2 - t1)}
             if p0 is not None:
                 row["param_read"], row["param_written"] = p1["read"] - p0["read"], p1["written"] - p0["written"]
             row["fio_after"] = _fio_beside_steps(spec)
@@ -241,6 +245,9 @@ def _child_train(spec: dict, save) -> dict:
             params = (f" (parameter file {row['param_read'] / GB:.2f} / {row['param_written'] / GB:.2f})"
                       if p0 is not None else "")
             wait = f", optimizer io wait {row['io_wait']:.2f} s" if io_wait else ""
+            if row["disk_busy"] is not None:
+                wait += (f", disk busy {row['disk_busy']:.0%} (forward {row['disk_busy_forward']:.0%}, backward "
+                         f"{row['disk_busy_backward']:.0%})")
             print(f"[{spec['engine']}] batch {batch} step {step + 1}: {row['seconds']:.2f} s (forward "
                   f"{row['forward_s']:.1f}, backward {row['backward_s']:.1f}, step {row['step_s']:.1f}; CPU "
                   f"{row['cpu_s']:.1f} s), loss {row['loss']:.4f}, read {row['read'] / GB:.2f} GB, written "
@@ -252,6 +259,27 @@ def _child_train(spec: dict, save) -> dict:
         engine.destroy()
     out["close_s"] = time.perf_counter() - start
     return out
+
+
+class DiskBusy:
+    """The share of a time the block device holding ``directory`` had a request in flight: the kernel's
+    ``io_ticks`` (/sys/dev/block/MAJOR:MINOR/stat, field 10). A step that keeps it near 100% is
+    bound by the disk whatever speed fio saw before or after it. Unavailable (None) where the
+    directory's file system has no block device (tmpfs, overlay)."""
+
+    def __init__(self, directory: str) -> None:
+        dev = os.stat(directory).st_dev
+        path = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat")
+        self._path = path if path.exists() else None
+
+    def busy_ms(self) -> int | None:
+        """Milliseconds the device has been busy since boot (None: unavailable)."""
+        return int(self._path.read_text().split()[9]) if self._path else None
+
+    @staticmethod
+    def share(before: int | None, after: int | None, seconds: float) -> float | None:
+        """Busy share of ``seconds`` between two `busy_ms` readings."""
+        return None if before is None or seconds <= 0 else (after - before) / 1000 / seconds
 
 
 def _fio_beside_steps(spec: dict) -> dict:
@@ -523,13 +551,20 @@ def summarize(results: dict) -> dict:
                                        "ratio": ratio, "ratio_strict": step / strict, "losses": losses,
                                        "step_met": ratio <= TARGET_STEP_RATIO,
                                        "step_met_strict": step <= TARGET_STEP_RATIO * strict,
-                                       "loss_met": len(losses) > 1 and losses[-1] < losses[0]}
+                                       "loss_met": len(losses) > 1 and losses[-1] < losses[0],
+                                       "disk_busy": {k: statistics.median(r[k] for r in rows) if rows[0].get(k) is not None
+                                                     else None for k in ("disk_busy", "disk_busy_forward",
+                                                                         "disk_busy_backward")}}
             param_s = f"{param[0] / GB:.2f} / {param[1] / GB:.2f}" if param else "-"
             print(f"  {batch:>5} {step:>9.2f} {phases:>17} {cpu:>7.1f} {read / GB:>8.2f} {written / GB:>10.2f} "
                   f"{param_s:>17} {io_beside:>10.2f} {io_s:>8.2f} "
                   f"{compute if compute is not None else float('nan'):>11.2f} {ratio:>12.2f} {b['ratio_strict']:>8.2f} "
                   f"{losses[0]:>9.4f} -> {losses[-1]:<8.4f}  step <= {TARGET_STEP_RATIO} x bound: {_met(b['step_met'])} "
                   f"(against the run's fastest fio: {_met(b['step_met_strict'])}); loss down: {_met(b['loss_met'])}")
+            busy = b["disk_busy"]
+            if busy["disk_busy"] is not None:
+                print(f"  {'':>5} disk busy {busy['disk_busy']:.0%} of the step (forward {busy['disk_busy_forward']:.0%}, "
+                      f"backward {busy['disk_busy_backward']:.0%})")
     if results["swap_files_left"]:
         print(f"left in the swap directory: {results['swap_files_left']}")
     return summary

@@ -35,6 +35,10 @@ def test_train_large_benchmark_tiny(tmp_path, capsys):
     beside = [run["fio_before_steps"]] + [r["fio_after"] for r in run["steps"]]
     assert all(f["read"] > 0 and f["write"] > 0 for f in beside)
     assert len(result["fio"]["runs"]) == 2 + len(beside)
+    # The disk's busy share, where the swap directory has a block device (not on tmpfs or overlay).
+    if train_large.DiskBusy(str(tmp_path)).busy_ms() is not None:
+        # (no upper bound: io_ticks advance by whole jiffies, which a tiny step's milliseconds may not span)
+        assert all(r[k] >= 0 for r in run["steps"] for k in ("disk_busy", "disk_busy_forward", "disk_busy_backward"))
     summary = result["summary"]["offload"]
     assert set(summary["batches"]) == {1, 2}
     for batch in summary["batches"].values():
