@@ -244,14 +244,14 @@ def _child_train(spec: dict, save) -> dict:
             save(out)
             params = (f" (parameter file {row['param_read'] / GB:.2f} / {row['param_written'] / GB:.2f})"
                       if p0 is not None else "")
-            wait = f", optimizer io wait {row['io_wait']:.2f} s" if io_wait else ""
+            io_notes = f", optimizer io wait {row['io_wait']:.2f} s" if io_wait else ""
             if row["disk_busy"] is not None:
-                wait += (f", disk busy {row['disk_busy']:.0%} (forward {row['disk_busy_forward']:.0%}, backward "
+                io_notes += (f", disk busy {row['disk_busy']:.0%} (forward {row['disk_busy_forward']:.0%}, backward "
                          f"{row['disk_busy_backward']:.0%})")
             print(f"[{spec['engine']}] batch {batch} step {step + 1}: {row['seconds']:.2f} s (forward "
                   f"{row['forward_s']:.1f}, backward {row['backward_s']:.1f}, step {row['step_s']:.1f}; CPU "
                   f"{row['cpu_s']:.1f} s), loss {row['loss']:.4f}, read {row['read'] / GB:.2f} GB, written "
-                  f"{row['written'] / GB:.2f} GB{params}, peak RSS {rss.peak / GB:.2f} GB{wait}", flush=True)
+                  f"{row['written'] / GB:.2f} GB{params}, peak RSS {rss.peak / GB:.2f} GB{io_notes}", flush=True)
     start = time.perf_counter()
     if hasattr(engine, "close"):
         engine.close()
@@ -525,8 +525,8 @@ def summarize(results: dict) -> dict:
               f"GB over the interpreter; target <= {TARGET_STATE_SHARE:.0%}: "
               f"{_met(s['train_peak_rss'] <= TARGET_STATE_SHARE * state)})")
         print(f"  {'batch':>5} {'step (s)':>9} {'fwd/bwd/step (s)':>17} {'CPU (s)':>7} {'read GB':>8} {'written GB':>10} "
-              f"{'param file r/w GB':>17} {'fio beside':>10} {'fastest':>8} {'compute (s)':>11} {'step / bound':>12} "
-              f"{'fastest':>8} "
+              f"{'param file r/w GB':>17} {'I/O beside':>10} {'fastest':>8} {'compute (s)':>11} {'step / bound':>12} "
+              f"{'/ fastest':>9} "
               f"{'loss first -> last':>20}  targets")
         for batch in spec["batches"]:
             rows = _steady(run["steps"], batch)
@@ -558,7 +558,7 @@ def summarize(results: dict) -> dict:
             param_s = f"{param[0] / GB:.2f} / {param[1] / GB:.2f}" if param else "-"
             print(f"  {batch:>5} {step:>9.2f} {phases:>17} {cpu:>7.1f} {read / GB:>8.2f} {written / GB:>10.2f} "
                   f"{param_s:>17} {io_beside:>10.2f} {io_s:>8.2f} "
-                  f"{compute if compute is not None else float('nan'):>11.2f} {ratio:>12.2f} {b['ratio_strict']:>8.2f} "
+                  f"{compute if compute is not None else float('nan'):>11.2f} {ratio:>12.2f} {b['ratio_strict']:>9.2f} "
                   f"{losses[0]:>9.4f} -> {losses[-1]:<8.4f}  step <= {TARGET_STEP_RATIO} x bound: {_met(b['step_met'])} "
                   f"(against the run's fastest fio: {_met(b['step_met_strict'])}); loss down: {_met(b['loss_met'])}")
             busy = b["disk_busy"]

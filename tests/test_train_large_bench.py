@@ -62,3 +62,12 @@ def test_parameter_count_matches_transformers():
     model = transformers.GPT2LMHeadModel(config)
     assert gpt2_parameters(3, 48, 300, 20) == sum(p.numel() for p in model.parameters())
     assert gpt2_parameters(26, 3072, 50257, 128) == 3_100_228_608  # the 3.1 B model
+
+
+def test_disk_busy_share_is_the_busy_milliseconds_over_the_time():
+    from benchmarks.train_large import DiskBusy
+
+    assert DiskBusy.share(1_000, 1_500, 1.0) == 0.5
+    assert DiskBusy.share(1_000, 3_000, 2.0) == 1.0
+    assert DiskBusy.share(None, None, 1.0) is None  # no block device under the directory
+    assert DiskBusy.share(1_000, 1_000, 0.0) is None  # no time elapsed: no share
