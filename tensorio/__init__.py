@@ -3,7 +3,7 @@
 It knows files, buffers and bytes, nothing of models. See docs/tensorio.md.
 """
 
-from ._buffers import aligned_tensor, free_locked_tensor, lock_status, locked_tensor
+from ._buffers import aligned_tensor, free_locked_tensor, lock_status, locked_tensor, prefault
 from ._config import AioConfig
 from ._errors import TensorIOError
 from ._fs import DIRECT_ALIGN, filesystem_type, probe_direct
@@ -25,6 +25,7 @@ __all__ = [
     "lock_status",
     "locked_tensor",
     "parse_size",
+    "prefault",
     "probe_direct",
     "probe_io_uring",
 ]

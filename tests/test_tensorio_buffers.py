@@ -1,0 +1,55 @@
+"""tensorio's host buffers: the huge-page hint on large ones, and faulting memory in ahead (`prefault`)."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+import torch
+
+import tensorio
+
+MiB = 1 << 20
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds ``address``."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+                    reason="the kernel has no transparent huge pages")
+def test_large_buffers_ask_for_huge_pages_small_ones_do_not():
+    large = tensorio.aligned_tensor(4 * MiB, torch.uint8)
+    small = tensorio.aligned_tensor(64 * 1024, torch.uint8)
+    assert "hg" in _vm_flags(large.data_ptr())
+    assert "hg" not in _vm_flags(small.data_ptr())
+
+
+def test_prefault_makes_memory_resident_and_keeps_its_bytes():
+    tensor = tensorio.aligned_tensor(64 * MiB, torch.uint8)
+    tensor[:10] = 7
+    before = psutil.Process().memory_info().rss
+    assert tensorio.prefault(tensor) is True
+    assert psutil.Process().memory_info().rss - before >= 60 * MiB
+    assert int(tensor[:10].sum()) == 70 and int(tensor[10:].count_nonzero()) == 0
+
+
+def test_prefault_takes_a_byte_range_and_refuses_one_outside_the_tensor():
+    tensor = tensorio.aligned_tensor(1 * MiB, torch.float32)  # 4 MiB of storage
+    assert tensorio.prefault(tensor, 4096 * 3 + 1, 4096 * 5) is True
+    assert tensorio.prefault(tensor, 100, 100) is True
+    with pytest.raises(ValueError, match=r"range \[10, 5\) outside the tensor's 4194304 bytes"):
+        tensorio.prefault(tensor, 10, 5)
+    with pytest.raises(ValueError, match=r"range \[0, 4194305\)"):
+        tensorio.prefault(tensor, 0, 4 * MiB + 1)
