@@ -76,24 +76,52 @@ def test_nested_call_of_the_same_layer(ring):
 
 
 
-def test_load_resident_calls_meanwhile_once_every_read_is_started(ring, monkeypatch):
+def test_load_resident_faults_each_buffer_in_before_its_reads(ring, monkeypatch):
     from offload.infer import stream
 
     modules, units, streamer, weights = ring
     streamer.reset()
-    started, calls = [], []
-    read_windows = stream.read_windows
-    monkeypatch.setattr(stream, "read_windows", lambda *a: started.append(a) or read_windows(*a))
+    events = []
+    prefault, read_windows = stream.prefault, stream.read_windows
+    monkeypatch.setattr(stream, "prefault", lambda buf, *r: events.append(("fault", buf.data_ptr())) or prefault(buf, *r))
+    monkeypatch.setattr(stream, "read_windows", lambda h, w, buf: events.append(("read", buf.data_ptr())) or read_windows(h, w, buf))
 
-    def meanwhile():
-        calls.append(len(started))
-        raise RuntimeError("meanwhile failed")
-
-    with pytest.raises(RuntimeError, match="meanwhile failed"):  # raised after the reads, not instead of waiting
-        stream.load_resident(streamer.handle, units[:2], meanwhile=meanwhile)
-    assert calls == [2]
-    nbytes = stream.load_resident(streamer.handle, units[:2], meanwhile=lambda: calls.append(len(started)))
-    assert calls == [2, 4] and nbytes == sum(u.read_nbytes for u in units[:2])
+    nbytes = stream.load_resident(streamer.handle, units[:2], meanwhile=lambda: events.append(("meanwhile", 0)))
+    assert nbytes == sum(u.read_nbytes for u in units[:2])
+    assert [e for e in events if e[0] == "meanwhile"] == [("meanwhile", 0)]
+    reads = [i for i, e in enumerate(events) if e[0] == "read"]
+    assert len(reads) == 2
+    for i in reads:  # each buffer faulted in (all its pieces) before its reads start
+        assert ("fault", events[i][1]) in events[:i]
     assert all(u.state == "resident" for u in units[:2])
     x = torch.randn(3, 8)
     assert torch.equal(modules[1](x), x @ weights["layer1.weight"].T)
+
+
+def test_load_resident_raises_meanwhile_and_fault_errors_after_the_reads(ring, monkeypatch):
+    from offload.infer import stream
+
+    modules, units, streamer, weights = ring
+    streamer.reset()
+    def meanwhile():
+        raise RuntimeError("meanwhile failed")
+
+    with pytest.raises(RuntimeError, match="meanwhile failed"):  # raised once the reads are done
+        stream.load_resident(streamer.handle, units[:2], meanwhile=meanwhile)
+    assert all(u.state != "resident" for u in units[:2])  # nothing bound
+
+    read_windows, started = stream.read_windows, []
+    monkeypatch.setattr(stream, "read_windows", lambda *a: started.append(a) or read_windows(*a))
+    calls = []
+
+    def failing_fault(buffer, begin, end):
+        calls.append(buffer.data_ptr())
+        if len(set(calls)) == 2:  # the second unit's buffer
+            raise OSError(12, "no memory left")
+        return True
+
+    monkeypatch.setattr(stream, "prefault", failing_fault)
+    with pytest.raises(OSError, match="no memory left"):
+        stream.load_resident(streamer.handle, units[:3])
+    assert len(started) == 1  # the first unit's reads started (and were waited for); none after the error
+    assert all(u.state != "resident" for u in units[:3])
