@@ -9,6 +9,7 @@ import mmap
 import os
 import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -19,6 +20,8 @@ _libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MADV_POPULATE_WRITE = 23  # Linux 5.14; older kernels answer EINVAL
+_FAULT_PIECE = 64 << 20  # bytes one prefault call takes, so that threads share a range evenly
+_FAULT_THREADS = 8  # prefault's threads by default: one per core, at most this many
 
 # data_ptr -> (how the buffer is locked: "cuda-registered", "mlocked" or "not locked: <reason>", its bytes).
 _lock_status: dict[int, tuple[str, int]] = {}
@@ -54,31 +57,40 @@ def aligned_tensor(num_elem: int, dtype: torch.dtype = torch.uint8) -> torch.Ten
     return _mapped_tensor(num_elem, dtype)[0]
 
 
-def prefault(tensor: torch.Tensor, start: int = 0, stop: int | None = None) -> bool:
+def prefault(tensor: torch.Tensor, start: int = 0, stop: int | None = None, *, threads: int | None = None) -> bool:
     """Fault in bytes ``[start, stop)`` of a CPU tensor's storage for writing, now, without writing them.
 
     A read into memory never touched faults its pages in on the reading thread, one at a time; on a
-    virtual machine whose host backs memory lazily that costs more than the read itself (2.2 s per
-    GiB on one core here, docs/tensorio.md). Faulting in ahead, on other threads (the call releases
-    the GIL), takes that off the reads' path and spreads it over the cores. The range is widened to
-    whole pages. Returns False, having done nothing, where the kernel lacks MADV_POPULATE_WRITE
-    (Linux < 5.14). Raises ValueError for a range outside the storage, OSError for any other refusal
-    (ENOMEM: no memory left).
+    virtual machine whose host backs memory lazily that costs more than the read itself (up to 2.3 s
+    of kernel time per GiB here, docs/tensorio.md). Faulting in ahead takes that off the reads' path,
+    and ``threads`` (default: one per core, at most 8) share it in 64 MiB pieces; the calls release
+    the GIL. The range is widened to whole pages. Returns False, having done nothing, where the
+    kernel lacks MADV_POPULATE_WRITE (Linux < 5.14). Raises ValueError for a range outside the
+    storage, OSError for any other refusal (ENOMEM: no memory left).
     """
     nbytes = tensor.untyped_storage().nbytes()
     stop = nbytes if stop is None else stop
     if not 0 <= start <= stop <= nbytes:
         raise ValueError(f"prefault: range [{start}, {stop}) outside the tensor's {nbytes} bytes")
     base = tensor.untyped_storage().data_ptr()
+    threads = min(os.cpu_count() or 1, _FAULT_THREADS) if threads is None else threads
+    if threads < 1:
+        raise ValueError(f"prefault: threads must be >= 1, got {threads}")
+    pieces = [(begin, min(begin + _FAULT_PIECE, stop)) for begin in range(start, stop, _FAULT_PIECE)]
+    if threads == 1 or len(pieces) < 2:
+        return all([_populate(base, begin, end) for begin, end in pieces])
+    with ThreadPoolExecutor(max_workers=min(threads, len(pieces)), thread_name_prefix="prefault") as pool:
+        return all(list(pool.map(lambda piece: _populate(base, *piece), pieces)))
+
+
+def _populate(base: int, start: int, stop: int) -> bool:
     first = (base + start) & ~(mmap.PAGESIZE - 1)
-    if stop == start:
-        return True
     if _libc.madvise(first, base + stop - first, _MADV_POPULATE_WRITE) == 0:
         return True
     err = ctypes.get_errno()
     if err == errno.EINVAL:
         return False
-    raise OSError(err, f"prefault: faulting in {stop - start} bytes failed: {os.strerror(err)}")
+    raise OSError(err, f"prefault: faulting in bytes [{start}, {stop}) failed: {os.strerror(err)}")
 
 
 def _lock(tensor: torch.Tensor) -> str:
@@ -110,9 +122,14 @@ def locked_tensor(num_elem: int, dtype: torch.dtype = torch.uint8) -> torch.Tens
 
     Where locking is refused (the memlock limit), the tensor is plain aligned memory; the reason is
     logged once and reported by ``lock_status(tensor)``. Release with ``free_locked_tensor``; a
-    locked tensor that is simply dropped is unlocked when its memory is freed.
+    locked tensor that is simply dropped is unlocked when its memory is freed. The memory is faulted
+    in on every core first (`prefault`), which locking alone does on one.
     """
     tensor, region = _mapped_tensor(num_elem, dtype)
+    try:  # locking faults the memory in on this one thread; first on every core, it only pins
+        prefault(tensor)
+    except OSError:
+        pass  # the lock faults in what is left and reports its own refusal
     status = _lock(tensor)
     ptr, nbytes = tensor.data_ptr(), tensor.untyped_storage().nbytes()
     with _status_lock:
