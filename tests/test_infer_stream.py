@@ -114,7 +114,7 @@ def test_load_resident_raises_meanwhile_and_fault_errors_after_the_reads(ring, m
     monkeypatch.setattr(stream, "read_windows", lambda *a: started.append(a) or read_windows(*a))
     calls = []
 
-    def failing_fault(buffer, begin, end):
+    def failing_fault(buffer):
         calls.append(buffer.data_ptr())
         if len(set(calls)) == 2:  # the second unit's buffer
             raise OSError(12, "no memory left")

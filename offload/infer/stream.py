@@ -13,7 +13,6 @@ its layer's forward has returned.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -27,9 +26,6 @@ from offload.storage.safetensors_reader import Window, read_windows, tensor_view
 from tensorio import AioHandle, IOFuture, aligned_tensor, free_locked_tensor, locked_tensor, prefault
 
 __all__ = ["LayerStreamer", "ParamRef", "Unit"]
-
-_FAULT_PIECE = 64 << 20  # bytes one fault task takes: small enough to spread a layer over the cores
-_FAULT_THREADS = 8  # fault threads: one per core, at most this many
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,32 +252,27 @@ def load_resident(handle: AioHandle, units: list[Unit], *, device: torch.device 
 
     Every unit's windows are read into one page-aligned buffer of its own (O_DIRECT) that its
     parameters are views of, so nothing is copied. Fresh memory is slow to fault in on a virtual
-    machine (docs/inference.md, "Load"), so a pool of one thread per core faults the buffers in
-    (`tensorio.prefault`), in unit order, and each unit's reads start as soon as its buffer is ready:
-    the faulting uses every core and the reads never wait for it page by page. ``meanwhile`` runs
-    on that pool too, first (the engine locks the ring's buffers there, faulting them in alongside).
-    A tensor whose dtype differs from its parameter's is converted (then only the converted copy stays).
-    Raises the first error (a read's TensorIOError, a fault's OSError or ``meanwhile``'s) once every
-    started read has finished.
+    machine (docs/inference.md, "Load"), so a thread faults the buffers in ahead of the reads, unit by
+    unit in order and each on every core (`tensorio.prefault`), and each unit's reads start as soon
+    as its buffer is ready. ``meanwhile`` runs on that thread last, while the last reads finish (the
+    engine locks the ring's buffers there). A tensor whose dtype differs from its parameter's is
+    converted (then only the converted copy stays). Raises the first error (a read's TensorIOError,
+    a fault's OSError or ``meanwhile``'s) once every started read has finished.
     """
     buffers = [aligned_tensor(unit.buffer_nbytes, torch.uint8) for unit in units]
     pending, errors = [], []
-    with ThreadPoolExecutor(max_workers=min(os.cpu_count() or 1, _FAULT_THREADS),
-                            thread_name_prefix="load-resident") as pool:
-        # 1. Queue the caller's work, then every buffer's faults in pieces, in unit order.
-        side = pool.submit(meanwhile) if meanwhile is not None else None
-        faults = [[pool.submit(prefault, buffer, begin, min(begin + _FAULT_PIECE, buffer.numel()))
-                   for begin in range(0, buffer.numel(), _FAULT_PIECE)] for buffer in buffers]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="load-resident") as faulter:
+        # 1. Queue every buffer's faults, in unit order, then the caller's work.
+        faulted = [faulter.submit(prefault, buffer) for buffer in buffers]
+        side = faulter.submit(meanwhile) if meanwhile is not None else None
         # 2. Start each unit's reads once its buffer is faulted in; stop starting at the first error.
-        for unit, buffer, pieces in zip(units, buffers, faults):
-            errors += [exc for exc in (piece.exception() for piece in pieces) if exc is not None]
-            if errors:
+        for unit, buffer, ready in zip(units, buffers, faulted):
+            if ready.exception() is not None:
+                errors.append(ready.exception())
+                for later in faulted:
+                    later.cancel()
                 break
             pending.append((unit, buffer, read_windows(handle, unit.windows, buffer)))
-        if errors:
-            for pieces in faults:
-                for piece in pieces:
-                    piece.cancel()
         if side is not None and side.exception() is not None:
             errors.append(side.exception())
     # 3. Sync point: wait for every started read, then bind (or convert) each unit's tensors.
