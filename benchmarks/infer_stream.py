@@ -12,7 +12,8 @@
 3. Runs each configuration in a fresh process, the checkpoint's pages dropped from the page cache
    first: ours at each budget (batch 1) and at ``--big-batch`` (16); Accelerate's
    ``load_checkpoint_and_dispatch`` and ``from_pretrained(device_map="auto")`` with the same
-   max_memory and disk offload. Each reports load time, time to first token, seconds per token
+   max_memory and disk offload. Each reports load time (and its CPU time: kernel time there is mostly
+   faulting fresh memory in), time to first token, seconds per token
    (median of the decode steps), peak RSS (the kernel's high-water mark from after the warm-up: `RssSampler`
    with ``kernel_peak``), page-cache growth (/proc/meminfo Cached, and the checkpoint's own pages by
    mincore) and bytes read.
@@ -222,16 +223,17 @@ def child(args: dict) -> dict:
     clock = _Clock()
     # The peak from here on: loading and generating, not the imports and the warm-up.
     with RssSampler(kernel_peak=True) as rss:
-        start = time.perf_counter()
+        start, cpu0 = time.perf_counter(), os.times()
         model = _load(args["kind"], checkpoint, config, args)
-        load_s = time.perf_counter() - start
+        load_s, cpu1 = time.perf_counter() - start, os.times()
         begin = time.perf_counter()
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args["new_tokens"], do_sample=False,
                        pad_token_id=0, streamer=clock)
     steps = np.diff(np.array(clock.times))
     s_per_token = float(np.median(steps)) if len(steps) else None
     figures = dict(
-        kind=args["kind"], budget=budget, batch=args["batch"], load_s=load_s, first_token_s=clock.times[0] - begin,
+        kind=args["kind"], budget=budget, batch=args["batch"], load_s=load_s,
+        load_kernel_s=cpu1.system - cpu0.system, load_user_s=cpu1.user - cpu0.user, first_token_s=clock.times[0] - begin,
         ttft_s=load_s + clock.times[0] - begin, s_per_token=s_per_token,
         tokens_per_s=args["batch"] / s_per_token if s_per_token else None, decode_steps=[float(s) for s in steps],
         peak_rss=rss.peak, peak_rss_kernel=rss.kernel_peak, baseline_rss=baseline,
@@ -408,7 +410,8 @@ def _print_row(r: dict) -> None:
               f"(MemAvailable {_gib(r['mem_available_before'])} when it started)")
         return
     s = r["s_per_token"]
-    print(f"{r['kind']:>20} budget {_gib(r['budget']):>10} batch {r['batch']:>3}: load {r['load_s']:7.2f} s, "
+    print(f"{r['kind']:>20} budget {_gib(r['budget']):>10} batch {r['batch']:>3}: load {r['load_s']:7.2f} s "
+          f"(CPU: kernel {r['load_kernel_s']:.1f} s, user {r['load_user_s']:.1f} s), "
           f"first token {r['ttft_s']:7.2f} s, {s if s is None else round(s, 3)} s/token, "
           f"{r['tokens_per_s'] or 0:.3f} tokens/s, peak RSS {_gib(r['peak_rss'])} (baseline {_gib(r['baseline_rss'])}), "
           f"page cache +{r['cached_growth'] / 1e6:.0f} MB (checkpoint +{r['checkpoint_cache_growth'] / 1e6:.0f} MB), "
