@@ -109,12 +109,12 @@ def _child(args: dict) -> None:
         step(micro)
     times = []
     with RssSampler() as rss:
-        io_before = proc.io_counters()
+        io_before, cpu_before = proc.io_counters(), os.times()
         for micro in batches[args["warmup"]:]:
             start = time.perf_counter()
             step(micro)
             times.append(time.perf_counter() - start)
-        io_after = proc.io_counters()
+        io_after, cpu_after = proc.io_counters(), os.times()
     n = len(times)
     path = None
     if mode in MODES[1:4]:
@@ -123,6 +123,8 @@ def _child(args: dict) -> None:
     print(json.dumps({"mode": mode, "params": params, "step_s": statistics.median(times), "times": times,
                       "peak_rss": rss.peak, "baseline_rss": baseline, "norms": norms, "path": path,
                       "clipped": sum(1 for norm in norms if norm > clip) if clip else 0,
+                      "cpu_user_per_step": (cpu_after.user - cpu_before.user) / n,
+                      "cpu_kernel_per_step": (cpu_after.system - cpu_before.system) / n,
                       "read_per_step": (io_after.read_bytes - io_before.read_bytes) / n,
                       "written_per_step": (io_after.write_bytes - io_before.write_bytes) / n}))
 
@@ -235,6 +237,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         r["io_at_fio_s"] = io_s
         r["gb_per_s"] = moved
     for mode, r in results.items():
+        print(f"{mode}: CPU per step {r['cpu_user_per_step']:.2f} s user, {r['cpu_kernel_per_step']:.2f} s kernel")
         if r.get("path"):
             print(f"{mode}: the update ran {r['path']}")
         if args.clip and r["norms"]:
