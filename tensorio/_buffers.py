@@ -22,12 +22,11 @@ _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MADV_POPULATE_WRITE = 23  # Linux 5.14; older kernels answer EINVAL
 _FAULT_PIECE = 64 << 20  # bytes one prefault call takes, so that threads share a range evenly
 _FAULT_THREADS = 8  # prefault's threads by default: one per core, at most this many
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 # data_ptr -> (how the buffer is locked: "cuda-registered", "mlocked" or "not locked: <reason>", its bytes).
 _lock_status: dict[int, tuple[str, int]] = {}
-
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 _status_lock = threading.Lock()
 
 
@@ -38,7 +37,7 @@ def _mapped_tensor(num_elem: int, dtype: torch.dtype) -> tuple[torch.Tensor, mma
     region = mmap.mmap(-1, max(num_elem * itemsize, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if len(region) >= _HUGE_PAGE and _MADV_HUGEPAGE is not None:
         # Large buffers are filled whole, so 2 MiB pages cost no memory and fault in 512x fewer
-        # steps: 5x faster to first touch here (docs/tensorio.md, "Huge pages"). Only a hint: a
+        # steps: 5x faster to first touch here (docs/tensorio.md, "Buffers"). Only a hint: a
         # kernel without transparent huge pages refuses it, and the buffer keeps small pages.
         try:
             region.madvise(_MADV_HUGEPAGE)
@@ -61,8 +60,8 @@ def prefault(tensor: torch.Tensor, start: int = 0, stop: int | None = None, *, t
     """Fault in bytes ``[start, stop)`` of a CPU tensor's storage for writing, now, without writing them.
 
     A read into memory never touched faults its pages in on the reading thread, one at a time; on a
-    virtual machine whose host backs memory lazily that costs more than the read itself (up to 2.3 s
-    of kernel time per GiB here, docs/tensorio.md). Faulting in ahead takes that off the reads' path,
+    virtual machine whose host backs memory lazily that costs more than the read itself (2.2-2.8 s
+    of kernel time per GiB here, docs/inference.md). Faulting in ahead takes that off the reads' path,
     and ``threads`` (default: one per core, at most 8) share it in 64 MiB pieces; the calls release
     the GIL. The range is widened to whole pages. Returns False, having done nothing, where the
     kernel lacks MADV_POPULATE_WRITE (Linux < 5.14). Raises ValueError for a range outside the

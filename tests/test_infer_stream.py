@@ -91,7 +91,7 @@ def test_load_resident_faults_each_buffer_in_before_its_reads(ring, monkeypatch)
     assert [e for e in events if e[0] == "meanwhile"] == [("meanwhile", 0)]
     reads = [i for i, e in enumerate(events) if e[0] == "read"]
     assert len(reads) == 2
-    for i in reads:  # each buffer faulted in (all its pieces) before its reads start
+    for i in reads:  # each buffer faulted in before its reads start
         assert ("fault", events[i][1]) in events[:i]
     assert all(u.state == "resident" for u in units[:2])
     x = torch.randn(3, 8)
@@ -103,6 +103,7 @@ def test_load_resident_raises_meanwhile_and_fault_errors_after_the_reads(ring, m
 
     modules, units, streamer, weights = ring
     streamer.reset()
+
     def meanwhile():
         raise RuntimeError("meanwhile failed")
 
