@@ -17,7 +17,7 @@ steps a speculative update (step during backward, redo when the norm turns out t
 Each configuration runs in its own subprocess (so that peak RSS is its own): a warm-up step, then
 timed steps; ``--repeats N`` runs every configuration N times, interleaved, and reports medians over
 the repeats and the nvme / torch ratio within each repeat. Reported per configuration: median step
-time, peak RSS (sampled with psutil while the timed steps run), and the bytes
+time, peak RSS (the kernel's high-water mark over the timed steps: no sampling thread competes with them), and the bytes
 the process read from and wrote to the disk per step (/proc/<pid>/io), against fio's read and write
 speed on the same directory. "over baseline" is the peak minus the RSS of the interpreter with torch
 and transformers imported, before the model exists. Headline: nvme step time / plain PyTorch step time (project target <= 1.3).
@@ -108,7 +108,7 @@ def _child(args: dict) -> None:
     for micro in batches[:args["warmup"]]:
         step(micro)
     times = []
-    with RssSampler() as rss:
+    with RssSampler(kernel_peak=True) as rss:  # no sampling thread taking CPU and the GIL from the timed steps
         io_before, cpu_before = proc.io_counters(), os.times()
         for micro in batches[args["warmup"]:]:
             start = time.perf_counter()
