@@ -8,6 +8,7 @@ from ._config import AioConfig
 from ._errors import TensorIOError
 from ._fs import DIRECT_ALIGN, filesystem_type, probe_direct
 from ._handle import AioHandle
+from ._pool import BufferPool
 from ._request import IOFuture
 from ._units import format_size, parse_size
 from ._uring import probe_io_uring
@@ -16,6 +17,7 @@ __all__ = [
     "DIRECT_ALIGN",
     "AioConfig",
     "AioHandle",
+    "BufferPool",
     "IOFuture",
     "TensorIOError",
     "aligned_tensor",

@@ -418,6 +418,21 @@ def test_prefetch_follows_the_first_step(disk_dir):
     engine.close()
 
 
+@pytest.mark.parametrize("clip", [0.0, 1.0])  # updates during backward / in the next forward
+def test_a_steps_io_buffers_are_reused_not_mapped_anew(disk_dir, clip):
+    config = engine_config(disk_dir, "nvme", "nvme", micro=2, gradient_clipping=clip)
+    engine, *_ = initialize(model=gpt2(), config=config)
+    store, pool = engine._store, engine._store.swap.pool
+    batches = gpt2_batches(6)
+    train(engine, batches[:3], gpt2_loss)
+    held, reused, reads = pool.held_bytes, pool.reused, store.demand_reads + store.prefetch_reads
+    train(engine, batches[3:], gpt2_loss)
+    # Once the steps repeat, every partition read lands in a buffer an earlier step used: none is new.
+    assert pool.held_bytes == held <= pool.max_bytes
+    assert pool.reused - reused >= store.demand_reads + store.prefetch_reads - reads > 0
+    engine.close()
+
+
 def test_prefetch_with_a_changed_order_is_still_correct(disk_dir):
     """An eval forward between training steps and a different sequence length change the gather order."""
     build, data, loss_fn = MODELS["gpt2"]

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from tensorio import IOFuture, aligned_tensor
+from tensorio import IOFuture
 
 from offload.params.partition import partition_bounds
 from offload.params.prefetch import Prefetcher, SwapBudget
@@ -407,7 +407,7 @@ class ParamStore:
         if self.world_size == 1 and rec.buffer is not None and rec.full.data_ptr() == rec.buffer.data_ptr():
             staged = rec.buffer  # the buffer the gather read: page-aligned, the whole partition
         else:
-            staged = aligned_tensor(rec.partition_numel, rec.partition.dtype)
+            staged = self.swap.buffer(rec.partition_numel, rec.partition.dtype)
             staged.zero_()
             staged[:values.numel()].copy_(values)
         self.write_partition(rec, staged).result()

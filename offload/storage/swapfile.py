@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tensorio import DIRECT_ALIGN, AioConfig, AioHandle, IOFuture, aligned_tensor
+from tensorio import DIRECT_ALIGN, AioConfig, AioHandle, BufferPool, IOFuture, aligned_tensor
 
 __all__ = ["PAGE", "SwapFile", "StaleSwapFile", "check_swap_directory", "is_swap_file_name",
            "remove_stale_swap_files", "stale_swap_files"]
@@ -71,7 +71,7 @@ class SwapFile:
     """
 
     def __init__(self, directory: str | os.PathLike, aio: AioConfig, *, kind: str,
-                 key: str = "nvme_path") -> None:
+                 key: str = "nvme_path", pool: BufferPool | None = None) -> None:
         if not re.fullmatch(r"[a-z]+", kind):
             raise ValueError(f"kind {kind!r}: use lower-case letters only")
         directory = check_swap_directory(directory, key)
@@ -85,6 +85,7 @@ class SwapFile:
             os.close(self._lock_fd)
             os.unlink(self.path)
             raise
+        self.pool = pool
         self._end = 0
         self.bytes_read = 0
         self.bytes_written = 0
@@ -106,9 +107,14 @@ class SwapFile:
         self.bytes_read += buffer.nbytes
         return self._io().read(buffer, self.path, offset)
 
+    def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A page-aligned buffer of ``numel`` elements for this file's I/O (O_DIRECT), contents
+        unspecified: from the file's pool when it has one, so that its memory is not faulted in anew."""
+        return self.pool.take(numel, dtype) if self.pool is not None else aligned_tensor(numel, dtype)
+
     def read_new(self, numel: int, dtype: torch.dtype, offset: int) -> tuple[torch.Tensor, IOFuture]:
-        """Start reading ``numel`` elements at ``offset`` into a fresh page-aligned buffer (O_DIRECT)."""
-        buffer = aligned_tensor(numel, dtype)
+        """Start reading ``numel`` elements at ``offset`` into a new page-aligned buffer (`buffer`)."""
+        buffer = self.buffer(numel, dtype)
         return buffer, self.read(buffer, offset)
 
     def write(self, tensor: torch.Tensor, offset: int) -> IOFuture:

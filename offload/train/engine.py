@@ -43,6 +43,7 @@ from offload.train.timers import PhaseTimers
 from offload.train.deferred import DeferredStep
 from offload.train.rollback import StepRollback
 from offload.train.writeback import PartitionWriteBack
+from tensorio import BufferPool
 
 __all__ = ["Engine", "initialize"]
 
@@ -236,6 +237,9 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
         records, swap = _adopt(model, built, cfg, world_size=world_size)
     else:
         records, swap = _partition(model, cfg, undo, world_size=world_size, rank=rank, group=group)
+    pool = BufferPool(_host_memory_bytes() // _POOL_SHARE)  # the step's I/O buffers, faulted in once
+    if swap is not None:
+        swap.pool = pool
     budget = SwapBudget(buffer_elements=offload_param.buffer_count * offload_param.buffer_size,
                         max_live=zero.stage3_max_live_parameters)
     store = ParamStore(records=records, world_size=world_size, rank=rank, swap=swap, budget=budget,
@@ -256,7 +260,8 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
         log.info("gradient partitions (%.1f GB in fp32) are kept on disk, not in memory (more than 1/%d of this "
                  "host's): each on-disk fp32 partition's in its free parameter slot, the rest in the gradient swap "
                  "file", grad_bytes / 1e9, _GRADS_SHARE)
-    grad_swap = (SwapFile(offload_opt.nvme_path, cfg.aio, kind="grads", key="zero_optimization.offload_optimizer.nvme_path")
+    grad_swap = (SwapFile(offload_opt.nvme_path, cfg.aio, kind="grads", key="zero_optimization.offload_optimizer.nvme_path",
+                          pool=pool)
                  if offload_opt.device == "nvme" and swap_grads else None)
     if grad_swap is not None:
         undo.callback(grad_swap.close)
@@ -330,6 +335,10 @@ windows 1.2-2.5 GB each, far more than the one layer of look-ahead that keeps th
 _GRADS_SHARE = 4
 """Gradient partitions kept between backward and the update (accumulation, the step in the next forward)
 stay in memory while they take at most 1/4 of the host's; beyond that, in the gradient swap file."""
+
+_POOL_SHARE = 16
+"""The step's I/O buffers (partitions read, gradients written) are kept for reuse up to 1/16 of the host's
+memory (`tensorio.BufferPool`): faulted in once, not in every step."""
 
 
 _DEEPSPEED_SUB_GROUP_SIZE = 1_000_000_000

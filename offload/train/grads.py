@@ -19,7 +19,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from tensorio import aligned_tensor
 
 from offload.params.store import ParamRecord, ParamStore
 from offload.storage.swapfile import SwapFile
@@ -153,7 +152,7 @@ class GradReducer:
             buffer = self.read(rec)
             buffer.add_(part)
         else:
-            buffer = aligned_tensor(rec.partition_numel, torch.float32)
+            buffer = self._location(rec)[0].buffer(rec.partition_numel, torch.float32)
             buffer.copy_(part)
         del part
         rec.grad_norm = torch.linalg.vector_norm(buffer)  # one pass, while the buffer is in cache
