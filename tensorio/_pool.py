@@ -18,11 +18,12 @@ import torch
 from ._buffers import aligned_tensor
 
 _PAGE = 4096
+_use_count = getattr(torch._C, "_storage_Use_Count", None)  # private: a torch without it gets no reuse
 
 
 def _references(buffer: torch.Tensor) -> int:
     """How many tensors refer to ``buffer``'s storage (the pool's own included)."""
-    return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata)
+    return _use_count(buffer.untyped_storage()._cdata)
 
 
 class BufferPool:
@@ -33,8 +34,9 @@ class BufferPool:
     pool holds what its last user left in it. A buffer goes back to the pool by itself once the
     last tensor referring to it is dropped. Buffers are matched by size (whole pages); when a new
     one would pass ``max_bytes``, idle buffers of other sizes are freed first, and if that is not
-    enough the buffer is made outside the pool (freed as usual when dropped). Thread-safe.
-    Raises ValueError for a negative ``max_bytes``.
+    enough the buffer is made outside the pool (freed as usual when dropped). Thread-safe. Where
+    torch cannot count a storage's references (a private call), every buffer is made outside the
+    pool. Raises ValueError for a negative ``max_bytes``.
     """
 
     def __init__(self, max_bytes: int) -> None:
@@ -44,7 +46,7 @@ class BufferPool:
         self._buffers: dict[int, list[torch.Tensor]] = {}  # whole-page size -> the uint8 buffers made
         self._held = 0
         self._lock = threading.Lock()
-        self._baseline = _references(aligned_tensor(1))  # references of a buffer nobody else holds
+        self._baseline = _references(aligned_tensor(1)) if _use_count else None  # of a buffer nobody else holds
         self.reused = 0  # buffers handed out again: each is memory not faulted in anew
 
     @property
@@ -59,6 +61,8 @@ class BufferPool:
         """
         if num_elem < 0:
             raise ValueError(f"num_elem must be >= 0, got {num_elem}")
+        if self._baseline is None:
+            return aligned_tensor(num_elem, dtype)
         nbytes = num_elem * torch.empty((), dtype=dtype).element_size()
         size = max(-(-nbytes // _PAGE), 1) * _PAGE
         with self._lock:

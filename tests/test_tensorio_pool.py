@@ -104,3 +104,13 @@ def test_clear_forgets_the_buffers():
     assert pool.held_bytes == 0
     pool.take(10)
     assert pool.reused == 0 and pool.held_bytes == PAGE
+
+
+def test_without_reference_counts_every_buffer_is_new(monkeypatch):
+    monkeypatch.setattr(tensorio._pool, "_use_count", None)  # a torch without the private call
+    pool = tensorio.BufferPool(1 << 20)
+    first = pool.take(1000, torch.float32)
+    first_address = first.data_ptr()
+    second = pool.take(1000, torch.float32)
+    assert second.data_ptr() != first_address and second.numel() == 1000
+    assert pool.reused == 0 and pool.held_bytes == 0
