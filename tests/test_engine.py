@@ -352,7 +352,7 @@ def test_a_huge_sub_group_size_is_cut_to_what_the_host_can_hold(disk_dir, monkey
     build, data, loss_fn = MODELS["gpt2"]
     batches = data(3)
     ref_losses, ref_params = reference(build(), batches, loss_fn, 1)
-    monkeypatch.setattr(engine_module, "_host_memory_bytes", lambda: 8 << 20)  # an 8 MiB host
+    monkeypatch.setattr(engine_module, "host_memory_bytes", lambda: 8 << 20)  # an 8 MiB host
     config = engine_config(disk_dir, "none", "nvme", micro=2)
     config["zero_optimization"]["sub_group_size"] = size
     with caplog.at_level("WARNING", logger="offload"):
@@ -803,7 +803,7 @@ def test_gradients_kept_in_the_swap_file_when_memory_is_short(disk_dir, monkeypa
         ref_losses, ref_params = reference(build(), batches, loss_fn, gas, clip=clip)
     else:
         ref_losses, ref_params = reference_16bit(build(), batches, loss_fn, gas, dtype, clip=clip, loss_scale=scale)
-    monkeypatch.setattr(engine_module, "_host_memory_bytes", lambda: 64 << 10)  # a 64 KiB host
+    monkeypatch.setattr(engine_module, "host_memory_bytes", lambda: 64 << 10)  # a 64 KiB host
     config = engine_config(disk_dir, "nvme", "nvme", gas, micro=len(batches[0]), **extra)
     config["zero_optimization"]["sub_group_size"] = 1024
     engine, *_ = initialize(model=build(), config=config)

@@ -51,7 +51,7 @@ def engine(request, disk_dir, monkeypatch):
     extra = dict(CONFIGS[request.param])
     ratio, host = extra.pop("ratio", 1.0), extra.pop("host", None)
     if host is not None:
-        monkeypatch.setattr(engine_module, "_host_memory_bytes", lambda: host)
+        monkeypatch.setattr(engine_module, "host_memory_bytes", lambda: host)
     config = engine_config(disk_dir, "nvme", "nvme", **extra)
     config["zero_optimization"]["offload_optimizer"]["ratio"] = ratio
     engine, *_ = initialize(model=mlp(), config=config)

@@ -20,7 +20,7 @@ from tensorio import AioConfig, aligned_tensor
 from offload.config.swap import SwapConfig
 from offload.optim.overlap import BackgroundWorker, BackwardUpdates
 from offload.optim.subgroups import (Member, ParamSpec, SubGroupPlan, choose_buffer_count, choose_sub_group_size,
-                                     plan_subgroups)
+                                     host_memory_bytes, plan_subgroups)
 from offload.optim.swapper import StateSwapper, Where
 
 __all__ = ["OffloadAdam"]
@@ -132,7 +132,7 @@ class OffloadAdam(torch.optim.Optimizer):
             sub_group_size = choose_sub_group_size(
                 [r.param.numel() for r in self._params if r.param.requires_grad],
                 grad_itemsize=min((r.param.element_size() for r in self._params), default=4),
-                buffer_count=buffer_count, host_bytes=_host_memory_bytes())
+                buffer_count=buffer_count, host_bytes=host_memory_bytes())
         self._swap_config = SwapConfig(buffer_count=buffer_count, pin_memory=pin_memory,
                                        pipeline_read=pipeline_read, pipeline_write=pipeline_write,
                                        sub_group_size=sub_group_size, aio=aio if aio is not None else AioConfig())
@@ -821,11 +821,6 @@ def _check_params(records: list[_ParamRecord]) -> None:
         if not rec.param.is_contiguous():
             raise ValueError(f"{rec.name()} is not contiguous; OffloadAdam updates parameters in place as flat views")
 
-
-def _host_memory_bytes() -> int:
-    import psutil
-
-    return psutil.virtual_memory().total
 
 
 def _cleanup(swapper: StateSwapper, tmpdir: str | None, background: BackgroundWorker | None) -> None:

@@ -22,6 +22,13 @@ MEMBER_ALIGN = 16
 STATE_ITEMSIZE = 4
 
 
+def host_memory_bytes() -> int:
+    """This machine's physical memory in bytes (psutil), from which the swap sizes are chosen."""
+    import psutil
+
+    return psutil.virtual_memory().total
+
+
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 

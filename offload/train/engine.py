@@ -30,7 +30,7 @@ from torch import nn
 
 from offload.config import EngineConfig, ZeroConfig, check_against_model, check_nvme_paths, world_size_from_env
 from offload.optim import OffloadAdam
-from offload.optim.subgroups import choose_buffer_count, choose_sub_group_size
+from offload.optim.subgroups import choose_buffer_count, choose_sub_group_size, host_memory_bytes
 from offload.params import ParamRecord, ParamStore, Placement, Prefetcher, SwapBudget, build_records
 from offload.params.construct import BUILT, built_store
 from offload.params.placement import attach_accumulator, parameter_names
@@ -237,7 +237,7 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
         records, swap = _adopt(model, built, cfg, world_size=world_size)
     else:
         records, swap = _partition(model, cfg, undo, world_size=world_size, rank=rank, group=group)
-    pool = BufferPool(_host_memory_bytes() // _POOL_SHARE)  # the step's I/O buffers, faulted in once
+    pool = BufferPool(host_memory_bytes() // _POOL_SHARE)  # the step's I/O buffers, faulted in once
     if swap is not None:
         swap.pool = pool
     budget = SwapBudget(buffer_elements=offload_param.buffer_count * offload_param.buffer_size,
@@ -254,7 +254,7 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
     mode = _update_mode(cfg, optimizer, trainable)
     in_backward = mode != AFTER_BACKWARD  # the optimizer's thread runs the updates
     grad_bytes = 4 * sum(rec.partition_numel for rec in trainable)
-    keep_grads = grad_bytes <= _host_memory_bytes() // _GRADS_SHARE  # kept: across micro-batches, into the next forward
+    keep_grads = grad_bytes <= host_memory_bytes() // _GRADS_SHARE  # kept: across micro-batches, into the next forward
     swap_grads = not in_backward or (not keep_grads and (mode == IN_FORWARD or cfg.gradient_accumulation_steps > 1))
     if in_backward and swap_grads:
         log.info("gradient partitions (%.1f GB in fp32) are kept on disk, not in memory (more than 1/%d of this "
@@ -281,7 +281,7 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
     writeback = None
     sub_group_size, buffer_count = _swap_sizes(cfg, [rec.partition_numel for rec in trainable], overlap=in_backward)
     spare_limit = None
-    window = min(budget.buffer_elements, _host_memory_bytes() // (_WINDOW_SHARE * 4))
+    window = min(budget.buffer_elements, host_memory_bytes() // (_WINDOW_SHARE * 4))
     if in_backward and any(rec.on_disk for rec in trainable):
         # In the next forward's step, this memory first holds the state read ahead in backward (below).
         spare_limit = window * (_STATE_AHEAD if mode == IN_FORWARD else 4)
@@ -362,7 +362,7 @@ def _swap_sizes(cfg: EngineConfig, partition_numels: list[int], *, overlap: bool
         count = choose_buffer_count(overlap_backward=overlap)
     if zero.offload_optimizer.device != "nvme":
         return size, count
-    host = _host_memory_bytes()
+    host = host_memory_bytes()
     if zero.sub_group_size == _DEEPSPEED_SUB_GROUP_SIZE:
         chosen = choose_sub_group_size(partition_numels, buffer_count=count, host_bytes=host)
         wanted = count * min(size, sum(partition_numels)) * 12
@@ -380,11 +380,6 @@ def _swap_sizes(cfg: EngineConfig, partition_numels: list[int], *, overlap: bool
                 size, count, count * min(size, sum(partition_numels)) * 12 / 1e9, bounded, _SWAP_BUFFER_SHARE)
     return bounded, count
 
-
-def _host_memory_bytes() -> int:
-    import psutil
-
-    return psutil.virtual_memory().total
 
 
 IN_BACKWARD, IN_FORWARD, AFTER_BACKWARD = "during backward", "in the next forward", "after backward"
