@@ -11,13 +11,14 @@ last reference to its storage.
 
 from __future__ import annotations
 
+import mmap
 import threading
 
 import torch
 
 from ._buffers import aligned_tensor
 
-_PAGE = 4096
+_PAGE = mmap.PAGESIZE
 _use_count = getattr(torch._C, "_storage_Use_Count", None)  # private: a torch without it gets no reuse
 
 
@@ -72,12 +73,6 @@ class BufferPool:
         if buffer is None:
             return aligned_tensor(num_elem, dtype)
         return buffer[:nbytes].view(dtype)
-
-    def clear(self) -> None:
-        """Forget every buffer; those still in use are freed when their last user drops them."""
-        with self._lock:
-            self._buffers.clear()
-            self._held = 0
 
     def _idle(self, size: int) -> torch.Tensor | None:
         for buffer in self._buffers.get(size, ()):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import weakref
 
 import pytest
 import torch
@@ -431,6 +432,9 @@ def test_a_steps_io_buffers_are_reused_not_mapped_anew(disk_dir, clip):
     assert pool.held_bytes == held <= pool.max_bytes
     assert pool.reused - reused >= store.demand_reads + store.prefetch_reads - reads > 0
     engine.close()
+    released = weakref.ref(pool)
+    del pool
+    assert released() is None  # closing lets go of the pool: its idle buffers are freed
 
 
 def test_prefetch_with_a_changed_order_is_still_correct(disk_dir):

@@ -822,7 +822,6 @@ def _check_params(records: list[_ParamRecord]) -> None:
             raise ValueError(f"{rec.name()} is not contiguous; OffloadAdam updates parameters in place as flat views")
 
 
-
 def _cleanup(swapper: StateSwapper, tmpdir: str | None, background: BackgroundWorker | None) -> None:
     if background is not None:
         background.close()

@@ -71,7 +71,7 @@ class SwapFile:
     """
 
     def __init__(self, directory: str | os.PathLike, aio: AioConfig, *, kind: str,
-                 key: str = "nvme_path", pool: BufferPool | None = None) -> None:
+                 key: str = "nvme_path") -> None:
         if not re.fullmatch(r"[a-z]+", kind):
             raise ValueError(f"kind {kind!r}: use lower-case letters only")
         directory = check_swap_directory(directory, key)
@@ -85,7 +85,8 @@ class SwapFile:
             os.close(self._lock_fd)
             os.unlink(self.path)
             raise
-        self.pool = pool
+        self.pool: BufferPool | None = None
+        """Where `buffer` takes buffers from; set by the owner (the engine shares one among its files)."""
         self._end = 0
         self.bytes_read = 0
         self.bytes_written = 0
@@ -127,9 +128,11 @@ class SwapFile:
         return self._handle is None
 
     def close(self) -> None:
-        """Finish the I/O in flight, stop the I/O workers and remove the file. Idempotent."""
+        """Finish the I/O in flight, stop the I/O workers and remove the file; let go of the pool (its
+        idle buffers are freed with it). Idempotent."""
         if self._handle is None:
             return
+        self.pool = None
         try:
             self._handle.close()
         finally:

@@ -237,9 +237,6 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
         records, swap = _adopt(model, built, cfg, world_size=world_size)
     else:
         records, swap = _partition(model, cfg, undo, world_size=world_size, rank=rank, group=group)
-    pool = BufferPool(host_memory_bytes() // _POOL_SHARE)  # the step's I/O buffers, faulted in once
-    if swap is not None:
-        swap.pool = pool
     budget = SwapBudget(buffer_elements=offload_param.buffer_count * offload_param.buffer_size,
                         max_live=zero.stage3_max_live_parameters)
     store = ParamStore(records=records, world_size=world_size, rank=rank, swap=swap, budget=budget,
@@ -260,11 +257,14 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
         log.info("gradient partitions (%.1f GB in fp32) are kept on disk, not in memory (more than 1/%d of this "
                  "host's): each on-disk fp32 partition's in its free parameter slot, the rest in the gradient swap "
                  "file", grad_bytes / 1e9, _GRADS_SHARE)
-    grad_swap = (SwapFile(offload_opt.nvme_path, cfg.aio, kind="grads", key="zero_optimization.offload_optimizer.nvme_path",
-                          pool=pool)
+    grad_swap = (SwapFile(offload_opt.nvme_path, cfg.aio, kind="grads", key="zero_optimization.offload_optimizer.nvme_path")
                  if offload_opt.device == "nvme" and swap_grads else None)
     if grad_swap is not None:
         undo.callback(grad_swap.close)
+    pool = BufferPool(host_memory_bytes() // _POOL_SHARE)  # the step's I/O buffers, faulted in once
+    for file in (swap, grad_swap):
+        if file is not None:
+            file.pool = pool
     bucket = zero.reduce_bucket_size if zero.reduce_bucket_size != _DEEPSPEED_BUCKET else _BUCKET
     # On the fast paths a step's on-disk partitions commit with the optimizer state, so until the next
     # step writes its update there, a partition's other slot is free: an fp32 one holds its gradient.
@@ -379,7 +379,6 @@ def _swap_sizes(cfg: EngineConfig, partition_numels: list[int], *, overlap: bool
                 "using %d (buffers at most 1/%d of this host's memory); set sub_group_size to choose",
                 size, count, count * min(size, sum(partition_numels)) * 12 / 1e9, bounded, _SWAP_BUFFER_SHARE)
     return bounded, count
-
 
 
 IN_BACKWARD, IN_FORWARD, AFTER_BACKWARD = "during backward", "in the next forward", "after backward"

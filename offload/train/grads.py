@@ -19,7 +19,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-
 from offload.params.store import ParamRecord, ParamStore
 from offload.storage.swapfile import SwapFile
 
@@ -147,16 +146,16 @@ class GradReducer:
             return
         # Offloaded: read-add-write when accumulating, then write behind (bounded writes in flight),
         # always from a page-aligned buffer so that the write goes straight to the disk (O_DIRECT).
+        swap, offset = self._location(rec)
         if rec.grad_on_disk:
             self.drain()  # sync point: this record's previous write must have landed
             buffer = self.read(rec)
             buffer.add_(part)
         else:
-            buffer = self._location(rec)[0].buffer(rec.partition_numel, torch.float32)
+            buffer = swap.buffer(rec.partition_numel, torch.float32)
             buffer.copy_(part)
         del part
         rec.grad_norm = torch.linalg.vector_norm(buffer)  # one pass, while the buffer is in cache
-        swap, offset = self._location(rec)
         self._writes.append((swap.write(buffer, offset), buffer))
         rec.grad_on_disk = True
         while len(self._writes) > _WRITES_IN_FLIGHT:
