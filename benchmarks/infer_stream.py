@@ -19,8 +19,10 @@
    mincore) and bytes read.
 4. Prints a table, then the targets: batch-1 s/token <= 1.1 x (bytes streamed per token / fio);
    at the Accelerate budget >= 1.6x load_checkpoint_and_dispatch's and >= 1.2x from_pretrained's
-   tokens/s; page-cache growth < 256 MB; batch 16 >= 12x the tokens/s of batch 1; load <= 1.2 x
-   (resident bytes / fio), so that time to first token <= that + the first forward.
+   tokens/s; page-cache growth < 256 MB; batch 16 >= 12x the tokens/s of batch 1; time to first
+   token <= 1.2 x (resident bytes / fio) + the first forward, the latter timed as one more first
+   token once every weight is loaded (same prompt, same plan). Our resident weights load in the
+   background while the first forward runs, so "load" is the time until the engine is ready.
 """
 
 from __future__ import annotations
@@ -197,6 +199,15 @@ class _Clock:
         pass
 
 
+class _FirstToken:
+    """A transformers stopping criterion: stop after the first new token."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        return torch.ones(input_ids.shape[0], dtype=torch.bool)
+
+
 def child(args: dict) -> dict:
     """Run one configuration (``args["kind"]``: "ours", "accelerate-dispatch" or "accelerate-auto")."""
     import psutil
@@ -229,6 +240,14 @@ def child(args: dict) -> dict:
         begin = time.perf_counter()
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args["new_tokens"], do_sample=False,
                        pad_token_id=0, streamer=clock)
+        if args["kind"] == "ours":
+            # The first forward on its own: one more first token, every weight loaded, the same plan.
+            full_load_s, warm = model.wait_loaded(), _Clock()
+            again = time.perf_counter()
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args["new_tokens"], do_sample=False,
+                           pad_token_id=0, streamer=warm,
+                           stopping_criteria=transformers.StoppingCriteriaList([_FirstToken()]))
+            loaded_first_token_s = warm.times[0] - again
     steps = np.diff(np.array(clock.times))
     s_per_token = float(np.median(steps)) if len(steps) else None
     figures = dict(
@@ -241,7 +260,8 @@ def child(args: dict) -> dict:
         read_bytes=process.io_counters().read_bytes - io0)
     if args["kind"] == "ours":
         plan = model.plan
-        figures.update(resident_bytes=plan.resident_bytes, read_bytes_per_forward=plan.read_bytes_per_forward,
+        figures.update(full_load_s=full_load_s, loaded_first_token_s=loaded_first_token_s,
+                       resident_bytes=plan.resident_bytes, read_bytes_per_forward=plan.read_bytes_per_forward,
                        plan_memory_bytes=plan.memory_bytes, read_wait_s=model.read_wait_seconds,
                        activation_bytes=model.activation_bytes(args["batch"], args["prompt_tokens"] + args["new_tokens"]),
                        io_bytes=model.io_bytes(), plan=plan.describe())
@@ -438,10 +458,11 @@ def _targets(results: list[dict], fio_bps: float | None, budgets: list[int], big
                          f"{bound:.3f} s ({r['read_bytes_per_forward'] / 1e9:.2f} GB per token at fio's "
                          f"{fio_bps / 1e9:.2f} GB/s); target <= 1.1x: {verdict(ratio <= 1.1)}")
         if r and fio_bps:
-            allowed = 1.2 * r["resident_bytes"] / fio_bps
-            lines.append(f"time to first token at {_gib(budget)}: {r['ttft_s']:.2f} s = load {r['load_s']:.2f} s + first "
-                         f"forward {r['first_token_s']:.2f} s; target load <= 1.2 x resident {r['resident_bytes'] / 1e9:.2f} "
-                         f"GB / fio = {allowed:.2f} s: {verdict(r['load_s'] <= allowed)}")
+            allowed = 1.2 * r["resident_bytes"] / fio_bps + r["loaded_first_token_s"]
+            lines.append(f"time to first token at {_gib(budget)}: {r['ttft_s']:.2f} s (ready {r['load_s']:.2f} s + first "
+                         f"token {r['first_token_s']:.2f} s, every resident weight in at {r['full_load_s']:.2f} s); target "
+                         f"<= 1.2 x resident {r['resident_bytes'] / 1e9:.2f} GB / fio + the first forward once loaded "
+                         f"{r['loaded_first_token_s']:.2f} s = {allowed:.2f} s: {verdict(r['ttft_s'] <= allowed)}")
     ours = find("ours", acc_budget, 1)
     for kind, factor in (("accelerate-dispatch", 1.6), ("accelerate-auto", 1.2)):
         other = find(kind, acc_budget, 1)

@@ -8,10 +8,12 @@ bf16 (the same tokens).
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import shutil
 import tempfile
+import threading
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -259,8 +261,7 @@ def test_kv_cache_counts_against_the_budget_and_layers_move(models):
 def test_other_dtype_streams_from_a_converted_copy_written_once(models, tmp_path):
     directory, model = models["llama", torch.float32]
     settings = dict(dtype="bfloat16", max_in_cpu="50KiB", nvme_path=str(tmp_path), disk_gbps=1.0)
-    ref = reference(model.to(torch.bfloat16), 1, do_sample=False).sequences.tolist()
-    model.to(torch.float32)
+    ref = reference(copy.deepcopy(model).to(torch.bfloat16), 1, do_sample=False).sequences.tolist()  # the shared model stays fp32
     for run in range(2):
         with init_inference(directory, **settings) as engine:
             assert engine.plan.streamed and engine.dtype == torch.bfloat16
@@ -268,8 +269,8 @@ def test_other_dtype_streams_from_a_converted_copy_written_once(models, tmp_path
             ours = engine.generate(prompts(1)[0], attention_mask=prompts(1)[1], max_new_tokens=NEW_TOKENS,
                                    pad_token_id=PAD, do_sample=False)
         assert ours.tolist() == ref
-        (copy,) = tmp_path.iterdir()
-        marker = copy / "converted.json"
+        (converted,) = tmp_path.iterdir()
+        marker = converted / "converted.json"
         if run == 0:
             written = marker.stat().st_mtime_ns
         assert marker.stat().st_mtime_ns == written  # the second run reused the copy
@@ -279,6 +280,7 @@ def test_other_dtype_streams_from_a_converted_copy_written_once(models, tmp_path
 def test_io_bytes_close_and_context_manager(models):
     directory, _ = models["gpt2", torch.float32]
     engine = init_inference(directory, max_in_cpu=tight_budget(directory), buffer_count=2, disk_gbps=1.0)
+    assert engine.wait_loaded() >= 0.0
     loaded = engine.io_bytes()
     assert loaded >= engine.plan.resident_bytes
     engine(prompts(1)[0])
@@ -294,9 +296,10 @@ def test_prefetch_bucket_limits_the_reads_in_flight(models):
     layer = max(u.nbytes for u in init_inference(directory, device="cpu", disk_gbps=1.0).units if u.streamable)
     config = {"zero_optimization": {"stage3_prefetch_bucket_size": layer // 4, "offload_param": {"buffer_count": 3}}}
     with init_inference(directory, config, max_in_cpu=tight_budget(directory), disk_gbps=1.0) as engine:
-        assert engine.streamer.lookahead == 1 and len(engine.streamer.buffers) == 3
+        assert engine.streamer.lookahead == 1
         ids, mask = prompts(1)
         ours = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False)
+        assert len(engine.streamer.buffers) == 3  # made in the background, each in use once ready
     assert ours.tolist() == reference(model, 1, do_sample=False).sequences.tolist()
 
 
@@ -312,3 +315,33 @@ def test_the_output_head_gets_a_contiguous_input(models, kind):
         ids, mask = prompts(4)
         engine.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=PAD, do_sample=False)
     assert seen and all(seen)
+
+
+def test_the_first_forward_runs_while_the_resident_weights_load(models, monkeypatch):
+    """The last resident layer's memory is only faulted in once the forward has reached the layer
+    before it: the forward started before the load finished, and its output is still exact."""
+    from offload.infer import stream
+
+    directory, model = models["llama", torch.float32]
+    reached, prefault = threading.Event(), stream.prefault
+    calls, overlapped = [], []
+    with init_inference(directory, device="cpu", disk_gbps=1.0) as probe:  # every unit resident, loaded in order
+        last = [i for i, u in enumerate(probe.units) if u.streamable][-1]
+
+    def prefault_last_after_the_forward_reached_it(buffer, *args):
+        calls.append(buffer)
+        if len(calls) == last + 1:
+            overlapped.append(reached.wait(timeout=120))  # an event, with a guard against a hang
+        return prefault(buffer, *args)
+
+    monkeypatch.setattr(stream, "prefault", prefault_last_after_the_forward_reached_it)
+    with init_inference(directory, device="cpu", disk_gbps=1.0) as engine:
+        layers = [u for u in engine.units if u.streamable]
+        assert layers[-1].state == "loading" and engine.module.model.embed_tokens.weight.device.type == "cpu"
+        layers[-2].module.register_forward_pre_hook(lambda *_: reached.set())
+        ids, mask = prompts(1)
+        ours = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD,
+                               do_sample=False, output_logits=True, return_dict_in_generate=True)
+        assert engine.wait_loaded() > 0 and all(u.state == "resident" for u in engine.units)
+    assert overlapped == [True]
+    assert_same_generation(ours, reference(model, 1, do_sample=False), torch.float32)

@@ -3,6 +3,9 @@ file, called in order, out of order, twice in a row, and with a forward that rai
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -10,7 +13,7 @@ from torch import nn
 
 from offload.infer.stream import LayerStreamer, ParamRef, Unit
 from offload.storage.safetensors_reader import SafetensorsCheckpoint
-from tensorio import AioHandle
+from tensorio import AioHandle, TensorIOError
 
 LAYERS = 5
 
@@ -75,54 +78,124 @@ def test_nested_call_of_the_same_layer(ring):
     _check(modules, weights, [2, 3])
 
 
-
-def test_load_resident_faults_each_buffer_in_before_its_reads(ring, monkeypatch):
+def test_resident_load_faults_each_buffer_in_before_its_reads_and_binds_a_unit_when_it_is_used(ring, monkeypatch):
     from offload.infer import stream
 
     modules, units, streamer, weights = ring
-    streamer.reset()
+    streamer.set_units([], 0)
     events = []
     prefault, read_windows = stream.prefault, stream.read_windows
     monkeypatch.setattr(stream, "prefault", lambda buf, *r: events.append(("fault", buf.data_ptr())) or prefault(buf, *r))
     monkeypatch.setattr(stream, "read_windows", lambda h, w, buf: events.append(("read", buf.data_ptr())) or read_windows(h, w, buf))
 
-    nbytes = stream.load_resident(streamer.handle, units[:2], meanwhile=lambda: events.append(("meanwhile", 0)))
-    assert nbytes == sum(u.read_nbytes for u in units[:2])
-    assert [e for e in events if e[0] == "meanwhile"] == [("meanwhile", 0)]
+    load = stream.ResidentLoad(streamer.handle, units[:3], ahead_bytes=1)  # one unit's reads in flight at a time
+    assert all(u.state == "loading" and u.loading is load for u in units[:3])
+    x = torch.randn(3, 8)
+    assert torch.equal(modules[1](x), x @ weights["layer1.weight"].T)  # its forward waited for its reads
+    assert units[1].state == "resident" and modules[1].weight.device.type == "cpu"
+    assert units[1].load_hooks == [] and not modules[1]._forward_pre_hooks.keys() - {h.id for h in units[1].hooks}
+    load.wait_all()
+    assert load.done and load.nbytes == sum(u.read_nbytes for u in units[:3]) and load.finished_at is not None
     reads = [i for i, e in enumerate(events) if e[0] == "read"]
-    assert len(reads) == 2
+    assert len(reads) == 3
     for i in reads:  # each buffer faulted in before its reads start
         assert ("fault", events[i][1]) in events[:i]
-    assert all(u.state == "resident" for u in units[:2])
-    x = torch.randn(3, 8)
-    assert torch.equal(modules[1](x), x @ weights["layer1.weight"].T)
+    _check_resident = [torch.equal(modules[i](x), x @ weights[f"layer{i}.weight"].T) for i in range(3)]
+    assert all(_check_resident)
 
 
-def test_load_resident_raises_meanwhile_and_fault_errors_after_the_reads(ring, monkeypatch):
+def test_resident_load_errors_reach_the_forward_that_needs_the_unit(ring, monkeypatch):
     from offload.infer import stream
 
     modules, units, streamer, weights = ring
-    streamer.reset()
-
-    def meanwhile():
-        raise RuntimeError("meanwhile failed")
-
-    with pytest.raises(RuntimeError, match="meanwhile failed"):  # raised once the reads are done
-        stream.load_resident(streamer.handle, units[:2], meanwhile=meanwhile)
-    assert all(u.state != "resident" for u in units[:2])  # nothing bound
-
+    streamer.set_units([], 0)
     read_windows, started = stream.read_windows, []
     monkeypatch.setattr(stream, "read_windows", lambda *a: started.append(a) or read_windows(*a))
-    calls = []
+    faults = []
 
     def failing_fault(buffer):
-        calls.append(buffer.data_ptr())
-        if len(set(calls)) == 2:  # the second unit's buffer
+        faults.append(buffer.data_ptr())
+        if len(faults) == 2:  # the second unit's buffer
             raise OSError(12, "no memory left")
         return True
 
     monkeypatch.setattr(stream, "prefault", failing_fault)
+    load = stream.ResidentLoad(streamer.handle, units[:3])
+    x = torch.randn(3, 8)
+    assert torch.equal(modules[0](x), x @ weights["layer0.weight"].T)  # before the error: loaded
+    for i in (1, 2):  # the failed unit, and the one after it that was never started
+        with pytest.raises(OSError, match="no memory left"):
+            modules[i](x)
+        assert units[i].state == "loading" and modules[i].weight.device.type == "meta"
     with pytest.raises(OSError, match="no memory left"):
-        stream.load_resident(streamer.handle, units[:3])
-    assert len(started) == 1  # the first unit's reads started (and were waited for); none after the error
-    assert all(u.state != "resident" for u in units[:3])
+        load.wait_all()
+    assert len(started) == 1  # no read started after the error
+    load.close()
+    assert [u.state for u in units[:3]] == ["resident", "on disk", "on disk"]
+    assert not modules[2]._forward_pre_hooks.keys() - {h.id for h in units[2].hooks}  # the load's hooks are gone
+
+
+def test_resident_load_read_error_names_the_file(ring, disk_dir):
+    from offload.infer import stream
+
+    modules, units, streamer, weights = ring
+    streamer.set_units([], 0)
+    os.truncate(disk_dir / "model.safetensors", 64)  # after the header was read: the tensors are gone
+    load = stream.ResidentLoad(streamer.handle, units[:2])
+    with pytest.raises(TensorIOError, match="model.safetensors"):
+        modules[1](torch.randn(3, 8))
+    load.close()
+    assert units[1].state == "on disk"
+
+
+def test_closing_a_load_stops_it_and_waits_for_its_reads(ring, monkeypatch):
+    from offload.infer import stream
+
+    modules, units, streamer, weights = ring
+    streamer.set_units([], 0)
+    at_second, go, prefault, faulted = threading.Event(), threading.Event(), stream.prefault, []
+
+    def held_fault(buffer):
+        faulted.append(buffer)
+        if len(faulted) == 2:
+            at_second.set()
+            assert go.wait(timeout=120)  # held until the test has asked the load to stop
+        return prefault(buffer)
+
+    monkeypatch.setattr(stream, "prefault", held_fault)
+    load = stream.ResidentLoad(streamer.handle, units[:4])
+    assert at_second.wait(timeout=120)
+    closer = threading.Thread(target=load.close)
+    closer.start()
+    while not load._stop.is_set():  # close() has asked the thread to stop
+        load._stop.wait(0.01)
+    go.set()
+    closer.join()
+    assert len(faulted) == 2  # the held unit finished; none was started after the stop
+    assert [u.state for u in units[:4]] == ["on disk"] * 4 and all(u.loading is None for u in units[:4])
+
+
+def test_the_ring_works_while_its_buffers_are_still_being_made(ring, monkeypatch):
+    from offload.infer import stream
+
+    modules, units, streamer, weights = ring
+    streamer.close()
+    go, locked_tensor = threading.Event(), stream.locked_tensor
+    made = []
+
+    def slow_second_buffer(nbytes, dtype):
+        made.append(nbytes)
+        if len(made) == 2:
+            assert go.wait(timeout=120)
+        return locked_tensor(nbytes, dtype)
+
+    monkeypatch.setattr(stream, "locked_tensor", slow_second_buffer)
+    for unit in units:
+        streamer.attach(unit)
+    streamer.set_units(units, max(u.buffer_nbytes for u in units))
+    _check(modules, weights, list(range(LAYERS)))  # one buffer so far: every layer goes through it
+    assert len(streamer.buffers) == 1
+    go.set()
+    streamer._allocating[0].result()
+    _check(modules, weights, list(range(LAYERS)) * 2)
+    assert len(streamer.buffers) == 2 and len(streamer._free) + len(streamer._inflight) == 2

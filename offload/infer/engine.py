@@ -18,7 +18,7 @@ from torch import nn
 from offload.infer.config import InferenceConfig
 from offload.infer.convert import converted_copy
 from offload.infer.plan import BudgetError, Plan, UnitSize, format_bytes, make_plan
-from offload.infer.stream import LayerStreamer, ParamRef, Unit, load_resident
+from offload.infer.stream import LayerStreamer, ParamRef, ResidentLoad, Unit
 from offload.storage.safetensors_reader import SafetensorsCheckpoint, read_windows, tensor_views, windows_nbytes
 from tensorio import AioHandle, aligned_tensor
 
@@ -65,7 +65,8 @@ class InferenceEngine:
                  checkpoint: str | os.PathLike | None = None) -> None:
         self.settings = settings
         self._closed = False
-        start = time.perf_counter()
+        self._loads: list[ResidentLoad] = []
+        self._start = start = time.perf_counter()
         # 1. The reads' handle, and the checkpoint's headers (every file checked before any tensor is read).
         self.handle = AioHandle.from_config(settings.aio)
         try:
@@ -85,17 +86,20 @@ class InferenceEngine:
                 self._use_converted_copy()
             if self.plan.streamed and settings.disk_gbps is None:
                 self.plan = self._make_plan(0, (0, 0), disk=_measure_disk(self.handle, self.checkpoint))
-            # 5. Resident weights read once; the streamer's hooks on every unit that may stream.
+            # 5. Resident weights read once, in the background; the streamer's hooks on every unit that may stream.
             self.streamer = LayerStreamer(self.handle, buffer_count=settings.buffer_count)
             for unit in self.units:
                 if unit.streamable:
                     self.streamer.attach(unit)
             self._apply(self.plan)
         except BaseException:
+            for load in self._loads:
+                load.close()
             self.handle.close()
             raise
-        self.load_seconds = time.perf_counter() - start
-        """Seconds `init_inference` took: headers, plan and the resident weights' reads."""
+        self.init_seconds = time.perf_counter() - start
+        """Seconds `init_inference` took. The resident weights go on loading in the background (the
+        first forward waits for each layer only when it gets there); `wait_loaded` waits for all."""
 
     # ---- the model's surface ---------------------------------------------------------------------
 
@@ -151,9 +155,18 @@ class InferenceEngine:
 
     # ---- figures ----------------------------------------------------------------------------------
 
+    def wait_loaded(self) -> float:
+        """Wait until every resident weight is in memory and return the seconds that took from the
+        start of `init_inference`. Forwards need not call it (each waits for the layers it reaches);
+        code that reads the weights outside a forward does. Raises the first read's error."""
+        self._check_open()
+        for load in self._loads:
+            load.wait_all()
+        return max([load.finished_at for load in self._loads if load.finished_at] + [self._start]) - self._start
+
     def io_bytes(self) -> int:
-        """Bytes read from the checkpoint so far: resident weights once, plus every streamed read."""
-        return self._load_bytes + self.streamer.bytes_read
+        """Bytes read from the checkpoint so far: resident weights once (those loaded yet), plus every streamed read."""
+        return self._load_bytes + sum(load.nbytes for load in self._loads) + self.streamer.bytes_read
 
     @property
     def read_wait_seconds(self) -> float:
@@ -184,6 +197,8 @@ class InferenceEngine:
         """Wait for reads in flight, free the buffers and the handle. The module is unusable afterwards."""
         if not self._closed:
             self._closed = True
+            for load in self._loads:
+                load.close()
             self.streamer.close()
             self.handle.close()
 
@@ -250,23 +265,30 @@ class InferenceEngine:
         self.plan = self._make_plan(0, (0, 0))
 
     def _apply(self, plan: Plan) -> None:
-        """Make the model match ``plan``: drop demoted units, read promoted ones, re-aim the streamer."""
+        """Make the model match ``plan``: drop demoted units, start reading promoted ones (in the
+        background), re-aim the streamer (its ring is made in the background too)."""
         self.streamer.reset()
         for unit in self.units:  # 1. demote first, so that memory is freed before more is taken
-            if unit.state == "resident" and unit.name not in plan.resident:
+            if unit.name not in plan.resident and unit.loading is not None:
+                unit.loading.drop(unit)
+            elif unit.name not in plan.resident and unit.state == "resident":
                 unit.unbind()
                 unit.state = "on disk"
-        # 2. Then read what becomes resident, locking the ring's buffers while the disk reads.
-        promoted = [u for u in self.units if u.state != "resident" and u.name in plan.resident]
+        # 2. Then start reading what becomes resident, in forward order.
+        promoted = [u for u in self.units if u.state not in ("resident", "loading") and u.name in plan.resident]
         streamed = [u for u in self.units if u.name not in plan.resident]
-        ring = plan.buffer_nbytes if streamed else 0
-        self._load_bytes += load_resident(self.handle, promoted, device=self.device,
-                                          meanwhile=lambda: self.streamer.allocate(ring))
+        if promoted:
+            self._loads.append(ResidentLoad(self.handle, promoted, device=self.device))
         if streamed and self.device.type == "cuda":
             from offload.infer.cuda import CudaStager  # the CUDA path: see offload/infer/cuda.py
 
             self.streamer.stager = CudaStager(self.settings.buffer_count, plan.buffer_nbytes, self.device)
         self.streamer.set_units(streamed, plan.buffer_nbytes, self._lookahead_units(plan))
+        # 3. transformers takes the model's device and dtype from its first parameter: bind it now.
+        first = next(self.module.parameters(), None)
+        for unit in self.units:
+            if unit.loading is not None and any(ref.placeholder is first for ref in unit.params):
+                unit.loading.wait(unit)
 
 
 # ---- building the engine: the skeleton, the units, the buffers, the disk ---------------------------

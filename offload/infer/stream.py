@@ -13,10 +13,10 @@ its layer's forward has returned.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +25,7 @@ from torch import nn
 from offload.storage.safetensors_reader import Window, read_windows, tensor_views, windows_nbytes
 from tensorio import AioHandle, IOFuture, aligned_tensor, free_locked_tensor, locked_tensor, prefault
 
-__all__ = ["LayerStreamer", "ParamRef", "Unit"]
+__all__ = ["LayerStreamer", "ParamRef", "ResidentLoad", "Unit"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,12 +60,15 @@ class Unit:
     """Its weights' bytes in memory."""
     streamable: bool
     state: str = "on disk"
-    """"resident", "on disk", "in flight" or "in use"."""
+    """"resident", "loading" (becoming resident), "on disk", "in flight" or "in use"."""
     slot: int | None = None
     """The ring buffer it is read into (in flight or in use)."""
     futures: list[IOFuture] = field(default_factory=list)
     users: int = 0
     hooks: list = field(default_factory=list)
+    loading: "ResidentLoad | None" = None
+    """The load reading it into memory of its own (state "loading")."""
+    load_hooks: list = field(default_factory=list)
 
     @property
     def read_nbytes(self) -> int:
@@ -98,6 +101,8 @@ class LayerStreamer:
         self.buffer_nbytes = 0
         self.units: list[Unit] = []
         self._free: deque[int] = deque()
+        self._allocating: deque[Future] = deque()
+        """Ring buffers still being made, in order."""
         self._inflight: deque[Unit] = deque()
         self._next = 0
         self.bytes_read = 0
@@ -119,7 +124,7 @@ class LayerStreamer:
         with at most ``lookahead`` reads in flight (None: as many as buffers)."""
         self.reset()
         self.lookahead = self.buffer_count if lookahead is None else max(1, min(lookahead, self.buffer_count))
-        self.allocate(buffer_nbytes if units else 0)
+        self._allocate(buffer_nbytes if units else 0)
         self.units = list(units)
         for unit in self.units:
             unit.state = "on disk"
@@ -128,20 +133,33 @@ class LayerStreamer:
         self._next = 0
         self._issue()
 
-    def allocate(self, buffer_nbytes: int) -> None:
-        """Make the ring ``buffer_count`` locked buffers of ``buffer_nbytes`` bytes (0: none); nothing to
-        do when it already is. No read may be in flight (`reset` first)."""
+    def _allocate(self, buffer_nbytes: int) -> None:
+        """Make the ring ``buffer_count`` locked buffers of ``buffer_nbytes`` bytes (0: none), in the
+        background: a thread locks them one by one (fresh memory is slow to fault in, docs/inference.md
+        "Load") and each takes reads as soon as it is ready. Nothing to do when the ring already is
+        (or is being) that. No read may be in flight (`reset` first)."""
         if buffer_nbytes != self.buffer_nbytes:
             self._free_buffers()
-        if buffer_nbytes and not self.buffers:
-            self.buffers = [locked_tensor(buffer_nbytes, torch.uint8) for _ in range(self.buffer_count)]
+        if buffer_nbytes and not self.buffers and not self._allocating:
+            maker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ring-buffers")
+            self._allocating = deque(maker.submit(locked_tensor, buffer_nbytes, torch.uint8)
+                                     for _ in range(self.buffer_count))
+            maker.shutdown(wait=False)
             self.buffer_nbytes = buffer_nbytes
+
+    def _collect(self, *, block: bool = False) -> None:
+        """Add the ring buffers made so far to the free ones (with ``block``: wait for the next one).
+        Raises the error that kept a buffer from being made (OSError, MemoryError)."""
+        while self._allocating and (block or self._allocating[0].done()):
+            self.buffers.append(self._allocating.popleft().result())
+            self._free.append(len(self.buffers) - 1)
+            block = False
 
     # ---- the hot path -----------------------------------------------------------------------------
 
     def acquire(self, unit: Unit) -> None:
         """Before ``unit``'s forward: wait for its read and bind its parameters to views into its buffer."""
-        if unit.state == "resident":
+        if unit.state in ("resident", "loading"):
             return
         if unit.state == "in use":  # re-entered (a module called twice in one forward)
             unit.users += 1
@@ -151,6 +169,11 @@ class LayerStreamer:
             self._drain()
             self._next = self.units.index(unit)
             self._issue()
+            while unit.state == "on disk" and self._allocating:  # the ring is still being made
+                self._collect(block=True)
+                self._issue()
+        else:
+            self._issue()  # ring buffers made since the last call take reads now
         while self._inflight[0] is not unit:  # prefetched, but this forward skipped them
             self._settle(self._inflight.popleft())
         self._inflight.popleft()
@@ -183,6 +206,7 @@ class LayerStreamer:
 
     def _issue(self) -> None:
         """Start reads into free buffers, in forward order, wrapping around to the next forward."""
+        self._collect()
         while self._free and self.units and len(self._inflight) < self.lookahead:
             unit = self.units[self._next]
             if unit.state != "on disk":  # every streamed unit is in flight or in use already
@@ -230,6 +254,10 @@ class LayerStreamer:
         self._next = 0
 
     def _free_buffers(self) -> None:
+        while self._allocating:  # let the maker finish (or skip) every buffer, then free them with the rest
+            future = self._allocating.popleft()
+            if not future.cancel() and future.exception() is None:
+                self.buffers.append(future.result())
         for buffer in self.buffers:
             try:
                 free_locked_tensor(buffer)
@@ -246,52 +274,132 @@ class LayerStreamer:
         self._free_buffers()
 
 
-def load_resident(handle: AioHandle, units: list[Unit], *, device: torch.device | None = None,
-                  meanwhile: Callable[[], None] | None = None) -> int:
-    """Read ``units`` into memory of their own and bind their parameters there for good; returns bytes read.
+class ResidentLoad:
+    """Reads ``units`` into memory of their own in the background, while the model already runs.
 
     Every unit's windows are read into one page-aligned buffer of its own (O_DIRECT) that its
-    parameters are views of, so nothing is copied. Fresh memory is slow to fault in on a virtual
-    machine (docs/inference.md, "Load"), so a thread faults the buffers in ahead of the reads, unit by
-    unit in order and each on every core (`tensorio.prefault`), and each unit's reads start as soon
-    as its buffer is ready. ``meanwhile`` runs on that thread last, while the last reads finish (the
-    engine locks the ring's buffers there). A tensor whose dtype differs from its parameter's is
-    converted (then only the converted copy stays). Raises the first error (a read's TensorIOError,
-    a fault's OSError or ``meanwhile``'s) once every started read has finished.
+    parameters become views of, so nothing is copied. A thread works through the units in forward
+    order: it faults each buffer in (on every core, `tensorio.prefault`: fresh memory is slow to get
+    on a virtual machine, docs/inference.md "Load") and starts its reads, keeping about
+    ``ahead_bytes`` of them in flight so that the streamed layers' reads are not queued behind the
+    whole load. A unit's parameters stay meta placeholders until it is needed: a forward pre-hook on
+    each module holding one of them waits for that unit's reads and binds its tensors (converted
+    where the dtype or device differs). So the first forward runs while later units still load.
     """
-    buffers = [aligned_tensor(unit.buffer_nbytes, torch.uint8) for unit in units]
-    pending, errors = [], []
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="load-resident") as faulter:
-        # 1. Queue every buffer's faults, in unit order, then the caller's work.
-        faulted = [faulter.submit(prefault, buffer) for buffer in buffers]
-        side = faulter.submit(meanwhile) if meanwhile is not None else None
-        # 2. Start each unit's reads once its buffer is faulted in; stop starting at the first error.
-        for unit, buffer, ready in zip(units, buffers, faulted):
-            if ready.exception() is not None:
-                errors.append(ready.exception())
-                for later in faulted:
-                    later.cancel()
-                break
-            pending.append((unit, buffer, read_windows(handle, unit.windows, buffer)))
-        if side is not None and side.exception() is not None:
-            errors.append(side.exception())
-    # 3. Sync point: wait for every started read, then bind (or convert) each unit's tensors.
-    nbytes = 0
-    for unit, buffer, futures in pending:
-        for future in futures:
+
+    def __init__(self, handle: AioHandle, units: list[Unit], *, device: torch.device | None = None,
+                 ahead_bytes: int = 1 << 30) -> None:
+        self.handle = handle
+        self.units = list(units)
+        self.device = device
+        self.ahead_bytes = ahead_bytes
+        self.nbytes = 0
+        """Bytes read by the units bound so far."""
+        self.finished_at: float | None = None
+        """``time.perf_counter()`` when the last read finished (None until then, or after an error)."""
+        self._buffers = [aligned_tensor(unit.buffer_nbytes, torch.uint8) for unit in self.units]
+        self._issued: list[Future] = [Future() for _ in self.units]
+        """Per unit: its read futures once they are started, or why they were not."""
+        self._index = {id(unit): i for i, unit in enumerate(self.units)}
+        self._stop = threading.Event()
+        for unit in self.units:
+            unit.state, unit.loading = "loading", self
+            owners = {id(module): module for ref in unit.params for module, _ in ref.owners}
+            unit.load_hooks = [module.register_forward_pre_hook(lambda module, args, unit=unit: self.wait(unit))
+                               for module in owners.values()]
+        self._thread = threading.Thread(target=self._run, name="load-resident", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        """The thread: fault each buffer in, then start its reads, in order; stop at the first error."""
+        error: BaseException | None = None
+        in_flight: deque[int] = deque()
+        for i, (unit, buffer) in enumerate(zip(self.units, self._buffers)):
+            if error is None and self._stop.is_set():
+                error = RuntimeError("the load was stopped (the engine was closed)")
+            if error is None:
+                try:
+                    prefault(buffer)
+                    while in_flight and sum(self.units[j].read_nbytes for j in in_flight) + unit.read_nbytes > self.ahead_bytes:
+                        for future in self._issued[in_flight.popleft()].result():
+                            future.exception()  # finished, either way: its errors are for `wait`
+                    self._issued[i].set_result(read_windows(self.handle, unit.windows, buffer))
+                    in_flight.append(i)
+                    continue
+                except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for this unit
+                    error = exc
+            self._issued[i].set_exception(error)
+        for i in in_flight:
+            for future in self._issued[i].result():
+                error = error or future.exception()
+        if error is None:
+            self.finished_at = time.perf_counter()
+
+    def wait(self, unit: Unit) -> None:
+        """Wait for ``unit``'s reads and bind its parameters there for good (nothing to do once bound).
+
+        Raises the error that stopped its reads (a read's TensorIOError, a fault's OSError), once
+        every read started into its buffer has finished; the unit then stays unbound.
+        """
+        if unit.loading is not self:
+            return
+        i = self._index[id(unit)]
+        nbytes, error = 0, None
+        for future in self._issued[i].result():  # raises what kept its reads from starting
             try:
                 nbytes += future.result()
             except BaseException as exc:  # noqa: BLE001 - raised below, once every read has finished
-                errors.append(exc)
-    if errors:
-        raise errors[0]
-    for unit, buffer, _ in pending:
-        views = tensor_views(unit.windows, buffer)
+                error = error or exc
+        if error is not None:
+            raise error
+        views = tensor_views(unit.windows, self._buffers[i])
         for ref in unit.params:
             value = views[ref.tensor]
-            dtype = ref.placeholder.dtype
-            if value.dtype != dtype or (device is not None and device.type != "cpu"):
-                value = value.to(device=device or "cpu", dtype=dtype)
+            if value.dtype != ref.placeholder.dtype or (self.device is not None and self.device.type != "cpu"):
+                value = value.to(device=self.device or "cpu", dtype=ref.placeholder.dtype)
             ref.bind(value)
-        unit.state = "resident"
-    return nbytes
+        self._buffers[i] = None  # the views (or the converted copy) hold what stays
+        for hook in unit.load_hooks:
+            hook.remove()
+        unit.state, unit.loading, unit.load_hooks = "resident", None, []
+        self.nbytes += nbytes
+
+    def wait_all(self) -> None:
+        """Wait for every unit and bind it. Raises the first error once every started read has finished."""
+        error = None
+        for unit in self.units:
+            try:
+                self.wait(unit)
+            except BaseException as exc:  # noqa: BLE001 - raised below
+                error = error or exc
+        self._thread.join()  # it has only to note the time
+        if error is not None:
+            raise error
+
+    @property
+    def done(self) -> bool:
+        """Whether every unit is bound."""
+        return all(unit.loading is not self for unit in self.units)
+
+    def drop(self, unit: Unit) -> None:
+        """Give ``unit`` up ("on disk", unbound): wait for its reads in flight, errors ignored; no
+        forward needs its data. Nothing to do once it is bound."""
+        if unit.loading is not self:
+            return
+        i = self._index[id(unit)]
+        try:
+            for future in self._issued[i].result():
+                future.exception()
+        except BaseException:  # noqa: BLE001 - its reads never started: nothing to wait for
+            pass
+        for hook in unit.load_hooks:
+            hook.remove()
+        unit.state, unit.loading, unit.load_hooks = "on disk", None, []
+        self._buffers[i] = None
+
+    def close(self) -> None:
+        """Start no more reads and give up every unit not yet bound (`drop`)."""
+        self._stop.set()
+        self._thread.join()
+        for unit in self.units:
+            self.drop(unit)
