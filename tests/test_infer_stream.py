@@ -167,12 +167,39 @@ def test_closing_a_load_stops_it_and_waits_for_its_reads(ring, monkeypatch):
     assert at_second.wait(timeout=120)
     closer = threading.Thread(target=load.close)
     closer.start()
-    while not load._stop.is_set():  # close() has asked the thread to stop
-        load._stop.wait(0.01)
+    while load._dropped != {2, 3}:  # close() has given up the units not yet taken on
+        go.wait(0.01)
     go.set()
     closer.join()
-    assert len(faulted) == 2  # the held unit finished; none was started after the stop
+    assert len(faulted) == 2  # the held unit finished; none was started after the close
     assert [u.state for u in units[:4]] == ["on disk"] * 4 and all(u.loading is None for u in units[:4])
+
+
+def test_dropping_a_unit_the_load_has_not_reached_does_not_wait_for_it(ring, monkeypatch):
+    from offload.infer import stream
+
+    modules, units, streamer, weights = ring
+    streamer.set_units([], 0)
+    at_second, go, prefault, read_windows = threading.Event(), threading.Event(), stream.prefault, stream.read_windows
+    faulted, started = [], []
+
+    def held_fault(buffer):
+        faulted.append(buffer)
+        if len(faulted) == 2:
+            at_second.set()
+            assert go.wait(timeout=120)  # held until the test has dropped a later unit
+        return prefault(buffer)
+
+    monkeypatch.setattr(stream, "prefault", held_fault)
+    monkeypatch.setattr(stream, "read_windows", lambda *a: started.append(a) or read_windows(*a))
+    load = stream.ResidentLoad(streamer.handle, units[:4])
+    assert at_second.wait(timeout=120)
+    load.drop(units[3])  # the thread is held at unit 1: this returns without it
+    assert units[3].state == "on disk" and units[3].loading is None and modules[3].weight.device.type == "meta"
+    go.set()
+    load.wait_all()
+    assert [u.state for u in units[:4]] == ["resident"] * 3 + ["on disk"]
+    assert len(started) == 3 and load.nbytes == sum(u.read_nbytes for u in units[:3])
 
 
 def test_the_ring_works_while_its_buffers_are_still_being_made(ring, monkeypatch):

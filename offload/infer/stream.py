@@ -301,7 +301,11 @@ class ResidentLoad:
         self._issued: list[Future] = [Future() for _ in self.units]
         """Per unit: its read futures once they are started, or why they were not."""
         self._index = {id(unit): i for i, unit in enumerate(self.units)}
-        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._taken = -1
+        """The last unit the thread has taken on (guarded by ``_lock``)."""
+        self._dropped: set[int] = set()
+        """Units given up before the thread took them on: it skips them (guarded by ``_lock``)."""
         for unit in self.units:
             unit.state, unit.loading = "loading", self
             owners = {id(module): module for ref in unit.params for module, _ in ref.owners}
@@ -314,11 +318,14 @@ class ResidentLoad:
         """The thread: fault each buffer in, then start its reads, in order; stop at the first error."""
         error: BaseException | None = None
         in_flight: deque[int] = deque()
-        for i, (unit, buffer) in enumerate(zip(self.units, self._buffers)):
-            if error is None and self._stop.is_set():
-                error = RuntimeError("the load was stopped (the engine was closed)")
+        for i, unit in enumerate(self.units):
+            with self._lock:
+                if i in self._dropped:
+                    continue
+                self._taken = i
             if error is None:
                 try:
+                    buffer = self._buffers[i]
                     prefault(buffer)
                     while in_flight and sum(self.units[j].read_nbytes for j in in_flight) + unit.read_nbytes > self.ahead_bytes:
                         for future in self._issued[in_flight.popleft()].result():
@@ -382,24 +389,32 @@ class ResidentLoad:
         return all(unit.loading is not self for unit in self.units)
 
     def drop(self, unit: Unit) -> None:
-        """Give ``unit`` up ("on disk", unbound): wait for its reads in flight, errors ignored; no
-        forward needs its data. Nothing to do once it is bound."""
+        """Give ``unit`` up ("on disk", unbound) without waiting for the load to reach it: the thread
+        skips it, or, where its reads have started, they are waited for (errors ignored; no forward
+        needs its data). Nothing to do once it is bound."""
         if unit.loading is not self:
             return
         i = self._index[id(unit)]
-        try:
-            for future in self._issued[i].result():
-                future.exception()
-        except BaseException:  # noqa: BLE001 - its reads never started: nothing to wait for
-            pass
+        with self._lock:
+            taken = i <= self._taken
+            if not taken:
+                self._dropped.add(i)
+        if taken:
+            try:
+                for future in self._issued[i].result():
+                    future.exception()
+            except BaseException:  # noqa: BLE001 - its reads never started: nothing to wait for
+                pass
         for hook in unit.load_hooks:
             hook.remove()
         unit.state, unit.loading, unit.load_hooks = "on disk", None, []
         self._buffers[i] = None
 
     def close(self) -> None:
-        """Start no more reads and give up every unit not yet bound (`drop`)."""
-        self._stop.set()
-        self._thread.join()
+        """Give up every unit not yet bound (`drop`): none is started any more, those started are
+        waited for."""
+        with self._lock:
+            self._dropped.update(i for i, unit in enumerate(self.units) if i > self._taken and unit.loading is self)
         for unit in self.units:
             self.drop(unit)
+        self._thread.join()
