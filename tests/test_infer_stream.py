@@ -226,3 +226,37 @@ def test_the_ring_works_while_its_buffers_are_still_being_made(ring, monkeypatch
     streamer._allocating[0].result()
     _check(modules, weights, list(range(LAYERS)) * 2)
     assert len(streamer.buffers) == 2 and len(streamer._free) + len(streamer._inflight) == 2
+
+
+def test_a_forward_reads_the_units_its_load_has_not_taken_on_through_the_ring(ring, monkeypatch):
+    """Units 1, 3 and 4 load in the order 4, 1, 3 while 0 and 2 stream: the load is held at unit 4
+    until the forward gets to unit 3, so the forward must read 1 and 3 through the ring; the load
+    takes them on afterwards."""
+    from offload.infer import stream
+
+    modules, units, streamer, weights = ring
+    streamer.reset()
+    reached, prefault, faulted = threading.Event(), stream.prefault, []
+
+    def held_fault(buffer):
+        faulted.append(buffer)
+        if len(faulted) == 1:
+            assert reached.wait(timeout=120)  # unit 4's buffer, held until the forward reaches unit 3
+        return prefault(buffer)
+
+    monkeypatch.setattr(stream, "prefault", held_fault)
+    load = stream.ResidentLoad(streamer.handle, [units[4], units[1], units[3]])
+    streamer.set_units(units, max(u.buffer_nbytes for u in units))
+    modules[3].register_forward_pre_hook(lambda *_: reached.set())
+    x = torch.randn(3, 8)
+    for i in range(LAYERS):
+        assert torch.equal(modules[i](x), x @ weights[f"layer{i}.weight"].T), f"layer {i}"
+    assert units[4].state == "resident" and streamer.bytes_read >= sum(u.read_nbytes for u in units[:4])
+    streamer.reset()  # the ring may have lent unit 1 again, for the next forward: back to its load
+    assert [u.state for u in units] == ["on disk", "loading", "on disk", "loading", "resident"]
+    assert not any(u.claimed for u in units)
+    load.wait_all()
+    assert [u.state for u in units[1::2]] == ["resident", "resident"]
+    assert load.nbytes == sum(units[i].read_nbytes for i in (1, 3, 4))
+    _check(modules, weights, [0, 2])  # the streamed ones stream as before
+    assert all(torch.equal(modules[i](x), x @ weights[f"layer{i}.weight"].T) for i in (1, 3, 4))

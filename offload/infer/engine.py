@@ -160,6 +160,8 @@ class InferenceEngine:
         start of `init_inference`. Forwards need not call it (each waits for the layers it reaches);
         code that reads the weights outside a forward does. Raises the first read's error."""
         self._check_open()
+        if not all(load.done for load in self._loads):
+            self.streamer.reset()  # gives back the layers it reads through the ring for their loads
         for load in self._loads:
             load.wait_all()
         return max([load.finished_at for load in self._loads if load.finished_at] + [self._start]) - self._start
@@ -197,9 +199,9 @@ class InferenceEngine:
         """Wait for reads in flight, free the buffers and the handle. The module is unusable afterwards."""
         if not self._closed:
             self._closed = True
+            self.streamer.close()  # first: it gives back the units it has lent from a load
             for load in self._loads:
                 load.close()
-            self.streamer.close()
             self.handle.close()
 
     def __enter__(self) -> "InferenceEngine":
@@ -274,16 +276,20 @@ class InferenceEngine:
             elif unit.name not in plan.resident and unit.state == "resident":
                 unit.unbind()
                 unit.state = "on disk"
-        # 2. Then start reading what becomes resident, in forward order.
+        # 2. Then start reading what becomes resident. With a ring, the forwards read the layers the load
+        # has not taken on yet through it, from the first, while the load takes them on from the last.
         promoted = [u for u in self.units if u.state not in ("resident", "loading") and u.name in plan.resident]
         streamed = [u for u in self.units if u.name not in plan.resident]
+        if streamed:
+            promoted = [u for u in promoted if not u.streamable] + [u for u in reversed(promoted) if u.streamable]
         if promoted:
             self._loads.append(ResidentLoad(self.handle, promoted, device=self.device))
         if streamed and self.device.type == "cuda":
             from offload.infer.cuda import CudaStager  # the CUDA path: see offload/infer/cuda.py
 
             self.streamer.stager = CudaStager(self.settings.buffer_count, plan.buffer_nbytes, self.device)
-        self.streamer.set_units(streamed, plan.buffer_nbytes, self._lookahead_units(plan))
+        self.streamer.set_units([u for u in self.units if u.streamable], plan.buffer_nbytes if streamed else 0,
+                                self._lookahead_units(plan))
         # 3. transformers takes the model's device and dtype from its first parameter: bind it now.
         first = next(self.module.parameters(), None)
         for unit in self.units:

@@ -69,6 +69,8 @@ class Unit:
     loading: "ResidentLoad | None" = None
     """The load reading it into memory of its own (state "loading")."""
     load_hooks: list = field(default_factory=list)
+    claimed: bool = False
+    """Loading, but read into the ring for a forward because its load had not taken it on yet."""
 
     @property
     def read_nbytes(self) -> int:
@@ -120,15 +122,18 @@ class LayerStreamer:
         ]
 
     def set_units(self, units: list[Unit], buffer_nbytes: int, lookahead: int | None = None) -> None:
-        """Stream ``units`` (forward order) from now on, through buffers of ``buffer_nbytes`` bytes,
-        with at most ``lookahead`` reads in flight (None: as many as buffers)."""
+        """Serve ``units`` (forward order) from now on, through buffers of ``buffer_nbytes`` bytes (0:
+        no ring), with at most ``lookahead`` reads in flight (None: as many as buffers). Those
+        "resident" are left alone, those "loading" are read into the ring while their load has not
+        taken them on (`ResidentLoad.claim`), the others are streamed."""
         self.reset()
         self.lookahead = self.buffer_count if lookahead is None else max(1, min(lookahead, self.buffer_count))
-        self._allocate(buffer_nbytes if units else 0)
+        self._allocate(buffer_nbytes)
         self.units = list(units)
         for unit in self.units:
-            unit.state = "on disk"
-            unit.unbind()
+            if unit.state not in ("resident", "loading"):
+                unit.state = "on disk"
+                unit.unbind()
         self._free = deque(range(len(self.buffers)))
         self._next = 0
         self._issue()
@@ -159,8 +164,12 @@ class LayerStreamer:
 
     def acquire(self, unit: Unit) -> None:
         """Before ``unit``'s forward: wait for its read and bind its parameters to views into its buffer."""
-        if unit.state in ("resident", "loading"):
+        if unit.state == "resident":
             return
+        if unit.state == "loading":
+            self._issue()  # the ring takes it where it has come to it and its load has not
+            if unit.state == "loading":
+                return  # its load's hook waits for it
         if unit.state == "in use":  # re-entered (a module called twice in one forward)
             unit.users += 1
             return
@@ -200,22 +209,43 @@ class LayerStreamer:
         unit.unbind()
         if self.stager is not None:
             self.stager.release(unit.slot)
-        self._free.append(unit.slot)
-        unit.state, unit.slot = "on disk", None
+        self._give_back(unit)
         self._issue()
 
     def _issue(self) -> None:
-        """Start reads into free buffers, in forward order, wrapping around to the next forward."""
+        """Start reads into free buffers, in forward order, wrapping around to the next forward: the
+        streamed units, and the loading ones their load has not taken on yet (claimed)."""
         self._collect()
-        while self._free and self.units and len(self._inflight) < self.lookahead:
+        skipped = 0
+        while self._free and self.units and len(self._inflight) < self.lookahead and skipped < len(self.units):
             unit = self.units[self._next]
-            if unit.state != "on disk":  # every streamed unit is in flight or in use already
+            if unit.state in ("in flight", "in use"):  # wrapped around to reads under way
                 return
-            unit.slot = self._free.popleft()
-            unit.futures = read_windows(self.handle, unit.windows, self.buffers[unit.slot])
-            unit.state = "in flight"
-            self._inflight.append(unit)
+            if unit.state == "on disk" or self._claim(unit):
+                unit.slot = self._free.popleft()
+                unit.futures = read_windows(self.handle, unit.windows, self.buffers[unit.slot])
+                unit.state = "in flight"
+                self._inflight.append(unit)
+                skipped = 0
+            else:  # resident, or loading and its load's: the forward does not need the ring for it
+                skipped += 1
             self._next = (self._next + 1) % len(self.units)
+
+    def _claim(self, unit: Unit) -> bool:
+        if unit.state != "loading" or unit.buffer_nbytes > self.buffer_nbytes or not unit.loading.claim(unit):
+            return False
+        unit.claimed = True
+        return True
+
+    def _give_back(self, unit: Unit) -> None:
+        """``unit``'s ring buffer is free again: a streamed unit goes back on disk, a claimed one to its load."""
+        self._free.append(unit.slot)
+        unit.slot, unit.users = None, 0
+        if unit.claimed:
+            unit.claimed, unit.state = False, "loading"
+            unit.loading.unclaim(unit)
+        else:
+            unit.state = "on disk"
 
     def _settle(self, unit: Unit, *, keep: bool = False) -> None:
         """Wait for every read of ``unit``; keep its buffer (``keep``) or give it back. Raises the first
@@ -228,8 +258,7 @@ class LayerStreamer:
                 error = error or exc
         unit.futures = []
         if error is not None or not keep:
-            self._free.append(unit.slot)
-            unit.state, unit.slot = "on disk", None
+            self._give_back(unit)
         if error is not None:
             raise error
 
@@ -249,8 +278,7 @@ class LayerStreamer:
                 unit.unbind()
                 if self.stager is not None:
                     self.stager.release(unit.slot)
-                self._free.append(unit.slot)
-                unit.state, unit.slot, unit.users = "on disk", None, 0
+                self._give_back(unit)
         self._next = 0
 
     def _free_buffers(self) -> None:
@@ -268,8 +296,6 @@ class LayerStreamer:
     def close(self) -> None:
         """Wait for reads in flight, remove the hooks and free the buffers."""
         self.reset()
-        for unit in self.units:
-            unit.unbind()
         self.units = []
         self._free_buffers()
 
@@ -278,13 +304,16 @@ class ResidentLoad:
     """Reads ``units`` into memory of their own in the background, while the model already runs.
 
     Every unit's windows are read into one page-aligned buffer of its own (O_DIRECT) that its
-    parameters become views of, so nothing is copied. A thread works through the units in forward
-    order: it faults each buffer in (on every core, `tensorio.prefault`: fresh memory is slow to get
-    on a virtual machine, docs/inference.md "Load") and starts its reads, keeping about
-    ``ahead_bytes`` of them in flight so that the streamed layers' reads are not queued behind the
-    whole load. A unit's parameters stay meta placeholders until it is needed: a forward pre-hook on
-    each module holding one of them waits for that unit's reads and binds its tensors (converted
-    where the dtype or device differs). So the first forward runs while later units still load.
+    parameters become views of, so nothing is copied. A thread takes the units on in the given order:
+    it faults each buffer in (on every core, `tensorio.prefault`: fresh memory is slow to get on a
+    virtual machine, docs/inference.md "Load") and starts its reads, keeping about ``ahead_bytes`` of
+    them in flight so that the streamed layers' reads are not queued behind the whole load. A unit's
+    parameters stay meta placeholders until it is needed: a forward pre-hook on each module holding
+    one of them waits for that unit's reads (taking it on next if the thread has not yet) and binds
+    its tensors (converted where the dtype or device differs). A unit the thread has not taken on
+    may be claimed by the layer streamer, which reads it into its ring for one forward and gives it
+    back (`claim`, `unclaim`); the thread takes it on afterwards. So the first forward need not wait
+    for the load.
     """
 
     def __init__(self, handle: AioHandle, units: list[Unit], *, device: torch.device | None = None,
@@ -301,11 +330,13 @@ class ResidentLoad:
         self._issued: list[Future] = [Future() for _ in self.units]
         """Per unit: its read futures once they are started, or why they were not."""
         self._index = {id(unit): i for i, unit in enumerate(self.units)}
-        self._lock = threading.Lock()
-        self._taken = -1
-        """The last unit the thread has taken on (guarded by ``_lock``)."""
+        self._changed = threading.Condition()
+        # Guarded by ``_changed``: units the thread has taken on, given up, lent to the streamer, and
+        # wanted by a forward first.
+        self._taken: set[int] = set()
         self._dropped: set[int] = set()
-        """Units given up before the thread took them on: it skips them (guarded by ``_lock``)."""
+        self._claimed: set[int] = set()
+        self._wanted: deque[int] = deque()
         for unit in self.units:
             unit.state, unit.loading = "loading", self
             owners = {id(module): module for ref in unit.params for module, _ in ref.owners}
@@ -314,18 +345,16 @@ class ResidentLoad:
         self._thread = threading.Thread(target=self._run, name="load-resident", daemon=True)
         self._thread.start()
 
+    # ---- the thread -------------------------------------------------------------------------------
+
     def _run(self) -> None:
-        """The thread: fault each buffer in, then start its reads, in order; stop at the first error."""
+        """Fault each buffer in, then start its reads, unit by unit; stop reading at the first error."""
         error: BaseException | None = None
         in_flight: deque[int] = deque()
-        for i, unit in enumerate(self.units):
-            with self._lock:
-                if i in self._dropped:
-                    continue
-                self._taken = i
+        while (i := self._take()) is not None:
             if error is None:
                 try:
-                    buffer = self._buffers[i]
+                    unit, buffer = self.units[i], self._buffers[i]
                     prefault(buffer)
                     while in_flight and sum(self.units[j].read_nbytes for j in in_flight) + unit.read_nbytes > self.ahead_bytes:
                         for future in self._issued[in_flight.popleft()].result():
@@ -342,15 +371,53 @@ class ResidentLoad:
         if error is None:
             self.finished_at = time.perf_counter()
 
+    def _take(self) -> int | None:
+        """The next unit to take on: one a forward waits for, else the first free one in order; while
+        every other is lent to the streamer, wait for one back. None once all are taken or given up."""
+        with self._changed:
+            while True:
+                free = [i for i in (*self._wanted, *range(len(self.units)))
+                        if i not in self._taken and i not in self._dropped and i not in self._claimed]
+                if free:
+                    self._taken.add(free[0])
+                    return free[0]
+                if not self._claimed - self._dropped:
+                    return None
+                self._changed.wait()
+
+    # ---- the streamer's side ----------------------------------------------------------------------
+
+    def claim(self, unit: Unit) -> bool:
+        """Lend ``unit`` to the streamer for one forward, if the thread has not taken it on; whether lent."""
+        i = self._index[id(unit)]
+        with self._changed:
+            if i in self._taken or i in self._dropped:
+                return False
+            self._claimed.add(i)
+            return True
+
+    def unclaim(self, unit: Unit) -> None:
+        """The streamer is done with ``unit``: the thread may take it on."""
+        with self._changed:
+            self._claimed.discard(self._index[id(unit)])
+            self._changed.notify_all()
+
+    # ---- waiting and binding ----------------------------------------------------------------------
+
     def wait(self, unit: Unit) -> None:
-        """Wait for ``unit``'s reads and bind its parameters there for good (nothing to do once bound).
+        """Wait for ``unit``'s reads (asking the thread to take it on next) and bind its parameters
+        there for good. Nothing to do once bound, or while the streamer has it.
 
         Raises the error that stopped its reads (a read's TensorIOError, a fault's OSError), once
         every read started into its buffer has finished; the unit then stays unbound.
         """
-        if unit.loading is not self:
+        if unit.loading is not self or unit.claimed:
             return
         i = self._index[id(unit)]
+        with self._changed:
+            if i not in self._taken:
+                self._wanted.append(i)
+                self._changed.notify_all()
         nbytes, error = 0, None
         for future in self._issued[i].result():  # raises what kept its reads from starting
             try:
@@ -372,7 +439,12 @@ class ResidentLoad:
         self.nbytes += nbytes
 
     def wait_all(self) -> None:
-        """Wait for every unit and bind it. Raises the first error once every started read has finished."""
+        """Wait for every unit and bind it. Raises the first error once every started read has
+        finished; RuntimeError where the streamer holds a unit (`LayerStreamer.reset` it first)."""
+        with self._changed:
+            lent = [self.units[i].name for i in self._claimed - self._dropped]
+        if lent:
+            raise RuntimeError(f"the layer streamer holds {lent[0]} (and {len(lent) - 1} more); reset it first")
         error = None
         for unit in self.units:
             try:
@@ -391,14 +463,15 @@ class ResidentLoad:
     def drop(self, unit: Unit) -> None:
         """Give ``unit`` up ("on disk", unbound) without waiting for the load to reach it: the thread
         skips it, or, where its reads have started, they are waited for (errors ignored; no forward
-        needs its data). Nothing to do once it is bound."""
+        needs its data). Nothing to do once it is bound. The streamer must not hold it."""
         if unit.loading is not self:
             return
         i = self._index[id(unit)]
-        with self._lock:
-            taken = i <= self._taken
+        with self._changed:
+            taken = i in self._taken
             if not taken:
                 self._dropped.add(i)
+                self._changed.notify_all()
         if taken:
             try:
                 for future in self._issued[i].result():
@@ -413,8 +486,9 @@ class ResidentLoad:
     def close(self) -> None:
         """Give up every unit not yet bound (`drop`): none is started any more, those started are
         waited for."""
-        with self._lock:
-            self._dropped.update(i for i, unit in enumerate(self.units) if i > self._taken and unit.loading is self)
+        with self._changed:
+            self._dropped.update(i for i, unit in enumerate(self.units) if i not in self._taken and unit.loading is self)
+            self._changed.notify_all()
         for unit in self.units:
             self.drop(unit)
         self._thread.join()
