@@ -38,7 +38,7 @@ def test_tiny_run_end_to_end(capsys):
     assert ours["read_bytes_per_forward"] > 0 and ours["io_bytes"] >= 3 * ours["read_bytes_per_forward"]
     assert figures["fio_bps"] > 0 and "fio:" in printed and "targets:" in printed
     assert any("x the disk bound" in line for line in figures["targets"])
-    assert ours["loaded_first_token_s"] > 0 and ours["full_load_s"] >= 0
+    assert ours["loaded_first_token_s"] > 0 and ours["first_forward_loaded_s"] > 0 and ours["full_load_s"] >= 0
     assert any(line.startswith("time to first token at") for line in figures["targets"])
     assert any(line.startswith("page cache, ours") for line in figures["targets"])
     assert ours["checkpoint_cache_growth"] < 64e6

@@ -156,14 +156,16 @@ class InferenceEngine:
     # ---- figures ----------------------------------------------------------------------------------
 
     def wait_loaded(self) -> float:
-        """Wait until every resident weight is in memory and return the seconds that took from the
-        start of `init_inference`. Forwards need not call it (each waits for the layers it reaches);
-        code that reads the weights outside a forward does. Raises the first read's error."""
+        """Wait until every resident weight is in memory (and the ring's buffers are made); return the
+        seconds the weights took from the start of `init_inference`. Forwards need not call it (each
+        waits for, or streams, the layers it reaches); code that reads the weights outside a forward
+        does. Raises the first read's error."""
         self._check_open()
         if not all(load.done for load in self._loads):
             self.streamer.reset()  # gives back the layers it reads through the ring for their loads
         for load in self._loads:
             load.wait_all()
+        self.streamer.wait_buffers()
         return max([load.finished_at for load in self._loads if load.finished_at] + [self._start]) - self._start
 
     def io_bytes(self) -> int:

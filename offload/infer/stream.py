@@ -152,6 +152,11 @@ class LayerStreamer:
             maker.shutdown(wait=False)
             self.buffer_nbytes = buffer_nbytes
 
+    def wait_buffers(self) -> None:
+        """Wait until every ring buffer is made. Raises the error that kept one from being made."""
+        while self._allocating:
+            self._collect(block=True)
+
     def _collect(self, *, block: bool = False) -> None:
         """Add the ring buffers made so far to the free ones (with ``block``: wait for the next one).
         Raises the error that kept a buffer from being made (OSError, MemoryError)."""
