@@ -260,3 +260,25 @@ def test_a_forward_reads_the_units_its_load_has_not_taken_on_through_the_ring(ri
     assert load.nbytes == sum(units[i].read_nbytes for i in (1, 3, 4))
     _check(modules, weights, [0, 2])  # the streamed ones stream as before
     assert all(torch.equal(modules[i](x), x @ weights[f"layer{i}.weight"].T) for i in (1, 3, 4))
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priority on this system")
+def test_the_load_runs_at_the_lowest_cpu_priority(ring, monkeypatch):
+    from offload.infer import stream
+
+    modules, units, streamer, weights = ring
+    streamer.set_units([], 0)
+    inside, go, prefault, seen = threading.Event(), threading.Event(), stream.prefault, []
+
+    def held_fault(buffer):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        inside.set()
+        assert go.wait(timeout=120)
+        return prefault(buffer)
+
+    monkeypatch.setattr(stream, "prefault", held_fault)
+    load = stream.ResidentLoad(streamer.handle, units[:1])
+    assert inside.wait(timeout=120)
+    go.set()
+    load.wait_all()
+    assert seen == [19] and os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) != 19  # the caller keeps its own

@@ -13,6 +13,7 @@ its layer's forward has returned.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -26,6 +27,8 @@ from offload.storage.safetensors_reader import Window, read_windows, tensor_view
 from tensorio import AioHandle, IOFuture, aligned_tensor, free_locked_tensor, locked_tensor, prefault
 
 __all__ = ["LayerStreamer", "ParamRef", "ResidentLoad", "Unit"]
+
+_LOAD_NICE = 19  # the background load's nice value: it gets the CPU the forward leaves
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,7 +356,15 @@ class ResidentLoad:
     # ---- the thread -------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        """Fault each buffer in, then start its reads, unit by unit; stop reading at the first error."""
+        """Fault each buffer in, then start its reads, unit by unit; stop reading at the first error.
+
+        The thread (and the fault threads it starts, which inherit it) runs at the lowest CPU
+        priority: faulting fresh memory in is CPU-bound here, and the forward's compute comes first.
+        """
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _LOAD_NICE)
+        except (OSError, AttributeError):  # not Linux, or not allowed: the load simply competes
+            pass
         error: BaseException | None = None
         in_flight: deque[int] = deque()
         while (i := self._take()) is not None:
