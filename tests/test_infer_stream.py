@@ -277,8 +277,9 @@ def test_the_load_runs_at_the_lowest_cpu_priority(ring, monkeypatch):
         return prefault(buffer)
 
     monkeypatch.setattr(stream, "prefault", held_fault)
+    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     load = stream.ResidentLoad(streamer.handle, units[:1])
     assert inside.wait(timeout=120)
     go.set()
     load.wait_all()
-    assert seen == [19] and os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) != 19  # the caller keeps its own
+    assert seen == [19] and os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller  # the caller keeps its own
