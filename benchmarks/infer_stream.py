@@ -209,6 +209,18 @@ class _FirstToken:
         return torch.ones(input_ids.shape[0], dtype=torch.bool)
 
 
+def _first_token_seconds(model, ids, new_tokens: int) -> float:
+    """Seconds ``model.generate`` takes to its first new token, asked for ``new_tokens`` (so that our
+    engine keeps the plan of the full run) and stopped there."""
+    import torch
+    import transformers
+
+    clock, begin = _Clock(), time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                   pad_token_id=0, streamer=clock, stopping_criteria=transformers.StoppingCriteriaList([_FirstToken()]))
+    return clock.times[0] - begin
+
+
 def child(args: dict) -> dict:
     """Run one configuration (``args["kind"]``: "ours", "accelerate-dispatch" or "accelerate-auto")."""
     import psutil
@@ -236,11 +248,9 @@ def child(args: dict) -> dict:
     if args.get("first_forward_only"):  # the reference: the first forward of a process whose weights are in
         model = _load(args["kind"], checkpoint, config, args)
         model.wait_loaded()
-        begin = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args["new_tokens"], do_sample=False,
-                       pad_token_id=0, streamer=clock, stopping_criteria=transformers.StoppingCriteriaList([_FirstToken()]))
+        seconds = _first_token_seconds(model, ids, args["new_tokens"])
         model.close()
-        return {"first_forward_loaded_s": clock.times[0] - begin}
+        return {"first_forward_loaded_s": seconds}
     # The peak from here on: loading and generating, not the imports and the warm-up.
     with RssSampler(kernel_peak=True) as rss:
         start, cpu0 = time.perf_counter(), os.times()
@@ -251,12 +261,8 @@ def child(args: dict) -> dict:
                        pad_token_id=0, streamer=clock)
         if args["kind"] == "ours":
             # The first forward on its own: one more first token, every weight loaded, the same plan.
-            full_load_s, warm = model.wait_loaded(), _Clock()
-            again = time.perf_counter()
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args["new_tokens"], do_sample=False,
-                           pad_token_id=0, streamer=warm,
-                           stopping_criteria=transformers.StoppingCriteriaList([_FirstToken()]))
-            loaded_first_token_s = warm.times[0] - again
+            full_load_s = model.wait_loaded()
+            loaded_first_token_s = _first_token_seconds(model, ids, args["new_tokens"])
     steps = np.diff(np.array(clock.times))
     s_per_token = float(np.median(steps)) if len(steps) else None
     figures = dict(
@@ -387,8 +393,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = []
     for kind, budget, batch in runs:
         offload_folder = directory / "accelerate-offload"
-        for path in _files(checkpoint) + (_files(offload_folder) if offload_folder.exists() else []):
-            _drop(path)
+        _make_cold(checkpoint, offload_folder)
         payload = {"kind": kind, "checkpoint": str(checkpoint), "budget": budget, "batch": batch,
                    "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "buffer_count": args.buffer_count,
                    "aio": args.aio, "disk_gbps": fio_bps / 1e9 if fio_bps else None, "offload_folder": str(offload_folder)}
@@ -399,8 +404,7 @@ def main(argv: list[str] | None = None) -> dict:
             result = {"kind": kind, "budget": budget, "batch": batch, "error": _failure(exc)}
         result["mem_available_before"] = available
         if kind == "ours" and "error" not in result:  # the first forward alone, for the time-to-first-token target
-            for path in _files(checkpoint):
-                _drop(path)
+            _make_cold(checkpoint, offload_folder)
             try:
                 result.update(run_config({**payload, "first_forward_only": True}))
             except ChildError as exc:
@@ -424,10 +428,12 @@ def main(argv: list[str] | None = None) -> dict:
     return figures
 
 
-def _drop(path: str) -> None:
+def _make_cold(checkpoint: Path, offload_folder: Path) -> None:
+    """Drop the checkpoint's files (and Accelerate's offload folder's) from the page cache."""
     from offload.infer.convert import drop_page_cache
 
-    drop_page_cache(path)
+    for path in _files(checkpoint) + (_files(offload_folder) if offload_folder.exists() else []):
+        drop_page_cache(path)
 
 
 def _failure(exc: ChildError) -> str:

@@ -73,7 +73,8 @@ class Unit:
     """The load reading it into memory of its own (state "loading")."""
     load_hooks: list = field(default_factory=list)
     claimed: bool = False
-    """Loading, but read into the ring for a forward because its load had not taken it on yet."""
+    """Loading, but lent to the ring for a forward because its load had not taken it on yet (set
+    and cleared by the load, under its lock)."""
 
     @property
     def read_nbytes(self) -> int:
@@ -240,17 +241,14 @@ class LayerStreamer:
             self._next = (self._next + 1) % len(self.units)
 
     def _claim(self, unit: Unit) -> bool:
-        if unit.state != "loading" or unit.buffer_nbytes > self.buffer_nbytes or not unit.loading.claim(unit):
-            return False
-        unit.claimed = True
-        return True
+        return unit.state == "loading" and unit.buffer_nbytes <= self.buffer_nbytes and unit.loading.claim(unit)
 
     def _give_back(self, unit: Unit) -> None:
         """``unit``'s ring buffer is free again: a streamed unit goes back on disk, a claimed one to its load."""
         self._free.append(unit.slot)
         unit.slot, unit.users = None, 0
         if unit.claimed:
-            unit.claimed, unit.state = False, "loading"
+            unit.state = "loading"
             unit.loading.unclaim(unit)
         else:
             unit.state = "on disk"
@@ -339,11 +337,10 @@ class ResidentLoad:
         """Per unit: its read futures once they are started, or why they were not."""
         self._index = {id(unit): i for i, unit in enumerate(self.units)}
         self._changed = threading.Condition()
-        # Guarded by ``_changed``: units the thread has taken on, given up, lent to the streamer, and
-        # wanted by a forward first.
+        # Guarded by ``_changed`` (with each unit's ``claimed``): units the thread has taken on, given
+        # up, and wanted by a forward first.
         self._taken: set[int] = set()
         self._dropped: set[int] = set()
-        self._claimed: set[int] = set()
         self._wanted: deque[int] = deque()
         for unit in self.units:
             unit.state, unit.loading = "loading", self
@@ -373,8 +370,7 @@ class ResidentLoad:
                     unit, buffer = self.units[i], self._buffers[i]
                     prefault(buffer)
                     while in_flight and sum(self.units[j].read_nbytes for j in in_flight) + unit.read_nbytes > self.ahead_bytes:
-                        for future in self._issued[in_flight.popleft()].result():
-                            future.exception()  # finished, either way: its errors are for `wait`
+                        self._reads_done(in_flight.popleft())  # finished, either way: its errors are for `wait`
                     self._issued[i].set_result(read_windows(self.handle, unit.windows, buffer))
                     in_flight.append(i)
                     continue
@@ -382,8 +378,7 @@ class ResidentLoad:
                     error = exc
             self._issued[i].set_exception(error)
         for i in in_flight:
-            for future in self._issued[i].result():
-                error = error or future.exception()
+            error = error or self._reads_done(i)[1]
         if error is None:
             self.finished_at = time.perf_counter()
 
@@ -393,13 +388,36 @@ class ResidentLoad:
         with self._changed:
             while True:
                 free = [i for i in (*self._wanted, *range(len(self.units)))
-                        if i not in self._taken and i not in self._dropped and i not in self._claimed]
+                        if i not in self._taken and i not in self._dropped and not self.units[i].claimed]
                 if free:
                     self._taken.add(free[0])
                     return free[0]
-                if not self._claimed - self._dropped:
+                if not self._lent():
                     return None
                 self._changed.wait()
+
+    def _lent(self) -> list[Unit]:
+        """The units lent to the streamer now (under ``_changed``)."""
+        return [unit for i, unit in enumerate(self.units) if unit.claimed and i not in self._dropped]
+
+    def _reads_done(self, i: int) -> tuple[int, BaseException | None]:
+        """Wait for every read of unit ``i``: (bytes read, the first error). Raises what kept its reads
+        from starting."""
+        nbytes, error = 0, None
+        for future in self._issued[i].result():
+            try:
+                nbytes += future.result()
+            except BaseException as exc:  # noqa: BLE001 - the caller raises or ignores it
+                error = error or exc
+        return nbytes, error
+
+    def _let_go(self, i: int, state: str) -> None:
+        """Unit ``i`` is no longer this load's: its hooks go, its state becomes ``state``."""
+        unit = self.units[i]
+        for hook in unit.load_hooks:
+            hook.remove()
+        unit.state, unit.loading, unit.load_hooks = state, None, []
+        self._buffers[i] = None  # bound: its views (or converted copy) hold what stays
 
     # ---- the streamer's side ----------------------------------------------------------------------
 
@@ -409,13 +427,13 @@ class ResidentLoad:
         with self._changed:
             if i in self._taken or i in self._dropped:
                 return False
-            self._claimed.add(i)
+            unit.claimed = True
             return True
 
     def unclaim(self, unit: Unit) -> None:
         """The streamer is done with ``unit``: the thread may take it on."""
         with self._changed:
-            self._claimed.discard(self._index[id(unit)])
+            unit.claimed = False
             self._changed.notify_all()
 
     # ---- waiting and binding ----------------------------------------------------------------------
@@ -434,12 +452,7 @@ class ResidentLoad:
             if i not in self._taken:
                 self._wanted.append(i)
                 self._changed.notify_all()
-        nbytes, error = 0, None
-        for future in self._issued[i].result():  # raises what kept its reads from starting
-            try:
-                nbytes += future.result()
-            except BaseException as exc:  # noqa: BLE001 - raised below, once every read has finished
-                error = error or exc
+        nbytes, error = self._reads_done(i)
         if error is not None:
             raise error
         views = tensor_views(unit.windows, self._buffers[i])
@@ -448,19 +461,16 @@ class ResidentLoad:
             if value.dtype != ref.placeholder.dtype or (self.device is not None and self.device.type != "cpu"):
                 value = value.to(device=self.device or "cpu", dtype=ref.placeholder.dtype)
             ref.bind(value)
-        self._buffers[i] = None  # the views (or the converted copy) hold what stays
-        for hook in unit.load_hooks:
-            hook.remove()
-        unit.state, unit.loading, unit.load_hooks = "resident", None, []
+        self._let_go(i, "resident")
         self.nbytes += nbytes
 
     def wait_all(self) -> None:
         """Wait for every unit and bind it. Raises the first error once every started read has
         finished; RuntimeError where the streamer holds a unit (`LayerStreamer.reset` it first)."""
         with self._changed:
-            lent = [self.units[i].name for i in self._claimed - self._dropped]
+            lent = self._lent()
         if lent:
-            raise RuntimeError(f"the layer streamer holds {lent[0]} (and {len(lent) - 1} more); reset it first")
+            raise RuntimeError(f"the layer streamer holds {lent[0].name} (and {len(lent) - 1} more); reset it first")
         error = None
         for unit in self.units:
             try:
@@ -490,14 +500,10 @@ class ResidentLoad:
                 self._changed.notify_all()
         if taken:
             try:
-                for future in self._issued[i].result():
-                    future.exception()
+                self._reads_done(i)
             except BaseException:  # noqa: BLE001 - its reads never started: nothing to wait for
                 pass
-        for hook in unit.load_hooks:
-            hook.remove()
-        unit.state, unit.loading, unit.load_hooks = "on disk", None, []
-        self._buffers[i] = None
+        self._let_go(i, "on disk")
 
     def close(self) -> None:
         """Give up every unit not yet bound (`drop`): none is started any more, those started are
