@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -71,18 +72,40 @@ def test_no_config_json(checkpoint):
         init_inference(checkpoint)
 
 
-def test_shard_truncated_while_generating_raises_and_the_engine_recovers(checkpoint, pristine):
-    with init_inference(checkpoint, max_in_cpu=tight_budget(checkpoint), disk_gbps=1.0) as engine:
-        streamed = {engine.checkpoint[ref.tensor].path for u in engine.plan.streamed for ref in
-                    next(x for x in engine.units if x.name == u.name).params}
-        victim = Path(sorted(streamed)[-1])
+@pytest.mark.parametrize("while_loading", [False, True], ids=["loaded", "while-loading"])
+def test_shard_truncated_while_generating_raises_and_the_engine_recovers(checkpoint, pristine, monkeypatch,
+                                                                        while_loading):
+    """The last shard holds streamed layers and the resident final norm. Truncated after the resident
+    weights are in, or before the background load has read them (held until then): generating raises
+    naming the file, and once the file is back the next generation is exact."""
+    from offload.infer import stream
+
+    victim, truncated, read_windows = _shards(checkpoint)[-1], threading.Event(), stream.read_windows
+
+    def load_reads_victim_once_truncated(handle, windows, buffer):
+        if threading.current_thread().name == "load-resident" and any(w.path == str(victim) for w in windows):
+            assert truncated.wait(timeout=120)  # an event, with a guard against a hang
+        return read_windows(handle, windows, buffer)
+
+    budget = tight_budget(checkpoint)
+    if while_loading:
+        monkeypatch.setattr(stream, "read_windows", load_reads_victim_once_truncated)
+    with init_inference(checkpoint, max_in_cpu=budget, disk_gbps=1.0) as engine:
+        files = {unit.name: {engine.checkpoint[ref.tensor].path for ref in unit.params} for unit in engine.units}
+        assert any(str(victim) in files[unit.name] for unit in engine.plan.streamed)
+        assert any(str(victim) in files[name] for name in engine.plan.resident)
+        if not while_loading:
+            engine.wait_loaded()
         saved = victim.read_bytes()
         os.truncate(victim, 4096)
+        truncated.set()
         ids, mask = prompts(1)
         with pytest.raises(TensorIOError, match=rf"short read.*{victim.name}"):
             engine.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=PAD, do_sample=False)
         victim.write_bytes(saved)  # the file is back: the next call works, from a clean ring
         ours = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False)
+        engine.wait_loaded()
+        assert {u.name for u in engine.units if u.state == "resident"} == set(engine.plan.resident)
     with torch.no_grad():
         expected = pristine[1].generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD,
                                         do_sample=False)

@@ -319,7 +319,9 @@ class ResidentLoad:
     its tensors (converted where the dtype or device differs). A unit the thread has not taken on
     may be claimed by the layer streamer, which reads it into its ring for one forward and gives it
     back (`claim`, `unclaim`); the thread takes it on afterwards. So the first forward need not wait
-    for the load.
+    for the load. A unit whose load failed (a read or a fault error) is read again by the forward
+    that needs it; only that read's error is raised, and the next forward tries again, so an error
+    that has passed (a shard being replaced, a moment short of memory) costs nothing for good.
     """
 
     def __init__(self, handle: AioHandle, units: list[Unit], *, device: torch.device | None = None,
@@ -331,7 +333,8 @@ class ResidentLoad:
         self.nbytes = 0
         """Bytes read by the units bound so far."""
         self.finished_at: float | None = None
-        """``time.perf_counter()`` when the last read finished (None until then, or after an error)."""
+        """``time.perf_counter()`` when the last read finished, a forward's read again included (None
+        until then)."""
         self._buffers = [aligned_tensor(unit.buffer_nbytes, torch.uint8) for unit in self.units]
         self._issued: list[Future] = [Future() for _ in self.units]
         """Per unit: its read futures once they are started, or why they were not."""
@@ -353,7 +356,8 @@ class ResidentLoad:
     # ---- the thread -------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        """Fault each buffer in, then start its reads, unit by unit; stop reading at the first error.
+        """Fault each buffer in, then start its reads, unit by unit. A unit that fails keeps its error
+        for `wait` (which reads it again); the others go on.
 
         The thread (and the fault threads it starts, which inherit it) runs at the lowest CPU
         priority: faulting fresh memory in is CPU-bound here, and the forward's compute comes first.
@@ -362,25 +366,25 @@ class ResidentLoad:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _LOAD_NICE)
         except (OSError, AttributeError):  # not Linux, or not allowed: the load simply competes
             pass
-        error: BaseException | None = None
         in_flight: deque[int] = deque()
         while (i := self._take()) is not None:
-            if error is None:
-                try:
-                    unit, buffer = self.units[i], self._buffers[i]
-                    prefault(buffer)
-                    while in_flight and sum(self.units[j].read_nbytes for j in in_flight) + unit.read_nbytes > self.ahead_bytes:
-                        self._reads_done(in_flight.popleft())  # finished, either way: its errors are for `wait`
-                    self._issued[i].set_result(read_windows(self.handle, unit.windows, buffer))
-                    in_flight.append(i)
-                    continue
-                except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for this unit
-                    error = exc
-            self._issued[i].set_exception(error)
+            try:
+                unit, buffer = self.units[i], self._buffers[i]
+                prefault(buffer)
+                while in_flight and sum(self.units[j].read_nbytes for j in in_flight) + unit.read_nbytes > self.ahead_bytes:
+                    self._reads_done(in_flight.popleft())  # finished, either way: its errors are for `wait`
+                self._issued[i].set_result(read_windows(self.handle, unit.windows, buffer))
+                in_flight.append(i)
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for this unit
+                self._issued[i].set_exception(exc)
         for i in in_flight:
-            error = error or self._reads_done(i)[1]
-        if error is None:
-            self.finished_at = time.perf_counter()
+            self._reads_done(i)
+        self._finished()
+
+    def _finished(self) -> None:
+        """Note that reads have just finished (the last note is `finished_at`)."""
+        with self._changed:
+            self.finished_at = max(self.finished_at or 0.0, time.perf_counter())
 
     def _take(self) -> int | None:
         """The next unit to take on: one a forward waits for, else the first free one in order; while
@@ -401,15 +405,32 @@ class ResidentLoad:
         return [unit for i, unit in enumerate(self.units) if unit.claimed and i not in self._dropped]
 
     def _reads_done(self, i: int) -> tuple[int, BaseException | None]:
-        """Wait for every read of unit ``i``: (bytes read, the first error). Raises what kept its reads
-        from starting."""
+        """Wait for every read of unit ``i``: (bytes read, the first error, or what kept its reads from
+        starting)."""
+        try:
+            futures = self._issued[i].result()
+        except BaseException as exc:  # noqa: BLE001 - the caller raises or ignores it
+            return 0, exc
         nbytes, error = 0, None
-        for future in self._issued[i].result():
+        for future in futures:
             try:
                 nbytes += future.result()
             except BaseException as exc:  # noqa: BLE001 - the caller raises or ignores it
                 error = error or exc
         return nbytes, error
+
+    def _read_again(self, i: int) -> tuple[int, BaseException | None]:
+        """Read unit ``i`` once more, in the caller's thread (its load failed): as `_reads_done`."""
+        issued: Future = Future()
+        try:
+            issued.set_result(read_windows(self.handle, self.units[i].windows, self._buffers[i]))
+        except BaseException as exc:  # noqa: BLE001 - kept for the next try, like the thread's
+            issued.set_exception(exc)
+        self._issued[i] = issued
+        result = self._reads_done(i)
+        if result[1] is None:
+            self._finished()
+        return result
 
     def _let_go(self, i: int, state: str) -> None:
         """Unit ``i`` is no longer this load's: its hooks go, its state becomes ``state``."""
@@ -442,8 +463,9 @@ class ResidentLoad:
         """Wait for ``unit``'s reads (asking the thread to take it on next) and bind its parameters
         there for good. Nothing to do once bound, or while the streamer has it.
 
-        Raises the error that stopped its reads (a read's TensorIOError, a fault's OSError), once
-        every read started into its buffer has finished; the unit then stays unbound.
+        Where its load failed, reads it again here. Raises that read's error (a TensorIOError naming
+        the file and offset) once every read started into its buffer has finished; the unit then
+        stays unbound, and the next call tries again.
         """
         if unit.loading is not self or unit.claimed:
             return
@@ -453,6 +475,8 @@ class ResidentLoad:
                 self._wanted.append(i)
                 self._changed.notify_all()
         nbytes, error = self._reads_done(i)
+        if error is not None:
+            nbytes, error = self._read_again(i)
         if error is not None:
             raise error
         views = tensor_views(unit.windows, self._buffers[i])
@@ -499,10 +523,7 @@ class ResidentLoad:
                 self._dropped.add(i)
                 self._changed.notify_all()
         if taken:
-            try:
-                self._reads_done(i)
-            except BaseException:  # noqa: BLE001 - its reads never started: nothing to wait for
-                pass
+            self._reads_done(i)  # errors ignored: no forward needs its data
         self._let_go(i, "on disk")
 
     def close(self) -> None:
