@@ -66,6 +66,8 @@ class InferenceEngine:
         self.settings = settings
         self._closed = False
         self._loads: list[ResidentLoad] = []
+        self._forwarded = False
+        """A forward has finished: loads read as they go (until then, they hold their streamable units' reads)."""
         self._start = start = time.perf_counter()
         # 1. The reads' handle, and the checkpoint's headers (every file checked before any tensor is read).
         self.handle = AioHandle.from_config(settings.aio)
@@ -91,6 +93,7 @@ class InferenceEngine:
             for unit in self.units:
                 if unit.streamable:
                     self.streamer.attach(unit)
+            self._release_hook = self.module.register_forward_hook(lambda *_: self._release_loads())
             self._apply(self.plan)
         except BaseException:
             for load in self._loads:
@@ -161,6 +164,7 @@ class InferenceEngine:
         waits for, or streams, the layers it reaches); code that reads the weights outside a forward
         does. Raises the first read's error."""
         self._check_open()
+        self._release_loads()
         if not all(load.done for load in self._loads):
             self.streamer.reset()  # gives back the layers it reads through the ring for their loads
         for load in self._loads:
@@ -213,6 +217,14 @@ class InferenceEngine:
         self.close()
 
     # ---- internals --------------------------------------------------------------------------------
+
+    def _release_loads(self) -> None:
+        """The first forward is done (or every weight is wanted now): the loads read what they hold back."""
+        if not self._forwarded:
+            self._forwarded = True
+            self._release_hook.remove()
+            for load in self._loads:
+                load.release()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -284,8 +296,9 @@ class InferenceEngine:
         streamed = [u for u in self.units if u.name not in plan.resident]
         if streamed:
             promoted = [u for u in promoted if not u.streamable] + [u for u in reversed(promoted) if u.streamable]
-        if promoted:
-            self._loads.append(ResidentLoad(self.handle, promoted, device=self.device))
+        if promoted:  # before the first forward is done, with a ring, it holds reads back (`ResidentLoad`)
+            self._loads.append(ResidentLoad(self.handle, promoted, device=self.device,
+                                            held=bool(streamed) and not self._forwarded))
         if streamed and self.device.type == "cuda":
             from offload.infer.cuda import CudaStager  # the CUDA path: see offload/infer/cuda.py
 
