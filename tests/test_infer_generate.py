@@ -347,36 +347,39 @@ def test_the_first_forward_runs_while_the_resident_weights_load(models, monkeypa
     assert_same_generation(ours, reference(model, 1, do_sample=False), torch.float32)
 
 
-def test_a_forward_reads_resident_layers_not_loaded_yet_through_the_ring(models, monkeypatch):
-    """Layers 0 and 2 resident, 1 and 3 (and the head) streamed. The load takes the layers on from the last, and is
-    held at layer 2 until the forward gets there, so the forward reads layer 0 through the ring. The
-    generation is still exact, and every resident layer ends up in memory."""
+def test_with_a_ring_the_load_reads_its_layers_only_after_the_first_forward(models, monkeypatch):
+    """Layers 0 and 2 resident, 1 and 3 (and the head) streamed: until the first forward is done the
+    load takes on only what cannot stream (embeddings, norm), so that forward reads layers 0 and 2
+    through the ring, with the disk and the cores to itself; the load reads them once it is done.
+    The generation is exact."""
     from offload.infer import stream
 
     directory, model = models["llama", torch.float32]
     required, kv, _ = required_and_kv(directory, 1)
     with init_inference(directory, device="cpu", disk_gbps=1.0) as probe:
         layer = max(u.nbytes for u in probe.units if u.name.startswith("model.layers."))
-        fixed = sum(1 for u in probe.units if not u.streamable)
-    reached, prefault, faulted, lent = threading.Event(), stream.prefault, [], []
-    claim = stream.ResidentLoad.claim
+    done, read_windows, reads = threading.Event(), stream.read_windows, []
 
-    def held_fault(buffer, *args):
-        faulted.append(buffer)
-        if len(faulted) == fixed + 1:  # the first layer the load takes on: layer 2
-            assert reached.wait(timeout=120)
-        return prefault(buffer, *args)
+    def recorded(handle, windows, buffer):
+        if threading.current_thread().name == "load-resident":
+            reads.append((windows, done.is_set()))
+        return read_windows(handle, windows, buffer)
 
-    monkeypatch.setattr(stream, "prefault", held_fault)
-    monkeypatch.setattr(stream.ResidentLoad, "claim", lambda load, unit: claim(load, unit) and not lent.append(unit.name))
+    claim, lent = stream.ResidentLoad.claim, []
+    monkeypatch.setattr(stream, "read_windows", recorded)
+    monkeypatch.setattr(stream.ResidentLoad, "claim",
+                        lambda load, unit: claim(load, unit) and not (done.is_set() or lent.append(unit.name)))
     with init_inference(directory, max_in_cpu=f"{required + kv + 2 * layer}B", disk_gbps=1.0) as engine:
         assert sorted(name for name in engine.plan.resident if name.startswith("model.layers.")) == [
             "model.layers.0", "model.layers.2"]
-        engine.module.model.layers[2].register_forward_pre_hook(lambda *_: reached.set())
+        engine.module.register_forward_hook(lambda *_: done.set(), prepend=True)  # before the engine's own
         ids, mask = prompts(1)
         ours = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD,
                                do_sample=False, output_logits=True, return_dict_in_generate=True)
         engine.wait_loaded()
         assert {u.name for u in engine.units if u.state == "resident"} == set(engine.plan.resident)
-    assert lent and lent[0] == "model.layers.0" and "model.layers.2" not in lent
+        streamable = {id(u.windows): u.streamable for u in engine.units}
+    layer_reads = [after for windows, after in reads if streamable.get(id(windows))]
+    assert sorted(set(lent)) == ["model.layers.0", "model.layers.2"]  # lent to the ring before the first forward ended
+    assert len(layer_reads) == 2 and all(layer_reads)  # the load's, after the first forward
     assert_same_generation(ours, reference(model, 1, do_sample=False), torch.float32)

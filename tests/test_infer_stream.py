@@ -269,6 +269,39 @@ def test_a_forward_reads_the_units_its_load_has_not_taken_on_through_the_ring(ri
     assert all(torch.equal(modules[i](x), x @ weights[f"layer{i}.weight"].T) for i in (1, 3, 4))
 
 
+def test_a_held_load_takes_on_only_what_a_forward_waits_for_until_released(ring, monkeypatch):
+    from offload.infer import stream
+
+    modules, units, streamer, weights = ring
+    streamer.set_units([], 0)
+    read_windows, started, prefault, faulted = stream.read_windows, [], stream.prefault, []
+    monkeypatch.setattr(stream, "read_windows", lambda *a: started.append(a[1]) or read_windows(*a))
+    monkeypatch.setattr(stream, "prefault", lambda buffer: faulted.append(buffer) or prefault(buffer))
+    load = stream.ResidentLoad(streamer.handle, units[:3], held=True)  # all three could stream
+    assert load.claim(units[0])  # a unit held back may go through the ring
+    load.unclaim(units[0])
+    x = torch.randn(3, 8)
+    assert torch.equal(modules[1](x), x @ weights["layer1.weight"].T)  # a forward waits for it: taken on now
+    assert started == [units[1].windows] and len(faulted) == 1  # and nothing else, while held
+    assert [u.state for u in units[:3]] == ["loading", "resident", "loading"]
+    load.release()
+    load.wait_all()
+    assert [u.state for u in units[:3]] == ["resident"] * 3 and len(started) == 3 and len(faulted) == 3
+    assert all(torch.equal(modules[i](x), x @ weights[f"layer{i}.weight"].T) for i in range(3))
+    load.close()
+
+
+def test_closing_a_held_load_gives_its_units_up(ring):
+    from offload.infer import stream
+
+    modules, units, streamer, weights = ring
+    streamer.set_units([], 0)
+    load = stream.ResidentLoad(streamer.handle, units[:2], held=True)
+    load.close()  # returns: the thread stops waiting for a release that will not come
+    assert [u.state for u in units[:2]] == ["on disk"] * 2 and not load._thread.is_alive()
+    assert load.nbytes == 0
+
+
 @pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priority on this system")
 def test_the_load_runs_at_the_lowest_cpu_priority(ring, monkeypatch):
     from offload.infer import stream

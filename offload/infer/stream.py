@@ -319,11 +319,10 @@ class ResidentLoad:
     its tensors (converted where the dtype or device differs). A unit the thread has not taken on
     may be claimed by the layer streamer, which reads it into its ring for one forward and gives it
     back (`claim`, `unclaim`); the thread takes it on afterwards. So the first forward need not wait
-    for the load. Created ``held``, the thread only faults the buffers of streamable units in and
-    parks them, reading none until `release` (the engine releases it once the first forward is done):
-    that forward reads them through the ring (a parked unit may still be claimed), so the disk is
-    all its, and the faults take only the CPU it leaves; afterwards the reads go at the disk's speed
-    into memory already faulted in. A unit whose load failed (a read or a fault error) is read again by the forward
+    for the load. Created ``held``, the thread takes on only the units that cannot stream, and those
+    a forward waits for, until `release` (the engine releases it once the first forward is done):
+    that forward reads the others through the ring, with the disk and the cores to itself (faulting
+    fresh memory in slows a forward beside it by half here, docs/inference.md "Load"). A unit whose load failed (a read or a fault error) is read again by the forward
     that needs it; only that read's error is raised, and the next forward tries again, so an error
     that has passed (a shard being replaced, a moment short of memory) costs nothing for good.
     """
@@ -345,11 +344,10 @@ class ResidentLoad:
         self._index = {id(unit): i for i, unit in enumerate(self.units)}
         self._changed = threading.Condition()
         # Guarded by ``_changed`` (with each unit's ``claimed``): units the thread has taken on, given
-        # up, wanted by a forward first, and faulted in but not read while held.
+        # up, and wanted by a forward first.
         self._taken: set[int] = set()
         self._dropped: set[int] = set()
         self._wanted: deque[int] = deque()
-        self._parked: list[int] = []
         self._held = held
         for unit in self.units:
             unit.state, unit.loading = "loading", self
@@ -362,9 +360,8 @@ class ResidentLoad:
     # ---- the thread -------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        """Fault each buffer in, then start its reads, unit by unit (while held, park streamable units
-        once faulted in, and read them after `release`). A unit that fails keeps its error for `wait`
-        (which reads it again); the others go on.
+        """Fault each buffer in, then start its reads, unit by unit. A unit that fails keeps its error
+        for `wait` (which reads it again); the others go on.
 
         The thread (and the fault threads it starts, which inherit it) runs at the lowest CPU
         priority: faulting fresh memory in is CPU-bound here, and the forward's compute comes first.
@@ -374,14 +371,10 @@ class ResidentLoad:
         except (OSError, AttributeError):  # not Linux, or not allowed: the load simply competes
             pass
         in_flight: deque[int] = deque()
-        while (step := self._take()) is not None:
-            i, fault = step
+        while (i := self._take()) is not None:
             try:
                 unit, buffer = self.units[i], self._buffers[i]
-                if fault:
-                    prefault(buffer)
-                    if self._park(i):
-                        continue
+                prefault(buffer)
                 while in_flight and sum(self.units[j].read_nbytes for j in in_flight) + unit.read_nbytes > self.ahead_bytes:
                     self._reads_done(in_flight.popleft())  # finished, either way: its errors are for `wait`
                 self._issued[i].set_result(read_windows(self.handle, unit.windows, buffer))
@@ -392,40 +385,24 @@ class ResidentLoad:
             self._reads_done(i)
         self._finished()
 
-    def _park(self, i: int) -> bool:
-        """Whether unit ``i``, just faulted in, is not to be read now: given up meanwhile (`drop` waits
-        for it: nothing to read), or parked while held (streamable, and no forward waits for it)."""
-        with self._changed:
-            if i in self._dropped:
-                self._issued[i].set_result([])
-                return True
-            if not self._held or not self.units[i].streamable or i in self._wanted:
-                return False
-            self._parked.append(i)
-            return True
-
     def _finished(self) -> None:
         """Note that reads have just finished (the last note is `finished_at`)."""
         with self._changed:
             self.finished_at = max(self.finished_at or 0.0, time.perf_counter())
 
-    def _take(self) -> tuple[int, bool] | None:
-        """The next unit to read, and whether its buffer is still to be faulted in: once released, a
-        parked one (not lent to the streamer); else one a forward waits for, else the first free one in
-        order. While every other is lent to the streamer, or parked and held, wait. None once all are
-        read or given up."""
+    def _take(self) -> int | None:
+        """The next unit to take on: one a forward waits for, else the first free one in order (while
+        held, only one that cannot stream); while every other is lent to the streamer or held, wait.
+        None once all are taken or given up."""
         with self._changed:
             while True:
-                ready = [i for i in self._parked if not self.units[i].claimed] if not self._held else []
-                if ready:
-                    self._parked.remove(ready[0])
-                    return ready[0], False
-                free = [i for i in (*self._wanted, *range(len(self.units)))
-                        if i not in self._taken and i not in self._dropped and not self.units[i].claimed]
+                left = [i for i in range(len(self.units)) if i not in self._taken and i not in self._dropped]
+                free = [i for i in self._wanted if i in left and not self.units[i].claimed] + [
+                    i for i in left if not self.units[i].claimed and not (self._held and self.units[i].streamable)]
                 if free:
                     self._taken.add(free[0])
-                    return free[0], True
-                if not self._lent() and not self._parked:
+                    return free[0]
+                if not left:
                     return None
                 self._changed.wait()
 
@@ -448,8 +425,8 @@ class ResidentLoad:
                 error = error or exc
         return nbytes, error
 
-    def _read_here(self, i: int) -> tuple[int, BaseException | None]:
-        """Read unit ``i`` in the caller's thread (its load failed, or it is parked): as `_reads_done`."""
+    def _read_again(self, i: int) -> tuple[int, BaseException | None]:
+        """Read unit ``i`` once more, in the caller's thread (its load failed): as `_reads_done`."""
         issued: Future = Future()
         try:
             issued.set_result(read_windows(self.handle, self.units[i].windows, self._buffers[i]))
@@ -472,23 +449,22 @@ class ResidentLoad:
     # ---- the streamer's side ----------------------------------------------------------------------
 
     def claim(self, unit: Unit) -> bool:
-        """Lend ``unit`` to the streamer for one forward, if the thread has not taken it on (or has
-        parked it); whether lent."""
+        """Lend ``unit`` to the streamer for one forward, if the thread has not taken it on; whether lent."""
         i = self._index[id(unit)]
         with self._changed:
-            if (i in self._taken and i not in self._parked) or i in self._dropped:
+            if i in self._taken or i in self._dropped:
                 return False
             unit.claimed = True
             return True
 
     def unclaim(self, unit: Unit) -> None:
-        """The streamer is done with ``unit``: the thread may take it on (or read it, once released)."""
+        """The streamer is done with ``unit``: the thread may take it on."""
         with self._changed:
             unit.claimed = False
             self._changed.notify_all()
 
     def release(self) -> None:
-        """Let a held load read its parked units, and the rest as it goes on (nothing to do otherwise)."""
+        """Let a held load take on the rest of its units (nothing to do otherwise)."""
         with self._changed:
             self._held = False
             self._changed.notify_all()
@@ -496,8 +472,7 @@ class ResidentLoad:
     # ---- waiting and binding ----------------------------------------------------------------------
 
     def wait(self, unit: Unit) -> None:
-        """Wait for ``unit``'s reads (asking the thread to take it on next, or reading it here if it is
-        parked) and bind its parameters
+        """Wait for ``unit``'s reads (asking the thread to take it on next) and bind its parameters
         there for good. Nothing to do once bound, or while the streamer has it.
 
         Where its load failed, reads it again here. Raises that read's error (a TensorIOError naming
@@ -508,18 +483,12 @@ class ResidentLoad:
             return
         i = self._index[id(unit)]
         with self._changed:
-            parked = i in self._parked
-            if parked:
-                self._parked.remove(i)
-            else:  # taken on next; or, being faulted in, not parked afterwards
+            if i not in self._taken:
                 self._wanted.append(i)
                 self._changed.notify_all()
-        if parked:  # faulted in already: read it here, now
-            nbytes, error = self._read_here(i)
-        else:
-            nbytes, error = self._reads_done(i)
+        nbytes, error = self._reads_done(i)
         if error is not None:
-            nbytes, error = self._read_here(i)
+            nbytes, error = self._read_again(i)
         if error is not None:
             raise error
         views = tensor_views(unit.windows, self._buffers[i])
@@ -561,12 +530,10 @@ class ResidentLoad:
             return
         i = self._index[id(unit)]
         with self._changed:
-            if i in self._parked:  # faulted in, never read
-                self._parked.remove(i)
-                self._issued[i].set_result([])
             taken = i in self._taken
-            self._dropped.add(i)
-            self._changed.notify_all()
+            if not taken:
+                self._dropped.add(i)
+                self._changed.notify_all()
         if taken:
             self._reads_done(i)  # errors ignored: no forward needs its data
         self._let_go(i, "on disk")
