@@ -67,7 +67,7 @@ class InferenceEngine:
         self._closed = False
         self._loads: list[ResidentLoad] = []
         self._forwarded = False
-        """A forward has finished: loads read as they go (until then, they hold their streamable units' reads)."""
+        """A forward has finished: loads take every unit on (until then, they hold the streamable ones back)."""
         self._start = start = time.perf_counter()
         # 1. The reads' handle, and the checkpoint's headers (every file checked before any tensor is read).
         self.handle = AioHandle.from_config(settings.aio)
