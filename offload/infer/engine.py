@@ -66,8 +66,6 @@ class InferenceEngine:
         self.settings = settings
         self._closed = False
         self._loads: list[ResidentLoad] = []
-        self._forwarded = False
-        """A forward has finished: loads take every unit on (until then, they hold the streamable ones back)."""
         self._start = start = time.perf_counter()
         # 1. The reads' handle, and the checkpoint's headers (every file checked before any tensor is read).
         self.handle = AioHandle.from_config(settings.aio)
@@ -94,6 +92,7 @@ class InferenceEngine:
                 if unit.streamable:
                     self.streamer.attach(unit)
             self._release_hook = self.module.register_forward_hook(lambda *_: self._release_loads())
+            """Until the first forward is done (then None), loads hold their streamable units back."""
             self._apply(self.plan)
         except BaseException:
             for load in self._loads:
@@ -220,9 +219,9 @@ class InferenceEngine:
 
     def _release_loads(self) -> None:
         """The first forward is done (or every weight is wanted now): the loads read what they hold back."""
-        if not self._forwarded:
-            self._forwarded = True
+        if self._release_hook is not None:
             self._release_hook.remove()
+            self._release_hook = None
             for load in self._loads:
                 load.release()
 
@@ -298,7 +297,7 @@ class InferenceEngine:
             promoted = [u for u in promoted if not u.streamable] + [u for u in reversed(promoted) if u.streamable]
         if promoted:  # before the first forward is done, with a ring, it holds reads back (`ResidentLoad`)
             self._loads.append(ResidentLoad(self.handle, promoted, device=self.device,
-                                            held=bool(streamed) and not self._forwarded))
+                                            held=bool(streamed) and self._release_hook is not None))
         if streamed and self.device.type == "cuda":
             from offload.infer.cuda import CudaStager  # the CUDA path: see offload/infer/cuda.py
 
