@@ -20,7 +20,11 @@ _libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MADV_POPULATE_WRITE = 23  # Linux 5.14; older kernels answer EINVAL
-_FAULT_PIECE = 64 << 20  # bytes one prefault call takes, so that threads share a range evenly
+# Bytes one prefault call takes. The kernel holds the process's memory map (mmap_lock) for reading
+# through a whole call, and another thread's mmap or munmap (glibc's large malloc and free, as torch
+# allocates every activation) waits for it: 64 MiB calls of cold memory (about 75 ms each here) made
+# a layer's forward beside them 30x slower (docs/inference.md, "Load"). 4 MiB keeps each wait short.
+_FAULT_PIECE = 4 << 20
 _FAULT_THREADS = 8  # prefault's threads by default: one per core, at most this many
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
@@ -62,8 +66,8 @@ def prefault(tensor: torch.Tensor, start: int = 0, stop: int | None = None, *, t
     A read into memory never touched faults its pages in on the reading thread, one at a time; on a
     virtual machine whose host backs memory lazily that costs more than the read itself (2.2-2.8 s
     of kernel time per GiB here, docs/inference.md). Faulting in ahead takes that off the reads' path,
-    and ``threads`` (default: one per core, at most 8) share it in 64 MiB pieces; the calls release
-    the GIL. The range is widened to whole pages. Returns False, having done nothing, where the
+    and ``threads`` (default: one per core, at most 8) share it in 4 MiB pieces, short enough that
+    the other threads' mmap and munmap calls are not held up behind them; the calls release the GIL. The range is widened to whole pages. Returns False, having done nothing, where the
     kernel lacks MADV_POPULATE_WRITE (Linux < 5.14). Raises ValueError for a range outside the
     storage, OSError for any other refusal (ENOMEM: no memory left).
     """

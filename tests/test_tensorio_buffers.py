@@ -48,10 +48,32 @@ def test_prefault_makes_memory_resident_and_keeps_its_bytes():
 def test_prefault_shares_a_range_among_threads():
     tensor = tensorio.aligned_tensor(200 * MiB, torch.uint8)
     before = psutil.Process().memory_info().rss
-    assert tensorio.prefault(tensor, MiB, 199 * MiB, threads=3) is True  # four 64 MiB pieces, three threads
+    assert tensorio.prefault(tensor, MiB, 199 * MiB, threads=3) is True  # 50 pieces, three threads
     assert psutil.Process().memory_info().rss - before >= 190 * MiB
     with pytest.raises(ValueError, match="threads must be >= 1, got 0"):
         tensorio.prefault(tensor, threads=0)
+
+
+def test_prefault_holds_the_memory_map_a_few_mib_at_a_time(monkeypatch):
+    """The kernel holds the process's memory map through each MADV_POPULATE_WRITE call, and every
+    other thread's mmap/munmap waits for it: no call may cover more than 4 MiB (docs/tensorio.md)."""
+    from tensorio import _buffers
+
+    calls = []
+    real = _buffers._libc.madvise
+
+    def madvise(address, length, advice):
+        calls.append((address, length))
+        return real(address, length, advice)
+
+    monkeypatch.setattr(_buffers._libc, "madvise", madvise)
+    tensor = tensorio.aligned_tensor(40 * MiB, torch.uint8)
+    base = tensor.data_ptr()
+    assert tensorio.prefault(tensor, 0, 37 * MiB + 5) is True
+    assert max(length for _, length in calls) <= 4 * MiB
+    covered = sorted((address - base, address - base + length) for address, length in calls)
+    assert covered[0][0] == 0 and covered[-1][1] >= 37 * MiB + 5
+    assert all(stop >= start for (_, stop), (start, _) in zip(covered, covered[1:]))  # no gap
 
 
 def test_locked_buffers_are_resident_and_zero():
