@@ -291,6 +291,43 @@ def test_a_held_load_takes_on_only_what_a_forward_waits_for_until_released(ring,
     load.close()
 
 
+def test_a_held_unit_waits_for_the_ring_being_made_rather_than_for_its_load(ring, monkeypatch):
+    """The first forward reaches a held unit before the ring's first buffer is made: it waits for
+    that buffer and reads the unit through it (both are fresh memory, and the ring's is on its way),
+    instead of asking the load to take the unit on before the first forward is done."""
+    from offload.infer import stream
+
+    modules, units, streamer, weights = ring
+    streamer.close()
+    go, locked_tensor, prefault, faulted = threading.Event(), stream.locked_tensor, stream.prefault, []
+
+    def slow_buffer(nbytes, dtype):
+        assert go.wait(timeout=120)
+        return locked_tensor(nbytes, dtype)
+
+    def fault(buffer):
+        faulted.append(buffer)
+        go.set()  # the load took the unit on: let the ring be made anyway, so that nothing hangs
+        return prefault(buffer)
+
+    monkeypatch.setattr(stream, "locked_tensor", slow_buffer)
+    monkeypatch.setattr(stream, "prefault", fault)
+    for unit in units:
+        streamer.attach(unit)
+    load = stream.ResidentLoad(streamer.handle, units[:2], held=True)
+    streamer.set_units(units, max(u.buffer_nbytes for u in units))
+    collect = streamer._collect
+    monkeypatch.setattr(streamer, "_collect", lambda *, block=False: (block and go.set()) or collect(block=block))
+    _check(modules, weights, list(range(LAYERS)))
+    assert faulted == [] and streamer.bytes_read >= sum(u.read_nbytes for u in units)
+    streamer.reset()  # the ring may have lent units 0 and 1 again, for the next forward: back to their load
+    assert [u.state for u in units[:2]] == ["loading", "loading"]
+    load.release()
+    load.wait_all()
+    assert [u.state for u in units[:2]] == ["resident"] * 2 and len(faulted) == 2
+    load.close()
+
+
 def test_closing_a_held_load_gives_its_units_up(ring):
     from offload.infer import stream
 
@@ -323,3 +360,24 @@ def test_the_load_runs_at_the_lowest_cpu_priority(ring, monkeypatch):
     go.set()
     load.wait_all()
     assert seen == [19] and os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller  # the caller keeps its own
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priority on this system")
+def test_a_held_load_keeps_the_callers_priority_until_released(ring, monkeypatch):
+    """While held, the load takes on only what the first forward waits for: that is not background work."""
+    from offload.infer import stream
+
+    modules, units, streamer, weights = ring
+    streamer.set_units([], 0)
+    prefault, seen = stream.prefault, []
+    monkeypatch.setattr(stream, "prefault",
+                        lambda buffer: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+                        or prefault(buffer))
+    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    load = stream.ResidentLoad(streamer.handle, units[:2], held=True)
+    x = torch.randn(3, 8)
+    assert torch.equal(modules[0](x), x @ weights["layer0.weight"].T)  # waited for while held
+    load.release()
+    load.wait_all()
+    assert seen == [caller, 19]
+    load.close()

@@ -177,6 +177,9 @@ class LayerStreamer:
             return
         if unit.state == "loading":
             self._issue()  # the ring takes it where it has come to it and its load has not
+            while unit.state == "loading" and not self._free and self._allocating:
+                self._collect(block=True)  # the ring is still being made: its next buffer comes sooner than
+                self._issue()              # the load's fresh memory would (both are faulted in from nothing)
             if unit.state == "loading":
                 return  # its load's hook waits for it
         if unit.state == "in use":  # re-entered (a module called twice in one forward)
@@ -364,15 +367,20 @@ class ResidentLoad:
         """Fault each buffer in, then start its reads, unit by unit. A unit that fails keeps its error
         for `wait` (which reads it again); the others go on.
 
-        The thread (and the fault threads it starts, which inherit it) runs at the lowest CPU
-        priority: faulting fresh memory in is CPU-bound here, and the forward's compute comes first.
+        Once not held, the thread (and the fault threads it starts, which inherit it) runs at the
+        lowest CPU priority: faulting fresh memory in is CPU-bound here, and the forward's compute
+        comes first. While held it loads only what the first forward needs before it can go on (the
+        embeddings, a unit it waits for), so it keeps the caller's priority.
         """
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _LOAD_NICE)
-        except (OSError, AttributeError):  # not Linux, or not allowed: the load simply competes
-            pass
         in_flight: deque[int] = deque()
+        niced = False
         while (i := self._take()) is not None:
+            if not niced and not self._held:
+                niced = True
+                try:
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _LOAD_NICE)
+                except (OSError, AttributeError):  # not Linux, or not allowed: the load simply competes
+                    pass
             try:
                 unit, buffer = self.units[i], self._buffers[i]
                 prefault(buffer)
