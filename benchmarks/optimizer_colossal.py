@@ -91,9 +91,11 @@ def _child(args: argparse.Namespace) -> None:
         for _ in range(args.steps):
             train_step()
         if offloaded:
-            opt.close()  # the last step's write-behind is part of the time
+            opt.synchronize()  # the last step's updates and write-behind are part of the time
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         io_wait = opt.io_wait_seconds() - waited if offloaded else 0.0
+        if offloaded:
+            opt.close()  # not timed: removing the 2 GB swap file took 0.29 s here (ext4 mounted with discard)
     print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "io_wait": io_wait, "peak_rss": rss.peak}))
 
 
