@@ -974,7 +974,7 @@ class Engine:
         reference cycles, were otherwise freed during interpreter shutdown, after
         ``destroy_process_group``, where gloo's teardown then aborted the process ("terminate called
         without an active exception": 2 of 24 two-rank runs of benchmarks/engine_dist.py here, none of
-        84 with the collection).
+        124 with the collection).
         """
         self._finalizer()
         if self.world_size > 1:
