@@ -293,8 +293,9 @@ def _load(kind: str, checkpoint: Path, config, args: dict):
     if kind == "ours":
         from offload.infer import init_inference
 
-        return init_inference(checkpoint, max_in_cpu=f"{budget}B", buffer_count=args["buffer_count"],  # bytes
-                              aio=args["aio"], disk_gbps=args["disk_gbps"])
+        ring = {"buffer_count": args["buffer_count"]} if args["buffer_count"] else {}
+        return init_inference(checkpoint, max_in_cpu=f"{budget}B", aio=args["aio"], disk_gbps=args["disk_gbps"],  # bytes
+                              **ring)
     if kind == "accelerate-dispatch":
         from accelerate import init_empty_weights, load_checkpoint_and_dispatch
 
@@ -339,7 +340,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--accelerate-budget", default="8GiB", help="max_memory for Accelerate (and our comparison run)")
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=8)
-    ap.add_argument("--buffer-count", type=int, default=3)
+    ap.add_argument("--buffer-count", type=int, default=None, help="ring buffers (default: the engine's)")
     ap.add_argument("--aio", type=json.loads, help="aio settings as JSON (default: the engine's, 8 MiB pieces, 8 in flight)")
     ap.add_argument("--fio-size", default="4GiB", help="bytes fio reads (its own file, removed afterwards)")
     ap.add_argument("--out", help="write every figure to this JSON file")
@@ -361,7 +362,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.aio = aio.to_dict()
     print(f"configuration: {spec}, bf16; prompt {args.prompt_tokens} tokens, {args.new_tokens} new; budgets "
           f"{', '.join(map(_gib, budgets))}; batch {args.big_batch} at {_gib(big_budget)}; Accelerate "
-          f"({', '.join(accelerate_kinds) or 'none'}) at {_gib(acc_budget)}; aio {args.aio}; {args.buffer_count} buffers")
+          f"({', '.join(accelerate_kinds) or 'none'}) at {_gib(acc_budget)}; aio {args.aio}; {args.buffer_count or InferenceConfig().buffer_count} buffers")
     load_before = os.getloadavg()
     print(f"load average before: {' '.join(f'{x:.2f}' for x in load_before)} ({os.cpu_count()} CPUs)")
 

@@ -4,10 +4,10 @@ A config is the JSON DeepSpeed's ZeRO-Inference takes (a dict or a file path)::
 
     {"bf16": {"enabled": true},
      "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 1e8,
-                           "offload_param": {"device": "nvme", "max_in_cpu": "8GiB", "buffer_count": 3}},
+                           "offload_param": {"device": "nvme", "max_in_cpu": "8GiB", "buffer_count": 2}},
      "aio": {"block_size": 1048576, "queue_depth": 16}}
 
-and keyword overrides use the flat field names (``max_in_cpu="8GiB"``, ``buffer_count=2``, ...).
+and keyword overrides use the flat field names (``max_in_cpu="8GiB"``, ``buffer_count=3``, ...).
 Unknown keys are refused naming the key; keys DeepSpeed has that change nothing here are listed in
 `IGNORED_KEYS` and accepted.
 """
@@ -84,8 +84,12 @@ class InferenceConfig:
     as elements of the model's dtype (DeepSpeed's unit; 1e9 by default) or as bytes in a string
     (`tensorio.parse_size`: "8GiB", "8G", "8 GiB" binary, "20GB" decimal)."""
 
-    buffer_count: int = 3
-    """``offload_param.buffer_count``: locked buffers in the prefetch ring, each one streamed layer. >= 1."""
+    buffer_count: int = 2
+    """``offload_param.buffer_count``: locked buffers in the prefetch ring, each one streamed layer. >= 1.
+    Two keep the disk busy whether the disk or the compute is the slower (one layer computes while
+    the next is read, and the freed buffer takes the read after that at once); a third decoded no
+    faster and cost a layer's memory more, faulted in beside the first forward (docs/benchmarks.md,
+    inference run 13)."""
 
     buffer_size: int | None = None
     """``offload_param.buffer_size``: elements per buffer; None sizes them to the largest streamed
