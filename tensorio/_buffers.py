@@ -67,9 +67,10 @@ def prefault(tensor: torch.Tensor, start: int = 0, stop: int | None = None, *, t
     virtual machine whose host backs memory lazily that costs more than the read itself (2.2-2.8 s
     of kernel time per GiB here, docs/inference.md). Faulting in ahead takes that off the reads' path,
     and ``threads`` (default: one per core, at most 8) share it in 4 MiB pieces, short enough that
-    the other threads' mmap and munmap calls are not held up behind them; the calls release the GIL. The range is widened to whole pages. Returns False, having done nothing, where the
-    kernel lacks MADV_POPULATE_WRITE (Linux < 5.14). Raises ValueError for a range outside the
-    storage, OSError for any other refusal (ENOMEM: no memory left).
+    the other threads' mmap and munmap calls are not held up behind them; the calls release the
+    GIL. The range is widened to whole pages. Returns False, having done nothing, where the kernel
+    lacks MADV_POPULATE_WRITE (Linux < 5.14). Raises ValueError for a range outside the storage,
+    OSError for any other refusal (ENOMEM: no memory left).
     """
     nbytes = tensor.untyped_storage().nbytes()
     stop = nbytes if stop is None else stop
