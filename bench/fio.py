@@ -8,6 +8,13 @@ Other benchmarks import it to put our figures next to fio's on the same disk::
                             block_size=1 << 20, queue_depth=32))
     print(result.bw_bytes / 1e9, "GB/s")
 
+or to run a workload beside disk traffic of a given rate (what the I/O alone costs it)::
+
+    from bench.fio import FioLoad, fio_load
+    with fio_load(FioLoad(directory="/nvme/swap", read_rate=400_000_000, write_rate=400_000_000)) as load:
+        train()
+    print(load.read.gb_per_s, load.write.gb_per_s)
+
 How settings map onto fio (see ``FioJob.command``):
 
 - ``numjobs`` jobs share one file, job *i* moving the *i*-th slice (``offset_increment``), as our
@@ -21,12 +28,14 @@ How settings map onto fio (see ``FioJob.command``):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,8 +44,11 @@ __all__ = [
     "ENGINES",
     "FioError",
     "FioJob",
+    "FioLoad",
+    "FioLoadRun",
     "FioNotFound",
     "FioResult",
+    "fio_load",
     "fio_path",
     "job_for_config",
     "run_fio",
@@ -262,6 +274,121 @@ def run_fio(job: FioJob, *, fio: str | None = None, timeout_s: float | None = No
             f"fio failed with exit status {proc.returncode}: {' '.join(cmd)}\n{_tail(stderr or stdout)}"
         )
     return _parse(job.rw, stdout, cmd, stderr)
+
+
+@dataclass(kw_only=True, slots=True)
+class FioLoad:
+    """Disk traffic at a fixed rate for as long as a workload runs: fio reading and writing one file
+    side by side (sequential, O_DIRECT, io_uring), over and over until stopped."""
+
+    directory: str | os.PathLike
+    """Existing directory on the disk; fio's file is created and removed there."""
+
+    read_rate: int
+    """Bytes per second read (0: none). At least one of the two rates is positive."""
+
+    write_rate: int
+    """Bytes per second written (0: none)."""
+
+    size: int = 1 << 30
+    """Bytes in the file the traffic cycles over. A positive multiple of ``block_size``."""
+
+    block_size: int = 1 << 20
+    """Bytes per I/O. A positive multiple of 512."""
+
+    queue_depth: int = 8
+    """I/Os in flight. At least 1."""
+
+    def __post_init__(self) -> None:
+        for key in ("read_rate", "write_rate"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"FioLoad.{key}: {value!r} is not allowed; use bytes per second >= 0")
+        if self.read_rate == 0 and self.write_rate == 0:
+            raise ValueError("FioLoad: read_rate and write_rate are both 0; give at least one a rate")
+        for key in ("size", "block_size", "queue_depth"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"FioLoad.{key}: {value!r} is not allowed; use an integer >= 1")
+        if self.block_size % 512 or self.size % self.block_size:
+            raise ValueError(f"FioLoad: size {self.size} must be a multiple of block_size {self.block_size}, "
+                             f"itself a multiple of 512")
+
+    @property
+    def directions(self) -> tuple[str, ...]:
+        """The directions with a rate: "read", "write" or both."""
+        return tuple(rw for rw, rate in (("read", self.read_rate), ("write", self.write_rate)) if rate)
+
+    def command(self, fio: str, filename: str | os.PathLike) -> list[str]:
+        """The fio command line that keeps this traffic going on ``filename`` until interrupted."""
+        total = self.read_rate + self.write_rate
+        rw = "rw" if len(self.directions) == 2 else self.directions[0]
+        return [
+            fio,
+            "--output-format=json",
+            "--name=tensorio-load",
+            f"--filename={filename}",
+            f"--rw={rw}",
+            f"--rwmixread={round(100 * self.read_rate / total)}",
+            f"--rate={self.read_rate},{self.write_rate}",
+            f"--size={self.size}",
+            f"--bs={self.block_size}",
+            f"--iodepth={self.queue_depth}",
+            "--ioengine=io_uring",
+            "--direct=1",
+            "--time_based",
+            "--runtime=24h",  # until interrupted
+            "--thread",
+        ]
+
+
+@dataclass(slots=True)
+class FioLoadRun:
+    """A running `fio_load`: its fio process, then what it moved per direction with a rate (None
+    until the load has stopped)."""
+
+    process: subprocess.Popen[str] | None = None
+    read: FioResult | None = None
+    write: FioResult | None = None
+
+
+@contextlib.contextmanager
+def fio_load(load: FioLoad, *, fio: str | None = None) -> Iterator[FioLoadRun]:
+    """Keep ``load``'s traffic going while the body runs; on exit stop fio (SIGINT, so that it
+    reports), fill the yielded `FioLoadRun` with its figures and remove its file.
+
+    The file is written out first (a plain write job), so that the traffic starts at once and reads
+    read data. Raises what `run_fio` raises for that first job, and FioError when fio fails or stops
+    on its own before the body ends (its error output included).
+    """
+    fio = fio or fio_path()
+    if fio is None:
+        raise FioNotFound(f"fio is not installed (not found on PATH); {INSTALL_HINT}")
+    filename = Path(load.directory) / f"{FILE_PREFIX}load-{os.getpid()}-{uuid.uuid4().hex[:8]}.dat"
+    run = FioLoadRun()
+    try:
+        run_fio(FioJob(directory=load.directory, rw="write", size=load.size, block_size=load.block_size,
+                       queue_depth=load.queue_depth), fio=fio, filename=filename)
+        cmd = load.command(fio, filename)
+        proc = run.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            yield run
+        finally:
+            ended_early = proc.poll() is not None
+            if not ended_early:
+                proc.send_signal(signal.SIGINT)
+            try:
+                stdout, stderr = proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                stdout, stderr = proc.communicate()
+        if ended_early:
+            raise FioError(f"fio stopped before the workload ended (exit status {proc.returncode}): "
+                           f"{' '.join(cmd)}\n{_tail(stderr or stdout)}")
+        for rw in load.directions:
+            setattr(run, rw, _parse(rw, stdout, cmd, stderr))
+    finally:
+        filename.unlink(missing_ok=True)
 
 
 def _tail(text: str, lines: int = 20) -> str:

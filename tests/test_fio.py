@@ -13,7 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bench.fio import FILE_PREFIX, FioError, FioJob, FioNotFound, fio_path, job_for_config, run_fio
+from bench.fio import (FILE_PREFIX, FioError, FioJob, FioLoad, FioNotFound, fio_load, fio_path, job_for_config,
+                       run_fio)
 from tensorio import AioConfig
 
 MiB = 1 << 20
@@ -203,3 +204,55 @@ def test_interrupted_run_stops_fio_and_removes_its_file(disk_dir):
     assert list(disk_dir.iterdir()) == []
     still_running = [p.pid for p in psutil.process_iter(["cmdline"]) if str(disk_dir) in " ".join(p.info["cmdline"] or [])]
     assert still_running == [], "fio kept running after the interrupt"
+
+
+def _moved(process: subprocess.Popen, nbytes: int) -> bool:
+    counters = psutil.Process(process.pid).io_counters()
+    return counters.read_bytes >= nbytes and counters.write_bytes >= nbytes
+
+
+@needs_fio
+def test_fio_load_runs_beside_the_body_at_its_rates_and_removes_its_file(disk_dir):
+    load = FioLoad(directory=disk_dir, read_rate=40_000_000, write_rate=20_000_000, size=8 * MiB, block_size=MiB)
+    with fio_load(load) as run:
+        assert run.process is not None and run.process.poll() is None
+        for _ in range(6000):  # waits for fio's own counters (a hang guard, not a time limit on fio)
+            if _moved(run.process, 2 * MiB):
+                break
+            time.sleep(0.01)
+        assert _moved(run.process, 2 * MiB)
+        assert run.read is None and run.write is None  # figures come once it has stopped
+    assert run.process.returncode is not None
+    assert run.read.io_bytes >= 2 * MiB and run.write.io_bytes >= 2 * MiB
+    assert "--rate=40000000,20000000" in run.read.command and "--rwmixread=67" in run.read.command
+    assert list(disk_dir.iterdir()) == []
+
+
+@needs_fio
+def test_fio_load_stops_fio_when_the_body_raises(disk_dir):
+    with pytest.raises(KeyError):
+        with fio_load(FioLoad(directory=disk_dir, read_rate=0, write_rate=10_000_000, size=4 * MiB)) as run:
+            raise KeyError("body failed")
+    assert run.process.returncode is not None and run.write is None
+    assert list(disk_dir.iterdir()) == []
+
+
+@needs_fio
+def test_fio_load_that_stops_on_its_own_is_an_error(disk_dir, tmp_path):
+    (tmp_path / "bin").mkdir()
+    fake = tmp_path / "bin" / "fio"  # the real fio for the file's layout; the load itself fails at once
+    fake.write_text(f"#!/bin/sh\ncase \"$*\" in *--name=tensorio-load*) echo 'fio: rate not reachable' >&2; exit 1;; esac\n"
+                    f"exec {fio_path()} \"$@\"\n")
+    fake.chmod(0o755)
+    with pytest.raises(FioError, match="(?s)stopped before the workload ended.*rate not reachable"):
+        with fio_load(FioLoad(directory=disk_dir, read_rate=MiB, write_rate=MiB, size=MiB), fio=str(fake)) as run:
+            run.process.wait()
+    assert [p for p in disk_dir.iterdir() if p.name != "bin"] == []
+
+
+@pytest.mark.parametrize("change, message", [(dict(read_rate=0, write_rate=0), "both 0"),
+                                             (dict(read_rate=-1), "read_rate"),
+                                             (dict(size=MiB + 512), "multiple of block_size")])
+def test_fio_load_validation_names_the_problem(tmp_path, change, message):
+    with pytest.raises(ValueError, match=message):
+        FioLoad(**{"directory": tmp_path, "read_rate": MiB, "write_rate": MiB, **change})
