@@ -21,6 +21,11 @@ time, peak RSS (the kernel's high-water mark over the timed steps: no sampling t
 the process read from and wrote to the disk per step (/proc/<pid>/io), against fio's read and write
 speed on the same directory. "over baseline" is the peak minus the RSS of the interpreter with torch
 and transformers imported, before the model exists. Headline: nvme step time / plain PyTorch step time (project target <= 1.3).
+
+``torch+fio`` (needs ``torch`` and ``nvme`` in ``--modes``; runs last in each repeat) is plain PyTorch again
+while fio reads and writes (O_DIRECT, another process: `bench.fio.fio_load`) the bytes nvme moved per
+step, at the pace of plain PyTorch's step in that repeat: what that much disk traffic alone costs the
+computation on this machine, which no offload of the same bytes can avoid.
 """
 
 from __future__ import annotations
@@ -32,10 +37,10 @@ import statistics
 import tempfile
 import time
 
-from bench.fio import job_for_config, run_fio
+from bench.fio import FioLoad, fio_load, job_for_config, run_fio
 from benchmarks._common import RssSampler, run_child
 
-MODES = ("torch", "none", "cpu", "nvme", "deepspeed")
+MODES = ("torch", "none", "cpu", "nvme", "deepspeed", "torch+fio")
 DEFAULT_MODEL = {"n_layer": 6, "n_embd": 512, "n_head": 8, "vocab_size": 8192, "n_positions": 256}
 
 
@@ -204,6 +209,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     for mode in modes:
         if mode not in MODES:
             raise SystemExit(f"--modes: {mode!r} is not one of {MODES}")
+    if "torch+fio" in modes:
+        if "torch" not in modes or "nvme" not in modes:
+            raise SystemExit("--modes: torch+fio needs torch and nvme as well (it moves nvme's bytes at torch's pace)")
+        modes = [m for m in modes if m != "torch+fio"] + ["torch+fio"]
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-engine-") as directory:
         print(f"model={json.dumps(model)} batch={args.batch} seq={args.seq} gas={args.gas} clip={args.clip} "
               f"dtype={args.dtype} reuse_distance={args.reuse_distance} warmup={args.warmup} steps={args.steps} "
@@ -212,7 +221,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         runs: dict[str, list[dict]] = {mode: [] for mode in modes}
         for repeat in range(args.repeats):
             for mode in modes:
-                runs[mode].append(run_mode(mode, args, directory))
+                if mode == "torch+fio":
+                    runs[mode].append(_run_beside_io(args, directory, runs["torch"][-1], runs["nvme"][-1]))
+                else:
+                    runs[mode].append(run_mode(mode, args, directory))
             if args.repeats > 1:
                 print(f"repeat {repeat + 1}: " + ", ".join(f"{mode} {runs[mode][-1]['step_s']:.3f} s" for mode in modes),
                       flush=True)
@@ -245,7 +257,15 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
                   f"{len(r['norms'])} steps (a speculative step would be redone that often); norms "
                   + " ".join(f"{x:.2f}" for x in r["norms"]))
     ratios = {}
-    for mode, key in (("nvme", "per_repeat"), ("deepspeed", "deepspeed_per_repeat")):
+    if "torch+fio" in results:
+        loaded = results["torch+fio"]
+        per_repeat = [b["step_s"] / a["step_s"] for a, b in zip(runs["torch"], runs["torch+fio"])]
+        print(f"torch+fio: fio moved {loaded['fio_read_rate'] / 1e9:.2f} GB/s read, {loaded['fio_write_rate'] / 1e9:.2f} "
+              f"GB/s written beside plain PyTorch (nvme's bytes at plain PyTorch's pace): its step took "
+              f"{loaded['step_s'] / results['torch']['step_s']:.2f}x its own time (per repeat: "
+              + " ".join(f"{r:.2f}" for r in per_repeat) + f"); nvme took {results['nvme']['step_s'] / loaded['step_s']:.2f}x "
+              "plain PyTorch beside that traffic")
+    for mode, key in (("nvme", "per_repeat"), ("deepspeed", "deepspeed_per_repeat"), ("torch+fio", "beside_io_per_repeat")):
         if "torch" in results and mode in results:
             ratio = results[mode]["step_s"] / results["torch"]["step_s"]
             per_repeat = [n["step_s"] / t["step_s"] for n, t in zip(runs[mode], runs["torch"])]
@@ -260,6 +280,21 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     if ratios:
         results["ratio"] = ratios
     return results
+
+
+_LEAST_RATE = 1 << 20
+"""Bytes per second fio moves at least each way in ``torch+fio`` (tiny models move next to nothing)."""
+
+
+def _run_beside_io(args: argparse.Namespace, directory: str, plain: dict, nvme: dict) -> dict:
+    """The ``torch+fio`` mode: plain PyTorch while fio moves ``nvme``'s bytes per step at ``plain``'s pace."""
+    load = FioLoad(directory=directory, block_size=args.block_size,
+                   read_rate=max(_LEAST_RATE, round(nvme["read_per_step"] / plain["step_s"])),
+                   write_rate=max(_LEAST_RATE, round(nvme["written_per_step"] / plain["step_s"])))
+    with fio_load(load) as run:
+        result = run_mode("torch", args, directory)
+    result["fio_read_rate"], result["fio_write_rate"] = run.read.bw_bytes, run.write.bw_bytes
+    return result
 
 
 def _median_run(runs: list[dict]) -> dict:

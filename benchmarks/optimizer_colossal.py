@@ -12,6 +12,13 @@ its gradients are final, its state read ahead and written behind; ``sub_group_si
 ``buffer_count`` are OffloadAdam's own choice unless ``--sub-group-size`` / ``--buffer-count`` are
 given. Targets: time(1.0) / time(0.0) <= 1.05 and peak RSS(0.0) - peak RSS(1.0) >= 0.9 GB.
 
+What the disk traffic alone costs: "torch AdamW + fio" runs plain PyTorch again while fio reads and
+writes (O_DIRECT, in another process, `bench.fio.fio_load`) at the rates OffloadAdam 1.0 would need
+to match it: the bytes OffloadAdam 1.0 moved over its timed steps in that repeat, per second of
+plain PyTorch's time for them. fio itself takes a few percent of one core; whatever more the plain
+run loses is what that much I/O costs the computation on this machine, a floor no offload of the
+same bytes can go under. It is left out when fio is not installed (or with ``--no-fio-load``).
+
 Besides wall time (noisy on a shared machine) each run reports its CPU time and, for OffloadAdam,
 the seconds the training thread was blocked on swap I/O (``io_wait_seconds()``), which other
 processes' load affects less. ``--malloc-mmap-threshold`` runs every configuration with glibc's
@@ -28,6 +35,7 @@ import statistics
 import tempfile
 import time
 
+from bench.fio import FioLoad, fio_load, fio_path
 from benchmarks._common import RssSampler, run_child
 
 CONFIGS = {
@@ -74,6 +82,8 @@ def build_run(args: argparse.Namespace):
 def _child(args: argparse.Namespace) -> None:
     """One configuration in this process: print {"seconds", "cpu_seconds", "io_wait", "peak_rss"} as JSON
     on the last line."""
+    import psutil
+
     from offload import OffloadAdam
 
     with RssSampler(kernel_peak=True) as rss:  # no sampling thread taking CPU and the GIL from the timed steps
@@ -87,16 +97,20 @@ def _child(args: argparse.Namespace) -> None:
         train_step()  # warm-up: the state is created here
         offloaded = isinstance(opt, OffloadAdam)
         waited = opt.io_wait_seconds() if offloaded else 0.0
+        io_start = psutil.Process().io_counters()
         start, cpu_start = time.perf_counter(), time.process_time()
         for _ in range(args.steps):
             train_step()
         if offloaded:
             opt.synchronize()  # the last step's updates and write-behind are part of the time
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        io_end = psutil.Process().io_counters()
         io_wait = opt.io_wait_seconds() - waited if offloaded else 0.0
         if offloaded:
             opt.close()  # not timed: removing the 2 GB swap file took 0.29 s here (ext4 mounted with discard)
-    print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "io_wait": io_wait, "peak_rss": rss.peak}))
+    print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "io_wait": io_wait, "peak_rss": rss.peak,
+                      "read_bytes": io_end.read_bytes - io_start.read_bytes,
+                      "written_bytes": io_end.write_bytes - io_start.write_bytes}))
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -104,6 +118,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_arguments(ap)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-fio-load", action="store_true",
+                    help="leave out plain PyTorch beside fio moving OffloadAdam's bytes")
     ap.add_argument("--malloc-mmap-threshold", type=int, default=None, metavar="BYTES",
                     help="run every configuration with MALLOC_MMAP_THRESHOLD_=BYTES (glibc); default: unset")
     ap.add_argument("--child", choices=["torch", "offload"], dest="optimizer", help=argparse.SUPPRESS)
@@ -116,16 +132,23 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print(f"GPT-2 {args.model_config} batch={args.batch} seq={args.seq} steps={args.steps} (+1 warm-up) "
               f"repeats={args.repeats} sub_group_size={args.sub_group_size} buffer_count={args.buffer_count} "
               f"cpus={os.cpu_count()} MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold} dir={directory}")
+        with_load = not args.no_fio_load and fio_path() is not None
+        if not args.no_fio_load and not with_load:
+            print("fio is not installed (apt-get install fio): plain PyTorch beside fio's traffic is left out")
         results: dict[str, list[dict[str, float]]] = {name: [] for name in CONFIGS}
+        if with_load:
+            results[LOADED] = []
         for _ in range(args.repeats):  # interleaved, so that noise hits every configuration alike
             for name, config in CONFIGS.items():
-                child = ["--child", config["optimizer"], "--fraction", str(config["fraction"]), "--dir", directory,
-                         "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-                         *(["--sub-group-size", str(args.sub_group_size)] if args.sub_group_size else []),
-                         *(["--buffer-count", str(args.buffer_count)] if args.buffer_count else []),
-                         "--model-config", args.model_config]
-                results[name].append(run_child("benchmarks.optimizer_colossal", child,
-                                               mmap_threshold=args.malloc_mmap_threshold))
+                results[name].append(_run(args, directory, config))
+            if with_load:
+                plain, full = results["torch AdamW (fused)"][-1], results["OffloadAdam 1.0"][-1]
+                load = FioLoad(directory=directory, read_rate=max(_LEAST_RATE, round(full["read_bytes"] / plain["seconds"])),
+                               write_rate=max(_LEAST_RATE, round(full["written_bytes"] / plain["seconds"])))
+                with fio_load(load) as run:
+                    loaded = _run(args, directory, CONFIGS["torch AdamW (fused)"])
+                loaded["fio_read_rate"], loaded["fio_write_rate"] = run.read.bw_bytes, run.write.bw_bytes
+                results[LOADED].append(loaded)
     medians = {}
     for name, runs in results.items():
         medians[name] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
@@ -137,8 +160,35 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(f"full offload / no offload: time {full['seconds'] / none['seconds']:.3f}x (target <= 1.05; "
           f"per repeat {', '.join(format(r, '.3f') for r in paired)}), cpu {full['cpu_seconds'] / none['cpu_seconds']:.3f}x, "
           f"peak RSS {(none['peak_rss'] - full['peak_rss']) / 1e9:.3f} GB lower (target >= 0.9)")
-    return {"time_ratio": full["seconds"] / none["seconds"], "rss_saved_bytes": none["peak_rss"] - full["peak_rss"],
-            "io_wait_seconds": full["io_wait"]}
+    figures = {"time_ratio": full["seconds"] / none["seconds"], "rss_saved_bytes": none["peak_rss"] - full["peak_rss"],
+               "io_wait_seconds": full["io_wait"]}
+    if LOADED in medians:
+        plain, loaded = medians["torch AdamW (fused)"], medians[LOADED]
+        per_repeat = [b["seconds"] / a["seconds"] for a, b in zip(results["torch AdamW (fused)"], results[LOADED])]
+        print(f"OffloadAdam 1.0 moved {full['read_bytes'] / 1e9:.2f} GB read and {full['written_bytes'] / 1e9:.2f} GB "
+              f"written; fio beside plain PyTorch moved {loaded['fio_read_rate'] / 1e9:.2f} / "
+              f"{loaded['fio_write_rate'] / 1e9:.2f} GB/s: plain PyTorch took {loaded['seconds'] / plain['seconds']:.3f}x "
+              f"its own time (per repeat {', '.join(format(r, '.3f') for r in per_repeat)}); OffloadAdam 1.0 took "
+              f"{full['seconds'] / loaded['seconds']:.3f}x plain PyTorch beside that traffic")
+        figures["plain_beside_io_ratio"] = loaded["seconds"] / plain["seconds"]
+    return figures
+
+
+_LEAST_RATE = 1 << 20
+"""Bytes per second fio moves at least each way (a tiny model's offload moves next to nothing)."""
+
+LOADED = "torch AdamW + fio"
+"""Plain PyTorch run while fio moves OffloadAdam 1.0's bytes at plain PyTorch's pace (the module docstring)."""
+
+
+def _run(args: argparse.Namespace, directory: str, config: dict) -> dict[str, float]:
+    """One configuration in a fresh interpreter; its figures (`_child`)."""
+    child = ["--child", config["optimizer"], "--fraction", str(config["fraction"]), "--dir", directory,
+             "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
+             *(["--sub-group-size", str(args.sub_group_size)] if args.sub_group_size else []),
+             *(["--buffer-count", str(args.buffer_count)] if args.buffer_count else []),
+             "--model-config", args.model_config]
+    return run_child("benchmarks.optimizer_colossal", child, mmap_threshold=args.malloc_mmap_threshold)
 
 
 if __name__ == "__main__":

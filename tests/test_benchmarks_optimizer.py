@@ -31,6 +31,9 @@ def test_colossal_benchmark_tiny(tmp_path, capsys):
                                       "--malloc-mmap-threshold", "1048576"])
     out = capsys.readouterr().out
     assert "full offload / no offload" in out and "OffloadAdam 1.0" in out
+    if fio_path() is not None:  # plain PyTorch beside fio moving what OffloadAdam moved
+        assert "torch AdamW + fio" in out and "fio beside plain PyTorch moved" in out
+        assert result["plain_beside_io_ratio"] > 0
     assert "MALLOC_MMAP_THRESHOLD_=1048576" in out
     assert result["time_ratio"] > 0 and result["io_wait_seconds"] >= 0
     assert list(tmp_path.iterdir()) == []

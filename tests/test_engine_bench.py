@@ -15,12 +15,15 @@ def test_engine_step_benchmark_tiny(tmp_path, capsys):
     from benchmarks import engine_step
 
     tiny = json.dumps({"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 128, "n_positions": 16})
-    result = engine_step.main(["--model-config", tiny, "--modes", "torch,nvme", "--batch", "1", "--seq", "8",
+    result = engine_step.main(["--model-config", tiny, "--modes", "torch+fio,torch,nvme", "--batch", "1", "--seq", "8",
                                "--warmup", "1", "--steps", "1", "--persistence", "0", "--sub-group-size", "4096",
                                "--fio-size", str(4 << 20), "--repeats", "2",
                                "--dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert "GB/s achieved" in out and "nvme" in out
+    # plain PyTorch again beside fio moving nvme's bytes (run last in each repeat, whatever --modes' order)
+    assert "beside plain PyTorch" in out and len(result["ratio"]["beside_io_per_repeat"]) == 2
+    assert result["torch+fio"]["fio_read_rate"] > 0 and result["torch+fio"]["fio_write_rate"] > 0
     assert result["nvme"]["step_s"] > 0 and result["nvme"]["read_per_step"] > 0
     assert len(result["ratio"]["per_repeat"]) == 2 and len(result["nvme"]["times"]) == 2  # one step per repeat
     assert list(tmp_path.iterdir()) == []  # swap and fio files removed
@@ -69,3 +72,10 @@ def test_clip_redo_benchmark_tiny(capsys):
     out = capsys.readouterr().out
     assert "fine-tune: 2 steps" in out
     assert 1 <= result["warmup"]["steps"] <= 3 and 0 <= result["finetune"]["above"] <= 2
+
+
+def test_engine_step_beside_io_needs_the_modes_it_compares():
+    from benchmarks import engine_step
+
+    with pytest.raises(SystemExit, match="torch\\+fio needs torch and nvme"):
+        engine_step.main(["--modes", "torch,torch+fio"])
