@@ -111,6 +111,28 @@ def test_16bit_params_have_an_fp32_master_copy(dtype):
     opt.close()
 
 
+def test_overwrites_says_which_updates_need_not_read_the_parameter():
+    """A 16-bit parameter with state is written whole from its master: garbage in it before the update
+    changes nothing. fp32 parameters, and 16-bit ones before their first update (which copies them into
+    the new master), are read."""
+    half, full = _params(torch.bfloat16)[0], torch.nn.Parameter(torch.randn(300))
+    opt = OffloadAdam([half, full], lr=1e-2, nvme_offload_fraction=1.0, **SMALL)
+    assert not opt.overwrites(half) and not opt.overwrites(full)
+    half.grad, full.grad = torch.ones_like(half), torch.ones_like(full)
+    opt.step()
+    assert opt.overwrites(half) and not opt.overwrites(full)
+    expected = opt.state_dict()["state"][0]["master_param"]
+    with torch.no_grad():
+        half.fill_(float("nan"))  # what an unread buffer might hold
+    opt.step()
+    state = opt.state_dict()["state"][0]
+    assert not torch.isnan(state["master_param"]).any() and not torch.equal(state["master_param"], expected)
+    assert torch.equal(half, state["master_param"].to(torch.bfloat16))
+    with pytest.raises(KeyError):
+        opt.overwrites(torch.nn.Parameter(torch.zeros(3)))
+    opt.close()
+
+
 def test_overlap_backward_matches_a_plain_step():
     def model():
         torch.manual_seed(0)

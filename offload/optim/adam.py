@@ -376,6 +376,14 @@ class OffloadAdam(torch.optim.Optimizer):
             groups.setdefault(root(i), []).append(i)
         return sorted(groups.values())
 
+    def overwrites(self, param: torch.Tensor) -> bool:
+        """Whether the next update of ``param`` (one of this optimizer's) writes every element of it
+        from its fp32 master copy without reading it: a 16-bit parameter whose state exists. Its values
+        need not be in memory for that update (the first update copies them into the new master).
+        Raises KeyError for a parameter this optimizer does not hold."""
+        rec = self._params[self._index_of[id(param)]]
+        return rec.master and rec.step is not None
+
     def synchronize(self) -> None:
         """Sync point: wait for the updates handed over and the last step's write-behind, and commit them
         (the step hooks run). Raises the step's error (a TensorIOError for the swap file) after giving

@@ -118,6 +118,8 @@ class ParamStore:
     """Reads started when a parameter was needed (not prefetched)."""
     prefetch_reads: int = 0
     """Reads started ahead of use by the prefetcher."""
+    skipped_reads: int = 0
+    """Of those, the ones not issued: the partition's pending update overwrites it whole (``updates``)."""
     reuse_distance: int = 0
     """stage3_max_reuse_distance: a parameter read from NVMe stays gathered after a module's forward
     when the recorded order uses it again within this many elements of reads (see `reused_soon`)."""
@@ -131,8 +133,10 @@ class ParamStore:
     updates: object = None
     """A step whose updates run during the passes (the engine's ``DeferredStep``): `gather` first calls
     its ``values(rec)``, which waits for ``rec``'s update and returns the updated partition when the step
-    holds it (None: gather as usual); prefetch skips partitions its ``holds(rec)``. With it, every module
-    using a trainable parameter gets the gather hooks, so that no forward uses a parameter before its update."""
+    holds it (None: gather as usual); prefetch skips partitions its ``holds(rec)``, and gives those its
+    ``overwrites(rec)`` a buffer without reading it (the update writes every element). With it, every
+    module using a trainable parameter gets the gather hooks, so that no forward uses a parameter before
+    its update."""
     _live: dict[int, ParamRecord] = field(default_factory=dict)
     """Storage address of each gathered, releasable parameter -> its record (for the pack hook)."""
     shaped_placeholders: bool = False
@@ -267,12 +271,17 @@ class ParamStore:
         self.budget.held -= rec.partition_numel
 
     def start_read(self, rec: ParamRecord) -> None:
-        """Start reading an on-disk partition into a fresh buffer (counted in the budget)."""
+        """Start reading an on-disk partition into a fresh buffer (counted in the budget); a partition the
+        pending update overwrites whole (``updates.overwrites``) gets the buffer unread."""
         if not rec.on_disk or rec.read is not None or rec.buffer is not None:
             raise RuntimeError(f"internal error: parameter {rec.name!r} cannot be read (on disk: {rec.on_disk}, "
                                f"read in flight: {rec.read is not None}, buffered: {rec.buffer is not None})")
-        rec.buffer, rec.read = self.swap.read_new(rec.partition_numel, rec.partition.dtype,
-                                                  rec.slot_offset(rec.latest))
+        if self.updates is not None and self.updates.overwrites(rec):
+            rec.buffer = self.swap.buffer(rec.partition_numel, rec.partition.dtype)
+            self.skipped_reads += 1
+        else:
+            rec.buffer, rec.read = self.swap.read_new(rec.partition_numel, rec.partition.dtype,
+                                                      rec.slot_offset(rec.latest))
         self.budget.held += rec.partition_numel
 
     def prefetch_from_start(self) -> None:

@@ -14,7 +14,9 @@ runs, in the order that forward gathers the parameters (recorded in the first st
    order a bounded number of elements ahead;
 2. the forward's gather of a parameter (`values`, called by `ParamStore.gather`) waits for its update
    and takes the updated buffer itself, while its write to the uncommitted slot goes on: the read for
-   the update is the forward's read (saving one per partition against updating after backward);
+   the update is the forward's read (saving one per partition against updating after backward). A
+   16-bit partition is not read at all: its update writes it whole from the fp32 master (`overwrites`),
+   so the forward reads only the optimizer state;
 3. the next backward (or a save, an evaluation through `full_parameters`) first hands over what the
    forward did not use and lets the optimizer finish (`finish`), which commits the step once every
    write of state and partitions has landed.
@@ -78,8 +80,9 @@ class DeferredStep:
 
     def begin(self, grads: dict[int, torch.Tensor | None], grad_scale: float) -> None:
         """Start the step: ``grads`` (record index -> reduced fp32 gradient partition, which the optimizer
-        frees as it applies them; None: in the gradient swap file) multiplied by ``grad_scale``. Hands
-        over what needs no read, and starts reading gradients."""
+        frees as it applies them; None: in the gradient swap file) multiplied by ``grad_scale``. Starts
+        the store's prefetch of the next forward's first partitions, hands over what needs no read, and
+        starts reading gradients."""
         self._opt.start_step(grad_scale, in_order=True)
         self.failed = False
         self.steps += 1
@@ -90,6 +93,7 @@ class DeferredStep:
         self._order = self._forward_order(set(self._pending))
         self._cursor = 0
         self.active = True
+        self._store.prefetch_from_start()  # the forward's first partitions: read for their updates, or not (`overwrites`)
         self._advance()
         self._store.keep_next = set()  # those not handed over yet are prefetched buffers like any other
 
@@ -129,6 +133,12 @@ class DeferredStep:
             self._writeback.use(rec)  # may let the buffer go now: ``values`` keeps it alive
             return values
         return None
+
+    def overwrites(self, rec: ParamRecord) -> bool:
+        """Whether ``rec``'s update, still to be handed over, writes every element of its partition from
+        the optimizer's fp32 master without reading it (`OffloadAdam.overwrites`): reading it first would
+        be wasted (16-bit partitions, from their second update on)."""
+        return self.active and rec.index in self._pending and self._opt.overwrites(rec.partition)
 
     def holds(self, rec: ParamRecord) -> bool:
         """Whether ``rec``'s values are held by the step (handed over), not by the store."""

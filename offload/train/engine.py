@@ -699,8 +699,7 @@ class Engine:
                 grads.update({rec.index: None for rec in records if rec.grad_on_disk})  # read back in the forward
                 self._rollback.begin_step()
                 self._rollback.counted(snapshot)
-                self._store.prefetch_from_start()  # the forward's first partitions, which the updates read
-                self._deferred.begin(grads, factor)
+                self._deferred.begin(grads, factor)  # prefetches the forward's first partitions
                 del grads
         except BaseException as error:
             if self._rollback.uncommitted:
