@@ -1,5 +1,5 @@
-"""What the benchmark scripts share: peak RSS (sampled, or the kernel's high-water mark) and running a
-configuration in a child process.
+"""What the benchmark scripts share: peak RSS (sampled, or the kernel's high-water mark), running a
+configuration in a child process, and fio's traffic beside one.
 
 Byte sizes ("128K", "1G", "8 GiB", "20GB") are parsed by ``tensorio.parse_size``.
 """
@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+from bench.fio import FioLoad
 
 #: The clone's root, put on a child's PYTHONPATH so that ``python -m benchmarks.NAME`` imports there.
 REPO = Path(__file__).resolve().parent.parent
@@ -148,3 +150,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+LEAST_LOAD_RATE = 1 << 20
+"""Bytes per second `traffic_at_pace` moves at least each way (a tiny model's offload moves next to nothing)."""
+
+
+def traffic_at_pace(directory: str, read_bytes: float, written_bytes: float, seconds: float,
+                    block_size: int = 1 << 20) -> FioLoad:
+    """fio traffic (`bench.fio.fio_load`) that reads ``read_bytes`` and writes ``written_bytes`` every
+    ``seconds``: an offload's bytes at the pace of the run without offload, to run that one beside it."""
+    return FioLoad(directory=directory, block_size=block_size,
+                   read_rate=max(LEAST_LOAD_RATE, round(read_bytes / seconds)),
+                   write_rate=max(LEAST_LOAD_RATE, round(written_bytes / seconds)))

@@ -37,8 +37,8 @@ import statistics
 import tempfile
 import time
 
-from bench.fio import FioLoad, fio_load, job_for_config, run_fio
-from benchmarks._common import RssSampler, run_child
+from bench.fio import fio_load, job_for_config, run_fio
+from benchmarks._common import RssSampler, run_child, traffic_at_pace
 
 MODES = ("torch", "none", "cpu", "nvme", "deepspeed", "torch+fio")
 DEFAULT_MODEL = {"n_layer": 6, "n_embd": 512, "n_head": 8, "vocab_size": 8192, "n_positions": 256}
@@ -282,15 +282,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     return results
 
 
-_LEAST_RATE = 1 << 20
-"""Bytes per second fio moves at least each way in ``torch+fio`` (tiny models move next to nothing)."""
-
-
 def _run_beside_io(args: argparse.Namespace, directory: str, plain: dict, nvme: dict) -> dict:
     """The ``torch+fio`` mode: plain PyTorch while fio moves ``nvme``'s bytes per step at ``plain``'s pace."""
-    load = FioLoad(directory=directory, block_size=args.block_size,
-                   read_rate=max(_LEAST_RATE, round(nvme["read_per_step"] / plain["step_s"])),
-                   write_rate=max(_LEAST_RATE, round(nvme["written_per_step"] / plain["step_s"])))
+    load = traffic_at_pace(directory, nvme["read_per_step"], nvme["written_per_step"], plain["step_s"],
+                           block_size=args.block_size)
     with fio_load(load) as run:
         result = run_mode("torch", args, directory)
     result["fio_read_rate"], result["fio_write_rate"] = run.read.bw_bytes, run.write.bw_bytes

@@ -35,8 +35,8 @@ import statistics
 import tempfile
 import time
 
-from bench.fio import FioLoad, fio_load, fio_path
-from benchmarks._common import RssSampler, run_child
+from bench.fio import fio_load, fio_path
+from benchmarks._common import RssSampler, run_child, traffic_at_pace
 
 CONFIGS = {
     "torch AdamW (fused)": dict(optimizer="torch", fraction=0.0),
@@ -80,8 +80,8 @@ def build_run(args: argparse.Namespace):
 
 
 def _child(args: argparse.Namespace) -> None:
-    """One configuration in this process: print {"seconds", "cpu_seconds", "io_wait", "peak_rss"} as JSON
-    on the last line."""
+    """One configuration in this process: print {"seconds", "cpu_seconds", "io_wait", "peak_rss",
+    "read_bytes", "written_bytes"} (over the timed steps) as JSON on the last line."""
     import psutil
 
     from offload import OffloadAdam
@@ -143,9 +143,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 results[name].append(_run(args, directory, config))
             if with_load:
                 plain, full = results["torch AdamW (fused)"][-1], results["OffloadAdam 1.0"][-1]
-                load = FioLoad(directory=directory, read_rate=max(_LEAST_RATE, round(full["read_bytes"] / plain["seconds"])),
-                               write_rate=max(_LEAST_RATE, round(full["written_bytes"] / plain["seconds"])))
-                with fio_load(load) as run:
+                with fio_load(traffic_at_pace(directory, full["read_bytes"], full["written_bytes"],
+                                              plain["seconds"])) as run:
                     loaded = _run(args, directory, CONFIGS["torch AdamW (fused)"])
                 loaded["fio_read_rate"], loaded["fio_write_rate"] = run.read.bw_bytes, run.write.bw_bytes
                 results[LOADED].append(loaded)
@@ -173,9 +172,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         figures["plain_beside_io_ratio"] = loaded["seconds"] / plain["seconds"]
     return figures
 
-
-_LEAST_RATE = 1 << 20
-"""Bytes per second fio moves at least each way (a tiny model's offload moves next to nothing)."""
 
 LOADED = "torch AdamW + fio"
 """Plain PyTorch run while fio moves OffloadAdam 1.0's bytes at plain PyTorch's pace (the module docstring)."""
