@@ -259,13 +259,15 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     ratios = {}
     if "torch+fio" in results:
         loaded = results["torch+fio"]
+        slowdown = loaded["step_s"] / results["torch"]["step_s"]
         per_repeat = [b["step_s"] / a["step_s"] for a, b in zip(runs["torch"], runs["torch+fio"])]
         print(f"torch+fio: fio moved {loaded['fio_read_rate'] / 1e9:.2f} GB/s read, {loaded['fio_write_rate'] / 1e9:.2f} "
               f"GB/s written beside plain PyTorch (nvme's bytes at plain PyTorch's pace): its step took "
-              f"{loaded['step_s'] / results['torch']['step_s']:.2f}x its own time (per repeat: "
+              f"{slowdown:.2f}x its own time (per repeat: "
               + " ".join(f"{r:.2f}" for r in per_repeat) + f"); nvme took {results['nvme']['step_s'] / loaded['step_s']:.2f}x "
               "plain PyTorch beside that traffic")
-    for mode, key in (("nvme", "per_repeat"), ("deepspeed", "deepspeed_per_repeat"), ("torch+fio", "beside_io_per_repeat")):
+        ratios["beside_io_over_torch"], ratios["beside_io_per_repeat"] = slowdown, per_repeat
+    for mode, key in (("nvme", "per_repeat"), ("deepspeed", "deepspeed_per_repeat")):
         if "torch" in results and mode in results:
             ratio = results[mode]["step_s"] / results["torch"]["step_s"]
             per_repeat = [n["step_s"] / t["step_s"] for n, t in zip(runs[mode], runs["torch"])]
