@@ -63,13 +63,14 @@ def _rank(rank: int, world: int, args: dict, out: str) -> None:
         share = batch.chunk(world)[rank]
         if world > 1:
             torch.distributed.barrier()
-        start, blocked = time.perf_counter(), engine._reducer.comm_seconds
+        blocked = engine.stats().comm_seconds
+        start = time.perf_counter()
         loss = engine(share, labels=share).loss
         engine.backward(loss)
         engine.step()
         if i >= args["warmup"]:
             times.append(time.perf_counter() - start)
-            comm.append(engine._reducer.comm_seconds - blocked)
+            comm.append(engine.stats().comm_seconds - blocked)
     engine.close()
     if rank == 0:
         with open(out, "w") as f:

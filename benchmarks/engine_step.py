@@ -123,8 +123,7 @@ def _child(args: dict) -> None:
     n = len(times)
     path = None
     if mode in MODES[1:4]:
-        path = ("during backward" if engine._reducer.consumer is not None else
-                "in the next forward" if engine._deferred is not None else "after backward")
+        path = engine.stats().mode.value
     print(json.dumps({"mode": mode, "params": params, "step_s": statistics.median(times), "times": times,
                       "peak_rss": rss.peak, "baseline_rss": baseline, "norms": norms, "path": path,
                       "clipped": sum(1 for norm in norms if norm > clip) if clip else 0,

@@ -176,9 +176,7 @@ BACKWARD, FORWARD, AFTER = "during backward", "in the next forward", "after back
 
 def update_mode(engine) -> str:
     """Where the engine runs each step's update (docs/engine.md): its fast paths, or the chunked step."""
-    if engine._reducer.consumer is not None:
-        return BACKWARD
-    return FORWARD if engine._deferred is not None else AFTER
+    return engine.stats().mode.value
 
 
 @pytest.mark.parametrize("case,mode", [
@@ -199,7 +197,7 @@ def test_where_the_update_runs(disk_dir, case, mode):
         config["zero_optimization"]["offload_optimizer"]["ratio"] = ratio
     engine, *_ = initialize(model=mlp(), config=config)
     assert update_mode(engine) == mode
-    assert engine.optimizer._background is not None if mode != AFTER else engine.optimizer._background is None
+    assert engine.optimizer.background_updates == (mode != AFTER)
     engine.close()
 
 
@@ -239,7 +237,7 @@ def test_fast_paths_match_plain_pytorch(disk_dir, kind, case, param):
     losses = train(engine, batches, loss_fn)
     assert engine.global_steps == 6 and engine.skipped_steps == 0
     if expected == FORWARD:
-        assert engine._deferred.steps == 6  # every update ran in the forward after its step
+        assert engine.stats().steps_in_forward == 6  # every update ran in the forward after its step
     # The same kernels on the same numbers in the same order: bit for bit, 16-bit included.
     params = dict(engine.full_parameters())
     assert losses == ref_losses
@@ -264,7 +262,7 @@ def test_a_failed_parameter_write_back_raises_and_leaks_no_buffer(disk_dir, tmp_
             return engine.optimizer.state_dict()
 
     engine, *_ = initialize(model=gpt2(dropout=0.0), config=engine_config(disk_dir, "nvme", "nvme", micro=2))
-    assert engine._writeback is not None
+    assert engine.stats().mode.value == BACKWARD and engine.stats().records["nvme"] > 0
     batches = gpt2_batches(4)
     train(engine, batches[:2], gpt2_loss)
     engine.save_checkpoint(tmp_path)
@@ -278,8 +276,9 @@ def test_a_failed_parameter_write_back_raises_and_leaks_no_buffer(disk_dir, tmp_
     assert info.value.errno == errno.ENOSPC
     swap._handle.write = original
     # Nothing handed over is still held: only reads ahead for the next forward count in the budget.
-    assert not engine._writeback._held and not engine._writeback._writes
-    assert engine._store.budget.held <= engine._store.budget.buffer_elements
+    stats = engine.stats()
+    assert stats.handed_over == stats.writes_in_flight == 0
+    assert stats.buffers_held <= stats.buffer_budget
     assert all(rec.partition.numel() == 0 for rec in engine.records if rec.on_disk)
     state_after = optimizer_state()
     for i, entry in state_before["state"].items():
@@ -308,7 +307,7 @@ def test_parameters_on_disk_updated_during_backward_survive_a_failed_backward_an
     batches = data(4)
     ref_losses, ref_params = reference(build(), batches, loss_fn, 1)
     engine, *_ = initialize(model=build(), config=engine_config(disk_dir, "nvme", "nvme"))
-    assert engine._writeback is not None
+    assert engine.stats().mode.value == BACKWARD and engine.stats().records["nvme"] > 0
     losses = []
     for i, batch in enumerate(batches):
         loss = loss_fn(engine, batch)
@@ -328,10 +327,10 @@ def test_parameters_on_disk_updated_during_backward_survive_a_failed_backward_an
     hook.remove()
     with pytest.raises(RuntimeError, match="injected failure"):
         engine.backward(loss)
-    assert not engine._writeback._held and not engine._writeback._writes
-    assert not engine.optimizer._in_backward
+    stats = engine.stats()
+    assert stats.handed_over == stats.writes_in_flight == 0 and not engine.optimizer.updates_pending
     assert all(rec.partition.numel() == 0 for rec in engine.records if rec.on_disk)
-    assert engine._store.budget.held <= engine._store.budget.buffer_elements
+    assert stats.buffers_held <= stats.buffer_budget
     with pytest.raises(RuntimeError, match="cannot step: step 5 failed .* rolled back entirely"):
         engine.step()
     assert engine.global_steps == 4
@@ -349,19 +348,19 @@ def test_a_huge_sub_group_size_is_cut_to_what_the_host_can_hold(disk_dir, monkey
     of memory. Here 1e9 counts as not chosen: the size is chosen from the parameter sizes (the typical
     partition's, 4096 elements in this model) within 1/16 of host memory, with a warning; a size that is
     chosen but too large is cut to what fits. Training is the same."""
-    import offload.train.engine as engine_module
+    import offload.train.sizing as sizing
 
     build, data, loss_fn = MODELS["gpt2"]
     batches = data(3)
     ref_losses, ref_params = reference(build(), batches, loss_fn, 1)
-    monkeypatch.setattr(engine_module, "host_memory_bytes", lambda: 8 << 20)  # an 8 MiB host
+    monkeypatch.setattr(sizing, "host_memory_bytes", lambda: 8 << 20)  # an 8 MiB host
     config = engine_config(disk_dir, "none", "nvme", micro=2)
     config["zero_optimization"]["sub_group_size"] = size
     with caplog.at_level("WARNING", logger="offload"):
         engine, *_ = initialize(model=build(), config=config)
     assert any(f"sub_group_size {int(size)}" in r.getMessage() and expected in r.getMessage() for r in caplog.records)
     assert engine.optimizer.host_state_bytes()["buffers"] <= (8 << 20) // 16
-    assert engine.optimizer._swap_config.buffer_count == 3  # not set: the updates overlap the passes
+    assert engine.optimizer.swap_config.buffer_count == 3  # not set: the updates overlap the passes
     losses = train(engine, batches, loss_fn)
     assert_close(losses, dict(engine.full_parameters()), ref_losses, ref_params)
     engine.close()
@@ -404,19 +403,20 @@ def test_prefetch_follows_the_first_step(disk_dir):
     config["zero_optimization"]["stage3_prefetch_bucket_size"] = 40000
     config["zero_optimization"]["offload_param"]["buffer_count"] = 4
     engine, *_ = initialize(model=gpt2(), config=config)
-    store = engine._store
     batches = gpt2_batches(4)
     train(engine, batches[:1], gpt2_loss)
     # The first step reads on demand and records the order; its end reads the next forward's first
     # partitions ahead, within the prefetch bucket.
-    first = store.demand_reads
-    assert first == len(store.prefetcher.trace) > 0
-    assert store.prefetch_reads > 0 and 0 < store.budget.held <= 40000
+    stats = engine.stats()
+    first = stats.reads["demand"]
+    assert first == stats.recorded_order > 0
+    assert stats.reads["prefetch"] > 0 and 0 < stats.buffers_held <= 40000
     train(engine, batches[1:], gpt2_loss)
     # From the second step on nearly every read is a prefetch; the budget is never exceeded by them.
-    assert store.prefetch_reads > 2 * first * 0.8
-    assert store.demand_reads - first <= 3 * 3
-    assert 0 < store.budget.held <= 40000
+    stats = engine.stats()
+    assert stats.reads["prefetch"] > 2 * first * 0.8
+    assert stats.reads["demand"] - first <= 3 * 3
+    assert 0 < stats.buffers_held <= 40000
     engine.close()
 
 
@@ -424,19 +424,20 @@ def test_prefetch_follows_the_first_step(disk_dir):
 def test_a_steps_io_buffers_are_reused_not_mapped_anew(disk_dir, clip):
     config = engine_config(disk_dir, "nvme", "nvme", micro=2, gradient_clipping=clip)
     engine, *_ = initialize(model=gpt2(), config=config)
-    store, pool = engine._store, engine._store.swap.pool
     batches = gpt2_batches(6)
     train(engine, batches[:3], gpt2_loss)
-    held, reused, reads = pool.held_bytes, pool.reused, store.demand_reads + store.prefetch_reads
+    before = engine.stats()
     train(engine, batches[3:], gpt2_loss)
+    after = engine.stats()
     # Once the steps repeat, the partition reads land in buffers earlier steps used. Where the updates
     # overlap the next forward a little differently (the threads' timing), one more small buffer may
     # be live at once than in any earlier step: a page or two, never a step's worth (held: 45 pages).
-    assert held <= pool.held_bytes <= min(held + 4 * mmap.PAGESIZE, pool.max_bytes)
-    assert pool.reused - reused >= store.demand_reads + store.prefetch_reads - reads - 2 > 0
+    held, pool = before.io_buffers["held_bytes"], after.io_buffers
+    assert held <= pool["held_bytes"] <= min(held + 4 * mmap.PAGESIZE, pool["max_bytes"])
+    reads = sum(after.reads[kind] - before.reads[kind] for kind in ("demand", "prefetch"))
+    assert pool["reused"] - before.io_buffers["reused"] >= reads - 2 > 0
+    released = weakref.ref(engine._store.swap.pool)  # internal: no public handle on the pool object
     engine.close()
-    released = weakref.ref(pool)
-    del pool
     assert released() is None  # closing lets go of the pool: its idle buffers are freed
 
 
@@ -486,17 +487,17 @@ def test_a_tied_embedding_stays_gathered_from_forward_into_backward(disk_dir, re
     config = engine_config(disk_dir, "nvme", "nvme", micro=2)
     config["zero_optimization"]["stage3_max_reuse_distance"] = reuse
     engine, *_ = initialize(model=build(), config=config)
-    store = engine._store
     train(engine, batches[:2], gpt2_loss)
-    read_before = store.demand_reads + store.prefetch_reads
+    before = engine.stats()
     losses = train(engine, batches[2:], gpt2_loss)
-    reads_per_step = (store.demand_reads + store.prefetch_reads - read_before) / 2
+    after = engine.stats()
+    reads_per_step = sum(after.reads[kind] - before.reads[kind] for kind in ("demand", "prefetch")) / 2
     # Without reuse every gather reads; with it, what the budget holds from forward into backward
     # (here at least the tied embedding) is not read again.
     if reuse:
-        assert reads_per_step <= len(store.prefetcher.trace) - 1
+        assert reads_per_step <= after.recorded_order - 1
     else:
-        assert reads_per_step == len(store.prefetcher.trace)
+        assert reads_per_step == after.recorded_order
     assert_close(ref_losses[:2] + losses, dict(engine.full_parameters()), ref_losses, ref_params)
     engine.close()
 
@@ -820,7 +821,7 @@ def test_the_next_forward_does_not_read_16_bit_partitions_its_updates_overwrite(
                                                                micro=len(batches[0]), **extra))
     assert update_mode(engine) == FORWARD
     losses = train(engine, batches, loss_fn)
-    assert unread and engine._store.skipped_reads == len(unread)
+    assert unread and engine.stats().reads["skipped"] == len(unread)
     on_disk = {rec.index for rec in engine.records if rec.on_disk and rec.param.requires_grad}
     assert set(unread) <= on_disk
     params = dict(engine.full_parameters())
@@ -835,7 +836,7 @@ def test_gradients_kept_in_the_swap_file_when_memory_is_short(disk_dir, monkeypa
     """On a host where the gradient partitions would take more than a quarter of the memory, the fast
     paths keep them in the gradient swap file between micro-batches and into the next forward, and the
     results are still plain PyTorch's, bit for bit."""
-    import offload.train.engine as engine_module
+    import offload.train.sizing as sizing
 
     extra, gas, dtype, scale = FAST_CASES[case]
     build, data, loss_fn = MODELS["gpt2"]
@@ -845,11 +846,11 @@ def test_gradients_kept_in_the_swap_file_when_memory_is_short(disk_dir, monkeypa
         ref_losses, ref_params = reference(build(), batches, loss_fn, gas, clip=clip)
     else:
         ref_losses, ref_params = reference_16bit(build(), batches, loss_fn, gas, dtype, clip=clip, loss_scale=scale)
-    monkeypatch.setattr(engine_module, "host_memory_bytes", lambda: 64 << 10)  # a 64 KiB host
+    monkeypatch.setattr(sizing, "host_memory_bytes", lambda: 64 << 10)  # a 64 KiB host
     config = engine_config(disk_dir, "nvme", "nvme", gas, micro=len(batches[0]), **extra)
     config["zero_optimization"]["sub_group_size"] = 1024
     engine, *_ = initialize(model=build(), config=config)
-    assert engine._reducer.swap is not None and update_mode(engine) == (FORWARD if clip else BACKWARD)
+    assert "grads" in engine.stats().io and update_mode(engine) == (FORWARD if clip else BACKWARD)
     losses = train(engine, batches, loss_fn)
     params = dict(engine.full_parameters())
     assert losses == ref_losses
@@ -859,7 +860,7 @@ def test_gradients_kept_in_the_swap_file_when_memory_is_short(disk_dir, monkeypa
     # slot) and in-memory ones' in the gradient swap file.
     on_disk = [rec for rec in engine.records if rec.param.requires_grad and rec.on_disk]
     assert on_disk and all((rec.grad_offset < 0) == (dtype is None) for rec in on_disk)
-    assert (engine._reducer.swap.bytes_read > 0) == (dtype is not None)  # fp32: every gradient in a free slot
+    assert (engine.stats().io["grads"]["read"] > 0) == (dtype is not None)  # fp32: every gradient in a free slot
     engine.close()
 
 
@@ -875,7 +876,8 @@ def test_the_step_in_the_next_forward_prepares_its_first_updates_during_backward
     engine, *_ = initialize(model=build(), config=engine_config(disk_dir, "nvme", "nvme", micro=2,
                                                                gradient_clipping=0.05))
     losses = train(engine, batches[:2], loss_fn)  # the gather order and the update order are learnt
-    store, opt, deferred = engine._store, engine.optimizer, engine._deferred
+    # White-box: which buffers the step in the next forward kept and handed over (internal state).
+    store, opt, deferred, writeback = engine._store, engine.optimizer, engine._path.deferred, engine._path.writeback
     loss = loss_fn(engine, batches[2])
     engine.backward(loss)
     losses.append(loss.item())
@@ -892,8 +894,8 @@ def test_the_step_in_the_next_forward_prepares_its_first_updates_during_backward
     engine.step()
     # Handed over at once, or (when a partition of the same update, which backward does not read, is
     # still being read) still held for the hand-over: either way never read again.
-    assert all(engine._writeback.holds(rec) or rec.buffer is not None for rec in kept)
-    assert any(engine._writeback.holds(rec) for rec in first) or any(rec.read is not None for rec in first)
+    assert all(writeback.holds(rec) or rec.buffer is not None for rec in kept)
+    assert any(writeback.holds(rec) for rec in first) or any(rec.read is not None for rec in first)
     assert store.demand_reads + store.prefetch_reads - reads <= len(store.prefetcher.trace)  # only read-ahead
     assert not store.keep_next
     losses += train(engine, batches[3:], loss_fn)

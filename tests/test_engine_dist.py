@@ -51,9 +51,9 @@ def run(rank: int, world_size: int, tmp: str, param: str, opt: str, gas: int, cl
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
     engine, *_ = initialize(model=gpt2(), config=config(tmp, param, opt, world_size, gas, clip, bucket, overlap))
     fast = opt == "nvme"  # the path under test: during backward without clipping, else in the next forward
-    assert (engine._reducer.consumer is not None) == (fast and clip == 0)
-    assert (engine._deferred is not None) == (fast and clip > 0)
-    assert (engine._reducer._buckets is not None) == (world_size > 1)
+    stats = engine.stats()
+    assert stats.mode.value == ("after backward" if not fast else "in the next forward" if clip else "during backward")
+    assert stats.reduction_buckets == (world_size > 1)
     losses = []
     for batch in batches(4 * gas):
         share = batch.chunk(world_size)[rank]

@@ -46,18 +46,19 @@ def _same(a, b):
 
 @pytest.fixture(params=list(CONFIGS))
 def engine(request, disk_dir, monkeypatch):
-    import offload.train.engine as engine_module
+    import offload.train.sizing as sizing
 
     extra = dict(CONFIGS[request.param])
     ratio, host = extra.pop("ratio", 1.0), extra.pop("host", None)
     if host is not None:
-        monkeypatch.setattr(engine_module, "host_memory_bytes", lambda: host)
+        monkeypatch.setattr(sizing, "host_memory_bytes", lambda: host)
     config = engine_config(disk_dir, "nvme", "nvme", **extra)
     config["zero_optimization"]["offload_optimizer"]["ratio"] = ratio
     engine, *_ = initialize(model=mlp(), config=config)
-    assert (engine._reducer.consumer is not None, engine._deferred is not None, engine._reducer.param_slots) == {
-        "in backward": (True, False, False), "in the next forward": (False, True, False),
-        "gradients in the parameter slots": (False, True, True), "after backward": (False, False, False),
+    stats = engine.stats()
+    assert (stats.mode.value, stats.grads_in_param_slots) == {
+        "in backward": ("during backward", False), "in the next forward": ("in the next forward", False),
+        "gradients in the parameter slots": ("in the next forward", True), "after backward": ("after backward", False),
     }[request.param]
     yield engine
     engine.close()
@@ -102,7 +103,7 @@ def test_a_fault_at_every_request_of_a_step_leaves_the_checkpoint_to_resume_from
         engine.backward(loss)
         phase = "step"
         engine.step()
-        if engine._deferred is not None:
+        if engine.stats().mode.value == "in the next forward":
             phase = "update"
             mlp_loss(engine, BATCHES[3])
 
@@ -139,7 +140,7 @@ def test_a_fault_at_every_request_of_a_step_leaves_the_checkpoint_to_resume_from
         assert losses == reference[0], f"fault at request {n}"
         _same(params, reference[1])
     assert failures > 0  # writes at least fail loudly
-    if engine._deferred is not None:  # the update's own reads and writes were hit too
+    if engine.stats().mode.value == "in the next forward":  # the update's own reads and writes were hit too
         assert "update" in failed_in, failed_in
 
 

@@ -43,12 +43,13 @@ SCRIPT = textwrap.dedent("""
                                                       "buffer_count": 2, "buffer_size": layer},
                                     "offload_optimizer": {"device": "nvme", "nvme_path": path, "buffer_count": 3,
                                                           "pipeline_read": True, "pipeline_write": True}}}
-    import offload.train.engine as engine_module
-    engine_module._GRADS_SHARE = 1 << 60  # as on a host too small to keep the gradients: they go to the swap file
+    import offload.train.sizing as sizing
+    sizing._GRADS_SHARE = 1 << 60  # as on a host too small to keep the gradients: they go to the swap file
     engine, *_ = initialize(model=model, config=config)
     # the path under test: updates during backward, or in the next forward with gradients on disk
-    assert (engine._reducer.consumer is not None) == (clipping == 0)
-    assert (engine._deferred is not None and engine._reducer.swap is not None) == (clipping > 0)
+    stats = engine.stats()
+    assert stats.mode.value == ("during backward" if clipping == 0 else "in the next forward")
+    assert ("grads" in stats.io) == (clipping > 0)
     after_init = proc.memory_info().rss
     x = torch.randn(batch, width)
 

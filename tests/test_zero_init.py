@@ -172,7 +172,7 @@ def test_a_parameter_a_forward_returns_is_detected_as_external(disk_dir, clip):
     params = dict(engine.full_parameters())
     for name, ref in ref_params.items():
         torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-7)
-    assert engine._store.forwards == []  # every forward that began has ended
+    assert engine.stats().forwards_under_way == 0  # every forward that began has ended
     engine.close()
 
 

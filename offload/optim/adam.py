@@ -405,6 +405,21 @@ class OffloadAdam(torch.optim.Optimizer):
         """Whether a backward has handed over gradients that no ``step()`` has taken yet."""
         return self._background is not None and self._background.in_backward
 
+    @property
+    def updates_pending(self) -> bool:
+        """Whether gradients were handed over (`grad_ready`) that no ``step()`` has taken yet."""
+        return self._in_backward
+
+    @property
+    def background_updates(self) -> bool:
+        """Whether updates run on the optimizer's own thread (overlap_backward, with state on NVMe)."""
+        return self._background is not None
+
+    @property
+    def swap_config(self) -> SwapConfig:
+        """The swap settings in use, with the sizes chosen where none were given."""
+        return self._swap_config
+
     def _wait_dependents(self) -> None:
         """Sync point: the writes grad_ready's callbacks started. Raises the first one's error."""
         if self._background is not None:
@@ -777,6 +792,10 @@ class OffloadAdam(torch.optim.Optimizer):
         if self._background is None:
             return self._swapper.wait_seconds
         return self._swapper.wait_seconds - self._background.worker_wait + self._background.join_wait
+
+    def io_bytes(self) -> dict[str, int]:
+        """Bytes read from and written to the optimizer's swap file so far."""
+        return self._swapper.io_bytes()
 
     def host_state_bytes(self) -> dict[str, int]:
         """Host memory held for optimizer state: 'resident' (kept in RAM) and 'buffers' (swap buffers)."""

@@ -106,6 +106,10 @@ class StateSwapper:
 
     # ---- memory -------------------------------------------------------------------------------------
 
+    def io_bytes(self) -> dict[str, int]:
+        """Bytes read from and written to the swap file so far."""
+        return SwapFile.io_bytes_of(self._file)
+
     @property
     def free_buffers(self) -> int:
         """Fixed buffers free now, without waiting for anything."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -93,6 +94,21 @@ class ParamRecord:
         return self.offset + slot * aligned_size(self.partition_numel * self.partition.dtype.itemsize)
 
 
+class PendingUpdates(Protocol):
+    """A training step whose updates run during the passes (`ParamStore.updates`; the engine's
+    ``DeferredStep``): what the store asks it before reading or gathering a partition."""
+
+    def values(self, rec: ParamRecord) -> torch.Tensor | None:
+        """Wait for ``rec``'s pending update (sync point); its updated values when the step holds them
+        (None: gather as usual). Raises the update's error."""
+
+    def holds(self, rec: ParamRecord) -> bool:
+        """Whether the step holds ``rec``'s values (the store must not read it)."""
+
+    def overwrites(self, rec: ParamRecord) -> bool:
+        """Whether ``rec``'s pending update writes every element without reading it (no read needed)."""
+
+
 @dataclass(slots=True, eq=False)
 class _Saved:
     """A token autograd keeps instead of a gathered parameter (or a view of it)."""
@@ -130,8 +146,8 @@ class ParamStore:
     """On-disk partitions whose buffer is kept when released, in the budget, past the end of backward
     (any other `release_all` drops them): set by an engine whose updates run in the next forward, for the
     partitions that forward updates first, so that the read backward did serves the update."""
-    updates: object = None
-    """A step whose updates run during the passes (the engine's ``DeferredStep``): `gather` first calls
+    updates: PendingUpdates | None = None
+    """A step whose updates run during the passes (`PendingUpdates`): `gather` first calls
     its ``values(rec)``, which waits for ``rec``'s update and returns the updated partition when the step
     holds it (None: gather as usual); prefetch skips partitions its ``holds(rec)``, and gives those its
     ``overwrites(rec)`` a buffer without reading it (the update writes every element). With it, every
@@ -423,8 +439,7 @@ class ParamStore:
 
     def io_bytes(self) -> dict[str, int]:
         """Bytes read from and written to the parameter swap file so far."""
-        swap = self.swap
-        return {"read": swap.bytes_read if swap else 0, "written": swap.bytes_written if swap else 0}
+        return SwapFile.io_bytes_of(self.swap)
 
     def close(self) -> None:
         """Remove the hooks and the swap file."""

@@ -123,6 +123,11 @@ class SwapFile:
         self.bytes_written += tensor.nbytes
         return self._io().write(tensor, self.path, offset)
 
+    @staticmethod
+    def io_bytes_of(file: "SwapFile | None") -> dict[str, int]:
+        """``{"read": bytes, "written": bytes}`` moved through ``file`` so far (zeros for None: no file)."""
+        return {"read": file.bytes_read if file else 0, "written": file.bytes_written if file else 0}
+
     @property
     def closed(self) -> bool:
         return self._handle is None

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["clip_coefficient", "clip_grad_norm_", "grad_norm", "total_norm"]
+__all__ = ["clip_coefficient", "clip_grad_norm_", "grad_norm", "step_factor", "total_norm"]
 
 _EPS = 1e-6
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
@@ -88,3 +88,30 @@ def clip_coefficient(norm: torch.Tensor, max_norm: float) -> float:
     """``torch.nn.utils.clip_grad_norm_``'s multiplier for a global ``norm`` (float32 0-d): ``max_norm /
     (norm + 1e-6)``, at most 1, computed as torch computes it (so the same float32 value)."""
     return float(torch.clamp(max_norm / (norm + _EPS), max=1.0))
+
+
+def step_factor(norms: list[torch.Tensor], *, loss_scaler: Any, clipping: float,
+                group: dist.ProcessGroup | None = None) -> float | None:
+    """From the gradient partitions' norms (this rank's; every rank calls this): the factor each gradient is
+    multiplied by in the update, the clip coefficient times the inverse loss scale, or None when fp16
+    overflowed (the step is skipped; the loss scale is updated either way).
+
+    As ``torch.nn.utils.clip_grad_norm_`` (bit for bit at world size 1): multiplied by ``max_norm /
+    (norm + 1e-6)`` when that is below 1, ``norm`` the global norm of the unscaled gradients; with fp16,
+    one multiply for both (DeepSpeed's combined scale), unscaled by the loss scale of their backward (the
+    scale before this step's update of it). ``loss_scaler``: None without fp16; ``clipping``: 0 for none.
+    """
+    factor = 1.0
+    # 1. fp16: a step with an inf/NaN gradient on any rank is skipped and the scale lowered.
+    if loss_scaler is not None:
+        scale = loss_scaler.loss_scale
+        overflow = loss_scaler.has_overflow(norms, group=group)
+        loss_scaler.update(overflow)
+        if overflow:
+            return None
+        factor = 1.0 / scale
+    # 2. Clip by the global norm over all ranks' partitions.
+    if clipping > 0:
+        norm = total_norm(norms, group=group)
+        factor *= clip_coefficient(norm * factor if factor != 1.0 else norm, clipping)
+    return factor

@@ -15,10 +15,6 @@ partition; `OffloadAdam` steps the partitions with its state in memory or on NVM
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import dataclasses
-import functools
 import gc
 import logging
 import os
@@ -29,22 +25,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from offload.config import EngineConfig, ZeroConfig, check_against_model, check_nvme_paths, world_size_from_env
-from offload.optim import OffloadAdam
-from offload.optim.subgroups import choose_buffer_count, choose_sub_group_size, host_memory_bytes
-from offload.params import ParamRecord, ParamStore, Placement, Prefetcher, SwapBudget, build_records
-from offload.params.construct import BUILT, built_store
-from offload.params.placement import attach_accumulator, parameter_names
-from offload.storage import SwapFile
+from offload.config import EngineConfig, world_size_from_env
+from offload.params import ParamRecord, ParamStore
 from offload.train import checkpoint
+from offload.train.assemble import assemble
 from offload.train.grads import GradReducer
-from offload.train.space import check_swap_space, swap_space_needed
-from offload.train.loss_scaler import build_loss_scaler
+from offload.train.stats import EngineStats, collect_stats
 from offload.train.timers import PhaseTimers
-from offload.train.deferred import DeferredStep
-from offload.train.rollback import StepRollback
-from offload.train.writeback import PartitionWriteBack
-from tensorio import BufferPool
+from offload.train.update_mode import StepContext, UpdatePath
 
 __all__ = ["Engine", "initialize"]
 
@@ -85,8 +73,8 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
         cfg = EngineConfig.from_dict(config, world_size=world_size)
     else:
         cfg = EngineConfig.from_file(config, world_size=world_size)
-    engine = _assemble(model, cfg, world_size=world_size, rank=rank, group=group, optimizer=optimizer,
-                       lr_scheduler=lr_scheduler)
+    engine = assemble(model, cfg, world_size=world_size, rank=rank, group=group, optimizer=optimizer,
+                      lr_scheduler=lr_scheduler, make_engine=Engine)
     loader = None
     if training_data is not None:
         loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu,
@@ -107,405 +95,65 @@ def _process_group() -> tuple[int, int, Any]:
     return dist.get_world_size(), dist.get_rank(), None
 
 
-_NO_EFFECT = ("contiguous_gradients", "allgather_partitions", "allgather_bucket_size", "reduce_scatter")
+class _Counter:
+    """An engine attribute kept in the step context's `StepCounters` (a failed step's rollback restores them)."""
 
-_DEEPSPEED_BUCKET = 500_000_000
-"""DeepSpeed's default ``reduce_bucket_size`` (2 GB of fp32 per bucket): in a config it counts as not chosen."""
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
 
-_BUCKET = 1 << 23
-"""Elements of a gradient bucket when the config does not choose: 32 MiB of fp32, about PyTorch DDP's 25 MB."""
+    def __get__(self, engine: Any, owner: type | None = None) -> Any:
+        return self if engine is None else getattr(engine._ctx.counters, self.name)
 
-
-def _warn_no_effect(zero: Any) -> None:
-    """Say so, rather than silently ignore, when a key this engine does not use is set to a non-default value."""
-    defaults = {f.name: f.default for f in dataclasses.fields(ZeroConfig)}
-    changed = [key for key in _NO_EFFECT if getattr(zero, key) != defaults[key]]
-    if zero.offload_optimizer.fast_init:
-        changed.append("offload_optimizer.fast_init")
-    if changed:
-        log.warning("zero_optimization: %s set but without effect in this engine (gradients are reduced in buckets "
-                    "as produced, parameters released after each use); see docs/engine.md",
-                    ", ".join(changed))
-
-
-def _assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int, group: Any,
-              optimizer: Any, lr_scheduler: Any) -> "Engine":
-    """Build the engine in the order each part needs the one before it.
-
-    All or nothing: on any error the model's parameters get their original tensors back, and every
-    swap file, hook and thread made so far is removed, before the error propagates.
-    """
-    zero = cfg.zero_optimization
-    check_nvme_paths(cfg)
-    _warn_no_effect(zero)
-    with contextlib.ExitStack() as undo:
-        originals = [(p, p.data) for p in model.parameters()]  # references, not copies
-        undo.callback(_restore, originals)
-        engine = _build(model, cfg, undo, world_size=world_size, rank=rank, group=group, optimizer=optimizer,
-                        lr_scheduler=lr_scheduler)
-        undo.pop_all()  # success: nothing to undo
-    dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None
-    if dtype is not None:  # floating buffers follow the parameters, as model.half() would cast them
-        for module in model.modules():
-            for name, buffer in module._buffers.items():
-                if buffer is not None and buffer.is_floating_point():
-                    module._buffers[name] = buffer.to(dtype)
-    return engine
-
-
-def _partition(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, world_size: int, rank: int,
-               group: Any) -> tuple[list[ParamRecord], SwapFile | None]:
-    """Steps 1 and 2 of `_build` for a model built whole: cast, partition, place."""
-    zero = cfg.zero_optimization
-    offload_param = zero.offload_param
-    dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None
-    if dtype is not None:  # parameter by parameter; the originals stay referenced until success
-        for p in model.parameters():
-            p.data = p.data.to(dtype)
-    if world_size > 1:  # every rank starts from rank 0's weights
-        for p in model.parameters():
-            dist.broadcast(p.data, 0, group=group)
-    nvme = offload_param.device == "nvme"
-    if nvme:
-        check_against_model(cfg, {n: p.numel() for n, p in model.named_parameters()
-                                  if p.numel() > zero.stage3_param_persistence_threshold})
-    swap = None
-    if nvme:
-        swap = SwapFile(offload_param.nvme_path, cfg.aio, kind="params", key="zero_optimization.offload_param.nvme_path")
-        undo.callback(swap.close)
-    placement = Placement(world_size=world_size, rank=rank, swap=swap, max_in_cpu=offload_param.max_in_cpu if nvme else 0,
-                          persistence_threshold=zero.stage3_param_persistence_threshold)
-    try:
-        return build_records(model, placement), swap
-    finally:
-        placement.finish()  # on an error too: no write is left in flight
-
-
-def _adopt(model: nn.Module, built: ParamStore, cfg: EngineConfig, *, world_size: int
-           ) -> tuple[list[ParamRecord], SwapFile | None]:
-    """Steps 1 and 2 of `_build` for a model built under `offload.zero.Init`: take its records as they are,
-    named and numbered as the model names its parameters (records of parameters the model dropped, such as
-    a weight replaced by a tied one, are left out). Raises ValueError where the config disagrees with the build."""
-    key = "zero_optimization.offload_param.device"
-    if (built.swap is not None) != (cfg.zero_optimization.offload_param.device == "nvme"):
-        raise ValueError(f"{key}: {cfg.zero_optimization.offload_param.device!r}, but the model was built under "
-                         f"zero.Init with its parameters {'on NVMe' if built.swap is not None else 'in memory'}; "
-                         f"pass initialize() the config zero.Init got")
-    if built.world_size != world_size:
-        raise ValueError(f"the model was built under zero.Init with {built.world_size} ranks, initialize() runs with "
-                         f"{world_size}")
-    dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None
-    names = parameter_names(model)
-    records = []
-    for index, (name, p) in enumerate(model.named_parameters()):
-        if dtype is not None and p.dtype != dtype:
-            raise ValueError(f"parameter {name!r} is {p.dtype}, the config trains in {dtype}; build the model under "
-                             f"zero.Init with the same fp16/bf16 config (or dtype=)")
-        rec = built.record_of(p)
-        rec.index, rec.names = index, names[id(p)]
-        attach_accumulator(rec)
-        records.append(rec)
-    for rec in records:
-        if rec.full is None:
-            rec.param.data = torch.empty(0, dtype=rec.param.dtype)
-    BUILT.pop(id(built), None)  # the engine owns the swap file from here
-    return records, built.swap
-
-
-def _element_size(cfg: EngineConfig, p: nn.Parameter) -> int:
-    """Bytes per element ``p`` will be trained in (fp16/bf16 configs cast it)."""
-    return 2 if cfg.fp16.enabled or cfg.bf16.enabled else p.element_size()
-
-
-def _restore(originals: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
-    for param, data in originals:
-        param.data = data
-
-
-def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, world_size: int, rank: int,
-           group: Any, optimizer: Any, lr_scheduler: Any) -> "Engine":
-    """`_assemble`'s steps; each thing made is registered in ``undo`` for removal on failure."""
-    zero = cfg.zero_optimization
-    offload_param, offload_opt = zero.offload_param, zero.offload_optimizer
-    built = built_store(model)
-    # 0. Refuse now, with the figures, a run whose swap files cannot fit (not with ENOSPC hours later).
-    distinct = {id(p): p for p in model.parameters()}.values()
-    check_swap_space(cfg, swap_space_needed(
-        cfg, [(p.numel(), _element_size(cfg, p), p.requires_grad, None if built is None else built.record_of(p).on_disk)
-              for p in distinct], world_size=world_size, grads_on_disk=offload_opt.device == "nvme",
-        grads_in_param_slots=_fast_optimizer(cfg, optimizer) and offload_opt.ratio == 1.0))
-    if built is not None:  # built under offload.zero.Init: partitioned and placed already
-        records, swap = _adopt(model, built, cfg, world_size=world_size)
-    else:
-        records, swap = _partition(model, cfg, undo, world_size=world_size, rank=rank, group=group)
-    budget = SwapBudget(buffer_elements=offload_param.buffer_count * offload_param.buffer_size,
-                        max_live=zero.stage3_max_live_parameters)
-    store = ParamStore(records=records, world_size=world_size, rank=rank, swap=swap, budget=budget,
-                       prefetcher=Prefetcher(bucket_elements=zero.stage3_prefetch_bucket_size), group=group,
-                       reuse_distance=zero.stage3_max_reuse_distance)
-    # 3. Gradient reduction: hooks on the partitioned parameters' gradient accumulators. Where the
-    #    update runs is chosen here (see _update_mode): during backward, each reduced gradient goes
-    #    straight to the optimizer (earlier micro-batches' partitions kept in memory and added to it);
-    #    in the next forward, the gradients are kept in memory, each one's norm taken as it is reduced;
-    #    after backward, with the optimizer state on NVMe, the gradient partitions go there too.
-    trainable = [rec for rec in records if rec.param.requires_grad]
-    mode = _update_mode(cfg, optimizer, trainable)
-    in_backward = mode != AFTER_BACKWARD  # the optimizer's thread runs the updates
-    grad_bytes = 4 * sum(rec.partition_numel for rec in trainable)
-    keep_grads = grad_bytes <= host_memory_bytes() // _GRADS_SHARE  # kept: across micro-batches, into the next forward
-    swap_grads = not in_backward or (not keep_grads and (mode == IN_FORWARD or cfg.gradient_accumulation_steps > 1))
-    if in_backward and swap_grads:
-        log.info("gradient partitions (%.1f GB in fp32) are kept on disk, not in memory (more than 1/%d of this "
-                 "host's): each on-disk fp32 partition's in its free parameter slot, the rest in the gradient swap "
-                 "file", grad_bytes / 1e9, _GRADS_SHARE)
-    grad_swap = (SwapFile(offload_opt.nvme_path, cfg.aio, kind="grads", key="zero_optimization.offload_optimizer.nvme_path")
-                 if offload_opt.device == "nvme" and swap_grads else None)
-    if grad_swap is not None:
-        undo.callback(grad_swap.close)
-    pool = BufferPool(host_memory_bytes() // _POOL_SHARE)  # the step's I/O buffers, faulted in once
-    for file in (swap, grad_swap):
-        if file is not None:
-            file.pool = pool
-    bucket = zero.reduce_bucket_size if zero.reduce_bucket_size != _DEEPSPEED_BUCKET else _BUCKET
-    # On the fast paths a step's on-disk partitions commit with the optimizer state, so until the next
-    # step writes its update there, a partition's other slot is free: an fp32 one holds its gradient.
-    reducer = GradReducer(store, world_size=world_size, rank=rank, group=group, swap=grad_swap,
-                          bucket_elements=bucket, overlap=zero.overlap_comm,
-                          norms=mode == IN_FORWARD, param_slots=in_backward)
-    undo.callback(reducer.remove)
-    # 4. Optimizer offload: OffloadAdam over the partitions; it plans its sub-groups from their sizes,
-    #    so it comes after the partitions exist and before anything runs.
-    #    With on-disk partitions updated during backward, applied gradients lent to the optimizer's
-    #    read-ahead are capped at the swap budget, so that host memory does not grow with the model.
-    #    A sub-group is updated once all its parameters' gradients are in, so until then their
-    #    partitions wait in memory: on that path sub-groups are at most one swap buffer.
-    writeback = None
-    sub_group_size, buffer_count = _swap_sizes(cfg, [rec.partition_numel for rec in trainable], overlap=in_backward)
-    spare_limit = None
-    window = min(budget.buffer_elements, host_memory_bytes() // (_WINDOW_SHARE * 4))
-    if in_backward and any(rec.on_disk for rec in trainable):
-        # In the next forward's step, this memory first holds the state read ahead in backward (below).
-        spare_limit = window * (_STATE_AHEAD if mode == IN_FORWARD else 4)
-        if sub_group_size > offload_param.buffer_size:
-            log.info("zero_optimization.sub_group_size %d is cut to offload_param.buffer_size %d: parameters on "
-                     "NVMe wait in memory until their whole sub-group is updated", sub_group_size,
-                     offload_param.buffer_size)
-            sub_group_size = max(1024, offload_param.buffer_size)
-    with checkpoint.sized_partitions(trainable):
-        opt = _build_optimizer(cfg, optimizer, [rec.partition for rec in trainable], overlap_backward=in_backward,
-                               spare_limit=spare_limit, sub_group_size=sub_group_size, buffer_count=buffer_count)
-    if hasattr(opt, "close"):
-        undo.callback(opt.close)
-    rollback = deferred = None
-    if in_backward:
-        if spare_limit is not None:
-            writeback = PartitionWriteBack(store, opt, limit=min(offload_param.buffer_size, window))
-        # The parameters commit and roll back with the optimizer's state (docs/engine.md, "Failures").
-        rollback = StepRollback(store, limit=offload_param.buffer_size)
-        opt.add_step_hooks(on_commit=rollback.committed, on_abort=rollback.aborted)
-        if mode == IN_BACKWARD:
-            reducer.consumer = functools.partial(_hand_over, opt, writeback, rollback)
-        else:  # the forward's gathers wait for, and take, the updated partitions
-            deferred = store.updates = DeferredStep(
-                store, opt, writeback, trainable, rollback, grad_reads=reducer.start_read if grad_swap else None,
-                read_ahead=window)
-            # Late in backward (most activations freed), the state of the first updates is read ahead.
-            reducer.on_half = functools.partial(opt.read_ahead, window * _STATE_AHEAD)
-    scheduler = _build_scheduler(cfg, lr_scheduler, opt)
-    # 5. Gather hooks and prefetch: last, since they gather the partitions placed above.
-    store.install(model)
-    undo.callback(store.remove_hooks)
-    return Engine(model, cfg, store, reducer, opt, scheduler, world_size=world_size, rank=rank, group=group,
-                  writeback=writeback, rollback=rollback, deferred=deferred)
-
-
-_SWAP_BUFFER_SHARE = 16
-"""OffloadAdam's swap buffers may take at most 1/16 of the host's memory."""
-
-_STATE_AHEAD = 8
-"""Bytes per read-ahead window element of optimizer state read ahead during backward for the updates that
-the next forward runs first: the fp32 moments of as many elements as the window holds."""
-
-_WINDOW_SHARE = 64
-"""The fast paths' read-ahead windows (gradients read back, state read ahead, applied gradients lent to
-it, partitions waiting for their update or write-back) hold the swap budget's elements, but at most
-1/64 of the host's memory in fp32 bytes each: the budget follows ``offload_param.buffer_size``, which
-configs set to the largest parameter (DeepSpeed requires it), and a 3 B GPT-2's embedding made those
-windows 1.2-2.5 GB each, far more than the one layer of look-ahead that keeps the disk busy."""
-
-_GRADS_SHARE = 4
-"""Gradient partitions kept between backward and the update (accumulation, the step in the next forward)
-stay in memory while they take at most 1/4 of the host's; beyond that, in the gradient swap file."""
-
-_POOL_SHARE = 16
-"""The step's I/O buffers (partitions read, gradients written) are kept for reuse up to 1/16 of the host's
-memory (`tensorio.BufferPool`): faulted in once, not in every step."""
-
-
-_DEEPSPEED_SUB_GROUP_SIZE = 1_000_000_000
-"""DeepSpeed's default ``sub_group_size``: in a config it counts as not chosen."""
-
-
-def _swap_sizes(cfg: EngineConfig, partition_numels: list[int], *, overlap: bool) -> tuple[int, int]:
-    """``(sub_group_size, buffer_count)`` for OffloadAdam. With the optimizer state on NVMe, what the user
-    did not choose (``sub_group_size`` absent or DeepSpeed's 1e9, ``buffer_count`` absent) is chosen from the
-    parameter sizes and the host's memory (`choose_sub_group_size`, `choose_buffer_count`); a size the config
-    sets is cut (with a warning) where ``buffer_count`` x the largest sub-group's state (12 bytes an
-    element at most) would take more than 1/16 of host memory.
-
-    DeepSpeed allocates its buffers from the configured size, and its default of 1e9 elements is its
-    most reported cause of host OOMs; the update is the same for any sub-group size.
-    """
-    zero = cfg.zero_optimization
-    size = max(1024, zero.sub_group_size)
-    count = zero.offload_optimizer.buffer_count
-    if count is None:
-        count = choose_buffer_count(overlap_backward=overlap)
-    if zero.offload_optimizer.device != "nvme":
-        return size, count
-    host = host_memory_bytes()
-    if zero.sub_group_size == _DEEPSPEED_SUB_GROUP_SIZE:
-        chosen = choose_sub_group_size(partition_numels, buffer_count=count, host_bytes=host)
-        wanted = count * min(size, sum(partition_numels)) * 12
-        (log.warning if wanted > host // _SWAP_BUFFER_SHARE else log.info)(
-            "zero_optimization.sub_group_size %d (DeepSpeed's default) would make offload_optimizer's %d swap "
-            "buffers %.1f GB; using %d, chosen from the parameter sizes and this host's memory (docs/engine.md); set "
-            "sub_group_size to choose", size, count, wanted / 1e9, chosen)
-        return chosen, count
-    allowed = host // _SWAP_BUFFER_SHARE // (count * 12)
-    if min(size, sum(partition_numels)) <= allowed:
-        return size, count
-    bounded = max(1024, allowed // 1024 * 1024)
-    log.warning("zero_optimization.sub_group_size %d would make offload_optimizer's %d swap buffers %.1f GB; "
-                "using %d (buffers at most 1/%d of this host's memory); set sub_group_size to choose",
-                size, count, count * min(size, sum(partition_numels)) * 12 / 1e9, bounded, _SWAP_BUFFER_SHARE)
-    return bounded, count
-
-
-IN_BACKWARD, IN_FORWARD, AFTER_BACKWARD = "during backward", "in the next forward", "after backward"
-"""Where a step's update runs (`_update_mode`; docs/engine.md)."""
-
-
-def _fast_optimizer(cfg: EngineConfig, client: Any) -> bool:
-    """Whether the optimizer is ours (`OffloadAdam`, built or taking over a torch Adam/AdamW) with
-    state on NVMe: the fast paths' first condition (`_update_mode`)."""
-    offload_opt = cfg.zero_optimization.offload_optimizer
-    return (offload_opt.device == "nvme" and offload_opt.ratio > 0
-            and (client is None or isinstance(client, (torch.optim.Adam, torch.optim.AdamW))))
-
-
-def _update_mode(cfg: EngineConfig, client: Any, trainable: list[ParamRecord]) -> str:
-    """Where each step's update runs, so that the optimizer state's NVMe traffic overlaps compute.
-
-    The fast paths need the optimizer we build (OffloadAdam) with its state on NVMe, and, for on-disk
-    partitions (updated from the buffer a pass read and written back by `PartitionWriteBack`), all of
-    that state (``ratio`` 1.0):
-
-    - IN_BACKWARD: each partition is updated as soon as its gradient is final, when nothing has to see
-      every gradient first: no clipping, no fp16 overflow check. With accumulation, the earlier
-      micro-batches' gradient partitions are kept and added to the last one's as it arrives.
-    - IN_FORWARD: with gradient clipping or fp16, the step validates (global norm, overflow) after
-      backward and the updates run during the next forward, in its order (`DeferredStep`); this needs
-      the whole state offloaded.
-    - AFTER_BACKWARD otherwise: the chunked step.
-    """
-    offload_opt = cfg.zero_optimization.offload_optimizer
-    if not _fast_optimizer(cfg, client) or (offload_opt.ratio < 1.0 and any(rec.on_disk for rec in trainable)):
-        return AFTER_BACKWARD
-    if cfg.gradient_clipping == 0 and not cfg.fp16.enabled:
-        return IN_BACKWARD
-    return IN_FORWARD if offload_opt.ratio == 1.0 else AFTER_BACKWARD
-
-
-def _hand_over(opt: OffloadAdam, writeback: PartitionWriteBack | None, rollback: StepRollback, rec: ParamRecord,
-               grad: torch.Tensor) -> None:
-    """Give a reduced gradient partition to the optimizer, which updates it in the background."""
-    rollback.before_update(rec)
-    if rec.on_disk:
-        writeback.hand_over(rec, grad)
-        return
-    opt.grad_ready(rec.partition, grad=grad.view(rec.partition.shape))
-
-
-def _build_optimizer(cfg: EngineConfig, client: Any, params: list[nn.Parameter], *,
-                     overlap_backward: bool = False, spare_limit: int | None = None,
-                     sub_group_size: int, buffer_count: int) -> torch.optim.Optimizer:
-    """OffloadAdam over ``params`` with the config's or the client optimizer's hyperparameters."""
-    off = cfg.zero_optimization.offload_optimizer
-    swap = dict(nvme_offload_fraction=off.ratio if off.device == "nvme" else 0.0,
-                nvme_offload_dir=off.nvme_path if off.device == "nvme" else None,
-                buffer_count=buffer_count, pin_memory=off.pin_memory, pipeline_read=off.pipeline_read,
-                pipeline_write=off.pipeline_write, sub_group_size=sub_group_size,
-                aio=cfg.aio, overlap_backward=overlap_backward, spare_limit=spare_limit)
-    if client is None:
-        if cfg.optimizer is None:
-            raise ValueError('optimizer: the config has no "optimizer" section and no optimizer was passed; add '
-                             '"optimizer": {"type": "AdamW", "params": {"lr": ...}} or pass optimizer=')
-        hp = cfg.optimizer.params
-        return OffloadAdam(params, lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
-                           adamw_mode=cfg.optimizer.decoupled_weight_decay, **swap)
-    if cfg.optimizer is not None:
-        raise ValueError('optimizer: given both in the config and as optimizer=; keep one')
-    if isinstance(client, (torch.optim.Adam, torch.optim.AdamW)):
-        d = client.defaults
-        if len(client.param_groups) > 1:
-            raise ValueError("optimizer=: a client optimizer with several param groups cannot be taken over; "
-                             "pass a callable f(params) -> optimizer, or use the config's optimizer section")
-        if d.get("amsgrad"):
-            raise ValueError("optimizer=: amsgrad=True is not supported; use amsgrad=False")
-        adamw = isinstance(client, torch.optim.AdamW) or bool(d.get("decoupled_weight_decay", False))
-        return OffloadAdam(params, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
-                           adamw_mode=adamw, **swap)
-    if callable(client):
-        return client(params)
-    raise ValueError(f"optimizer=: a {type(client).__name__} cannot be taken over; pass a torch.optim.Adam or "
-                     f"AdamW, a callable f(params) -> optimizer, or None with an optimizer section in the config")
-
-
-def _build_scheduler(cfg: EngineConfig, client: Any, opt: torch.optim.Optimizer) -> Any:
-    if client is not None:
-        if cfg.scheduler is not None:
-            raise ValueError('scheduler: given both in the config and as lr_scheduler=; keep one')
-        return client(opt) if callable(client) and not hasattr(client, "step") else client
-    if cfg.scheduler is None:
-        return None
-    from offload.train.schedulers import build_scheduler  # the config's schedule
-    return build_scheduler(cfg.scheduler, opt)
+    def __set__(self, engine: Any, value: int) -> None:
+        setattr(engine._ctx.counters, self.name, value)
 
 
 class Engine:
-    """A model trained with partitioned, offloaded parameters and optimizer state. Made by `initialize`."""
+    """A model trained with partitioned, offloaded parameters and optimizer state. Made by `initialize`.
 
-    def __init__(self, module: nn.Module, config: EngineConfig, store: ParamStore, reducer: GradReducer,
-                 optimizer: torch.optim.Optimizer, lr_scheduler: Any, *, world_size: int, rank: int,
-                 group: Any, writeback: PartitionWriteBack | None = None, rollback: StepRollback | None = None,
-                 deferred: DeferredStep | None = None) -> None:
+    The DeepSpeed facade: every moment of a step that depends on where the update runs is delegated to
+    its update path (`UpdatePath`, chosen once at `initialize`; docs/engine.md).
+    """
+
+    def __init__(self, module: nn.Module, ctx: StepContext, path: UpdatePath, *, world_size: int, rank: int) -> None:
         self.module = module
-        self.config = config
-        self.optimizer = optimizer
-        self.lr_scheduler = lr_scheduler
-        self.world_size, self.rank, self.group = world_size, rank, group
-        self.global_steps = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
-        self.loss_scaler = build_loss_scaler(config.fp16) if config.fp16.enabled else None
-        self._store = store
-        self._reducer = reducer
-        self._writeback = writeback
-        self._rollback = rollback
-        """The fast paths' commit rule for parameters (None: the chunked step after backward)."""
-        self._deferred = deferred
-        """The step that runs in the next forward (None: the update runs during or after backward)."""
-        self._chunks = _step_chunks(store.records, config)
-        self._failure: str | None = None
-        """Why the model's parameters may be partly updated (a step failed part way); None: they are whole."""
-        self._last_checkpoint: str | None = None
-        self._grads_failure: str | None = None
-        """Why the accumulated gradients are incomplete (a backward failed); cleared by zero_grad."""
-        self._rolled_back: str | None = None
-        """The last step that failed and was rolled back entirely (training may go on)."""
-        self.timers = PhaseTimers.from_config(config, log=log.info if rank == 0 else (lambda line: None))
-        self._finalizer = weakref.finalize(self, _close, store, reducer, optimizer)
+        self.config: EngineConfig = ctx.config
+        self.world_size, self.rank, self.group = world_size, rank, ctx.group
+        self._ctx = ctx
+        self._path = path
+        self._store: ParamStore = ctx.store
+        self._reducer: GradReducer = ctx.reducer
+        self._failure = ctx.failure
+        self.timers = PhaseTimers.from_config(self.config, log=log.info if rank == 0 else (lambda line: None))
+        self._finalizer = weakref.finalize(self, _close, ctx.store, ctx.reducer, ctx.optimizer)
+
+    # ---- DeepSpeed's attributes ---------------------------------------------------------------------
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer (OffloadAdam unless a callable built another)."""
+        return self._ctx.optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        """The learning-rate scheduler, or None."""
+        return self._ctx.lr_scheduler
+
+    @lr_scheduler.setter
+    def lr_scheduler(self, value: Any) -> None:
+        self._ctx.lr_scheduler = value
+
+    @property
+    def loss_scaler(self) -> Any:
+        """The fp16 loss scaler, or None without fp16."""
+        return self._ctx.loss_scaler
+
+    global_steps = _Counter()
+    """Optimizer steps taken (skipped fp16 steps included)."""
+    micro_steps = _Counter()
+    """Micro-batches stepped."""
+    skipped_steps = _Counter()
+    """Steps skipped for an fp16 overflow."""
 
     # ---- training ---------------------------------------------------------------------------------
 
@@ -517,15 +165,13 @@ class Engine:
         """Run the model's forward pass (parameters are gathered module by module). After a step whose
         update runs in the next forward, this is it: each gather waits for, and uses, its updated partition.
         Raises the update's error (TensorIOError) when it failed; the step is then rolled back."""
-        if self._deferred is None:
-            self._settle()
+        self._path.before_forward()
         self._store.begin_forward()
         try:
             with self.timers.phase("forward"), self._store.saved_tensor_hooks():
                 return self.module(*args, **kwargs)
         except BaseException as error:
-            if self._deferred is not None and self._deferred.failed:
-                self._give_up(error, gradients_lost=False)  # the update of the last step failed
+            self._path.forward_failed(error)
             raise
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -537,31 +183,19 @@ class Engine:
             loss = loss / self.config.gradient_accumulation_steps
         if self.loss_scaler is not None:
             loss = self.loss_scaler.scale_loss(loss)
-        # Sync point: the last step's updates have run, and, where this backward's gradients go to the
-        # partitions' free slots, the step has committed (raises after giving it up).
-        self._finish_last_step(commit=self._reducer.param_slots)
         boundary = self.is_gradient_accumulation_boundary()
+        # Sync point: the last step's updates have run (raises after giving it up).
+        self._path.before_backward(boundary)
         # The micro-batch that ends an accumulation hands its gradients to the optimizer (plus the kept ones).
         self._reducer.start_backward(boundary)
-        if self._deferred is not None and boundary:  # the next forward's first updates find their partitions
-            self._deferred.prepare(self._store.budget.buffer_elements // 2)
-        # On-disk partitions updated during backward keep the buffer their backward read (see _writeback.py).
-        updating = self._reducer.consumer is not None and boundary
-        self._store.begin_backward(keep_for_update=updating and self._writeback is not None)
         try:
-            if updating:
-                self._rollback.begin_step()
             # Saved-tensor hooks here too: reentrant activation checkpointing re-runs forward in backward.
             with self.timers.phase("backward"), self._store.saved_tensor_hooks():
                 loss.backward()
                 self._reducer.flush()  # sync point: the last buckets' reductions
         except BaseException as error:
             self._reducer.abandon()
-            if updating:  # this backward's updates are given up (the last step committed before they began)
-                self._give_up(error, gradients_lost=True)
-            else:
-                self._grads_failure = (f"the backward of step {self.global_steps + 1} failed ({type(error).__name__}: "
-                                       f"{error}), so the accumulated gradients are incomplete")
+            self._path.backward_failed(error, boundary)
             raise
         finally:
             self._store.end_backward()  # sync point: every gathered parameter and unused prefetch is released
@@ -574,16 +208,19 @@ class Engine:
         """End a micro step; at a gradient-accumulation boundary, update the parameters.
 
         Raises tensorio.TensorIOError when the swap files fail, RuntimeError when fp16 overflows at
-        the minimum loss scale.
+        the minimum loss scale, or when an earlier failure left nothing to step from (saying how to resume).
         """
-        self._check_not_failed("step")
-        if self._grads_failure is not None:
-            raise RuntimeError(f"cannot step: {self._grads_failure}; call zero_grad() and run the accumulation "
-                               f"again, or load_checkpoint(...)")
+        self._failure.check_step()
         if self.is_gradient_accumulation_boundary():
-            snapshot = self._counters() if self._rollback is not None else None
             with self.timers.phase("step"):
-                self._optimizer_step(snapshot)
+                if self._path.step():
+                    if self.lr_scheduler is not None:
+                        self.lr_scheduler.step()
+                    self.zero_grad()
+                    self._path.after_step()
+                else:  # fp16 overflow: the step is skipped
+                    self.skipped_steps += 1
+                    self.zero_grad()
             self.global_steps += 1
             if self.global_steps % self.config.steps_per_print == 0:
                 self._report()
@@ -596,238 +233,18 @@ class Engine:
         if self.rank == 0:
             log.info(f"step {self.global_steps}: lr {self.get_lr()}, skipped {self.skipped_steps}{scale}")
 
-    def _failed(self, error: BaseException) -> None:
-        """A step failed after it began to change parameters: refuse to step or save until a load."""
-        self._failure = f"step {self.global_steps + 1} failed part way ({type(error).__name__}: {error})"
-
-    def _give_up(self, error: BaseException, *, gradients_lost: bool) -> None:
-        """A step on a fast path failed: join the optimizer's thread and give up every uncommitted step
-        (`StepRollback`). When that undid everything, the counters, schedule and loss scale go back to
-        the last committed step and training may go on (with ``gradients_lost``, from a new backward);
-        otherwise refuse to step or save until a load."""
-        self._abandon_updates()
-        self._store.release_all()  # reads in flight or failed (a failed prefetch would fail its next gather)
-        total, snapshot, uncopied = self._rollback.take_aborts()
-        if not total:
-            self._failed(error)
-            self._failure += (f"; the in-memory partitions {', '.join(uncopied[:3])}{' ...' if len(uncopied) > 3 else ''} "
-                              f"were updated without a copy to undo it (beyond offload_param.buffer_size elements)")
-            return
-        failed_step = self.global_steps + 1
-        if snapshot is not None:
-            self._restore_counters(snapshot)
-            failed_step = self.global_steps + 1
-        self._rolled_back = (f"step {failed_step} failed ({type(error).__name__}: {error}) and was rolled back "
-                             f"entirely: parameters and optimizer state are those after step {self.global_steps}")
-        log.warning("%s", self._rolled_back)
-        if gradients_lost:
-            self._grads_failure = f"{self._rolled_back}, and the gradients of this accumulation are lost"
-
-    def _counters(self) -> dict[str, Any]:
-        """What a step changes besides parameters and optimizer state, to undo it (`_give_up`)."""
-        return {"global_steps": self.global_steps, "skipped_steps": self.skipped_steps,
-                "micro_steps": self.micro_steps + 1 - self.config.gradient_accumulation_steps,
-                "lr": [group["lr"] for group in self.optimizer.param_groups],
-                "lr_scheduler": copy.deepcopy(self.lr_scheduler.state_dict()) if self.lr_scheduler is not None else None,
-                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
-
-    def _restore_counters(self, snapshot: dict[str, Any]) -> None:
-        self.global_steps, self.skipped_steps = snapshot["global_steps"], snapshot["skipped_steps"]
-        self.micro_steps = snapshot["micro_steps"]
-        for group, lr in zip(self.optimizer.param_groups, snapshot["lr"]):
-            group["lr"] = lr
-        if snapshot["lr_scheduler"] is not None:
-            self.lr_scheduler.load_state_dict(snapshot["lr_scheduler"])
-        if snapshot["loss_scaler"] is not None:
-            self.loss_scaler.load_state_dict(snapshot["loss_scaler"])
-
     def _check_not_failed(self, what: str) -> None:
-        if self._failure is not None:
-            resume = (f"load_checkpoint({os.path.dirname(self._last_checkpoint)!r}, "
-                      f"tag={os.path.basename(self._last_checkpoint)!r})" if self._last_checkpoint else
-                      "load_checkpoint(...) with your last checkpoint")
-            raise RuntimeError(f"cannot {what}: {self._failure}, so some parameters may carry its update and others "
-                               f"not; {what} would go on from a mixed model. Resume with {resume}")
-
-    def _optimizer_step(self, snapshot: dict[str, Any] | None) -> None:
-        records = [rec for rec in self._store.records if rec.param.requires_grad]
-        if self._reducer.consumer is not None:  # partitions were updated during backward
-            self._rollback.counted(snapshot)
-            try:
-                self.optimizer.step()  # sync point: waits for those updates; steps any partition left
-                if self._writeback is not None:
-                    self._writeback.finish()  # sync point: on-disk partitions written back
-            except BaseException as error:
-                self._give_up(error, gradients_lost=True)
-                raise
-            self._finish_step(records)
-            return
-        if self._deferred is not None:
-            self._step_in_next_forward(records, snapshot)
-            return
-        try:
-            factor = self._unscale_and_clip(records)
-        except BaseException as error:  # nothing is updated yet: the parameters are whole
-            self._grads_failure = (f"step {self.global_steps + 1} failed before its update ({type(error).__name__}: "
-                                   f"{error}): its gradients are lost, the parameters are whole")
-            raise
-        if factor is None:  # fp16 overflow: the step is skipped
-            self.skipped_steps += 1
-            self.zero_grad()
-            return
-        # 3. The update, chunk by chunk: NVMe partitions (and offloaded gradients) are read in,
-        #    stepped and written back. Three chunks are in memory at most: the next one being read,
-        #    this one being stepped, the previous one being written (each a third of the swap budget).
-        try:
-            self._update_in_chunks(factor)
-        except BaseException as error:
-            self._failed(error)
-            raise
-        self._store.commit_slots()  # every partition's write has landed
-        self._finish_step(records)
-
-    def _step_in_next_forward(self, records: list[ParamRecord], snapshot: dict[str, Any]) -> None:
-        """A step whose update runs in the next forward (`DeferredStep`): check the gradients (fp16
-        overflow, global norm) from each partition's norm, taken as it was reduced, then hand the step
-        over with the clip coefficient times the inverse loss scale; the schedule steps now (the update
-        uses the hyperparameters of this moment)."""
-        try:
-            self._reducer.drain()  # sync point: every offloaded gradient is on disk
-            factor = self._step_factor([rec.grad_norm for rec in records if rec.grad_norm is not None])
-            if factor is not None:
-                grads = {rec.index: rec.grad for rec in records if rec.grad is not None}
-                grads.update({rec.index: None for rec in records if rec.grad_on_disk})  # read back in the forward
-                self._rollback.begin_step()
-                self._rollback.counted(snapshot)
-                self._deferred.begin(grads, factor)  # prefetches the forward's first partitions
-                del grads
-        except BaseException as error:
-            if self._rollback.uncommitted:
-                self._give_up(error, gradients_lost=True)
-            else:  # nothing is updated yet: the parameters are whole
-                self._grads_failure = (f"step {self.global_steps + 1} failed before its update ({type(error).__name__}: "
-                                       f"{error}): its gradients are lost, the parameters are whole")
-            raise
-        if factor is None:  # fp16 overflow: the step is skipped
-            self._store.keep_next = set()  # the buffers kept for its updates are prefetched ones now
-            self.skipped_steps += 1
-            self.zero_grad()
-            return
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        self.zero_grad()  # the step holds the gradients now
-
-    def _finish_last_step(self, *, commit: bool = False) -> None:
-        """Let the step handed to the next forward finish and, with ``commit``, wait until the last step
-        has committed, so that gradients written to the partitions' free slots overwrite nothing a
-        rollback needs (sync points); give the step up if it failed."""
-        try:
-            if self._deferred is not None:
-                self._deferred.finish()
-            if commit and self._rollback.uncommitted:
-                self.optimizer.synchronize()
-        except BaseException as error:
-            self._give_up(error, gradients_lost=False)
-            raise
-
-    def _update_in_chunks(self, factor: float) -> None:
-        """Phase 3 of a step without updates during backward (see `_optimizer_step`)."""
-        chunks = self._chunks
-        grad_reads = self._start_chunk(chunks[0]) if chunks else {}
-        writing: tuple[list[ParamRecord], list] = ([], [])
-        for i, chunk in enumerate(chunks):
-            next_reads = self._start_chunk(chunks[i + 1]) if i + 1 < len(chunks) else {}
-            # Sync point: this chunk's partitions and gradients have arrived.
-            self._store.finish_loads(chunk)
-            for rec in chunk:
-                grad = rec.grad
-                if rec.index in grad_reads:
-                    buffer, future = grad_reads[rec.index]
-                    future.result()
-                    grad = buffer
-                if grad is not None:
-                    rec.partition.grad = (grad if factor == 1.0 else grad.mul_(factor)).to(rec.partition.dtype)
-            self.optimizer.step()
-            for rec in chunk:
-                rec.partition.grad = None
-            self._store.finish_stores(*writing)  # sync point: the previous chunk is on disk
-            writing = (chunk, self._store.start_stores(chunk))
-            grad_reads = next_reads
-        self._store.finish_stores(*writing)
-
-    def _abandon_updates(self) -> None:
-        """After a failure on a fast path (or before a load): the optimizer's thread is joined and its
-        uncommitted steps forgotten first (nothing commits; the parameters roll back with them), then
-        every partition handed over is let go."""
-        self.optimizer.abandon_step()
-        if self._writeback is not None:
-            self._writeback.abort()
-        if self._deferred is not None:
-            self._deferred.abandon()
+        self._failure.check(what)
 
     def _settle(self) -> None:
         """Before partitions are read between backward and step, or between a step and the forward that
         runs its update (a save, `full_parameters`): every update handed over so far has run and its
         write-back landed, so the swap file holds what it says."""
-        self._finish_last_step()
-        if self._writeback is not None:
-            self._writeback.settle()
-
-    def _finish_step(self, records: list[ParamRecord]) -> None:
-        """After the update: regather kept parameters whose partition is not the parameter itself,
-        step the learning-rate schedule, drop the gradients, and start reading the partitions the next
-        forward needs first."""
-        for rec in records:
-            self._store.refresh(rec)
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        self.zero_grad()
-        self._store.prefetch_from_start()
-
-    def _start_chunk(self, chunk: list[ParamRecord]) -> dict:
-        """Start the reads of a chunk's on-disk partitions and offloaded gradients."""
-        self._store.start_loads(chunk)
-        return {rec.index: self._reducer.start_read(rec) for rec in chunk if rec.grad_on_disk}
-
-    def _unscale_and_clip(self, records: list[ParamRecord]) -> float | None:
-        """Phases 1 and 2 of a step after backward: the factor every gradient is multiplied by as it
-        is applied (`_step_factor`), or None when fp16 overflowed."""
-        self._reducer.drain()  # sync point: every offloaded gradient is on disk
-        # Offloaded gradients are summarised by their partition's norm: the global norm and the
-        # overflow check need nothing else.
-        norms = [torch.linalg.vector_norm(rec.grad) for rec in records if rec.grad is not None]
-        norms += [rec.grad_norm for rec in records if rec.grad_on_disk]
-        return self._step_factor(norms)
-
-    def _step_factor(self, norms: list[torch.Tensor]) -> float | None:
-        """From the gradient partitions' norms (this rank's; every rank calls this): the factor each
-        gradient is multiplied by in the update, the clip coefficient times the inverse loss scale, or
-        None when fp16 overflowed (the step is skipped; the loss scale is updated either way).
-
-        As ``torch.nn.utils.clip_grad_norm_`` (bit for bit at world size 1): multiplied by ``max_norm /
-        (norm + 1e-6)`` when that is below 1, ``norm`` the global norm of the unscaled gradients; with fp16,
-        one multiply for both (DeepSpeed's combined scale), unscaled by the loss scale of their backward
-        (the scale before this step's update of it)."""
-        from offload.train.clip import clip_coefficient, total_norm
-
-        factor = 1.0
-        # 1. fp16: a step with an inf/NaN gradient on any rank is skipped and the scale lowered.
-        if self.loss_scaler is not None:
-            scale = self.loss_scaler.loss_scale
-            overflow = self.loss_scaler.has_overflow(norms, group=self.group)
-            self.loss_scaler.update(overflow)
-            if overflow:
-                return None
-            factor = 1.0 / scale
-        # 2. Clip by the global norm over all ranks' partitions.
-        if self.config.gradient_clipping > 0:
-            norm = total_norm(norms, group=self.group)
-            factor *= clip_coefficient(norm * factor if factor != 1.0 else norm, self.config.gradient_clipping)
-        return factor
+        self._path.settle()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the accumulated gradient partitions (in memory and offloaded)."""
-        self._grads_failure = None
+        self._failure.gradients_cleared()
         self._reducer.clear()
         for rec in self._store.records:
             rec.partition.grad = None
@@ -868,6 +285,11 @@ class Engine:
         """Bytes read from and written to the parameter swap file so far."""
         return self._store.io_bytes()
 
+    def stats(self) -> EngineStats:
+        """What the engine is doing and holds now: its update mode, bytes read and written per swap file,
+        records by place, buffers held, the failure state (see `EngineStats`). Cheap; any thread."""
+        return collect_stats(self._ctx, self._path)
+
     # ---- checkpoints ------------------------------------------------------------------------------------
 
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
@@ -892,7 +314,7 @@ class Engine:
                  "client_state": dict(client_state or {})}
         path = checkpoint.save_checkpoint(save_dir, tag, rank=self.rank, group=self.group, store=self._store,
                                           optimizer=self.optimizer, state=state)
-        self._last_checkpoint = path
+        self._failure.saved(path)
         return path
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None
@@ -903,9 +325,7 @@ class Engine:
         FileNotFoundError for a missing checkpoint and ValueError when it was saved with another
         world size or for another model (before any parameter changes).
         """
-        if self._rollback is not None:
-            self._abandon_updates()  # updates still running would write over the loaded values
-            self._rollback.take_aborts()
+        self._path.abandon()  # updates still running would write over the loaded values
         self._store.release_all()  # partitions read ahead would hold the values from before the load
         path, state = checkpoint.load_checkpoint(load_dir, tag, rank=self.rank, world_size=self.world_size,
                                                  store=self._store, optimizer=self.optimizer)
@@ -916,8 +336,7 @@ class Engine:
         self.global_steps, self.micro_steps = state["global_steps"], state["micro_steps"]
         self.skipped_steps = state["skipped_steps"]
         self.zero_grad()
-        self._failure, self._last_checkpoint = None, path  # every partition holds the checkpoint's values
-        self._rolled_back = None
+        self._failure.loaded(path)  # every partition holds the checkpoint's values
         return path, state["client_state"]
 
     def load_pretrained(self, checkpoint_dir: str | os.PathLike) -> list[str]:
@@ -928,9 +347,7 @@ class Engine:
         ValueError for missing parameters or a shape mismatch (before any partition changes)."""
         from offload.params.pretrained import load_pretrained
 
-        if self._rollback is not None:
-            self._abandon_updates()
-            self._rollback.take_aborts()
+        self._path.abandon()
         self._store.release_all()
         return load_pretrained(self.module, self._store, os.fspath(checkpoint_dir), self.config.aio)
 
@@ -978,25 +395,6 @@ class Engine:
         self._finalizer()
         if self.world_size > 1:
             gc.collect()
-
-
-def _step_chunks(records: list[ParamRecord], cfg: EngineConfig) -> list[list[ParamRecord]]:
-    """Trainable records in order, cut so that the on-disk partitions of a chunk fit a third of the swap
-    budget (three chunks are in memory during the step); a partition larger than that is a chunk alone."""
-    limit = cfg.zero_optimization.offload_param.buffer_count * cfg.zero_optimization.offload_param.buffer_size // 3
-    chunks, current, held = [], [], 0
-    for rec in records:
-        if not rec.param.requires_grad:
-            continue
-        size = rec.partition_numel if rec.on_disk else 0
-        if current and held + size > limit:
-            chunks.append(current)
-            current, held = [], 0
-        current.append(rec)
-        held += size
-    if current:
-        chunks.append(current)
-    return chunks
 
 
 def _close(store: ParamStore, reducer: GradReducer, optimizer: Any) -> None:

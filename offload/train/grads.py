@@ -70,6 +70,11 @@ class GradReducer:
             self._hooks.append(rec.accumulator.register_prehook(before))
             self._hooks.append(rec.param.register_post_accumulate_grad_hook(after))
 
+    @property
+    def has_buckets(self) -> bool:
+        """Whether gradients are all-reduced in buckets (gloo, more than one rank)."""
+        return self._buckets is not None
+
     def _before_accumulate(self, rec: ParamRecord, grads: tuple) -> None:
         if rec.full is None:  # released: a stand-in of the full shape, zero strides, one element
             rec.param.data = torch.zeros((), dtype=rec.param.dtype).expand(rec.shape)

@@ -116,6 +116,11 @@ class PartitionWriteBack:
         about to be updated, or updated and kept)."""
         return rec.index in self._held
 
+    def counts(self) -> tuple[int, int]:
+        """``(partitions handed over and not let go yet, writes not reaped yet)`` (any thread)."""
+        with self._lock:
+            return len(self._held), len(self._writes)
+
     def is_updated(self, rec: ParamRecord) -> bool:
         """Whether the optimizer has updated ``rec`` (any thread)."""
         with self._lock:

@@ -1,0 +1,138 @@
+"""How much host memory each part of the step may hold, chosen once at `initialize` from the config, the
+model and the host's memory (`plan_sizes`). Everything here is a policy: the shares are fractions of
+the host's memory, and a size the config leaves to us is chosen here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from offload.config import EngineConfig
+from offload.optim.subgroups import choose_buffer_count, choose_sub_group_size, host_memory_bytes
+from offload.params import ParamRecord, SwapBudget
+from offload.train.update_mode import UpdateMode
+
+log = logging.getLogger("offload")
+
+_DEEPSPEED_BUCKET = 500_000_000
+"""DeepSpeed's default ``reduce_bucket_size`` (2 GB of fp32 per bucket): in a config it counts as not chosen."""
+
+_BUCKET = 1 << 23
+"""Elements of a gradient bucket when the config does not choose: 32 MiB of fp32, about PyTorch DDP's 25 MB."""
+
+_SWAP_BUFFER_SHARE = 16
+"""OffloadAdam's swap buffers may take at most 1/16 of the host's memory."""
+
+_STATE_AHEAD = 8
+"""Bytes per read-ahead window element of optimizer state read ahead during backward for the updates that
+the next forward runs first: the fp32 moments of as many elements as the window holds."""
+
+_WINDOW_SHARE = 64
+"""The fast paths' read-ahead windows (gradients read back, state read ahead, applied gradients lent to
+it, partitions waiting for their update or write-back) hold the swap budget's elements, but at most
+1/64 of the host's memory in fp32 bytes each: the budget follows ``offload_param.buffer_size``, which
+configs set to the largest parameter (DeepSpeed requires it), and a 3 B GPT-2's embedding made those
+windows 1.2-2.5 GB each, far more than the one layer of look-ahead that keeps the disk busy."""
+
+_GRADS_SHARE = 4
+"""Gradient partitions kept between backward and the update (accumulation, the step in the next forward)
+stay in memory while they take at most 1/4 of the host's; beyond that, in the gradient swap file."""
+
+_POOL_SHARE = 16
+"""The step's I/O buffers (partitions read, gradients written) are kept for reuse up to 1/16 of the host's
+memory (`tensorio.BufferPool`): faulted in once, not in every step."""
+
+_DEEPSPEED_SUB_GROUP_SIZE = 1_000_000_000
+"""DeepSpeed's default ``sub_group_size``: in a config it counts as not chosen."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepSizes:
+    """The sizes `plan_sizes` chose (elements unless said otherwise)."""
+
+    swap_grads: bool
+    """Gradient partitions kept between backward and the update go to disk, not memory."""
+    pool_bytes: int
+    """Bytes of I/O buffers kept for reuse (`tensorio.BufferPool`)."""
+    bucket: int
+    """Elements of a gradient reduction bucket."""
+    sub_group_size: int
+    buffer_count: int
+    """OffloadAdam's sub-group size and swap buffer count."""
+    window: int
+    """The fast paths' read-ahead window (see ``_WINDOW_SHARE``)."""
+    spare_limit: int | None
+    """Applied gradients lent to the optimizer's read-ahead (None: none; on-disk partitions on a fast path only)."""
+    state_ahead: int
+    """Bytes of optimizer state read ahead late in backward for the next forward's first updates."""
+
+
+def plan_sizes(cfg: EngineConfig, trainable: list[ParamRecord], mode: UpdateMode, budget: SwapBudget) -> StepSizes:
+    """The sizes of the step's buffers and windows for ``mode`` on this host (logs what it cut or chose)."""
+    zero = cfg.zero_optimization
+    offload_param = zero.offload_param
+    in_backward = mode is not UpdateMode.AFTER_BACKWARD  # the optimizer's thread runs the updates
+    grad_bytes = 4 * sum(rec.partition_numel for rec in trainable)
+    keep_grads = grad_bytes <= host_memory_bytes() // _GRADS_SHARE  # kept: across micro-batches, into the next forward
+    swap_grads = not in_backward or (not keep_grads and (mode is UpdateMode.IN_FORWARD
+                                                         or cfg.gradient_accumulation_steps > 1))
+    if in_backward and swap_grads:
+        log.info("gradient partitions (%.1f GB in fp32) are kept on disk, not in memory (more than 1/%d of this "
+                 "host's): each on-disk fp32 partition's in its free parameter slot, the rest in the gradient swap "
+                 "file", grad_bytes / 1e9, _GRADS_SHARE)
+    # With on-disk partitions updated during backward, applied gradients lent to the optimizer's read-ahead
+    # are capped at the swap budget, so that host memory does not grow with the model. A sub-group is
+    # updated once all its parameters' gradients are in, so until then their partitions wait in memory:
+    # on that path sub-groups are at most one swap buffer.
+    sub_group_size, buffer_count = swap_sizes(cfg, [rec.partition_numel for rec in trainable], overlap=in_backward)
+    spare_limit = None
+    window = min(budget.buffer_elements, host_memory_bytes() // (_WINDOW_SHARE * 4))
+    if in_backward and any(rec.on_disk for rec in trainable):
+        # In the next forward's step, this memory first holds the state read ahead in backward.
+        spare_limit = window * (_STATE_AHEAD if mode is UpdateMode.IN_FORWARD else 4)
+        if sub_group_size > offload_param.buffer_size:
+            log.info("zero_optimization.sub_group_size %d is cut to offload_param.buffer_size %d: parameters on "
+                     "NVMe wait in memory until their whole sub-group is updated", sub_group_size,
+                     offload_param.buffer_size)
+            sub_group_size = max(1024, offload_param.buffer_size)
+    return StepSizes(swap_grads=swap_grads, pool_bytes=host_memory_bytes() // _POOL_SHARE,
+                     bucket=zero.reduce_bucket_size if zero.reduce_bucket_size != _DEEPSPEED_BUCKET else _BUCKET,
+                     sub_group_size=sub_group_size, buffer_count=buffer_count, window=window,
+                     spare_limit=spare_limit, state_ahead=window * _STATE_AHEAD)
+
+
+def swap_sizes(cfg: EngineConfig, partition_numels: list[int], *, overlap: bool) -> tuple[int, int]:
+    """``(sub_group_size, buffer_count)`` for OffloadAdam. With the optimizer state on NVMe, what the user
+    did not choose (``sub_group_size`` absent or DeepSpeed's 1e9, ``buffer_count`` absent) is chosen from the
+    parameter sizes and the host's memory (`choose_sub_group_size`, `choose_buffer_count`); a size the config
+    sets is cut (with a warning) where ``buffer_count`` x the largest sub-group's state (12 bytes an
+    element at most) would take more than 1/16 of host memory.
+
+    DeepSpeed allocates its buffers from the configured size, and its default of 1e9 elements is its
+    most reported cause of host OOMs; the update is the same for any sub-group size.
+    """
+    zero = cfg.zero_optimization
+    size = max(1024, zero.sub_group_size)
+    count = zero.offload_optimizer.buffer_count
+    if count is None:
+        count = choose_buffer_count(overlap_backward=overlap)
+    if zero.offload_optimizer.device != "nvme":
+        return size, count
+    host = host_memory_bytes()
+    if zero.sub_group_size == _DEEPSPEED_SUB_GROUP_SIZE:
+        chosen = choose_sub_group_size(partition_numels, buffer_count=count, host_bytes=host)
+        wanted = count * min(size, sum(partition_numels)) * 12
+        (log.warning if wanted > host // _SWAP_BUFFER_SHARE else log.info)(
+            "zero_optimization.sub_group_size %d (DeepSpeed's default) would make offload_optimizer's %d swap "
+            "buffers %.1f GB; using %d, chosen from the parameter sizes and this host's memory (docs/engine.md); set "
+            "sub_group_size to choose", size, count, wanted / 1e9, chosen)
+        return chosen, count
+    allowed = host // _SWAP_BUFFER_SHARE // (count * 12)
+    if min(size, sum(partition_numels)) <= allowed:
+        return size, count
+    bounded = max(1024, allowed // 1024 * 1024)
+    log.warning("zero_optimization.sub_group_size %d would make offload_optimizer's %d swap buffers %.1f GB; "
+                "using %d (buffers at most 1/%d of this host's memory); set sub_group_size to choose",
+                size, count, count * min(size, sum(partition_numels)) * 12 / 1e9, bounded, _SWAP_BUFFER_SHARE)
+    return bounded, count

@@ -1,0 +1,79 @@
+"""IN_BACKWARD: each partition is updated during backward, as soon as its gradient is final.
+
+Nothing has to see every gradient first (no clipping, no fp16 overflow check), so:
+
+1. ``before_backward``: at an accumulation boundary the step begins (`StepRollback.begin_step`), and the
+   store keeps the buffer each on-disk trainable partition's gather read (`ParamStore.begin_backward`);
+2. ``gradient_final`` (the reducer's consumer, with the earlier micro-batches' gradients added): the
+   partition and its gradient go to the optimizer's thread, an in-memory one directly, an on-disk one
+   through `PartitionWriteBack`, which writes it to its uncommitted slot once updated;
+3. ``step``: waits for those updates and writes (sync point); the optimizer commits the step, and the
+   parameters with it, once every write has landed.
+
+A failure anywhere gives the step up whole (`FastPath.give_up`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from offload.params import ParamRecord
+from offload.train.update_mode import FastPath, UpdateMode
+
+
+class UpdateDuringBackward(FastPath):
+    """The IN_BACKWARD update path (see the module docstring)."""
+
+    mode = UpdateMode.IN_BACKWARD
+
+    def before_forward(self) -> None:
+        self.settle()
+
+    def forward_failed(self, error: BaseException) -> None:
+        pass  # the forward runs no update
+
+    def before_backward(self, boundary: bool) -> None:
+        try:
+            self._wait_for_commit()
+        except BaseException as error:
+            self.give_up(error, gradients_lost=False)
+            raise
+        # On-disk partitions updated during backward keep the buffer their backward read (writeback.py).
+        self.ctx.store.begin_backward(keep_for_update=boundary and self.writeback is not None)
+        if boundary:
+            self.rollback.begin_step()
+
+    def gradient_final(self, rec: ParamRecord, grad: torch.Tensor) -> None:
+        """Give a reduced gradient partition to the optimizer, which updates it in the background."""
+        self.rollback.before_update(rec)
+        if rec.on_disk:
+            self.writeback.hand_over(rec, grad)
+            return
+        self.ctx.optimizer.grad_ready(rec.partition, grad=grad.view(rec.partition.shape))
+
+    def backward_failed(self, error: BaseException, boundary: bool) -> None:
+        if boundary:  # this backward's updates are given up (the last step committed before they began)
+            self.give_up(error, gradients_lost=True)
+        else:
+            super().backward_failed(error, boundary)
+
+    def step(self) -> bool:
+        ctx = self.ctx
+        self.rollback.counted(self._snapshot())
+        try:
+            ctx.optimizer.step()  # sync point: waits for those updates; steps any partition left
+            if self.writeback is not None:
+                self.writeback.finish()  # sync point: on-disk partitions written back
+        except BaseException as error:
+            self.give_up(error, gradients_lost=True)
+            raise
+        for rec in ctx.trainable():  # kept whole parameters whose partition is not the parameter itself
+            ctx.store.refresh(rec)
+        return True
+
+    def after_step(self) -> None:
+        self.ctx.store.prefetch_from_start()
+
+    def settle(self) -> None:
+        if self.writeback is not None:
+            self.writeback.settle()
