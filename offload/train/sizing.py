@@ -49,7 +49,8 @@ _DEEPSPEED_SUB_GROUP_SIZE = 1_000_000_000
 
 @dataclass(frozen=True, slots=True)
 class StepSizes:
-    """The sizes `plan_sizes` chose (elements unless said otherwise)."""
+    """The sizes `plan_sizes` chose for one engine: counts of elements unless said otherwise, fixed for its
+    lifetime (nothing here changes once the optimizer and the reducer are built from it)."""
 
     swap_grads: bool
     """Gradient partitions kept between backward and the update go to disk, not memory."""
