@@ -10,7 +10,6 @@ from __future__ import annotations
 import shutil
 import tempfile
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -18,38 +17,13 @@ import torch
 from tensorio import AioConfig, aligned_tensor
 
 from offload.config.swap import SwapConfig
+from offload.optim.kernel import ParamState, adam_update, check_grads, check_params
 from offload.optim.overlap import BackgroundWorker, BackwardUpdates
-from offload.optim.subgroups import (Member, ParamSpec, SubGroupPlan, choose_buffer_count, choose_sub_group_size,
+from offload.optim.subgroups import (ParamSpec, SubGroupPlan, choose_buffer_count, choose_sub_group_size,
                                      host_memory_bytes, plan_subgroups)
 from offload.optim.swapper import StateSwapper, Where
 
 __all__ = ["OffloadAdam"]
-
-_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
-_DTYPES = (torch.float32, *_SIXTEEN_BIT)
-
-
-@dataclass(slots=True, eq=False)
-class _ParamRecord:
-    """One parameter: its tensor, step count and where its elements sit in the sub-groups."""
-
-    param: torch.Tensor
-    group: int
-    index: int
-    step: torch.Tensor | None = None
-    """Committed step count (a float32 0-d tensor, as torch keeps it); None: no state yet."""
-    new_step: torch.Tensor | None = None
-    """This step's count, committed together with the state."""
-    runs: list[tuple[int, Member]] = field(default_factory=list)
-    """(sub-group index, run of elements) for each part of the parameter."""
-
-    @property
-    def master(self) -> bool:
-        return self.param.dtype in _SIXTEEN_BIT
-
-    def name(self) -> str:
-        return f"parameter {self.index} (param group {self.group}, shape {tuple(self.param.shape)})"
-
 
 class OffloadAdam(torch.optim.Optimizer):
     """Adam / AdamW keeping ``nvme_offload_fraction`` of its state on NVMe, the rest in RAM.
@@ -120,11 +94,11 @@ class OffloadAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
         # 1. One record per parameter, checked before anything touches the disk.
-        self._params: list[_ParamRecord] = []
+        self._params: list[ParamState] = []
         for g, group in enumerate(self.param_groups):
             for p in group["params"]:
-                self._params.append(_ParamRecord(param=p, group=g, index=len(self._params)))
-        _check_params(self._params)
+                self._params.append(ParamState(param=p, group=g, index=len(self._params)))
+        check_params(self._params)
         self._index_of = {id(rec.param): rec.index for rec in self._params}
         if buffer_count is None:
             buffer_count = choose_buffer_count(overlap_backward=overlap_backward)
@@ -554,65 +528,12 @@ class OffloadAdam(torch.optim.Optimizer):
         return self._params[index].param.grad
 
     def _check_grads(self, plan: SubGroupPlan) -> None:
-        for member in plan.members:
-            rec = self._params[member.param]
-            grad = self._grad_of(member.param)
-            if grad is None:
-                continue
-            if grad.is_sparse:
-                raise ValueError(f"{rec.name()} has a sparse gradient; OffloadAdam needs dense gradients")
-            dtype_ok = grad.dtype == rec.param.dtype or (rec.master and grad.dtype == torch.float32)
-            if grad.device != rec.param.device or not dtype_ok or grad.shape != rec.param.shape:
-                raise ValueError(f"{rec.name()} has a gradient of {grad.dtype} {tuple(grad.shape)} on {grad.device}; "
-                                 f"it must match the parameter ({rec.param.dtype} on {rec.param.device}; a 16-bit "
-                                 f"parameter may have a float32 gradient)")
+        check_grads(plan, self._params, self._grad_of)
 
     def _update(self, plan: SubGroupPlan, regions: list[torch.Tensor]) -> None:
-        """Run the fused Adam/AdamW kernel on one sub-group whose state regions are ``regions``."""
+        """Run the kernel on one sub-group with this step's hyperparameters and gradient scale."""
         group = self._step_groups[plan.group] if self._step_groups is not None else self.param_groups[plan.group]
-        scale = self._grad_scale
-        exp_avg, exp_avg_sq = regions[0], regions[1]
-        master = regions[2] if plan.master else None
-        params, grads, exp_avgs, exp_avg_sqs, steps, copy_back = [], [], [], [], [], []
-        for member in plan.members:
-            rec = self._params[member.param]
-            grad = self._grad_of(member.param)  # read once: with overlap_backward this runs beside the caller's thread
-            if grad is None:
-                continue
-            run = slice(member.offset, member.offset + member.numel)
-            elements = slice(member.start, member.start + member.numel)
-            flat_param = rec.param.detach().view(-1)[elements]
-            flat_grad = grad.reshape(-1)[elements]
-            if rec.step is None:  # first update of this parameter: fresh state, as torch makes it
-                exp_avg[run].zero_()
-                exp_avg_sq[run].zero_()
-                if master is not None:
-                    master[run].copy_(flat_param)
-            if rec.new_step is None:
-                rec.new_step = (rec.step.clone() if rec.step is not None else torch.zeros((), dtype=torch.float32)) + 1
-            if master is not None:
-                flat_grad = flat_grad.float()
-            if scale != 1.0:  # clip_grad_norm_'s multiply (times the inverse loss scale), in fp32 for masters
-                flat_grad = flat_grad * scale
-            if master is not None:
-                params.append(master[run])
-                copy_back.append((flat_param, master[run]))
-            else:
-                params.append(flat_param)
-            grads.append(flat_grad)
-            exp_avgs.append(exp_avg[run])
-            exp_avg_sqs.append(exp_avg_sq[run])
-            steps.append(rec.new_step)
-        if not params:
-            return
-        decoupled = group.get("decoupled_weight_decay", self._adamw_mode)
-        kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-        beta1, beta2 = group["betas"]
-        kernel(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=group["lr"], beta1=beta1,
-               beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-               grad_scale=None, found_inf=None)
-        for param_run, master_run in copy_back:
-            param_run.copy_(master_run)
+        adam_update(plan, regions, self._params, self._grad_of, group, self._grad_scale, self._adamw_mode)
 
     # ---- state dicts ------------------------------------------------------------------------------------
 
@@ -818,7 +739,7 @@ class OffloadAdam(torch.optim.Optimizer):
 
 
 def _fill(plan: SubGroupPlan, regions: list[torch.Tensor], steps: Mapping[int, float],
-          get: Callable[[int, str, int, int], torch.Tensor | None], params: list[_ParamRecord]) -> None:
+          get: Callable[[int, str, int, int], torch.Tensor | None], params: list[ParamState]) -> None:
     """Write loaded state into a sub-group's state regions (zeros for parameters without state)."""
     for member in plan.members:
         param = params[member.param].param
@@ -832,21 +753,6 @@ def _fill(plan: SubGroupPlan, regions: list[torch.Tensor], steps: Mapping[int, f
                 run.copy_(values)
             else:  # a 16-bit parameter's state from torch's AdamW: the master copy is the parameter
                 run.copy_(param.detach().reshape(-1)[start:stop])
-
-
-def _check_params(records: list[_ParamRecord]) -> None:
-    devices = {rec.param.device for rec in records}
-    for rec in records:
-        if not isinstance(rec.param, torch.Tensor):
-            raise ValueError(f"parameter {rec.index} is a {type(rec.param).__name__}, not a tensor")
-        if rec.param.device.type != "cpu":
-            mixed = f" (the parameters are on {len(devices)} devices: {sorted(map(str, devices))})" if len(devices) > 1 else ""
-            raise ValueError(f"{rec.name()} is on {rec.param.device}{mixed}; OffloadAdam updates CPU parameters: "
-                             "move the model to the CPU first")
-        if rec.param.dtype not in _DTYPES:
-            raise ValueError(f"{rec.name()} is {rec.param.dtype}; OffloadAdam supports float32, float16 and bfloat16")
-        if not rec.param.is_contiguous():
-            raise ValueError(f"{rec.name()} is not contiguous; OffloadAdam updates parameters in place as flat views")
 
 
 def _cleanup(swapper: StateSwapper, tmpdir: str | None, background: BackgroundWorker | None) -> None:

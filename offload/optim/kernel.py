@@ -1,0 +1,125 @@
+"""The update kernel: torch's fused Adam/AdamW on one sub-group, and the checks of what it is given.
+
+Pure functions of the parameters, their gradients and a sub-group's state regions: no I/O, no threads.
+The fused CPU kernel (``torch._fused_adamw_`` / ``torch._fused_adam_``) is called once per sub-group, so
+fp32 parameters match ``torch.optim.AdamW(fused=True)`` bit for bit; a 16-bit parameter is updated
+through its fp32 master copy (the third state region) and copied back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from offload.optim.subgroups import Member, SubGroupPlan
+
+SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+_DTYPES = (torch.float32, *SIXTEEN_BIT)
+
+GradOf = Callable[[int], "torch.Tensor | None"]
+"""Parameter index -> the gradient it is updated with (None: no gradient this step)."""
+
+
+@dataclass(slots=True, eq=False)
+class ParamState:
+    """One parameter: its tensor, step count and where its elements sit in the sub-groups."""
+
+    param: torch.Tensor
+    group: int
+    index: int
+    step: torch.Tensor | None = None
+    """Committed step count (a float32 0-d tensor, as torch keeps it); None: no state yet."""
+    new_step: torch.Tensor | None = None
+    """This step's count, committed together with the state."""
+    runs: list[tuple[int, Member]] = field(default_factory=list)
+    """(sub-group index, run of elements) for each part of the parameter."""
+
+    @property
+    def master(self) -> bool:
+        return self.param.dtype in SIXTEEN_BIT
+
+    def name(self) -> str:
+        return f"parameter {self.index} (param group {self.group}, shape {tuple(self.param.shape)})"
+
+
+def check_grads(plan: SubGroupPlan, params: list[ParamState], grad_of: GradOf) -> None:
+    """Raise ValueError, naming the parameter, for a gradient of ``plan`` the kernel cannot take."""
+    for member in plan.members:
+        rec = params[member.param]
+        grad = grad_of(member.param)
+        if grad is None:
+            continue
+        if grad.is_sparse:
+            raise ValueError(f"{rec.name()} has a sparse gradient; OffloadAdam needs dense gradients")
+        dtype_ok = grad.dtype == rec.param.dtype or (rec.master and grad.dtype == torch.float32)
+        if grad.device != rec.param.device or not dtype_ok or grad.shape != rec.param.shape:
+            raise ValueError(f"{rec.name()} has a gradient of {grad.dtype} {tuple(grad.shape)} on {grad.device}; "
+                             f"it must match the parameter ({rec.param.dtype} on {rec.param.device}; a 16-bit "
+                             f"parameter may have a float32 gradient)")
+
+
+def adam_update(plan: SubGroupPlan, regions: list[torch.Tensor], states: list[ParamState], grad_of: GradOf,
+                group: Mapping[str, Any], scale: float, adamw_mode: bool) -> None:
+    """Run the fused Adam/AdamW kernel on one sub-group whose state regions are ``regions`` (exp_avg,
+    exp_avg_sq and, for 16-bit parameters, the fp32 master), with ``group``'s hyperparameters, every
+    gradient multiplied by ``scale``. Each parameter's ``new_step`` counts this step."""
+    exp_avg, exp_avg_sq = regions[0], regions[1]
+    master = regions[2] if plan.master else None
+    params, grads, exp_avgs, exp_avg_sqs, steps, copy_back = [], [], [], [], [], []
+    for member in plan.members:
+        rec = states[member.param]
+        grad = grad_of(member.param)  # read once: with overlap_backward this runs beside the caller's thread
+        if grad is None:
+            continue
+        run = slice(member.offset, member.offset + member.numel)
+        elements = slice(member.start, member.start + member.numel)
+        flat_param = rec.param.detach().view(-1)[elements]
+        flat_grad = grad.reshape(-1)[elements]
+        if rec.step is None:  # first update of this parameter: fresh state, as torch makes it
+            exp_avg[run].zero_()
+            exp_avg_sq[run].zero_()
+            if master is not None:
+                master[run].copy_(flat_param)
+        if rec.new_step is None:
+            rec.new_step = (rec.step.clone() if rec.step is not None else torch.zeros((), dtype=torch.float32)) + 1
+        if master is not None:
+            flat_grad = flat_grad.float()
+        if scale != 1.0:  # clip_grad_norm_'s multiply (times the inverse loss scale), in fp32 for masters
+            flat_grad = flat_grad * scale
+        if master is not None:
+            params.append(master[run])
+            copy_back.append((flat_param, master[run]))
+        else:
+            params.append(flat_param)
+        grads.append(flat_grad)
+        exp_avgs.append(exp_avg[run])
+        exp_avg_sqs.append(exp_avg_sq[run])
+        steps.append(rec.new_step)
+    if not params:
+        return
+    decoupled = group.get("decoupled_weight_decay", adamw_mode)
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    beta1, beta2 = group["betas"]
+    kernel(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=group["lr"], beta1=beta1,
+           beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+           grad_scale=None, found_inf=None)
+    for param_run, master_run in copy_back:
+        param_run.copy_(master_run)
+
+
+def check_params(records: list[ParamState]) -> None:
+    """Raise ValueError, naming the parameter, for one the kernel cannot update."""
+    devices = {rec.param.device for rec in records}
+    for rec in records:
+        if not isinstance(rec.param, torch.Tensor):
+            raise ValueError(f"parameter {rec.index} is a {type(rec.param).__name__}, not a tensor")
+        if rec.param.device.type != "cpu":
+            mixed = f" (the parameters are on {len(devices)} devices: {sorted(map(str, devices))})" if len(devices) > 1 else ""
+            raise ValueError(f"{rec.name()} is on {rec.param.device}{mixed}; OffloadAdam updates CPU parameters: "
+                             "move the model to the CPU first")
+        if rec.param.dtype not in _DTYPES:
+            raise ValueError(f"{rec.name()} is {rec.param.dtype}; OffloadAdam supports float32, float16 and bfloat16")
+        if not rec.param.is_contiguous():
+            raise ValueError(f"{rec.name()} is not contiguous; OffloadAdam updates parameters in place as flat views")
