@@ -19,6 +19,7 @@ from tensorio import AioConfig, aligned_tensor
 from offload.config.swap import SwapConfig
 from offload.optim.kernel import ParamState, adam_update, check_grads, check_params
 from offload.optim.overlap import BackgroundWorker, BackwardUpdates
+from offload.optim.state_io import OptimizerState
 from offload.optim.subgroups import (ParamSpec, SubGroupPlan, choose_buffer_count, choose_sub_group_size,
                                      host_memory_bytes, plan_subgroups)
 from offload.optim.swapper import StateSwapper, Where
@@ -126,6 +127,7 @@ class OffloadAdam(torch.optim.Optimizer):
             self._tmpdir = tempfile.mkdtemp(prefix="offload-adam-")
         directory = self._tmpdir or (str(nvme_offload_dir) if nvme_offload_dir is not None else "")
         self._swapper = StateSwapper(self._plans, directory, self._swap_config, spare_limit=spare_limit)
+        self._state = OptimizerState(self, self._params, self._plans, self._resident, self._swapper, self._abort)
         # 3. With overlap_backward, hooks hand sub-groups to a worker thread: backward never waits for
         #    I/O. Which fields that thread shares, and the locking rule: `BackwardUpdates`.
         self._background: BackwardUpdates | None = None
@@ -535,7 +537,7 @@ class OffloadAdam(torch.optim.Optimizer):
         group = self._step_groups[plan.group] if self._step_groups is not None else self.param_groups[plan.group]
         adam_update(plan, regions, self._params, self._grad_of, group, self._grad_scale, self._adamw_mode)
 
-    # ---- state dicts ------------------------------------------------------------------------------------
+    # ---- state dicts (offload/optim/state_io.py) ---------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """torch.optim.AdamW's state dict: per parameter index 'step', 'exp_avg', 'exp_avg_sq'.
@@ -545,24 +547,13 @@ class OffloadAdam(torch.optim.Optimizer):
         Raises TensorIOError.
         """
         self._sync()
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        for index, keys in self._state_keys().items():
-            rec = self._params[index]
-            state[index] = {"step": rec.step.clone()}
-            for key in keys:
-                state[index][key] = torch.zeros(rec.param.shape, dtype=torch.float32)
-
-        def put(index: int, key: str, first: int, values: torch.Tensor) -> None:
-            state[index][key].view(-1)[first:first + values.numel()] = values
-        self._stream_state(put)
-        return {"state": state, "param_groups": self._packed_groups()}
+        return self._state.state_dict()
 
     def state_layout(self) -> dict[str, int]:
         """The state `save_state` streams: ``"<parameter index>.<key>"`` -> elements (flat fp32), for
         each parameter that has state; keys 'exp_avg', 'exp_avg_sq' and, for 16-bit parameters,
         'master_param'."""
-        return {f"{index}.{key}": self._params[index].param.numel()
-                for index, keys in self._state_keys().items() for key in keys}
+        return self._state.layout()
 
     def save_state(self, write: Callable[[str, int, torch.Tensor], None]) -> dict[str, Any]:
         """Stream the state out without gathering it: ``write(name, first_element, values)`` for each
@@ -570,9 +561,7 @@ class OffloadAdam(torch.optim.Optimizer):
         counts and param groups, small) for `load_state`. Raises TensorIOError and ``write``'s errors.
         """
         self._sync()
-        self._stream_state(lambda index, key, first, values: write(f"{index}.{key}", first, values))
-        return {"steps": {rec.index: float(rec.step) for rec in self._params if rec.step is not None},
-                "param_groups": self._packed_groups()}
+        return self._state.save(write)
 
     def load_state(self, saved: Mapping[str, Any], layout: Mapping[str, int],
                    read: Callable[[str, int, int], torch.Tensor]) -> None:
@@ -584,66 +573,7 @@ class OffloadAdam(torch.optim.Optimizer):
         before anything changes, and TensorIOError for the swap file, leaving the previous state.
         """
         self._sync()
-        groups = saved["param_groups"]
-        self._check_groups(groups)
-        steps = {int(index): step for index, step in saved["steps"].items()}
-        for index in steps:
-            if not 0 <= index < len(self._params):
-                raise ValueError(f"the saved state has state for parameter {index}, this optimizer has "
-                                 f"{len(self._params)} parameters")
-            rec = self._params[index]
-            for key in ("exp_avg", "exp_avg_sq"):
-                if layout.get(f"{index}.{key}") != rec.param.numel():
-                    raise ValueError(f"the saved state of {rec.name()} has no {key} of {rec.param.numel()} elements")
-
-        def get(index: int, key: str, start: int, stop: int) -> torch.Tensor | None:
-            return read(f"{index}.{key}", start, stop) if f"{index}.{key}" in layout else None
-        self._load(groups, steps, get)
-
-    def _state_keys(self) -> dict[int, tuple[str, ...]]:
-        return {rec.index: ("exp_avg", "exp_avg_sq", "master_param") if rec.master else ("exp_avg", "exp_avg_sq")
-                for rec in self._params if rec.step is not None}
-
-    def _stream_state(self, put: Callable[[int, str, int, torch.Tensor], None]) -> None:
-        """``put(index, key, first element, values)`` for every run of state, one sub-group at a time."""
-        with_state = {rec.index for rec in self._params if rec.step is not None}
-        for plan, regions in self._each_state():
-            for member in plan.members:
-                if member.param not in with_state:
-                    continue
-                for key, region in zip(("exp_avg", "exp_avg_sq", "master_param"), regions):
-                    put(member.param, key, member.start, region[member.offset:member.offset + member.numel])
-
-    def _each_state(self):
-        """Yield (plan, state regions) for every sub-group; offloaded ones are read into a buffer one at a time."""
-        for plan in self._plans:
-            if not plan.offloaded:
-                yield plan, self._resident[plan.index]
-                continue
-            rec = self._swapper.records[plan.index]
-            try:
-                yield plan, self._swapper.read_now(rec)
-            finally:
-                self._swapper.evict(rec)
-
-    def _packed_groups(self) -> list[dict[str, Any]]:
-        groups, start = [], 0
-        for group in self.param_groups:
-            packed = {k: v for k, v in group.items() if k != "params"}
-            packed["params"] = list(range(start, start + len(group["params"])))
-            start += len(group["params"])
-            groups.append(packed)
-        return groups
-
-    def _check_groups(self, saved_groups: list[Mapping[str, Any]]) -> None:
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"the state dict has {len(saved_groups)} param groups, this optimizer {len(self.param_groups)}")
-        for g, (saved, ours) in enumerate(zip(saved_groups, self.param_groups)):
-            if len(saved["params"]) != len(ours["params"]):
-                raise ValueError(f"param group {g} has {len(saved['params'])} parameters in the state dict, "
-                                 f"{len(ours['params'])} here")
-            if saved.get("amsgrad", False):
-                raise ValueError(f"param group {g} of the state dict has amsgrad=True, which OffloadAdam does not support")
+        self._state.load_saved(saved, layout, read)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict from `state_dict` here or from torch.optim.AdamW / Adam for the same parameters.
@@ -653,52 +583,7 @@ class OffloadAdam(torch.optim.Optimizer):
         the group or parameter) and TensorIOError for the swap file, leaving the previous state.
         """
         self._sync()
-        saved_groups = state_dict["param_groups"]
-        self._check_groups(saved_groups)
-        # 1. Map the saved indices onto ours and check every entry before anything changes.
-        saved_to_ours = {s: o for sg, og in zip(saved_groups, self._packed_groups())
-                         for s, o in zip(sg["params"], og["params"])}
-        entries: dict[int, Mapping[str, Any]] = {}
-        for key, entry in state_dict["state"].items():
-            if key not in saved_to_ours:
-                raise ValueError(f"the state dict has state for parameter {key!r}, which no param group lists")
-            rec = self._params[saved_to_ours[key]]
-            for name in ("exp_avg", "exp_avg_sq"):
-                if name not in entry or entry[name].numel() != rec.param.numel():
-                    raise ValueError(f"the state of {rec.name()} has no {name} of {rec.param.numel()} elements")
-            entries[rec.index] = entry
-
-        def get(index: int, key: str, start: int, stop: int) -> torch.Tensor | None:
-            entry = entries[index]
-            return entry[key].reshape(-1)[start:stop] if key in entry else None
-        self._load(saved_groups, {index: float(entry["step"]) for index, entry in entries.items()}, get)
-
-    def _load(self, saved_groups: list[Mapping[str, Any]], steps: Mapping[int, float],
-              get: Callable[[int, str, int, int], torch.Tensor | None]) -> None:
-        """Checked state in: offloaded sub-groups to the uncommitted slots, committed only when every
-        write succeeded; then the in-RAM part, the step counts and the hyperparameters."""
-        try:
-            for plan in self._plans:
-                if plan.offloaded:
-                    rec = self._swapper.records[plan.index]
-                    _fill(plan, self._swapper.read_now(rec), steps, get, self._params)
-                    self._swapper.start_write(rec)
-            self._swapper.drain()
-        except BaseException:
-            self._abort()
-            raise
-        self._swapper.commit()
-        for plan in self._plans:
-            if not plan.offloaded:
-                _fill(plan, self._resident[plan.index], steps, get, self._params)
-        for rec in self._params:
-            step = steps.get(rec.index)
-            rec.step = None if step is None else torch.tensor(float(step), dtype=torch.float32)
-        for saved, ours in zip(saved_groups, self.param_groups):
-            params = ours["params"]
-            ours.clear()
-            ours.update({k: v for k, v in saved.items() if k != "params"})
-            ours["params"] = params
+        self._state.load_state_dict(state_dict)
 
     # ---- memory and lifetime ----------------------------------------------------------------------------
 
@@ -736,23 +621,6 @@ class OffloadAdam(torch.optim.Optimizer):
             if self._background is not None:
                 self._background.close()
             self._finalizer()
-
-
-def _fill(plan: SubGroupPlan, regions: list[torch.Tensor], steps: Mapping[int, float],
-          get: Callable[[int, str, int, int], torch.Tensor | None], params: list[ParamState]) -> None:
-    """Write loaded state into a sub-group's state regions (zeros for parameters without state)."""
-    for member in plan.members:
-        param = params[member.param].param
-        start, stop = member.start, member.start + member.numel
-        for key, region in zip(("exp_avg", "exp_avg_sq", "master_param"), regions):
-            run = region[member.offset:member.offset + member.numel]
-            values = get(member.param, key, start, stop) if member.param in steps else None
-            if member.param not in steps:
-                run.zero_()
-            elif values is not None:
-                run.copy_(values)
-            else:  # a 16-bit parameter's state from torch's AdamW: the master copy is the parameter
-                run.copy_(param.detach().reshape(-1)[start:stop])
 
 
 def _cleanup(swapper: StateSwapper, tmpdir: str | None, background: BackgroundWorker | None) -> None:
