@@ -886,9 +886,10 @@ def test_the_step_in_the_next_forward_prepares_its_first_updates_during_backward
     on_disk = [rec.index for unit in units for rec in unit if rec.on_disk]
     assert store.keep_next and store.keep_next == set(on_disk[:len(store.keep_next)])  # the first ones in order
     assert store.records[on_disk[0]].buffer is not None  # the tied embedding: read by backward (lm_head), kept
-    opt._background.worker.wait_until(lambda: False)  # the read-ahead has been started
-    ahead = [i for i in opt._order if opt._swapper.records[i].where is not Where.ON_DISK]
-    assert ahead and ahead == opt._order[:len(ahead)]  # the first sub-groups of the learnt order
+    opt.wait_for_updates(lambda: False)  # the read-ahead has been started
+    order = opt._schedule.order
+    ahead = [i for i in order if opt._swapper.records[i].where is not Where.ON_DISK]
+    assert ahead and ahead == order[:len(ahead)]  # the first sub-groups of the learnt order
     kept = [store.records[i] for i in store.keep_next if store.records[i].buffer is not None]
     reads = store.demand_reads + store.prefetch_reads
     engine.step()

@@ -14,15 +14,17 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from tensorio import AioConfig, aligned_tensor
+from tensorio import AioConfig
 
 from offload.config.swap import SwapConfig
-from offload.optim.kernel import ParamState, adam_update, check_grads, check_params
+from offload.optim.kernel import ParamState, StepInputs, adam_update, check_grads, check_params
 from offload.optim.overlap import BackgroundWorker, BackwardUpdates
+from offload.optim.schedule import SwapSchedule
 from offload.optim.state_io import OptimizerState
 from offload.optim.subgroups import (ParamSpec, SubGroupPlan, choose_buffer_count, choose_sub_group_size,
                                      host_memory_bytes, plan_subgroups)
 from offload.optim.swapper import StateSwapper, Where
+from offload.optim.transaction import StepTransaction
 
 __all__ = ["OffloadAdam"]
 
@@ -127,29 +129,25 @@ class OffloadAdam(torch.optim.Optimizer):
             self._tmpdir = tempfile.mkdtemp(prefix="offload-adam-")
         directory = self._tmpdir or (str(nvme_offload_dir) if nvme_offload_dir is not None else "")
         self._swapper = StateSwapper(self._plans, directory, self._swap_config, spare_limit=spare_limit)
-        self._state = OptimizerState(self, self._params, self._plans, self._resident, self._swapper, self._abort)
-        # 3. With overlap_backward, hooks hand sub-groups to a worker thread: backward never waits for
+        # 3. The step, by job: its inputs (hyperparameters, gradient scale, gradients handed over), the
+        #    swap schedule (read-ahead, eviction, the learnt order), the transaction (commit or abort),
+        #    and the state I/O of state dicts and checkpoints.
+        self._inputs = StepInputs()
+        self._schedule = SwapSchedule(self._swapper, self._plans, read_ahead=self._swap_config.read_ahead,
+                                      pipeline_write=self._swap_config.pipeline_write)
+        self._transaction = StepTransaction(self._swapper, self._params, self._schedule, self._inputs)
+        self._state = OptimizerState(self, self._params, self._plans, self._resident, self._swapper,
+                                     self._transaction.abort)
+        # 4. With overlap_backward, hooks hand sub-groups to a worker thread: backward never waits for
         #    I/O. Which fields that thread shares, and the locking rule: `BackwardUpdates`.
         self._background: BackwardUpdates | None = None
         if overlap_backward and any(p.offloaded for p in self._plans):
-            self._background = BackwardUpdates(self, self._params, self._plans)
+            self._background = BackwardUpdates(self._params, self._plans, schedule=self._schedule,
+                                               transaction=self._transaction, inputs=self._inputs,
+                                               update=self._update, begin_step=self._begin_step)
+            self._transaction.background = self._background
         worker = self._background.worker if self._background is not None else None  # not the optimizer: no cycle
         self._finalizer = weakref.finalize(self, _cleanup, self._swapper, self._tmpdir, worker)
-        # 4. Step bookkeeping (the worker's while it runs: see `BackwardUpdates`): sub-groups updated
-        #    in the current step, and the order offloaded ones become ready in backward (learnt each
-        #    step; first guess: reverse plan order).
-        self._done: set[int] = set()
-        self._order: list[int] = [p.index for p in reversed(self._plans) if p.offloaded]
-        self._seen: list[int] = []
-        self._uncommitted = False  # writes of the last step still in flight (overlap_backward)
-        # 5. The step's hyperparameters, read when it begins (`start_step`), and its gradient scale.
-        self._step_groups: list[dict[str, Any]] | None = None
-        self._grad_scale = 1.0
-        self._commit_hooks: list[Callable[[], None]] = []
-        self._in_order = False  # see start_step
-        self._given: dict[int, torch.Tensor] = {}
-        """Gradients passed to `grad_ready` instead of ``.grad`` (a hand-off field: see `BackwardUpdates`)."""
-        self._abort_hooks: list[Callable[[], None]] = []
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group; only during construction (the sub-groups are planned once).
@@ -176,13 +174,13 @@ class OffloadAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._step_groups is None:
+        if self._inputs.groups is None:
             self._begin_step(1.0)
         if self._background is not None:
             self._background.in_backward = False
         self._sync()  # the updates handed over in backward, and the write-behind of the previous step
         self._swapper.drop_spares()  # gradient memory not used for read-ahead goes back now
-        todo = [p for p in self._plans if p.index not in self._done and self._has_grads(p)]
+        todo = [p for p in self._plans if p.index not in self._schedule.done and self._has_grads(p)]
         for plan in todo:
             self._check_grads(plan)
         offloaded = [p.index for p in todo if p.offloaded]
@@ -190,9 +188,9 @@ class OffloadAdam(torch.optim.Optimizer):
         try:
             # 1. Offloaded sub-groups not updated during backward, pipelined in plan order.
             if offloaded:
-                self._prefetch(offloaded)
+                self._schedule.prefetch(offloaded)
             for index in offloaded:
-                self._update_offloaded(index, offloaded)
+                self._schedule.update_offloaded(index, offloaded, self._update)
             # 2. Buffers read ahead for sub-groups that got no gradient this step are given back.
             for rec in self._swapper.records.values():
                 if rec.where in (Where.READING, Where.RESIDENT):
@@ -203,31 +201,27 @@ class OffloadAdam(torch.optim.Optimizer):
             # 4. Sync point: resident state may change only once every write has succeeded.
             if resident or self._background is None:
                 self._swapper.drain()
-                self._wait_dependents()
+                self._transaction.wait_dependents()
                 self._swapper.commit()  # the step counts are committed below, with the resident state
         except BaseException:
-            self._abort()
+            self._transaction.abort()
             raise
         # 5. Resident sub-groups: no I/O, cannot fail.
         for plan in resident:
             self._update(plan, self._resident[plan.index])
         try:
             if self._swapper.idle and (self._background is None or self._background.dependents_done()):
-                self._commit()  # never waits; raises a failed callback write
+                self._transaction.commit()  # never waits; raises a failed callback write
             else:
-                self._uncommitted = True  # write-behind: committed at the next sync point
+                self._transaction.uncommitted = True  # write-behind: committed at the next sync point
         except BaseException:
-            self._abort()
+            self._transaction.abort()
             raise
-        if self._seen:
-            self._order = self._seen + [i for i in self._order if i not in self._seen]
-        self._seen, self._done = [], set()
-        self._step_groups, self._grad_scale = None, 1.0
-        self._given = {}
-        self._in_order = False
-        if self._uncommitted and self._background is not None:
+        self._schedule.end_step()
+        self._inputs.clear()
+        if self._transaction.uncommitted and self._background is not None:
             # Finish the writes during the next forward, freeing their memory as each one lands.
-            self._background.worker.submit(self._background.in_worker, self._finish_write_behind)
+            self._background.worker.submit(self._background.in_worker, self._transaction.finish_write_behind)
         return loss
 
     def grad_ready(self, param: torch.Tensor,
@@ -258,8 +252,7 @@ class OffloadAdam(torch.optim.Optimizer):
             raise ValueError(f"grad_ready: {self._params[index].name()} has state in RAM; on_updated needs "
                              f"its whole state offloaded (nvme_offload_fraction=1.0)")
         if grad is not None:
-            with self._background.lock:
-                self._given[index] = grad
+            self._inputs.give(index, grad)
         self._background.grad_ready(index, param, on_updated)
 
     def abandon_step(self) -> None:
@@ -271,7 +264,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 self._background.join()
             except BaseException:
                 pass  # the step is forgotten either way
-        self._abort()
+        self._transaction.abort()
 
     def start_step(self, grad_scale: float = 1.0, *, in_order: bool = False) -> None:
         """Begin the step whose gradients `grad_ready` hands over (overlap_backward only; the first
@@ -288,7 +281,7 @@ class OffloadAdam(torch.optim.Optimizer):
         """
         if self._background is None:
             raise RuntimeError("start_step needs OffloadAdam(overlap_backward=True) with offloaded state")
-        self._in_order = in_order
+        self._schedule.in_order = in_order
         self._background.begin(float(grad_scale))
 
     def read_ahead(self, nbytes: int) -> None:
@@ -303,24 +296,8 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def _read_ahead(self, nbytes: int) -> None:
         """The worker: `read_ahead`."""
-        self._finish_write_behind()  # the last step's writes land (and commit) first
-        records = self._swapper.records
-        chosen, total = [], 0
-        for index in self._order:
-            rec = records[index]
-            if rec.where is not Where.ON_DISK:
-                continue
-            if total + rec.plan.state_bytes > nbytes:
-                break
-            chosen.append(rec)
-            total += rec.plan.state_bytes
-        if not chosen:
-            return
-        self._swapper.add_spare(aligned_tensor(total // 4, torch.float32))
-        for rec in chosen:
-            if not self._swapper.fits_in_spares(rec):
-                break  # not lent: beyond the spare limit
-            self._swapper.start_read(rec, spare=True)
+        self._transaction.finish_write_behind()  # the last step's writes land (and commit) first
+        self._schedule.read_ahead(nbytes)
 
     def add_step_hooks(self, on_commit: Callable[[], None] | None = None,
                        on_abort: Callable[[], None] | None = None) -> None:
@@ -328,10 +305,7 @@ class OffloadAdam(torch.optim.Optimizer):
         background thread with overlap_backward, which may commit during the next forward) and
         ``on_abort()`` each time a step is given up (on the caller's thread): the engine commits or rolls
         back its parameter partitions with the optimizer state."""
-        if on_commit is not None:
-            self._commit_hooks.append(on_commit)
-        if on_abort is not None:
-            self._abort_hooks.append(on_abort)
+        self._transaction.add_hooks(on_commit, on_abort)
 
     def update_groups(self) -> list[list[int]]:
         """Parameter indices (in constructor order) that are updated together: those sharing a
@@ -373,8 +347,7 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def _begin_step(self, grad_scale: float) -> None:
         """Read the hyperparameters the step will use (see `start_step`)."""
-        self._step_groups = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
-        self._grad_scale = grad_scale
+        self._inputs.begin(self.param_groups, grad_scale)
 
     @property
     def _in_backward(self) -> bool:
@@ -396,146 +369,31 @@ class OffloadAdam(torch.optim.Optimizer):
         """The swap settings in use, with the sizes chosen where none were given."""
         return self._swap_config
 
-    def _wait_dependents(self) -> None:
-        """Sync point: the writes grad_ready's callbacks started. Raises the first one's error."""
-        if self._background is not None:
-            self._background.wait_dependents()
-
     def wait_for_updates(self, done: Callable[[], bool]) -> None:
         """Wait until ``done()`` is true or the updates handed over so far have all run (checked as
         each one ends): back-pressure for a caller whose memory the pending updates hold. Never raises."""
         if self._background is not None:
             self._background.wait_until(done)
 
-    def _next_unread(self):
-        """The first sub-group in the learnt order still to be updated this step whose state is on disk."""
-        records = self._swapper.records
-        return next((records[i] for i in self._order if i not in self._done and records[i].where is Where.ON_DISK),
-                    None)
-
-    def _update_offloaded(self, index: int, order: list[int]) -> None:
-        """Phases of one offloaded sub-group: read, read ahead, update, write behind."""
-        rec = self._swapper.records[index]
-        # 1. Make sure its read has started; if every buffer is held by sub-groups read ahead, give
-        #    the furthest one's buffer up (never "out of swap buffers").
-        if rec.where is Where.ON_DISK or rec.where is Where.WRITING:
-            if rec.where is Where.ON_DISK and not self._swapper.has_free_buffer(rec):
-                self._evict_furthest(order, index)
-            self._swapper.start_read(rec)
-        # 2. Read the next sub-groups ahead while this one is updated.
-        self._done.add(index)
-        self._seen.append(index)
-        self._prefetch(order)
-        # 3. Sync point: wait for this sub-group's state, then update it.
-        self._update(rec.plan, self._swapper.wait_read(rec))
-        # 4. Write behind: the write runs during the next sub-groups' updates (or, with
-        #    overlap_backward, during the rest of backward and the next forward).
-        self._swapper.start_write(rec)
-        if not self._swap_config.pipeline_write:
-            self._swapper.drain()  # sync point
-
-    def _prefetch(self, order: list[int]) -> None:
-        """Start reads of the next sub-groups in ``order`` into the buffers free now; never waits.
-
-        Waiting here for a write to free a buffer would stall the update (or, with overlap_backward,
-        the backward pass) for a read that is not needed yet; a later call picks the buffer up.
-        Spare memory (applied gradients, overlap_backward) takes sub-groups from the *end* of the
-        order: those become ready last, when nothing is left to hide their reads behind.
-        """
-        swapper = self._swapper
-        records = swapper.records
-        swapper.reap()
-        ahead = self._swap_config.read_ahead
-        todo = [records[i] for i in order if i not in self._done]
-        in_flight = sum(1 for rec in todo if rec.where in (Where.READING, Where.RESIDENT) and not swapper.holds_spare(rec))
-        for rec in todo:
-            if in_flight >= ahead or not swapper.free_buffers:
-                break
-            if rec.where is Where.ON_DISK:
-                swapper.start_read(rec)
-                in_flight += 1
-        if ahead:
-            for rec in (todo if self._in_order else reversed(todo)):
-                if rec.where is not Where.ON_DISK:
-                    continue
-                if not swapper.fits_in_spares(rec):
-                    break
-                swapper.start_read(rec, spare=True)
-
-    def _evict_furthest(self, order: list[int], needed: int) -> None:
-        records = self._swapper.records
-        for i in reversed(order):
-            if (i != needed and i not in self._done and records[i].where in (Where.READING, Where.RESIDENT)
-                    and not self._swapper.holds_spare(records[i])):
-                self._swapper.evict(records[i])
-                return
-
     def _sync(self) -> None:
-        """Wait for the background thread and the last step's write-behind, and commit them.
-
-        On failure the step is aborted (nothing committed) and its error raised (a TensorIOError
-        for the swap file).
-        """
-        if self._background is not None:
-            try:
-                self._background.join()
-            except BaseException:
-                self._abort()
-                raise
-        try:
-            self._finish_write_behind()
-        except BaseException:
-            self._abort()
-            raise
-
-    def _finish_write_behind(self) -> None:
-        if self._uncommitted:
-            self._swapper.drain()
-            self._commit()
-
-    def _commit(self) -> None:
-        self._wait_dependents()
-        self._swapper.commit()
-        for rec in self._params:
-            if rec.new_step is not None:
-                rec.step, rec.new_step = rec.new_step, None
-        self._uncommitted = False
-        for hook in self._commit_hooks:
-            hook()
-
-    def _abort(self) -> None:
-        self._swapper.abort()
-        if self._background is not None:
-            self._background.forget()
-        for rec in self._params:
-            rec.new_step = None
-        self._uncommitted = False
-        self._seen, self._done = [], set()
-        self._step_groups, self._grad_scale = None, 1.0
-        self._given = {}
-        self._in_order = False
-        for hook in self._abort_hooks:
-            hook()
+        """Wait for the background thread and the last step's write-behind, and commit them (`StepTransaction.sync`)."""
+        self._transaction.sync()
 
     def _has_grads(self, plan: SubGroupPlan) -> bool:
         return any(self._grad_of(m.param) is not None for m in plan.members)
 
     def _grad_of(self, index: int) -> torch.Tensor | None:
         """The gradient parameter ``index`` is updated with: the one passed to `grad_ready`, else ``.grad``."""
-        if self._given:
-            with self._background.lock:
-                given = self._given.get(index)
-            if given is not None:
-                return given
-        return self._params[index].param.grad
+        return self._inputs.grad_of(index, self._params)
 
     def _check_grads(self, plan: SubGroupPlan) -> None:
         check_grads(plan, self._params, self._grad_of)
 
     def _update(self, plan: SubGroupPlan, regions: list[torch.Tensor]) -> None:
         """Run the kernel on one sub-group with this step's hyperparameters and gradient scale."""
-        group = self._step_groups[plan.group] if self._step_groups is not None else self.param_groups[plan.group]
-        adam_update(plan, regions, self._params, self._grad_of, group, self._grad_scale, self._adamw_mode)
+        inputs = self._inputs
+        group = inputs.groups[plan.group] if inputs.groups is not None else self.param_groups[plan.group]
+        adam_update(plan, regions, self._params, self._grad_of, group, inputs.grad_scale, self._adamw_mode)
 
     # ---- state dicts (offload/optim/state_io.py) ---------------------------------------------------------
 

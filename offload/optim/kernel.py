@@ -8,6 +8,7 @@ through its fp32 master copy (the third state region) and copied back.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -42,6 +43,48 @@ class ParamState:
 
     def name(self) -> str:
         return f"parameter {self.index} (param group {self.group}, shape {tuple(self.param.shape)})"
+
+
+class StepInputs:
+    """What one step's updates take besides the state: the hyperparameters read when it began, the gradient
+    scale, and gradients handed over in place of ``.grad`` (`OffloadAdam.grad_ready`; any thread, under a lock)."""
+
+    def __init__(self) -> None:
+        self.groups: list[dict[str, Any]] | None = None
+        """The param groups' hyperparameters read at the step's start (None: read them at each update)."""
+        self.grad_scale = 1.0
+        self._given: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def begin(self, param_groups: list[dict[str, Any]], grad_scale: float) -> None:
+        """Read the hyperparameters the step will use (see `OffloadAdam.start_step`)."""
+        self.groups = [{k: v for k, v in group.items() if k != "params"} for group in param_groups]
+        self.grad_scale = grad_scale
+
+    def give(self, index: int, grad: torch.Tensor) -> None:
+        """Parameter ``index`` is updated with ``grad`` instead of its ``.grad``."""
+        with self._lock:
+            self._given[index] = grad
+
+    def take_given(self, index: int) -> torch.Tensor | None:
+        """The gradient given for parameter ``index`` (None: none), no longer held here."""
+        with self._lock:
+            return self._given.pop(index, None)
+
+    def grad_of(self, index: int, states: list[ParamState]) -> torch.Tensor | None:
+        """The gradient parameter ``index`` is updated with: the one given, else ``.grad``."""
+        if self._given:
+            with self._lock:
+                given = self._given.get(index)
+            if given is not None:
+                return given
+        return states[index].param.grad
+
+    def clear(self) -> None:
+        """The step is over (or given up)."""
+        self.groups, self.grad_scale = None, 1.0
+        with self._lock:
+            self._given = {}
 
 
 def check_grads(plan: SubGroupPlan, params: list[ParamState], grad_of: GradOf) -> None:

@@ -16,6 +16,11 @@ from typing import Any, Callable
 
 import torch
 
+from offload.optim.kernel import ParamState, StepInputs, check_grads
+from offload.optim.schedule import SwapSchedule, Update
+from offload.optim.subgroups import SubGroupPlan
+from offload.optim.transaction import StepTransaction
+
 
 class BackgroundWorker:
     """Runs submitted calls on one daemon thread, in submission order, under ``torch.no_grad()``.
@@ -104,20 +109,27 @@ class BackwardUpdates:
 
     - *Hook side*, the caller's thread only (autograd's hooks, ``step``): ``in_backward``,
       ``_waiting``, ``_handed``, ``_hooks``.
-    - *Hand-off*, both threads at any time: ``_ready``, ``_on_updated`` and the optimizer's ``_given``
-      (gradients passed to ``grad_ready``), only under ``_lock``.
-    - *Worker side*: ``_runs_left``, ``_dependents``, ``worker_wait``, and the optimizer's own step
-      state (its swapper, ``_done``, ``_seen``, ``_order``, ``_uncommitted``). While the worker has
-      calls queued it alone touches them; the caller's thread touches them only after `join`
+    - *Hand-off*, both threads at any time: ``_ready``, ``_on_updated``, only under ``_lock``; the
+      gradients passed to ``grad_ready`` (`StepInputs`, under its own lock).
+    - *Worker side*: ``_runs_left``, ``_dependents``, ``worker_wait``, and the optimizer's step state
+      (the `SwapSchedule` and its swapper, the `StepTransaction`). While the worker has calls queued
+      it alone touches them; the caller's thread touches them only after `join`
       (``BackgroundWorker.join`` waits on a condition, which orders the worker's writes before the
       caller's reads). Every path of ``OffloadAdam`` that reads them (``step``, ``state_dict``,
-      ``load_state_dict``, ``close``) joins first (``OffloadAdam._sync``).
+      ``load_state_dict``, ``close``) joins first (`StepTransaction.sync`).
     - ``join_wait``: the caller's thread only.
+
+    What it uses of the optimizer is what its constructor takes: the parameters' records and sub-group
+    plans, the swap schedule, the step transaction, the step's inputs, ``update(plan, regions)`` (the
+    kernel with the step's hyperparameters) and ``begin_step(grad_scale)`` (reads them).
     """
 
-    def __init__(self, optimizer: Any, params: list[Any], plans: list[Any]) -> None:
-        self._opt = optimizer
+    def __init__(self, params: list[ParamState], plans: list[SubGroupPlan], *, schedule: SwapSchedule,
+                 transaction: StepTransaction, inputs: StepInputs, update: Update,
+                 begin_step: Callable[[float], None]) -> None:
         self._params, self._plans = params, plans
+        self._schedule, self._transaction, self._inputs = schedule, transaction, inputs
+        self._update, self._begin_step = update, begin_step
         self.worker = BackgroundWorker("offload-adam-updates")
         self.worker_wait = 0.0
         """Swap-file wait time spent on the worker thread (not the caller's)."""
@@ -127,8 +139,8 @@ class BackwardUpdates:
         self.in_backward = False
         self._waiting: dict[int, int] = {}  # per offloaded sub-group: gradients not yet final
         self._handed: set[int] = set()  # parameters whose gradient was handed over in this backward
-        # hand-off, under lock (and the optimizer's ``_given`` gradients)
-        self.lock = self._lock = threading.Lock()
+        # hand-off, under lock
+        self._lock = threading.Lock()
         self._ready: list[int] = []  # sub-groups handed over, not yet picked by the worker
         self._on_updated: dict[int, Callable[[torch.Tensor], Any]] = {}  # grad_ready's callbacks, by parameter
         # worker side
@@ -144,9 +156,8 @@ class BackwardUpdates:
         """Parameter ``index``'s gradient is final (its post-accumulate-grad hook, or the engine): hand
         the sub-groups whose gradients are now all final to the worker. Raises the worker's error, if
         it had one, and ValueError for a bad gradient (after forgetting the step)."""
-        opt = self._opt
         if self.worker.failed:
-            opt._sync()  # raises that error, after aborting the step
+            self._transaction.sync()  # raises that error, after aborting the step
         if not self.in_backward:
             self.begin(1.0)
         if index in self._handed:
@@ -165,10 +176,10 @@ class BackwardUpdates:
             self._waiting[plan_index] -= 1
             if self._waiting[plan_index] == 0:
                 try:
-                    opt._check_grads(plan)
+                    check_grads(plan, self._params, functools.partial(self._inputs.grad_of, states=self._params))
                 except ValueError:
                     self.worker.close()  # let the work in flight finish, then forget the step
-                    opt._abort()
+                    self._transaction.abort()
                     raise
                 with self._lock:
                     self._ready.append(plan_index)
@@ -181,8 +192,8 @@ class BackwardUpdates:
         if self.in_backward:
             raise RuntimeError("a step is under way (gradients were handed over and step() has not run yet)")
         if self.worker.failed:
-            self._opt._sync()  # raises that error, after aborting the step
-        self._opt._begin_step(grad_scale)
+            self._transaction.sync()  # raises that error, after aborting the step
+        self._begin_step(grad_scale)
         self.in_backward = True
         self._waiting = {p.index: sum(1 for m in p.members if self._params[m.param].param.requires_grad)
                          for p in self._plans if p.offloaded}
@@ -244,7 +255,7 @@ class BackwardUpdates:
 
     def in_worker(self, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn`` on the worker, counting its swap-file waits apart from the caller's."""
-        swapper = self._opt._swapper
+        swapper = self._schedule.swapper
         before = swapper.wait_seconds
         try:
             fn(*args)
@@ -253,18 +264,18 @@ class BackwardUpdates:
 
     def _begin_backward(self) -> None:
         """First hook of a backward: finish the last step's writes, start reading."""
-        opt = self._opt
-        self.in_worker(opt._finish_write_behind)
-        opt._swapper.drop_spares()
+        schedule = self._schedule
+        self.in_worker(self._transaction.finish_write_behind)
+        schedule.swapper.drop_spares()
         self._runs_left = {rec.index: len(rec.runs) for rec in self._params
                            if rec.runs and all(self._plans[i].offloaded for i, _ in rec.runs)}
-        self.in_worker(opt._prefetch, opt._order)
+        self.in_worker(schedule.prefetch, schedule.order)
 
     def _update_next_ready(self) -> None:
         """Update one of the sub-groups handed over, those whose state is already in memory first
         (`StateSwapper.readiness`): when a parameter cut into many sub-groups becomes ready at once,
         the ones still on disk are read while the others are updated."""
-        swapper = self._opt._swapper
+        swapper = self._schedule.swapper
         with self._lock:
             index = min(self._ready, key=lambda i: swapper.readiness(swapper.records[i]))
             self._ready.remove(index)
@@ -274,12 +285,12 @@ class BackwardUpdates:
         """Update one sub-group handed over, then free its gradients. Then, until the next sub-group is
         handed over, keep reading ahead as writes finish and give their memory back, so that the state
         of the sub-groups whose gradients come last (a tied embedding's) is in memory when they do."""
-        opt = self._opt
-        opt._update_offloaded(index, opt._order)
+        schedule = self._schedule
+        schedule.update_offloaded(index, schedule.order, self._update)
         self._release_grads(self._plans[index])
-        while not self.worker.has_backlog and opt._next_unread() is not None:
-            opt._prefetch(opt._order)
-            if opt._next_unread() is None or not opt._swapper.finish_oldest_write():
+        while not self.worker.has_backlog and schedule.next_unread() is not None:
+            schedule.prefetch(schedule.order)
+            if schedule.next_unread() is None or not schedule.swapper.finish_oldest_write():
                 return
 
     def _release_grads(self, plan: Any) -> None:
@@ -298,12 +309,11 @@ class BackwardUpdates:
             if left != 1:
                 continue
             param = self._params[member.param].param
-            with self._lock:
-                given = self._opt._given.pop(member.param, None)
+            given = self._inputs.take_given(member.param)
             if given is not None:
-                self._opt._swapper.add_spare(given)
+                self._schedule.swapper.add_spare(given)
             elif param.grad is not None:
-                self._opt._swapper.add_spare(param.grad)
+                self._schedule.swapper.add_spare(param.grad)
                 param.grad = None
             with self._lock:
                 callback = self._on_updated.pop(member.param, None)

@@ -37,6 +37,7 @@ import threading
 
 import torch
 
+from offload.optim.protocol import StepOptimizer
 from offload.params.store import ParamRecord, ParamStore
 from offload.train.rollback import StepRollback
 from offload.train.writeback import PartitionWriteBack
@@ -45,7 +46,7 @@ from offload.train.writeback import PartitionWriteBack
 class DeferredStep:
     """Runs a validated step's updates during the next forward (see the module docstring)."""
 
-    def __init__(self, store: ParamStore, optimizer, writeback: PartitionWriteBack | None,
+    def __init__(self, store: ParamStore, optimizer: StepOptimizer, writeback: PartitionWriteBack | None,
                  records: list[ParamRecord], rollback: StepRollback, grad_reads=None, read_ahead: int = 0) -> None:
         self._store, self._opt, self._writeback, self._rollback = store, optimizer, writeback, rollback
         self._grad_reads = grad_reads

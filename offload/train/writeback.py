@@ -23,13 +23,14 @@ import torch
 
 from tensorio import IOFuture
 
+from offload.optim.protocol import StepOptimizer
 from offload.params.store import ParamRecord, ParamStore
 
 
 class PartitionWriteBack:
     """Hands on-disk partitions and their gradients to the optimizer and writes them back when updated."""
 
-    def __init__(self, store: ParamStore, optimizer, limit: int) -> None:
+    def __init__(self, store: ParamStore, optimizer: StepOptimizer, limit: int) -> None:
         self._store, self._optimizer, self._limit = store, optimizer, limit
         self._lock = threading.Lock()
         self._held: dict[int, ParamRecord] = {}
