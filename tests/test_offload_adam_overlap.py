@@ -67,7 +67,7 @@ def test_tied_weight_matches_adamw_frees_gradients_and_reads_ahead_into_them(tmp
 
     loss = our_model(torch.randint(0, 300, (4, 9)))
     loss.backward()
-    opt._sync()  # every update handed to the background thread has run
+    opt.synchronize()  # every update handed to the background thread has run
     assert all(p.grad is None for p in our_model.parameters())  # applied, then freed
     opt.step()
     opt.close()
@@ -78,7 +78,7 @@ def test_partly_offloaded_parameters_keep_their_gradients_until_step(tmp_path):
     opt = OffloadAdam(model.parameters(), lr=1e-2, nvme_offload_fraction=0.5, nvme_offload_dir=str(tmp_path),
                       overlap_backward=True, sub_group_size=4096, buffer_count=3)
     model(torch.randint(0, 300, (4, 9))).backward()
-    opt._sync()
+    opt.synchronize()
     resident = {m.param for plan in opt._plans if not plan.offloaded for m in plan.members}
     for rec in opt._params:
         assert (rec.param.grad is not None) == (rec.index in resident), rec.name()

@@ -17,12 +17,13 @@ import torch
 from tensorio import AioConfig
 
 from offload.config.swap import SwapConfig
-from offload.optim.kernel import ParamState, StepInputs, adam_update, check_grads, check_params
+from offload.optim.kernel import (ParamState, StepInputs, adam_update, check_grads, check_hyperparameters,
+                                  check_params)
 from offload.optim.overlap import BackgroundWorker, BackwardUpdates
 from offload.optim.schedule import SwapSchedule
 from offload.optim.state_io import OptimizerState
 from offload.optim.subgroups import (ParamSpec, SubGroupPlan, choose_buffer_count, choose_sub_group_size,
-                                     host_memory_bytes, plan_subgroups)
+                                     host_memory_bytes, linked_groups, plan_subgroups)
 from offload.optim.swapper import StateSwapper, Where
 from offload.optim.transaction import StepTransaction
 
@@ -70,16 +71,7 @@ class OffloadAdam(torch.optim.Optimizer):
                  sub_group_size: int | None = None,
                  aio: AioConfig | Mapping[str, Any] | None = None, overlap_backward: bool = False,
                  spare_limit: int | None = None) -> None:
-        if amsgrad:
-            raise ValueError("amsgrad=True is not supported by OffloadAdam; use amsgrad=False")
-        if not 0.0 <= lr:
-            raise ValueError(f"lr: {lr!r} is not allowed; use a number >= 0")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"betas: {betas!r} is not allowed; use two numbers in [0, 1)")
-        if not 0.0 <= eps:
-            raise ValueError(f"eps: {eps!r} is not allowed; use a number >= 0")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"weight_decay: {weight_decay!r} is not allowed; use a number >= 0")
+        check_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
         fraction = float(nvme_offload_fraction)
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"nvme_offload_fraction: {nvme_offload_fraction!r} is not allowed; use 0.0 to 1.0")
@@ -182,7 +174,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._swapper.drop_spares()  # gradient memory not used for read-ahead goes back now
         todo = [p for p in self._plans if p.index not in self._schedule.done and self._has_grads(p)]
         for plan in todo:
-            self._check_grads(plan)
+            check_grads(plan, self._params, self._grad_of)
         offloaded = [p.index for p in todo if p.offloaded]
         resident = [p for p in todo if not p.offloaded]
         try:
@@ -310,21 +302,7 @@ class OffloadAdam(torch.optim.Optimizer):
     def update_groups(self) -> list[list[int]]:
         """Parameter indices (in constructor order) that are updated together: those sharing a
         sub-group, transitively; a parameter's update waits for the gradients of its whole group."""
-        parent = list(range(len(self._params)))
-
-        def root(i: int) -> int:
-            while parent[i] != i:
-                parent[i] = parent[parent[i]]
-                i = parent[i]
-            return i
-        for plan in self._plans:
-            first = root(plan.members[0].param)
-            for member in plan.members[1:]:
-                parent[root(member.param)] = first
-        groups: dict[int, list[int]] = {}
-        for i in range(len(self._params)):
-            groups.setdefault(root(i), []).append(i)
-        return sorted(groups.values())
+        return linked_groups(self._plans, len(self._params))
 
     def overwrites(self, param: torch.Tensor) -> bool:
         """Whether the next update of ``param`` (one of this optimizer's) writes every element of it
@@ -350,14 +328,9 @@ class OffloadAdam(torch.optim.Optimizer):
         self._inputs.begin(self.param_groups, grad_scale)
 
     @property
-    def _in_backward(self) -> bool:
-        """Whether a backward has handed over gradients that no ``step()`` has taken yet."""
-        return self._background is not None and self._background.in_backward
-
-    @property
     def updates_pending(self) -> bool:
         """Whether gradients were handed over (`grad_ready`) that no ``step()`` has taken yet."""
-        return self._in_backward
+        return self._background is not None and self._background.in_backward
 
     @property
     def background_updates(self) -> bool:
@@ -385,9 +358,6 @@ class OffloadAdam(torch.optim.Optimizer):
     def _grad_of(self, index: int) -> torch.Tensor | None:
         """The gradient parameter ``index`` is updated with: the one passed to `grad_ready`, else ``.grad``."""
         return self._inputs.grad_of(index, self._params)
-
-    def _check_grads(self, plan: SubGroupPlan) -> None:
-        check_grads(plan, self._params, self._grad_of)
 
     def _update(self, plan: SubGroupPlan, regions: list[torch.Tensor]) -> None:
         """Run the kernel on one sub-group with this step's hyperparameters and gradient scale."""

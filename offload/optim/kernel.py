@@ -45,6 +45,21 @@ class ParamState:
         return f"parameter {self.index} (param group {self.group}, shape {tuple(self.param.shape)})"
 
 
+def check_hyperparameters(*, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                          amsgrad: bool) -> None:
+    """Raise ValueError, naming the argument and what is allowed, for a hyperparameter the kernel cannot take."""
+    if amsgrad:
+        raise ValueError("amsgrad=True is not supported by OffloadAdam; use amsgrad=False")
+    if not 0.0 <= lr:
+        raise ValueError(f"lr: {lr!r} is not allowed; use a number >= 0")
+    if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+        raise ValueError(f"betas: {betas!r} is not allowed; use two numbers in [0, 1)")
+    if not 0.0 <= eps:
+        raise ValueError(f"eps: {eps!r} is not allowed; use a number >= 0")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"weight_decay: {weight_decay!r} is not allowed; use a number >= 0")
+
+
 class StepInputs:
     """What one step's updates take besides the state: the hyperparameters read when it began, the gradient
     scale, and gradients handed over in place of ``.grad`` (`OffloadAdam.grad_ready`; any thread, under a lock)."""

@@ -148,6 +148,26 @@ MAX_CHOSEN_SUB_GROUP = 1 << 24
 BUFFER_SHARE = 16
 
 
+def linked_groups(plans: Sequence[SubGroupPlan], param_count: int) -> list[list[int]]:
+    """Parameter indices updated together: those sharing a sub-group of ``plans``, transitively (a
+    parameter's update waits for the gradients of its whole group), each group sorted, in order."""
+    parent = list(range(param_count))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+    for plan in plans:
+        first = root(plan.members[0].param)
+        for member in plan.members[1:]:
+            parent[root(member.param)] = first
+    groups: dict[int, list[int]] = {}
+    for i in range(param_count):
+        groups.setdefault(root(i), []).append(i)
+    return sorted(groups.values())
+
+
 def choose_sub_group_size(numels: Sequence[int], *, grad_itemsize: int = 4, buffer_count: int,
                           host_bytes: int, state_itemsize: int = 12) -> int:
     """The sub-group size OffloadAdam and the engine use when the user chose none (pure).

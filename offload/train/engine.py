@@ -227,8 +227,7 @@ class Engine:
             self.timers.step_done()  # wall_clock_breakdown: its own line every steps_per_print steps
         self.micro_steps += 1
 
-    def _report(self) -> None:
-        """Every steps_per_print steps: log the step, learning rates, skipped steps and loss scale."""
+    def _report(self) -> None:  # every steps_per_print steps
         scale = f", loss scale {self.loss_scaler.loss_scale:g}" if self.loss_scaler is not None else ""
         if self.rank == 0:
             log.info(f"step {self.global_steps}: lr {self.get_lr()}, skipped {self.skipped_steps}{scale}")
@@ -237,9 +236,7 @@ class Engine:
         self._failure.check(what)
 
     def _settle(self) -> None:
-        """Before partitions are read between backward and step, or between a step and the forward that
-        runs its update (a save, `full_parameters`): every update handed over so far has run and its
-        write-back landed, so the swap file holds what it says."""
+        """Before partitions are read outside the passes (a save, `full_parameters`): see `UpdatePath.settle`."""
         self._path.settle()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -387,10 +384,8 @@ class Engine:
         """Remove the hooks, the parameter swap file and the optimizer's swap file.
 
         With more than one rank it also collects garbage now: tensors a collective used, left in
-        reference cycles, were otherwise freed during interpreter shutdown, after
-        ``destroy_process_group``, where gloo's teardown then aborted the process ("terminate called
-        without an active exception": 2 of 24 two-rank runs of benchmarks/engine_dist.py here, none of
-        124 with the collection).
+        reference cycles, would otherwise be freed during interpreter shutdown, after
+        ``destroy_process_group``, where gloo's teardown may abort the process (docs/engine.md).
         """
         self._finalizer()
         if self.world_size > 1:
