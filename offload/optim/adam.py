@@ -431,6 +431,14 @@ class OffloadAdam(torch.optim.Optimizer):
         """Bytes read from and written to the optimizer's swap file so far."""
         return self._swapper.io_bytes()
 
+    def swap_stats(self) -> dict[str, Any]:
+        """Where the offloaded state is now: ``"sub_groups"`` by place ("on disk", "reading", "resident",
+        "writing") and the fixed swap buffers ``"free_buffers"`` of ``"buffer_count"``. Between steps every
+        sub-group is on disk (or still being written, with overlap_backward) and every buffer is free."""
+        self._sync()
+        return {"sub_groups": self._swapper.where_counts(), "free_buffers": self._swapper.free_buffers,
+                "buffer_count": self._swap_config.buffer_count}
+
     def host_state_bytes(self) -> dict[str, int]:
         """Host memory held for optimizer state: 'resident' (kept in RAM) and 'buffers' (swap buffers)."""
         return {"resident": sum(r.numel() * 4 for regions in self._resident.values() for r in regions),

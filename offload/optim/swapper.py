@@ -110,6 +110,13 @@ class StateSwapper:
         """Bytes read from and written to the swap file so far."""
         return SwapFile.io_bytes_of(self._file)
 
+    def where_counts(self) -> dict[str, int]:
+        """Offloaded sub-groups by where their state is now: "on disk", "reading", "resident", "writing"."""
+        counts = {where.value: 0 for where in Where}
+        for rec in self.records.values():
+            counts[rec.where.value] += 1
+        return counts
+
     @property
     def free_buffers(self) -> int:
         """Fixed buffers free now, without waiting for anything."""
