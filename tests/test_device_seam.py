@@ -166,6 +166,9 @@ def test_copies_must_go_between_host_and_this_device(late):
         late.to_device(late.pinned_empty(8), late.pinned_empty(8), stream=late.compute_stream)
     with pytest.raises(ValueError, match=r"dst is \(8,\) torch.uint8 but src is \(4,\) torch.uint8"):
         late.to_device(buffer, late.pinned_empty(4), stream=late.compute_stream)
+    with SimulatedDevice() as other_device:
+        with pytest.raises(ValueError, match="stream 'theirs' is not a stream of this simulated device"):
+            late.to_device(buffer, late.pinned_empty(8), stream=other_device.new_stream("theirs"))
 
 
 # ---- bug class 4: a collective given a tensor on the wrong device -----------------------------------

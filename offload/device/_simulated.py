@@ -333,6 +333,7 @@ class SimulatedDevice(Device):
 
     def _to_device(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> Event:
         self.raise_faults()
+        stream = self._own(stream)
         alloc = self._live(dst, "copied into")
         snapshot = src.clone()
         if not any(not read.done for read in alloc.reads):
@@ -357,6 +358,7 @@ class SimulatedDevice(Device):
 
     def _to_host(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> Event:
         self.raise_faults()
+        stream = self._own(stream)
         alloc = self._live(src, "copied from")
         self._check_ordered(alloc, src, stream, "copied to the host")
         _poison(dst)  # the host's bytes are not there until the copy runs
@@ -367,6 +369,12 @@ class SimulatedDevice(Device):
         alloc.reads.append(event)
         self._uses.append(_HostUse("fill", *_span(dst), event, alloc.name, dst))
         return event
+
+    def _own(self, stream: Stream) -> _SideStream | _ComputeStream:
+        if stream is not self._compute and not (isinstance(stream, _SideStream) and stream._device is self):
+            raise ValueError(f"stream {getattr(stream, 'name', stream)!r} is not a stream of this simulated device; "
+                             f"use its compute_stream or new_stream()")
+        return stream
 
     def _live(self, tensor: torch.Tensor, what: str) -> _Alloc:
         alloc = self._alloc_of(tensor)

@@ -31,6 +31,8 @@ class DeviceRing:
         self.device = device
         self.buffer_nbytes = buffer_nbytes
         self.stream = device.new_stream("ring-copies")
+        self._copied: list[Event | None] = [None] * buffer_count
+        self._computed: list[Event | None] = [None] * buffer_count
         self.buffers: list[torch.Tensor] = []
         try:
             for slot in range(buffer_count):
@@ -38,8 +40,6 @@ class DeviceRing:
         except BaseException:
             self.close()
             raise
-        self._copied: list[Event | None] = [None] * buffer_count
-        self._computed: list[Event | None] = [None] * buffer_count
 
     def stage(self, slot: int, host: torch.Tensor, nbytes: int) -> torch.Tensor:
         """Copy ``host[:nbytes]`` into slot ``slot``'s device buffer; return that buffer."""
@@ -64,7 +64,7 @@ class DeviceRing:
 
     def close(self) -> None:
         """Wait for the copies, then give the device buffers back."""
-        for copied in getattr(self, "_copied", []):
+        for copied in self._copied:
             if copied is not None:
                 copied.synchronize()
         for buffer in self.buffers:
