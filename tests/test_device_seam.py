@@ -291,6 +291,21 @@ def test_query_observes_only_a_finished_copy(late):
     late.check_writable(host)  # a True query is the host seeing it done
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
+def test_correct_pipeline_passes_on_cuda():
+    """The same prefetch ring on a real GPU, through CudaDevice (never run on the development machine)."""
+    from offload.device import CudaDevice
+
+    expected = [float(torch.arange(257, dtype=torch.float32).sum() * (layer + 1)) for layer in range(12)]
+    device = CudaDevice(budget_bytes=1 << 20)
+    assert pipeline(device, layers=12, slots=3, n=257) == expected
+    moved = device.collective_tensor(torch.ones(2))
+    device.check_collective(moved)
+    with pytest.raises(CollectiveDeviceError, match="nccl on the cuda device needs it on cuda"):
+        device.check_collective(torch.ones(2))
+
+
 # ---- the CPU device ---------------------------------------------------------------------------------
 
 

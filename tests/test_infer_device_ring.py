@@ -12,22 +12,14 @@ import shutil
 
 import pytest
 import torch
-from test_infer_generate import (NEW_TOKENS, PAD, assert_same_generation, build_model, prompts, reference,
-                                 required_and_kv, save_checkpoint, scratch_dir)
+from test_infer_generate import (NEW_TOKENS, PAD, assert_same_generation, build_model, one_thread,  # noqa: F401 (autouse)
+                                 prompts, reference, required_and_kv, save_checkpoint, scratch_dir)
 
 from offload.device import DeviceMemoryError, DeviceSyncError, SimulatedDevice
 from offload.infer import init_inference
 from offload.infer.device_ring import DeviceRing
 
 pytestmark = pytest.mark.simulated
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
