@@ -18,8 +18,8 @@ from torch import nn
 from offload.device import Device, device_for
 from offload.infer.config import InferenceConfig
 from offload.infer.convert import converted_copy
-from offload.infer.plan import BudgetError, Plan, UnitSize, format_bytes, make_plan
 from offload.infer.device_ring import DeviceRing
+from offload.infer.plan import BudgetError, Plan, UnitSize, format_bytes, make_plan
 from offload.infer.stream import LayerStreamer, ParamRef, ResidentLoad, Unit
 from offload.storage.safetensors_reader import SafetensorsCheckpoint, read_windows, tensor_views, windows_nbytes
 from tensorio import AioHandle, aligned_tensor
