@@ -3,7 +3,7 @@
 It knows files, buffers and bytes, nothing of models. See docs/tensorio.md.
 """
 
-from ._buffers import aligned_tensor, free_locked_tensor, lock_status, locked_tensor, prefault
+from ._buffers import aligned_tensor, free_locked_tensor, in_locked_buffer, lock_status, locked_tensor, prefault
 from ._config import AioConfig
 from ._errors import TensorIOError
 from ._fs import DIRECT_ALIGN, filesystem_type, probe_direct
@@ -24,6 +24,7 @@ __all__ = [
     "filesystem_type",
     "format_size",
     "free_locked_tensor",
+    "in_locked_buffer",
     "lock_status",
     "locked_tensor",
     "parse_size",

@@ -31,7 +31,9 @@ _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 # data_ptr -> (how the buffer is locked: "cuda-registered", "mlocked" or "not locked: <reason>", its bytes).
 _lock_status: dict[int, tuple[str, int]] = {}
-_status_lock = threading.Lock()
+# Re-entrant: a buffer's last reference can go (and its finalizer, `unlock_at`, run) on a thread that
+# holds the lock, when a garbage collection starts inside a locked section (any allocation may start one).
+_status_lock = threading.RLock()
 
 
 def _mapped_tensor(num_elem: int, dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
@@ -179,4 +181,5 @@ def in_locked_buffer(tensor: torch.Tensor) -> bool:
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
     with _status_lock:
-        return any(base <= start and end <= base + nbytes for base, (_, nbytes) in _lock_status.items())
+        buffers = _lock_status.copy()  # a finalizer may pop an entry mid-iteration (see _status_lock)
+    return any(base <= start and end <= base + nbytes for base, (_, nbytes) in buffers.items())

@@ -92,3 +92,17 @@ def test_prefault_takes_a_byte_range_and_refuses_one_outside_the_tensor():
         tensorio.prefault(tensor, 10, 5)
     with pytest.raises(ValueError, match=r"range \[0, 4194305\)"):
         tensorio.prefault(tensor, 0, 4 * MiB + 1)
+
+
+def test_a_locked_buffer_can_go_while_its_thread_holds_the_status_lock():
+    """A garbage collection inside a locked section runs buffers' finalizers on that thread: the
+    lock they take must be re-entrant (a plain lock hung the test suite)."""
+    from tensorio import _buffers
+
+    buffer = tensorio.locked_tensor(4096)
+    ptr = buffer.data_ptr()
+    with _buffers._status_lock:
+        assert _buffers._status_lock.acquire(blocking=False)  # what the finalizer does, on this thread
+        _buffers._status_lock.release()
+        del buffer  # its finalizer runs here
+        assert ptr not in _buffers._lock_status

@@ -15,8 +15,10 @@ import psutil
 import torch
 from torch import nn
 
+from offload.device import Device, device_for
 from offload.infer.config import InferenceConfig
 from offload.infer.convert import converted_copy
+from offload.infer.device_ring import DeviceRing
 from offload.infer.plan import BudgetError, Plan, UnitSize, format_bytes, make_plan
 from offload.infer.stream import LayerStreamer, ParamRef, ResidentLoad, Unit
 from offload.storage.safetensors_reader import SafetensorsCheckpoint, read_windows, tensor_views, windows_nbytes
@@ -46,7 +48,8 @@ def init_inference(model: str | os.PathLike | nn.Module, config: Mapping[str, An
     ``config``: a DeepSpeed-style dict or JSON path (``zero_optimization.offload_param`` with
     ``device``, ``max_in_cpu`` (elements, or bytes as "8GiB"), ``buffer_count``, ``buffer_size``,
     ``nvme_path``; ``stage3_prefetch_bucket_size``; ``aio``; ``dtype``). ``overrides``: the same
-    settings by their `InferenceConfig` field names, plus ``checkpoint``.
+    settings by their `InferenceConfig` field names, plus ``checkpoint``; ``compute_device`` may also
+    be an `offload.device.Device` (a `SimulatedDevice` in tests), which the caller closes.
 
     Raises ValueError naming the key for a bad setting; FileNotFoundError / SafetensorsError naming
     the file for a missing, truncated or invalid checkpoint file; CheckpointMismatchError naming the
@@ -54,7 +57,8 @@ def init_inference(model: str | os.PathLike | nn.Module, config: Mapping[str, An
     the budget, the buffers or the machine cannot hold the plan.
     """
     checkpoint = overrides.pop("checkpoint", None)
-    return InferenceEngine(model, InferenceConfig.from_dict(config, **overrides), checkpoint=checkpoint)
+    compute = overrides.pop("compute_device") if isinstance(overrides.get("compute_device"), Device) else None
+    return InferenceEngine(model, InferenceConfig.from_dict(config, **overrides), checkpoint=checkpoint, compute=compute)
 
 
 class InferenceEngine:
@@ -62,8 +66,11 @@ class InferenceEngine:
     ``plan`` says what is resident and what is streamed. Use as a context manager or call ``close``."""
 
     def __init__(self, model: str | os.PathLike | nn.Module, settings: InferenceConfig, *,
-                 checkpoint: str | os.PathLike | None = None) -> None:
+                 checkpoint: str | os.PathLike | None = None, compute: Device | None = None) -> None:
         self.settings = settings
+        self.compute = compute or device_for(settings.compute_device)
+        """Where the model computes (offload/device); ``device`` is its torch device."""
+        self._owns_compute = compute is None
         self._closed = False
         self._loads: list[ResidentLoad] = []
         self._start = start = time.perf_counter()
@@ -76,7 +83,7 @@ class InferenceEngine:
             self.dtype = settings.dtype or self.checkpoint.dominant_dtype() or torch.float32
             self.module = _skeleton(model, directory, self.dtype)
             _contiguous_head_input(self.module)
-            self.device = _compute_device(settings.compute_device)
+            self.device = self.compute.torch_device
             # 3. One record per unit, its tensors matched to the checkpoint's (names, shapes).
             self.units = _units(self.module, self.checkpoint)
             self._load_bytes = _materialize_buffers(self.module, self.checkpoint, self.handle, self.device)
@@ -98,6 +105,8 @@ class InferenceEngine:
             for load in self._loads:
                 load.close()
             self.handle.close()
+            if self._owns_compute:
+                self.compute.close()
             raise
         self.init_seconds = time.perf_counter() - start
         """Seconds `init_inference` took. The resident weights go on loading in the background (the
@@ -208,6 +217,8 @@ class InferenceEngine:
             for load in self._loads:
                 load.close()
             self.handle.close()
+            if self._owns_compute:
+                self.compute.close()
 
     def __enter__(self) -> "InferenceEngine":
         return self
@@ -298,10 +309,12 @@ class InferenceEngine:
         if promoted:  # before the first forward is done, with a ring, it holds reads back (`ResidentLoad`)
             self._loads.append(ResidentLoad(self.handle, promoted, device=self.device,
                                             held=bool(streamed) and self._release_hook is not None))
-        if streamed and self.device.type == "cuda":
-            from offload.infer.cuda import CudaStager  # the CUDA path: see offload/infer/cuda.py
-
-            self.streamer.stager = CudaStager(self.settings.buffer_count, plan.buffer_nbytes, self.device)
+        ring = self.streamer.stager  # the device's copies of the ring buffers, where it has memory of its own
+        if ring is not None and (not streamed or ring.buffer_nbytes != plan.buffer_nbytes):
+            ring.close()
+            self.streamer.stager = ring = None
+        if streamed and ring is None and self.compute.separate_memory:
+            self.streamer.stager = DeviceRing(self.compute, self.settings.buffer_count, plan.buffer_nbytes)
         self.streamer.set_units([u for u in self.units if u.streamable], plan.buffer_nbytes if streamed else 0,
                                 self._lookahead_units(plan))
         # 3. transformers takes the model's device and dtype from its first parameter: bind it now.
@@ -369,12 +382,6 @@ def _contiguous_head_input(module: nn.Module) -> None:
     head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
     if isinstance(head, nn.Linear):
         head.register_forward_pre_hook(lambda _, args: (args[0].contiguous(), *args[1:]) if args else None)
-
-
-def _compute_device(choice: str) -> torch.device:
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise ValueError("compute_device: \"cuda\" is asked for but CUDA is not available here")
-    return torch.device("cuda" if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()) else "cpu")
 
 
 def _blocks(module: nn.Module) -> str | None:

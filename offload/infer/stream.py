@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from offload.infer.device_ring import DeviceRing
 from offload.storage.safetensors_reader import Window, read_windows, tensor_views, windows_nbytes
 from tensorio import AioHandle, IOFuture, aligned_tensor, free_locked_tensor, locked_tensor, prefault
 
@@ -94,10 +95,11 @@ class LayerStreamer:
 
     ``attach(unit)`` installs the hooks once per streamable unit; whether it streams is decided by
     ``set_units`` (the streamed units in forward order), which can change between calls. ``stager``
-    (the CUDA path) copies a buffer to the GPU before the layer computes; None computes on the CPU.
+    (a `DeviceRing`, where the compute device has memory of its own) copies a buffer to the device
+    before the layer computes; None computes on the CPU, in the ring buffer itself.
     """
 
-    def __init__(self, handle: AioHandle, *, buffer_count: int, stager=None) -> None:
+    def __init__(self, handle: AioHandle, *, buffer_count: int, stager: DeviceRing | None = None) -> None:
         self.handle = handle
         self.buffer_count = buffer_count
         self.lookahead = buffer_count
@@ -202,7 +204,7 @@ class LayerStreamer:
         start = time.perf_counter()
         self._settle(unit, keep=True)
         self.wait_seconds += time.perf_counter() - start
-        # 3. Bind its parameters to views into its buffer (on the GPU: copied there first, on a side stream).
+        # 3. Bind its parameters to views into its buffer (on a device: copied there first, on a side stream).
         buffer = self.buffers[unit.slot]
         if self.stager is not None:
             buffer = self.stager.stage(unit.slot, buffer, unit.buffer_nbytes)
@@ -235,6 +237,8 @@ class LayerStreamer:
                 return
             if unit.state == "on disk" or self._claim(unit):
                 unit.slot = self._free.popleft()
+                if self.stager is not None:
+                    self.stager.check_refill(self.buffers[unit.slot])  # its last copy to the device has read it
                 unit.futures = read_windows(self.handle, unit.windows, self.buffers[unit.slot])
                 unit.state = "in flight"
                 self._inflight.append(unit)
@@ -303,9 +307,12 @@ class LayerStreamer:
         self.buffers, self.buffer_nbytes, self._free = [], 0, deque()
 
     def close(self) -> None:
-        """Wait for reads in flight, remove the hooks and free the buffers."""
+        """Wait for reads in flight, remove the hooks and free the buffers (the device's too)."""
         self.reset()
         self.units = []
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
         self._free_buffers()
 
 

@@ -34,6 +34,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from offload.device import collective_device
+
 __all__ = ["LATEST", "CheckpointInUseError", "atomic_checkpoint", "fsync_dir", "resolve_tag"]
 
 LATEST = "latest"
@@ -210,8 +212,7 @@ def _from_rank_zero(value: str | None, group: dist.ProcessGroup | None) -> str |
 def _failed_anywhere(failed: bool, distributed: bool, group: dist.ProcessGroup | None) -> bool:
     if not distributed:
         return failed
-    # NCCL reduces only device tensors; gloo and others take CPU ones
-    flag = torch.tensor([float(failed)], device="cuda" if dist.get_backend(group) == "nccl" else "cpu")
+    flag = torch.tensor([float(failed)], device=collective_device(group))  # NCCL: a device tensor; gloo: a CPU one
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())
 

@@ -8,6 +8,8 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from offload.device import collective_device
+
 __all__ = ["clip_coefficient", "clip_grad_norm_", "grad_norm", "step_factor", "total_norm"]
 
 _EPS = 1e-6
@@ -30,8 +32,7 @@ def grad_norm(grads: Iterable[torch.Tensor | None], *, group: dist.ProcessGroup 
             dtype = torch.float32 if grad.dtype in _SIXTEEN_BIT else None
             squares += torch.linalg.vector_norm(grad, dtype=dtype).to("cpu", torch.float64) ** 2
     if dist.is_available() and dist.is_initialized():
-        # NCCL reduces only device tensors; gloo and others take CPU ones
-        squares = squares.to("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+        squares = squares.to(collective_device(group))  # NCCL reduces only device tensors, gloo CPU ones
         dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
     return math.sqrt(squares.item())
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from offload.config.training import Fp16Config
+from offload.device import collective_device
 
 __all__ = ["DynamicLossScaler", "LossScaler", "StaticLossScaler", "build_loss_scaler"]
 
@@ -59,9 +60,8 @@ class LossScaler:
         """
         overflow = any(grad is not None and not torch.isfinite(_sum(grad)) for grad in grads)
         if dist.is_available() and dist.is_initialized():
-            # NCCL reduces only device tensors; gloo and others take CPU ones
-            device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-            flag = torch.tensor([1.0 if overflow else 0.0], device=device)
+            # NCCL reduces only device tensors, gloo CPU ones
+            flag = torch.tensor([1.0 if overflow else 0.0], device=collective_device(group))
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
             overflow = bool(flag.item())
         return overflow

@@ -1,0 +1,34 @@
+"""The device seam: everything that differs between computing on the CPU and on a GPU.
+
+Allocation (device buffers against a budget, pinned host buffers), asynchronous copies, streams,
+events, the collective backend and where a collective's tensors live go through a `Device`:
+`CpuDevice`, `CudaDevice` (the only code in offload/ that calls torch.cuda), or `SimulatedDevice`,
+which runs the GPU path on the CPU and fails loudly on the GPU-only bugs. See docs/device.md.
+"""
+
+from offload.device._base import Device, Event, Stream
+from offload.device._cpu import CpuDevice
+from offload.device._cuda import CudaDevice, cuda_available
+from offload.device._errors import (CollectiveDeviceError, DeviceError, DeviceMemoryError, DeviceSyncError,
+                                    PinnedMemoryError)
+from offload.device._select import DEVICE_CHOICES, collective_device, device_for, process_group_backend
+from offload.device._simulated import SimulatedDevice
+
+__all__ = [
+    "DEVICE_CHOICES",
+    "CollectiveDeviceError",
+    "CpuDevice",
+    "CudaDevice",
+    "Device",
+    "DeviceError",
+    "DeviceMemoryError",
+    "DeviceSyncError",
+    "Event",
+    "PinnedMemoryError",
+    "SimulatedDevice",
+    "Stream",
+    "collective_device",
+    "cuda_available",
+    "device_for",
+    "process_group_backend",
+]

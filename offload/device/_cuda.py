@@ -1,0 +1,97 @@
+"""`CudaDevice`: compute on a CUDA GPU. The only module of offload/ that calls torch.cuda.
+
+It mirrors `SimulatedDevice` call for call (the simulated device is how this path is tested on a
+machine without a GPU; docs/device.md); keep it that thin.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from offload.device._base import Device, Event, Stream
+from tensorio import lock_status
+
+__all__ = ["CudaDevice", "cuda_available"]
+
+
+def cuda_available() -> bool:
+    """Whether this torch build has CUDA and sees a GPU."""
+    return torch.cuda.is_available()
+
+
+class _CudaEvent(Event):
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.raw = event
+
+    def query(self) -> bool:
+        return self.raw.query()
+
+    def synchronize(self) -> None:
+        self.raw.synchronize()
+
+
+class _CudaStream(Stream):
+    def __init__(self, stream: torch.cuda.Stream, name: str) -> None:
+        self.raw = stream
+        self.name = name
+
+    def wait_event(self, event: Event) -> None:
+        self.raw.wait_event(event.raw)
+
+    def record(self) -> Event:
+        event = torch.cuda.Event()
+        event.record(self.raw)
+        return _CudaEvent(event)
+
+    def synchronize(self) -> None:
+        self.raw.synchronize()
+
+
+class CudaDevice(Device):
+    """Compute on GPU ``index`` (default: the current one). ``budget_bytes`` (optional) bounds the
+    buffers `empty` makes and must fit in the GPU's free memory. Raises ValueError when CUDA is not
+    available, or for a budget over the free memory (naming ``budget_setting`` and the figures)."""
+
+    name = "cuda"
+    separate_memory = True
+    collective_backend = "nccl"
+
+    def __init__(self, index: int | None = None, *, budget_bytes: int | None = None,
+                 budget_setting: str = "device budget") -> None:
+        if not cuda_available():
+            raise ValueError("CudaDevice: CUDA is not available here (a CPU build of torch, or no GPU visible)")
+        self.torch_device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+        super().__init__(budget_bytes=budget_bytes, budget_setting=budget_setting)
+        self._compute = _CudaStream(torch.cuda.current_stream(self.torch_device), "compute")
+
+    def memory_info(self) -> tuple[int, int]:
+        return torch.cuda.mem_get_info(self.torch_device)
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu" and (tensor.is_pinned() or lock_status(tensor) == "cuda-registered")
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        return tensor.device == self.torch_device
+
+    def _empty(self, numel: int, dtype: torch.dtype, name: str) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=self.torch_device)
+
+    def _to_device(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> Event:
+        with torch.cuda.stream(stream.raw):
+            dst.copy_(src, non_blocking=True)
+            return stream.record()
+
+    _to_host = _to_device
+
+    @property
+    def compute_stream(self) -> Stream:
+        return self._compute
+
+    def new_stream(self, name: str) -> Stream:
+        return _CudaStream(torch.cuda.Stream(self.torch_device), name)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.torch_device)
+
+    def collective_device(self) -> torch.device:
+        return self.torch_device

@@ -1,0 +1,510 @@
+"""`SimulatedDevice`: the GPU path run on the CPU, with checks that fail loudly on the GPU-only bugs.
+
+Device buffers are CPU tensors the device owns (a registry of address ranges tells them from host
+tensors, views included). Copies on a side stream run on a worker thread per stream, in stream
+order, after a seeded random delay (``schedule="random"``) or only when something waits for them
+(``schedule="late"``: the latest a GPU may run them, so a missing wait is never hidden by luck).
+The compute stream is the host thread: compute runs when issued.
+
+Two kinds of check, both raising an error that names the buffer and the bug (docs/device.md):
+
+- model checks, deterministic, on the CUDA ordering rules: every stream (and the host) carries a
+  vector clock of the side-stream work it is ordered after (merged by ``wait_event`` and, for the
+  host, by ``synchronize`` or a True ``query``). ``check_ready`` raises DeviceSyncError when a
+  device buffer's last copy is not ordered before the reading stream; ``check_writable`` when a
+  host buffer still has a copy reading or filling it that the host has not seen finish; a copy
+  from a device buffer checks its source the same way, ``free`` its buffer.
+- ground truth: a device buffer holds NaN bytes (0xFF) from its allocation, from the issue of a
+  copy into it until that copy runs, and after ``free``, so a read that slips past the model checks
+  computes on NaN; a copy compares its host source with the snapshot taken when it was issued and
+  reports a host write in between (raised by the next call into the device).
+
+Also raised: PinnedMemoryError for an async copy to or from pageable memory, CollectiveDeviceError
+for a collective tensor that is not a device buffer (the device models NCCL), DeviceMemoryError
+over the budget, DeviceSyncError for a buffer used after ``free``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from offload.device._base import Device, Event, Stream
+from offload.device._errors import CollectiveDeviceError, DeviceError, DeviceSyncError, describe_bytes
+from tensorio import in_locked_buffer
+
+__all__ = ["SimulatedDevice"]
+
+_COMPUTE = 0  # the compute stream's index in the vector clocks
+_SCHEDULES = ("random", "late")
+
+Clock = dict[int, int]
+
+
+def _merge(a: Clock, b: Clock) -> Clock:
+    return {k: max(a.get(k, 0), b.get(k, 0)) for k in a.keys() | b.keys()}
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The byte range ``[start, end)`` a tensor's elements lie in (a strided view: first to last element)."""
+    if tensor.numel() == 0:
+        return tensor.data_ptr(), tensor.data_ptr()
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return tensor.data_ptr(), tensor.data_ptr() + (last + 1) * tensor.element_size()
+
+
+def _poison(tensor: torch.Tensor) -> None:
+    """Fill with the sentinel: all-ones bytes, which read as NaN in every float dtype."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.fill_(math.nan)
+    elif tensor.dtype == torch.bool:
+        tensor.fill_(True)
+    else:
+        tensor.fill_(torch.iinfo(tensor.dtype).max if tensor.dtype == torch.uint8 else -1)
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+class _Queue:
+    """A side stream's work: run in order by one thread, each op when the schedule lets it."""
+
+    def __init__(self, index: int, name: str, schedule: str, rng: random.Random, max_delay_s: float,
+                 on_fault: Callable[[BaseException], None]) -> None:
+        self.index, self.name = index, name
+        self._schedule, self._rng, self._max_delay = schedule, rng, max_delay_s
+        self._on_fault = on_fault
+        self._cond = threading.Condition()
+        self._ops: deque[tuple[int, Callable[[], None]]] = deque()
+        self.issued = 0
+        self.executed = 0
+        self._demanded = 0
+        self.stopped = False
+        self._retired = False
+        threading.Thread(target=self._run, name=f"simulated-stream-{name}", daemon=True).start()
+
+    def submit(self, op: Callable[[], None]) -> int:
+        with self._cond:
+            if self.stopped:
+                raise DeviceError(f"stream {self.name!r}: the simulated device is closed")
+            self.issued += 1
+            self._ops.append((self.issued, op))
+            self._cond.notify_all()
+            return self.issued
+
+    def wait_executed(self, seq: int) -> None:
+        """Block until op ``seq`` has run (under ``schedule="late"``, this is what lets it run)."""
+        with self._cond:
+            self._demanded = max(self._demanded, seq)
+            self._cond.notify_all()
+            while self.executed < seq:
+                if self.stopped:
+                    raise DeviceError(f"stream {self.name!r}: the simulated device was closed with work pending")
+                self._cond.wait()
+
+    def stop(self) -> None:
+        """End the thread now; work not yet run is dropped (the device is closing)."""
+        with self._cond:
+            self.stopped = True
+            self._cond.notify_all()
+
+    def retire(self) -> None:
+        """End the thread once the work issued has run (its stream is gone; its events may still wait)."""
+        with self._cond:
+            self._retired = True
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self.stopped and not (
+                        self._ops and (self._schedule == "random" or self._ops[0][0] <= self._demanded)):
+                    if self._retired and not self._ops:
+                        self.stopped = True
+                        break
+                    self._cond.wait()
+                if self.stopped:
+                    return
+                seq, op = self._ops[0]
+            if self._schedule == "random":
+                time.sleep(self._rng.uniform(0.0, self._max_delay))  # scheduling noise, not a wait for an outcome
+            try:
+                op()
+            except BaseException as exc:  # noqa: BLE001 - handed to the host at its next call
+                self._on_fault(exc)
+            with self._cond:
+                self._ops.popleft()
+                self.executed = seq
+                self._cond.notify_all()
+
+
+class _SimEvent(Event):
+    def __init__(self, device: "SimulatedDevice", queue: _Queue | None, index: int, seq: int, clock: Clock) -> None:
+        self._device, self._queue = device, queue
+        self.index, self.seq, self.clock = index, seq, clock
+        self.number = 0
+        """The copy it ends (the device's count of copies issued), 0 for other work."""
+
+    @property
+    def stream_name(self) -> str:
+        return "compute" if self._queue is None else self._queue.name
+
+    @property
+    def done(self) -> bool:
+        return self._queue is None or self._queue.executed >= self.seq
+
+    def run(self) -> None:
+        """Block until done (demanding it under the late schedule); not a host observation."""
+        if self._queue is not None:
+            self._queue.wait_executed(self.seq)
+
+    def query(self) -> bool:
+        self._device.raise_faults()
+        if self.done:
+            self._device._observe(self.clock)
+            return True
+        return False
+
+    def synchronize(self) -> None:
+        self._device.raise_faults()
+        self.run()
+        self._device._observe(self.clock)
+        self._device.raise_faults()
+
+
+class _SideStream(Stream):
+    def __init__(self, device: "SimulatedDevice", queue: _Queue) -> None:
+        self._device, self.queue, self.name = device, queue, queue.name
+        self.clock: Clock = {queue.index: 0}
+        weakref.finalize(self, queue.retire)
+
+    def submit(self, op: Callable[[], None]) -> _SimEvent:
+        seq = self.queue.submit(op)
+        self.clock[self.queue.index] = seq
+        return _SimEvent(self._device, self.queue, self.queue.index, seq, dict(self.clock))
+
+    def wait_event(self, event: Event) -> None:
+        self._device.raise_faults()
+        self.clock = _merge(self.clock, event.clock)
+        self.submit(event.run)
+
+    def record(self) -> Event:
+        return self.submit(lambda: None)
+
+
+class _ComputeStream(Stream):
+    """The host thread: what it waits for is run before the next compute, not before the host goes on."""
+
+    name = "compute"
+
+    def __init__(self, device: "SimulatedDevice") -> None:
+        self._device = device
+        self.clock: Clock = {_COMPUTE: 0}
+        self._pending: list[_SimEvent] = []
+
+    def wait_event(self, event: Event) -> None:
+        self._device.raise_faults()
+        self.clock = _merge(self.clock, event.clock)
+        self._pending.append(event)
+
+    def run_pending(self) -> None:
+        for event in self._pending:
+            event.run()
+        self._pending.clear()
+
+    def submit(self, op: Callable[[], None]) -> _SimEvent:
+        self.run_pending()
+        op()
+        return self.record()
+
+    def record(self) -> Event:
+        self.run_pending()
+        self.clock[_COMPUTE] += 1
+        return _SimEvent(self._device, None, _COMPUTE, self.clock[_COMPUTE], dict(self.clock))
+
+
+@dataclass(eq=False)
+class _Alloc:
+    name: str
+    start: int
+    end: int
+    base: torch.Tensor | None
+    """None once freed (``alive`` then says whether a view still holds its memory)."""
+    alive: Callable[[], torch.Tensor | None] = lambda: None
+    write: _SimEvent | None = None
+    """The last copy into it."""
+    reads: list[_SimEvent] = field(default_factory=list)
+    """Copies out of it not yet run."""
+
+
+@dataclass(eq=False)
+class _HostUse:
+    kind: str
+    """"read" (a copy to the device reads it) or "fill" (a copy to the host fills it)."""
+    start: int
+    end: int
+    event: _SimEvent
+    other: str
+    host: torch.Tensor
+    """Held until the host has seen the copy finish, so its address is not reused meanwhile."""
+
+
+class SimulatedDevice(Device):
+    """A GPU simulated on the CPU for tests (see the module docstring and docs/device.md).
+
+    ``seed`` fixes each side stream's delays; ``schedule`` is "random" (delays up to ``max_delay_s``)
+    or "late" (a copy runs only when waited for); ``memory_bytes`` is the simulated device's memory
+    (the budget defaults to all of it). Close it (or use it as a context manager) to stop its threads.
+    """
+
+    name = "simulated"
+    torch_device = torch.device("cpu")
+    separate_memory = True
+    collective_backend = "gloo"  # the transport; collective tensors must still be device buffers, as NCCL's
+
+    def __init__(self, *, seed: int = 0, schedule: str = "random", max_delay_s: float = 0.002,
+                 memory_bytes: int = 1 << 30, budget_bytes: int | None = None,
+                 budget_setting: str = "device budget") -> None:
+        if schedule not in _SCHEDULES:
+            raise ValueError(f"schedule: {schedule!r} is not allowed; use one of {', '.join(map(repr, _SCHEDULES))}")
+        self.memory_bytes = memory_bytes
+        self.seed, self.schedule, self.max_delay_s = seed, schedule, max_delay_s
+        self._allocs: list[_Alloc] = []
+        self._freed: list[_Alloc] = []
+        self._uses: list[_HostUse] = []
+        self._host_clock: Clock = {}
+        self._queues: list[_Queue] = []
+        self._faults: deque[BaseException] = deque()
+        self._lock = threading.Lock()
+        self.copies = 0
+        """Copies issued so far."""
+        super().__init__(budget_bytes=budget_bytes, budget_setting=budget_setting)
+        self._compute = _ComputeStream(self)
+
+    # ---- memory ---------------------------------------------------------------------------------
+
+    def memory_info(self) -> tuple[int, int]:
+        return self.memory_bytes - self.allocated_bytes, self.memory_bytes
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu" and not self.owns(tensor) and (in_locked_buffer(tensor) or tensor.is_pinned())
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        return self._alloc_of(tensor) is not None
+
+    def _alloc_of(self, tensor: torch.Tensor) -> _Alloc | None:
+        if tensor.device.type != "cpu":
+            return None
+        start, end = _span(tensor)
+        for alloc in self._allocs:
+            if alloc.start <= start and end <= alloc.end and (start < alloc.end or alloc.start == alloc.end == start):
+                return alloc
+        self._freed = [alloc for alloc in self._freed if alloc.alive() is not None]
+        return next((alloc for alloc in self._freed if alloc.start <= start < alloc.end), None)
+
+    def _empty(self, numel: int, dtype: torch.dtype, name: str) -> torch.Tensor:
+        tensor = torch.empty(numel, dtype=dtype)
+        _poison(tensor)
+        self._allocs.append(_Alloc(name, *_span(tensor), tensor))
+        return tensor
+
+    def _free(self, tensor: torch.Tensor, name: str) -> None:
+        alloc = next(a for a in self._allocs if a.base is tensor)
+        pending = [e for e in ([alloc.write] if alloc.write else []) + alloc.reads if not self._observed(e)]
+        if pending:
+            raise DeviceSyncError(
+                f"device buffer {name!r} freed while copy #{pending[0].number} on stream "
+                f"{pending[0].stream_name!r} may still use it; synchronize that copy's event first")
+        _poison(tensor)
+        self._allocs.remove(alloc)
+        alloc.alive, alloc.base = weakref.ref(tensor), None
+        self._freed.append(alloc)
+
+    # ---- copies ---------------------------------------------------------------------------------
+
+    def _to_device(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> Event:
+        self.raise_faults()
+        stream = self._own(stream)
+        alloc = self._live(dst, "copied into")
+        snapshot = src.clone()
+        if not any(not read.done for read in alloc.reads):
+            _poison(dst)  # the data is not there until the copy runs (unless an earlier copy still reads the old)
+        self.copies += 1
+        number = self.copies
+        where = self.describe(src)
+
+        def copy() -> None:
+            if not _same_bytes(src, snapshot):
+                raise DeviceSyncError(
+                    f"{where} was written while copy #{number} from it to device buffer {alloc.name!r} was in "
+                    f"flight: the copy read the new bytes. Wait for the copy's event (synchronize) before refilling "
+                    f"a host buffer")
+            dst.copy_(src)
+
+        event = stream.submit(copy)
+        event.number = number
+        alloc.write = event
+        self._uses.append(_HostUse("read", *_span(src), event, alloc.name, src))
+        return event
+
+    def _to_host(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> Event:
+        self.raise_faults()
+        stream = self._own(stream)
+        alloc = self._live(src, "copied from")
+        self._check_ordered(alloc, src, stream, "copied to the host")
+        _poison(dst)  # the host's bytes are not there until the copy runs
+        self.copies += 1
+        alloc.reads = [e for e in alloc.reads if not e.done]
+        event = stream.submit(lambda: dst.copy_(src))
+        event.number = self.copies
+        alloc.reads.append(event)
+        self._uses.append(_HostUse("fill", *_span(dst), event, alloc.name, dst))
+        return event
+
+    def _own(self, stream: Stream) -> _SideStream | _ComputeStream:
+        if stream is not self._compute and not (isinstance(stream, _SideStream) and stream._device is self):
+            raise ValueError(f"stream {getattr(stream, 'name', stream)!r} is not a stream of this simulated device; "
+                             f"use its compute_stream or new_stream()")
+        return stream
+
+    def _live(self, tensor: torch.Tensor, what: str) -> _Alloc:
+        alloc = self._alloc_of(tensor)
+        if alloc.base is None:
+            raise DeviceSyncError(f"device buffer {alloc.name!r} {what} after it was freed")
+        return alloc
+
+    # ---- streams --------------------------------------------------------------------------------
+
+    @property
+    def compute_stream(self) -> Stream:
+        return self._compute
+
+    def new_stream(self, name: str) -> Stream:
+        self._queues = [q for q in self._queues if not q.stopped]
+        index = 1 + max((q.index for q in self._queues), default=0)
+        queue = _Queue(index, name, self.schedule, random.Random(self.seed * 7919 + index), self.max_delay_s,
+                       self._fault)
+        self._queues.append(queue)
+        return _SideStream(self, queue)
+
+    def synchronize(self) -> None:
+        self.raise_faults()
+        self._compute.run_pending()
+        for queue in list(self._queues):
+            if not queue.stopped:
+                queue.wait_executed(queue.issued)
+                self._observe({queue.index: queue.issued})
+        self._observe(dict(self._compute.clock))
+        self.raise_faults()
+
+    def close(self) -> None:
+        for queue in self._queues:
+            queue.stop()
+
+    # ---- checks ---------------------------------------------------------------------------------
+
+    def check_ready(self, tensor: torch.Tensor, stream: Stream | None = None) -> None:
+        """Raise DeviceSyncError where ``stream`` (default: compute) would read ``tensor`` too early:
+        a device buffer whose last copy is not ordered before the stream, or freed; a host buffer a
+        copy still fills. On the compute stream, waits for the copy it is ordered after (the stream
+        runs on the host)."""
+        self.raise_faults()
+        stream = stream or self._compute
+        alloc = self._alloc_of(tensor)
+        if alloc is not None:
+            if alloc.base is None:
+                raise DeviceSyncError(f"device buffer {alloc.name!r} read on stream {stream.name!r} after it was freed")
+            self._check_ordered(alloc, tensor, stream, f"read on stream {stream.name!r}")
+            if stream is self._compute and alloc.write is not None:
+                alloc.write.run()
+            self.raise_faults()
+            return
+        for use in self._pending_uses(tensor):
+            if use.kind == "fill":
+                raise DeviceSyncError(
+                    f"{self.describe(tensor)} read by the host while copy #{use.event.number} from device buffer "
+                    f"{use.other!r} may still fill it; synchronize the copy's event first")
+
+    def check_writable(self, tensor: torch.Tensor) -> None:
+        """Raise DeviceSyncError when host ``tensor`` has a copy reading or filling it that the host
+        has not seen finish (``synchronize``/``query`` on its event, or a later one)."""
+        self.raise_faults()
+        for use in self._pending_uses(tensor):
+            action = "read it into" if use.kind == "read" else "fill it from"
+            raise DeviceSyncError(
+                f"{self.describe(tensor)} written by the host while copy #{use.event.number} on stream "
+                f"{use.event.stream_name!r} may still {action} device buffer {use.other!r}; synchronize the "
+                f"copy's event before refilling it")
+
+    def _check_ordered(self, alloc: _Alloc, tensor: torch.Tensor, stream: Stream, what: str) -> None:
+        write = alloc.write
+        if write is not None and max(stream.clock.get(write.index, 0), self._host_clock.get(write.index, 0)) < write.seq:
+            raise DeviceSyncError(
+                f"device buffer {alloc.name!r} {what} before the event of its copy #{write.number} on stream "
+                f"{write.stream_name!r} was waited for: {stream.name}.wait_event(that event) first "
+                f"(its bytes are {'still NaN' if not write.done else 'there here only by chance'})")
+
+    def _pending_uses(self, tensor: torch.Tensor) -> list[_HostUse]:
+        self._uses = [use for use in self._uses if not self._observed(use.event)]
+        start, end = _span(tensor)
+        return [use for use in self._uses if use.start < end and start < use.end]
+
+    def _observed(self, event: _SimEvent) -> bool:
+        return self._host_clock.get(event.index, 0) >= event.seq
+
+    def _observe(self, clock: Clock) -> None:
+        with self._lock:
+            self._host_clock = _merge(self._host_clock, clock)
+
+    def _fault(self, exc: BaseException) -> None:
+        with self._lock:
+            self._faults.append(exc)
+
+    def raise_faults(self) -> None:
+        """Raise the first error a copy thread has found (a host buffer written under a copy), once."""
+        with self._lock:
+            fault = self._faults.popleft() if self._faults else None
+        if fault is not None:
+            raise fault
+
+    # ---- collectives ----------------------------------------------------------------------------
+
+    def collective_device(self) -> torch.device:
+        return self.torch_device
+
+    def collective_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` itself when it is a device buffer, else a copy in a new one (freed when dropped)."""
+        if self.owns(tensor):
+            return tensor
+        buffer = self.empty(tensor.numel(), tensor.dtype, name="collective")
+        buffer.copy_(tensor.reshape(-1))
+        result = buffer.view(tensor.shape)
+        weakref.finalize(result, self.free, buffer)
+        return result
+
+    def check_collective(self, *tensors: torch.Tensor, op: str = "collective") -> None:
+        """Raise CollectiveDeviceError for a tensor that is not a device buffer (NCCL's rule), and
+        DeviceSyncError for one whose copy the compute stream has not waited for."""
+        for i, tensor in enumerate(tensors):
+            if not self.owns(tensor):
+                raise CollectiveDeviceError(
+                    f"{op}: tensor {i} ({tuple(tensor.shape)}, {tensor.dtype}) is host memory, not a device buffer; "
+                    f"NCCL on a GPU takes device tensors only: pass device.collective_tensor(tensor)")
+            self.check_ready(tensor)
+
+    # ---- names ----------------------------------------------------------------------------------
+
+    def describe(self, tensor: torch.Tensor) -> str:
+        alloc = self._alloc_of(tensor)
+        if alloc is None:
+            return f"host buffer at {tensor.data_ptr():#x} ({describe_bytes(tensor.numel() * tensor.element_size())})"
+        return f"device buffer {alloc.name!r} (bytes {tensor.data_ptr() - alloc.start} to {_span(tensor)[1] - alloc.start})"

@@ -1,0 +1,377 @@
+"""The device seam (offload/device): the simulated device catches each GPU-only bug class, correct
+use passes under many random schedules, the CPU device copies plainly, the budget returns to zero,
+and device and backend selection give clear errors.
+
+Every bug test commits the bug on purpose and asserts the error and what its message names. Tests
+wait on events (or on the "late" schedule, where a copy runs only when something waits for it),
+never on wall-clock time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from offload.device import (CollectiveDeviceError, CpuDevice, DeviceMemoryError, DeviceSyncError, PinnedMemoryError,
+                            SimulatedDevice, collective_device, cuda_available, device_for, process_group_backend)
+
+pytestmark = pytest.mark.simulated
+
+
+@pytest.fixture
+def late():
+    """A simulated device whose copies run only when something waits for them (the latest a GPU may)."""
+    with SimulatedDevice(schedule="late") as device:
+        yield device
+
+
+def filled(device, n: int, value: float) -> torch.Tensor:
+    host = device.pinned_empty(n, torch.float32)
+    host.fill_(value)
+    return host
+
+
+# ---- bug class 1: a device buffer read before its copy's event ------------------------------------
+
+
+def test_device_buffer_read_before_the_compute_stream_waited_is_caught(late):
+    buffer = late.empty(1000, torch.float32, name="layer.0.weight")
+    copied = late.to_device(buffer, filled(late, 1000, 3.0), stream=late.new_stream("prefetch"))
+    with pytest.raises(DeviceSyncError, match=r"'layer\.0\.weight' read on stream 'compute' before the event of its "
+                                              r"copy #1 on stream 'prefetch'.*compute\.wait_event"):
+        late.check_ready(buffer)
+    assert torch.isnan(buffer).all()  # ground truth: the bytes are not there (a slipped read computes on NaN)
+    late.compute_stream.wait_event(copied)
+    late.check_ready(buffer)  # now ordered: the compute stream runs the copy first
+    assert torch.equal(buffer, torch.full((1000,), 3.0))
+
+
+def test_a_view_of_the_buffer_is_checked_too(late):
+    buffer = late.empty(4096, torch.uint8, name="ring[0]")
+    late.to_device(buffer[:100], late.pinned_empty(100), stream=late.new_stream("copies"))
+    with pytest.raises(DeviceSyncError, match="'ring\\[0\\]'"):
+        late.check_ready(buffer[8:16].view(torch.float32))
+
+
+def test_copy_from_a_device_buffer_before_its_event_is_caught(late):
+    buffer = late.empty(10, torch.float32, name="grad.bucket")
+    late.to_device(buffer, filled(late, 10, 1.0), stream=late.new_stream("h2d"))
+    back = late.pinned_empty(10, torch.float32)
+    with pytest.raises(DeviceSyncError, match="'grad.bucket' copied to the host before the event of its copy #1"):
+        late.to_host(back, buffer, stream=late.new_stream("d2h"))
+
+
+def test_waiting_on_another_stream_does_not_order_compute(late):
+    side, other = late.new_stream("a"), late.new_stream("b")
+    buffer = late.empty(8, torch.float32, name="w")
+    copied = late.to_device(buffer, filled(late, 8, 2.0), stream=side)
+    other.wait_event(copied)  # orders stream b, not compute
+    with pytest.raises(DeviceSyncError, match="'w' read on stream 'compute'"):
+        late.check_ready(buffer)
+    late.check_ready(buffer, stream=other)
+
+
+def test_host_synchronize_orders_every_later_read(late):
+    buffer = late.empty(8, torch.float32, name="w")
+    late.to_device(buffer, filled(late, 8, 5.0), stream=late.new_stream("copies")).synchronize()
+    late.check_ready(buffer)
+    assert torch.equal(buffer, torch.full((8,), 5.0))
+
+
+# ---- bug class 2: a host buffer refilled while a copy still reads it --------------------------------
+
+
+def test_host_buffer_refilled_before_the_copy_was_seen_done_is_caught(late):
+    host = filled(late, 64, 1.0)
+    buffer = late.empty(64, torch.float32, name="ring[1]")
+    copied = late.to_device(buffer, host, stream=late.new_stream("copies"))
+    late.compute_stream.wait_event(copied)
+    late.check_ready(buffer)  # compute has it; the host has not seen the copy finish
+    with pytest.raises(DeviceSyncError, match=r"host buffer at 0x[0-9a-f]+ \(40 bytes\) written by the host while "
+                                              r"copy #1 on stream 'copies' may still read it into device buffer "
+                                              r"'ring\[1\]'"):
+        late.check_writable(host[10:20])
+    copied.synchronize()
+    late.check_writable(host)
+
+
+def test_a_write_under_an_inflight_copy_is_caught_by_the_copy_itself(late):
+    """Ground truth without the model check: the copy sees its source changed since it was issued."""
+    host = filled(late, 16, 1.0)
+    buffer = late.empty(16, torch.float32, name="ring[2]")
+    copied = late.to_device(buffer, host, stream=late.new_stream("copies"))
+    host.fill_(9.0)  # the bug: refilled with the copy in flight
+    with pytest.raises(DeviceSyncError, match=r"host buffer .* was written while copy #1 from it to device buffer "
+                                              r"'ring\[2\]' was in flight"):
+        copied.synchronize()
+
+
+def test_host_reads_a_copy_back_only_after_its_event(late):
+    buffer = late.empty(4, torch.float32, name="norm")
+    source = filled(late, 4, 7.0)
+    written = late.to_device(buffer, source, stream=late.compute_stream)
+    back = late.pinned_empty(4, torch.float32)
+    d2h = late.new_stream("d2h")
+    with pytest.raises(DeviceSyncError, match="'norm' copied to the host before the event of its copy #1 on stream "
+                                              "'compute' was waited for: d2h.wait_event"):
+        late.to_host(back, buffer, stream=d2h)
+    d2h.wait_event(written)
+    copied = late.to_host(back, buffer, stream=d2h)
+    with pytest.raises(DeviceSyncError, match="read by the host while copy #2 from device buffer 'norm'"):
+        late.check_ready(back)
+    with pytest.raises(DeviceSyncError, match="may still fill it from device buffer 'norm'"):
+        late.check_writable(back)
+    copied.synchronize()
+    late.check_ready(back)
+    assert torch.equal(back, torch.full((4,), 7.0))
+
+
+def test_freeing_a_buffer_under_a_copy_and_using_it_after_free_are_caught(late):
+    buffer = late.empty(8, torch.float32, name="param.7")
+    copied = late.to_device(buffer, filled(late, 8, 1.0), stream=late.new_stream("copies"))
+    with pytest.raises(DeviceSyncError, match="'param.7' freed while copy #1 on stream 'copies' may still use it"):
+        late.free(buffer)
+    copied.synchronize()
+    late.free(buffer)
+    with pytest.raises(DeviceSyncError, match="'param.7' read on stream 'compute' after it was freed"):
+        late.check_ready(buffer)
+    assert torch.isnan(buffer).all()
+
+
+# ---- bug class 3: pageable memory where pinned is required ------------------------------------------
+
+
+def test_async_copy_from_pageable_memory_is_caught(late):
+    buffer = late.empty(32, torch.float32, name="layer.3")
+    with pytest.raises(PinnedMemoryError, match=r"to_device: asynchronous copy from pageable host memory \(host "
+                                                r"buffer .*\).*Device\.pinned_empty"):
+        late.to_device(buffer, torch.ones(32), stream=late.new_stream("copies"))
+    with pytest.raises(PinnedMemoryError, match="to_host: asynchronous copy into pageable host memory"):
+        late.to_host(torch.empty(32), buffer, stream=late.new_stream("copies"))
+
+
+def test_a_view_into_a_locked_buffer_counts_as_pinned(late):
+    pinned = late.pinned_empty(4096)
+    buffer = late.empty(100, name="b")
+    late.to_device(buffer, pinned[1000:1100], stream=late.compute_stream)
+
+
+def test_copies_must_go_between_host_and_this_device(late):
+    buffer, other = late.empty(8, name="a"), late.empty(8, name="b")
+    with pytest.raises(ValueError, match="to_device: the src must be host memory, got device buffer 'b'"):
+        late.to_device(buffer, other, stream=late.compute_stream)
+    with pytest.raises(ValueError, match="to_device: the dst is not memory of the simulated device"):
+        late.to_device(late.pinned_empty(8), late.pinned_empty(8), stream=late.compute_stream)
+    with pytest.raises(ValueError, match=r"dst is \(8,\) torch.uint8 but src is \(4,\) torch.uint8"):
+        late.to_device(buffer, late.pinned_empty(4), stream=late.compute_stream)
+    with SimulatedDevice() as other_device:
+        with pytest.raises(ValueError, match="stream 'theirs' is not a stream of this simulated device"):
+            late.to_device(buffer, late.pinned_empty(8), stream=other_device.new_stream("theirs"))
+
+
+# ---- bug class 4: a collective given a tensor on the wrong device -----------------------------------
+
+
+def test_collective_on_a_host_tensor_is_caught(late):
+    with pytest.raises(CollectiveDeviceError, match=r"all_reduce: tensor 0 \(\(1,\), torch.float32\) is host memory.*"
+                                                    r"device\.collective_tensor"):
+        late.check_collective(torch.zeros(1), op="all_reduce")
+    moved = late.collective_tensor(torch.tensor([2.5]))
+    late.check_collective(moved, op="all_reduce")
+    assert moved.tolist() == [2.5] and late.allocated_bytes == 4
+    del moved
+    assert late.allocated_bytes == 0
+
+
+def test_collective_on_a_buffer_whose_copy_compute_has_not_waited_for_is_caught(late):
+    buffer = late.empty(4, torch.float32, name="partition")
+    late.to_device(buffer, filled(late, 4, 1.0), stream=late.new_stream("copies"))
+    with pytest.raises(DeviceSyncError, match="'partition' read on stream 'compute' before"):
+        late.check_collective(buffer, op="all_gather")
+
+
+def test_cpu_collectives_take_cpu_tensors():
+    device = CpuDevice()
+    device.check_collective(torch.zeros(3))
+    meta = torch.empty(3, device="meta")
+    with pytest.raises(CollectiveDeviceError, match="tensor 0 .* is on meta, but gloo on the cpu device needs it on cpu"):
+        device.check_collective(meta, op="broadcast")
+
+
+# ---- bug class 5: device memory over its budget -----------------------------------------------------
+
+
+def test_allocation_over_the_budget_names_the_figures():
+    with SimulatedDevice(memory_bytes=1 << 20, budget_bytes=300_000, budget_setting="max_memory[0]") as device:
+        device.empty(200_000, name="ring[0]")
+        with pytest.raises(DeviceMemoryError, match=r"ring\[1\]: allocating 195.3 KiB \(200000 bytes\) would take "
+                                                    r"simulated device memory to 390.6 KiB \(400000 bytes\), over its "
+                                                    r"budget of 293.0 KiB \(300000 bytes\) \(max_memory\[0\]\); held "
+                                                    r"now: .* in 1 buffers: ring\[0\]"):
+            device.empty(200_000, name="ring[1]")
+        assert device.allocated_bytes == 200_000  # the refused allocation holds nothing
+
+
+def test_budget_accounting_returns_to_zero_after_frees():
+    with SimulatedDevice(budget_bytes=1 << 20) as device:
+        buffers = [device.empty(n, dtype, name=f"b{i}") for i, (n, dtype) in
+                   enumerate([(1, torch.uint8), (4095, torch.float16), (4096 * 10 + 1, torch.float32)])]
+        assert device.allocated_bytes == 1 + 2 * 4095 + 4 * (4096 * 10 + 1)
+        for buffer in buffers:
+            device.free(buffer)
+        assert device.allocated_bytes == 0
+        with pytest.raises(ValueError, match="not a buffer that simulated.empty returned, or was freed already"):
+            device.free(buffers[0])
+        with pytest.raises(ValueError, match="not a buffer that simulated.empty returned"):
+            device.free(torch.empty(3))
+
+
+def test_budget_over_the_device_memory_is_refused():
+    with pytest.raises(ValueError, match=r"max_memory\[0\]: 2.0 GiB \(2147483648 bytes\) is more than the simulated "
+                                         r"device's free memory, 1.0 GiB \(1073741824 bytes\) of 1.0 GiB"):
+        SimulatedDevice(memory_bytes=1 << 30, budget_bytes=2 << 30, budget_setting="max_memory[0]")
+    with pytest.raises(ValueError, match=r"offload_param.max_in_gpu: .* is more than the cpu device's free memory"):
+        CpuDevice(budget_bytes=1 << 60, budget_setting="offload_param.max_in_gpu")
+
+
+# ---- correct use passes, whatever the schedule ------------------------------------------------------
+
+
+def pipeline(device, layers: int, slots: int, n: int) -> list[float]:
+    """A prefetch ring as a GPU path runs it: host slot refilled, copied on a side stream, computed on,
+    released; returns each layer's result."""
+    side = device.new_stream("prefetch")
+    hosts = [device.pinned_empty(n, torch.float32) for _ in range(slots)]
+    buffers = [device.empty(n, torch.float32, name=f"ring[{s}]") for s in range(slots)]
+    copied, computed, out = [None] * slots, [None] * slots, []
+    for layer in range(layers):
+        slot = layer % slots
+        if copied[slot] is not None:
+            copied[slot].synchronize()  # the copy has read the host slot
+        device.check_writable(hosts[slot])
+        hosts[slot].copy_(torch.arange(n, dtype=torch.float32) * (layer + 1))  # the "read from disk"
+        if computed[slot] is not None:
+            side.wait_event(computed[slot])  # compute is done with the device slot
+        copied[slot] = device.to_device(buffers[slot], hosts[slot], stream=side)
+        device.compute_stream.wait_event(copied[slot])
+        device.check_ready(buffers[slot])
+        out.append(float(buffers[slot].sum()))
+        computed[slot] = device.compute_stream.record()
+    device.synchronize()
+    for buffer in buffers:
+        device.free(buffer)
+    assert device.allocated_bytes == 0
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_correct_pipeline_passes_under_random_delays(seed):
+    n = 257
+    expected = [float(torch.arange(n, dtype=torch.float32).sum() * (layer + 1)) for layer in range(12)]
+    with SimulatedDevice(seed=seed, max_delay_s=0.001) as device:
+        assert pipeline(device, layers=12, slots=1 + seed % 3, n=n) == expected
+
+
+def test_correct_pipeline_passes_on_the_late_schedule_and_the_cpu(late):
+    expected = [float(torch.arange(64, dtype=torch.float32).sum() * (layer + 1)) for layer in range(6)]
+    assert pipeline(late, layers=6, slots=2, n=64) == expected
+    assert pipeline(CpuDevice(), layers=6, slots=2, n=64) == expected
+
+
+def test_query_observes_only_a_finished_copy(late):
+    host = filled(late, 4, 1.0)
+    buffer = late.empty(4, torch.float32, name="w")
+    copied = late.to_device(buffer, host, stream=late.new_stream("copies"))
+    assert not copied.query()  # late: nothing has waited for it
+    late.compute_stream.wait_event(copied)
+    late.check_ready(buffer)  # compute waits for it, so it runs
+    assert copied.query()
+    late.check_writable(host)  # a True query is the host seeing it done
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
+def test_correct_pipeline_passes_on_cuda():
+    """The same prefetch ring on a real GPU, through CudaDevice (never run on the development machine)."""
+    from offload.device import CudaDevice
+
+    expected = [float(torch.arange(257, dtype=torch.float32).sum() * (layer + 1)) for layer in range(12)]
+    device = CudaDevice(budget_bytes=1 << 20)
+    assert pipeline(device, layers=12, slots=3, n=257) == expected
+    moved = device.collective_tensor(torch.ones(2))
+    device.check_collective(moved)
+    with pytest.raises(CollectiveDeviceError, match="nccl on the cuda device needs it on cuda"):
+        device.check_collective(torch.ones(2))
+
+
+# ---- the CPU device ---------------------------------------------------------------------------------
+
+
+def test_cpu_device_copies_plainly_and_its_events_are_done():
+    device = CpuDevice()
+    assert not device.separate_memory and device.collective_backend == "gloo"
+    buffer = device.empty(5, torch.float64, name="x")
+    stream = device.new_stream("copies")
+    source = torch.arange(5, dtype=torch.float64)  # pageable is fine: nothing is asynchronous
+    event = device.to_device(buffer, source, stream=stream)
+    assert event.query() and torch.equal(buffer, source)
+    back = torch.empty(5, dtype=torch.float64)
+    device.to_host(back, buffer, stream=stream).synchronize()
+    assert torch.equal(back, source)
+    stream.wait_event(event)
+    device.compute_stream.wait_event(event)
+    device.check_ready(buffer)
+    device.check_writable(source)
+    device.free(buffer)
+    assert device.allocated_bytes == 0
+    assert device.collective_tensor(source) is source
+
+
+# ---- selection and backends -------------------------------------------------------------------------
+
+
+def test_device_for_each_choice():
+    assert isinstance(device_for("cpu"), CpuDevice)
+    with device_for("simulated") as simulated:
+        assert isinstance(simulated, SimulatedDevice) and simulated.separate_memory
+    assert device_for("auto").name == ("cuda" if cuda_available() else "cpu")
+    with pytest.raises(ValueError, match="compute_device: 'gpu' is not allowed; use one of 'auto', 'cpu', 'cuda', "
+                                         "'simulated'"):
+        device_for("gpu")
+
+
+@pytest.mark.skipif(cuda_available(), reason="checks the error where CUDA is missing")
+def test_cuda_without_cuda_names_the_setting():
+    with pytest.raises(ValueError, match=r"compute_device: \"cuda\" is asked for but CUDA is not available here "
+                                         r"\(torch .*\); use \"cpu\" or \"auto\""):
+        device_for("cuda")
+
+
+def test_process_group_backend():
+    assert process_group_backend(CpuDevice()) == "gloo"
+    assert process_group_backend(CpuDevice(), "gloo") == "gloo"
+    with pytest.raises(ValueError, match="dist_backend: \"nccl\" needs compute on CUDA, but compute is on the cpu"):
+        process_group_backend(CpuDevice(), "nccl")
+    with SimulatedDevice() as simulated:
+        with pytest.raises(ValueError, match="nccl\" needs compute on CUDA, but compute is on the simulated"):
+            process_group_backend(simulated, "nccl")
+    with pytest.raises(ValueError, match="dist_backend: 'tcp' is not a torch.distributed backend"):
+        process_group_backend(CpuDevice(), "tcp")
+
+
+def test_collective_device_follows_the_group_backend(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        assert collective_device() == torch.device("cpu")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_poison_reads_as_nan_in_every_float_dtype(late):
+    raw = late.empty(8, name="raw")
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        assert all(math.isnan(v) for v in raw.view(dtype).tolist())
