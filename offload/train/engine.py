@@ -37,6 +37,7 @@ from offload.params.construct import BUILT, built_store
 from offload.params.placement import attach_accumulator, parameter_names
 from offload.storage import SwapFile
 from offload.train import checkpoint
+from offload.train.plan import TrainingPlan, training_plan
 from offload.train.grads import GradReducer
 from offload.train.space import check_swap_space, swap_space_needed
 from offload.train.loss_scaler import build_loss_scaler
@@ -315,8 +316,10 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
     # 5. Gather hooks and prefetch: last, since they gather the partitions placed above.
     store.install(model)
     undo.callback(store.remove_hooks)
-    return Engine(model, cfg, store, reducer, opt, scheduler, world_size=world_size, rank=rank, group=group,
-                  writeback=writeback, rollback=rollback, deferred=deferred)
+    engine = Engine(model, cfg, store, reducer, opt, scheduler, world_size=world_size, rank=rank, group=group,
+                    writeback=writeback, rollback=rollback, deferred=deferred)
+    engine.plan = training_plan(cfg, records, mode, world_size=world_size, rank=rank)
+    return engine
 
 
 _SWAP_BUFFER_SHARE = 16
@@ -475,6 +478,9 @@ def _build_scheduler(cfg: EngineConfig, client: Any, opt: torch.optim.Optimizer)
 
 class Engine:
     """A model trained with partitioned, offloaded parameters and optimizer state. Made by `initialize`."""
+
+    plan: TrainingPlan
+    """Where this rank's partitions and optimizer state live and where the update runs (``print(engine.plan)``)."""
 
     def __init__(self, module: nn.Module, config: EngineConfig, store: ParamStore, reducer: GradReducer,
                  optimizer: torch.optim.Optimizer, lr_scheduler: Any, *, world_size: int, rank: int,
@@ -861,7 +867,7 @@ class Engine:
 
     @property
     def records(self) -> list[ParamRecord]:
-        """One record per (tied) parameter: partition, location, state (see offload/_params.py)."""
+        """One record per (tied) parameter: partition, location, state (see offload/params/store.py, ParamRecord)."""
         return self._store.records
 
     def io_bytes(self) -> dict[str, int]:
