@@ -897,7 +897,7 @@ class Engine:
                  "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
                  "client_state": dict(client_state or {})}
         path = checkpoint.save_checkpoint(save_dir, tag, rank=self.rank, group=self.group, store=self._store,
-                                          optimizer=self.optimizer, state=state)
+                                          optimizer=self.optimizer, state=state, model=self.module)
         self._last_checkpoint = path
         return path
 
@@ -905,16 +905,23 @@ class Engine:
                         ) -> tuple[str | None, dict[str, Any] | None]:
         """Load a checkpoint written by ``save_checkpoint`` (tag None: the one ``latest`` names).
 
-        Streamed like the save; never unpickles. Returns ``(path, client_state)``. Raises
-        FileNotFoundError for a missing checkpoint and ValueError when it was saved with another
-        world size or for another model (before any parameter changes).
+        Streamed like the save; never unpickles; any world size (partitions, fp32 masters and
+        moments are repartitioned). Returns ``(path, client_state)``. Raises FileNotFoundError for a
+        missing checkpoint or file, SafetensorsError for a truncated one and ValueError for one of
+        another model, each naming the file, with the engine as it was before the call. An error
+        after the load began (an I/O error) refuses step() and save_checkpoint() until a load succeeds.
         """
-        if self._rollback is not None:
-            self._abandon_updates()  # updates still running would write over the loaded values
-            self._rollback.take_aborts()
-        self._store.release_all()  # partitions read ahead would hold the values from before the load
-        path, state = checkpoint.load_checkpoint(load_dir, tag, rank=self.rank, world_size=self.world_size,
-                                                 store=self._store, optimizer=self.optimizer)
+        with checkpoint.CheckpointLoad(load_dir, tag, rank=self.rank, world_size=self.world_size,
+                                       store=self._store, optimizer=self.optimizer) as source:  # checked; nothing changed
+            if self._rollback is not None:
+                self._abandon_updates()  # updates still running would write over the loaded values
+                self._rollback.take_aborts()
+            self._store.release_all()  # partitions read ahead would hold the values from before the load
+            try:
+                path, state = source.path, source.apply()
+            except BaseException as error:
+                self._failure = f"load_checkpoint of {source.path} failed part way ({type(error).__name__}: {error})"
+                raise
         if self.loss_scaler is not None and state["loss_scaler"] is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
@@ -942,7 +949,8 @@ class Engine:
 
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "model.safetensors") -> bool:
         """Write the whole model's weights (in the training dtype: 16-bit under fp16/bf16) to
-        ``save_dir/save_filename`` as safetensors, gathered across ranks; rank 0 writes it.
+        ``save_dir/save_filename`` as safetensors (format "pt") with the model's config.json, so that
+        ``from_pretrained(save_dir)`` loads it; gathered across ranks; rank 0 writes them.
 
         Tied parameters are saved once, under their first name. Returns False (and logs why) when
         zero_optimization.stage3_gather_16bit_weights_on_model_save is false, as DeepSpeed does.
@@ -956,7 +964,7 @@ class Engine:
             return False
         self._settle()
         checkpoint.save_16bit_model(save_dir, save_filename, rank=self.rank, world_size=self.world_size,
-                                    group=self.group, store=self._store)
+                                    group=self.group, store=self._store, model=self.module)
         return True
 
     # ---- full parameters ----------------------------------------------------------------------------
