@@ -5,8 +5,11 @@
                                              [--max-shard-size 5GB] [--exclude-frozen-parameters] [--debug]
 
 Streams tensor by tensor (memory bounded by the largest tensor, whatever the model's size) with a
-progress bar; see `offload.train.consolidate` for the Python functions (DeepSpeed's names). User
-errors end in one line; ``--debug`` (or ``OFFLOAD_DEBUG=1``) shows their traceback.
+progress bar. User errors end in one line; ``--debug`` (or ``OFFLOAD_DEBUG=1``) shows their traceback.
+
+The Python functions, with DeepSpeed's names (``deepspeed.utils.zero_to_fp32``), are here too:
+``get_fp32_state_dict_from_zero_checkpoint``, ``convert_zero_checkpoint_to_fp32_state_dict``,
+``load_state_dict_from_zero_checkpoint`` (see `offload.train.consolidate`).
 """
 
 from __future__ import annotations
@@ -15,15 +18,17 @@ import argparse
 import sys
 
 from offload.cli_errors import run_command
+from offload.train.consolidate import (DTYPES, convert_zero_checkpoint_to_fp32_state_dict,
+                                       get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint,
+                                       parse_size)
 
-__all__ = ["main"]
+__all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint",
+           "load_state_dict_from_zero_checkpoint", "main"]
 
 PROG = "python -m offload.checkpoint"
 
 
 def _consolidate(argv: list[str]) -> None:
-    from offload.train.consolidate import DTYPES, convert_zero_checkpoint_to_fp32_state_dict, parse_size
-
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = ap.add_subparsers(dest="command", required=True)
     p = commands.add_parser("consolidate", help="a checkpoint into safetensors weights that from_pretrained loads")
@@ -47,6 +52,3 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command; return its exit status (2 after a user error, printed as one line)."""
     return run_command(_consolidate, PROG, argv)
 
-
-if __name__ == "__main__":
-    sys.exit(main())
