@@ -38,7 +38,7 @@ from offload.params import ParamRecord, ParamStore
 from offload.params.partition import partition_numel
 from offload.storage import SafetensorsWriter, atomic_checkpoint, atomic_safetensors, resolve_tag
 from offload.train.checkpoint_files import (FORMAT, client_file, decode_state, encode_state, optimizer_file,
-                                            params_file, states_file)
+                                            params_file, states_file, write_json)
 from offload.train.checkpoint_reader import CheckpointReader
 
 __all__ = ["CheckpointLoad", "decode_state", "encode_state", "load_checkpoint", "model_config", "save_16bit_model",
@@ -315,17 +315,8 @@ def _write_config(directory: str | os.PathLike, model: nn.Module | None) -> None
     if config is None:
         return
     target = os.path.join(os.fspath(directory), CONFIG_NAME)
-    temporary = f"{target}.tmp-{os.getpid()}"
     with _naming_the_file(target):
-        try:
-            with open(temporary, "w", encoding="utf-8") as file:
-                json.dump(config, file, indent=2, sort_keys=True)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(temporary, target)
-        finally:
-            if os.path.exists(temporary):
-                os.unlink(temporary)
+        write_json(target, config)
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import torch
 
 __all__ = ["FORMAT", "client_file", "decode_state", "encode_state", "optimizer_file", "params_file", "read_states",
-           "require_file", "states_file"]
+           "require_file", "states_file", "write_json"]
 
 FORMAT = 1
 """Version of the rank<r>_states.json layout."""
@@ -55,6 +55,21 @@ def require_file(directory: str, name: str) -> str:
         raise FileNotFoundError(f"{path}: missing from the checkpoint; it is incomplete (copy it whole) or not a "
                                 f"checkpoint of this engine")
     return path
+
+
+def write_json(path: str, value: Any) -> None:
+    """Write ``value`` as indented JSON to ``path``: a temporary file beside it, fsynced and renamed
+    over it, so that readers see the old file or the new one. Raises OSError from the file system."""
+    temporary = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(temporary, "w", encoding="utf-8") as file:
+            json.dump(value, file, indent=2, sort_keys=True)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
 
 
 def read_states(path: str, rank: int) -> dict[str, Any]:

@@ -23,7 +23,6 @@ line says so).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -35,6 +34,7 @@ from torch import nn
 
 from offload.storage import atomic_safetensors, resolve_tag
 from offload.storage.checkpoint_dir import fsync_dir
+from offload.train.checkpoint_files import write_json
 from offload.train.checkpoint_reader import CheckpointReader
 
 __all__ = ["consolidated_tensors", "convert_zero_checkpoint_to_fp32_state_dict",
@@ -151,13 +151,13 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
                         weight_map[entry["name"]] = file
                         bar.update(tensor.numel() * itemsize)
         if len(shards) > 1:
-            _write_json(os.path.join(output_dir, "model.safetensors.index.json"),
+            write_json(os.path.join(output_dir, "model.safetensors.index.json"),
                         {"metadata": {"total_size": total}, "weight_map": weight_map})
         config = reader.model_config()
         if config is not None:
             if dtype != torch.float32:
                 config["torch_dtype"] = str(dtype).removeprefix("torch.")
-            _write_json(os.path.join(output_dir, "config.json"), config)
+            write_json(os.path.join(output_dir, "config.json"), config)
     fsync_dir(output_dir)
 
 
@@ -203,16 +203,3 @@ def _shard_names(count: int) -> list[str]:
     if count == 1:
         return ["model.safetensors"]
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
-
-
-def _write_json(path: str, value: Any) -> None:
-    temporary = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(temporary, "w", encoding="utf-8") as file:
-            json.dump(value, file, indent=2, sort_keys=True)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
