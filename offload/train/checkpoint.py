@@ -41,8 +41,7 @@ from offload.train.checkpoint_files import (FORMAT, client_file, decode_state, e
                                             params_file, states_file, write_json)
 from offload.train.checkpoint_reader import CheckpointReader
 
-__all__ = ["CheckpointLoad", "decode_state", "encode_state", "load_checkpoint", "model_config", "save_16bit_model",
-           "save_checkpoint"]
+__all__ = ["CheckpointLoad", "decode_state", "encode_state", "model_config", "save_16bit_model", "save_checkpoint"]
 
 CONFIG_NAME = "config.json"
 SCRIPT_NAME = "zero_to_fp32.py"
@@ -175,7 +174,11 @@ class CheckpointLoad:
                                     numel=None if same else rec.numel).result()
 
         with sized_partitions(self._trainable):
-            self.optimizer.load_state(saved, layout, read)
+            try:
+                self.optimizer.load_state(saved, layout, read)
+            except ValueError as error:
+                saved_by = self.rank if self.rank < self.saved_world_size else 0
+                raise ValueError(f"{os.path.join(self.path, states_file(saved_by))}: {error}") from error
         state.pop("parameters", None)
         return state
 
@@ -212,20 +215,17 @@ class CheckpointLoad:
             if size != partition_numel(rec.numel, self.saved_world_size):
                 raise ValueError(f"{file}: state {name!r} has {size} elements per rank, the model's {rec.name!r} "
                                  f"({rec.numel} elements) would have {partition_numel(rec.numel, self.saved_world_size)}")
+        groups, ours = saved["param_groups"], self.optimizer.param_groups
+        states = os.path.join(self.path, states_file(0))
+        if len(groups) != len(ours) or any(len(g["params"]) != len(o["params"]) for g, o in zip(groups, ours)):
+            raise ValueError(f"{states}: the optimizer's param groups hold {[len(g['params']) for g in groups]} "
+                             f"parameters, this optimizer's {[len(o['params']) for o in ours]}; load it with the "
+                             f"same parameter groups")
         names = set(self.reader.names("optimizer"))
         for index in saved["steps"]:
             for key in ("exp_avg", "exp_avg_sq"):
                 if f"{index}.{key}" not in names:
                     raise ValueError(f"{file}: no {key} for parameter {index}, which has a step count")
-
-
-def load_checkpoint(load_dir: str | os.PathLike, tag: str | None, *, rank: int, world_size: int,
-                    store: ParamStore, optimizer: Any) -> tuple[str, dict[str, Any]]:
-    """Open (`CheckpointLoad`: everything checked first) and apply a checkpoint written by
-    `save_checkpoint`, at any world size; return its path and the rest of the state it saved
-    (counters, schedule, client state). Raises as `CheckpointLoad` and `CheckpointLoad.apply` do."""
-    with CheckpointLoad(load_dir, tag, rank=rank, world_size=world_size, store=store, optimizer=optimizer) as source:
-        return source.path, source.apply()
 
 
 def model_config(model: nn.Module | None) -> dict[str, Any] | None:
