@@ -2,6 +2,7 @@
 
     python -m benchmarks.consolidate --dir /work/bench-consolidate --out consolidate.json    # 3.1 B GPT-2
     python -m benchmarks.consolidate --dir /tmp/x --scale tiny --fio-size 16MiB              # as the test runs it
+    python -m benchmarks.consolidate --dir /work/x --layers 3 --fio-size 1GiB   # 3.1 B's tensors, 3 of its 26 layers
 
 1. Writes a checkpoint in the layout `Engine.save_checkpoint` writes: at ``--scale 3b`` the 3.1 B
    GPT-2 of README.md (26 layers, hidden 3072, vocab 50257; fp32: 12.4 GB of parameter partitions)
@@ -47,23 +48,27 @@ _TILE = 1 << 24
 """Elements of the random block each written tensor repeats (the values do not change the speed)."""
 
 
-def gpt2_config(scale: str):
+def gpt2_config(scale: str, layers: int | None = None):
+    """GPT-2 at ``scale``, with ``layers`` decoder layers instead of the scale's when given."""
     import transformers
 
-    return transformers.GPT2Config(**SCALES[scale])
+    return transformers.GPT2Config(**{**SCALES[scale], **({"n_layer": layers} if layers else {})})
 
 
-def write_checkpoint(save_dir: Path, scale: str, world_size: int) -> int:
-    """Write a checkpoint of GPT-2 at ``scale`` into ``save_dir`` as the engine lays it out; return the
-    bytes of its parameter files. Rank files, states, config.json and ``latest``."""
+def write_checkpoint(save_dir: Path, scale: str, world_size: int, layers: int | None = None) -> int:
+    """Write a checkpoint of GPT-2 at ``scale`` (``layers`` decoder layers if given) into ``save_dir``
+    as the engine lays it out; return the bytes of its parameter files. Rank files, states,
+    config.json and ``latest``."""
     import transformers
 
     from offload.params.partition import partition_bounds, partition_numel
     from offload.storage import SafetensorsWriter
+    from offload.storage.safetensors_writer import DirectSafetensorsWriter
+    from tensorio import AioHandle
     from offload.train.checkpoint import model_config
     from offload.train.checkpoint_files import FORMAT, optimizer_file, params_file, states_file
 
-    config = gpt2_config(scale)
+    config = gpt2_config(scale, layers)
     with torch.device("meta"):
         model = transformers.GPT2LMHeadModel(config)
     seen, params = set(), []
@@ -80,12 +85,15 @@ def write_checkpoint(save_dir: Path, scale: str, world_size: int) -> int:
     written = 0
     for rank in range(world_size):
         layout = {name: (torch.float32, (partition_numel(numel, world_size),)) for name, _, _, numel in params}
-        with SafetensorsWriter(tag_dir / params_file(rank), layout) as out:
+        with AioHandle(block_size=8 << 20, queue_depth=8) as handle, \
+                DirectSafetensorsWriter(tag_dir / params_file(rank), layout, None, handle) as out:
             for index, (name, _, _, numel) in enumerate(params):
                 start, end = partition_bounds(numel, world_size, rank)
                 for first in range(start, min(end, numel), _TILE):
                     count = min(_TILE, min(end, numel) - first)
-                    out.write(name, _values(index, first, count, tile), first - start)
+                    out.write(name, _values(index, first, count, tile))
+                if end > numel:  # the last partitions' padding
+                    out.write(name, torch.zeros(end - max(start, numel)))
         written += os.path.getsize(tag_dir / params_file(rank))
         moments = {f"{i}.{key}": (torch.float32, (partition_numel(numel, world_size),))
                    for i, (_, _, _, numel) in enumerate(params) for key in ("exp_avg", "exp_avg_sq")}
@@ -204,6 +212,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dir", required=True, help="scratch directory on the disk (removed afterwards unless --keep)")
     ap.add_argument("--scale", choices=sorted(SCALES), default="3b")
     ap.add_argument("--world-size", type=int, default=1, help="ranks the 3b checkpoint is written for")
+    ap.add_argument("--layers", type=int, help="decoder layers of the 3b model instead of 26 (its tensors, the largest "
+                                               "included, keep their sizes)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--fio-size", default="4GiB")
     ap.add_argument("--max-shard-size", default="5GB")
@@ -228,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.scale == "tiny":
             logits = train_tiny(save_dir, root)
         else:
-            write_checkpoint(save_dir, args.scale, args.world_size)
+            write_checkpoint(save_dir, args.scale, args.world_size, args.layers)
         source = sum(os.path.getsize(save_dir / TAG / f) for f in os.listdir(save_dir / TAG)
                      if f.endswith("_params.safetensors"))
         print(f"checkpoint: {save_dir / TAG} ({source / GB:.2f} GB of parameter partitions, {args.world_size if args.scale != 'tiny' else 1} "
@@ -255,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
     write = statistics.median([s["write"] for s in (fio_before, fio_after) if "write" in s]) if "write" in fio_before else None
     speed = statistics.median(r["read_bps"] for r in runs)
     peak = max(r["peak_rss"] for r in runs)
-    result = {"scale": args.scale, "source_bytes": source, "runs": runs, "median_read_bps": speed, "peak_rss": peak,
+    result = {"scale": args.scale, "layers": args.layers, "source_bytes": source, "runs": runs, "median_read_bps": speed, "peak_rss": peak,
               "fio_read_bps": read, "fio_write_bps": write, "checked": checked,
               "command": "python -m benchmarks.consolidate " + " ".join(argv if argv is not None else sys.argv[1:])}
     print(f"peak RSS {peak / GB:.2f} GB (target < {TARGET_RSS / GB:.0f} GB): {'met' if peak < TARGET_RSS else 'NOT met'}")

@@ -199,3 +199,33 @@ def test_a_load_that_fails_part_way_refuses_step_and_save_until_a_good_load(disk
     engine.step()
     engine.save_checkpoint(disk_dir / "other")
     engine.close()
+
+
+# ---- the O_DIRECT safetensors writer the consolidation writes with ------------------------------------
+
+def test_direct_safetensors_writer_writes_what_the_buffered_one_writes(disk_dir):
+    from tensorio import AioHandle
+
+    from offload.storage import SafetensorsWriter
+    from offload.storage.safetensors_writer import DirectSafetensorsWriter
+
+    tensors = {"a": torch.randn(3, 5000), "b": torch.arange(7, dtype=torch.int64), "c": torch.randn(70001).bfloat16()}
+    layout = {name: (t.dtype, t.shape) for name, t in tensors.items()}
+    with SafetensorsWriter(disk_dir / "buffered.safetensors", layout, {"format": "pt"}) as out:
+        for name, t in tensors.items():
+            out.write(name, t)
+    with AioHandle() as handle:
+        with DirectSafetensorsWriter(disk_dir / "direct.safetensors", layout, {"format": "pt"}, handle,
+                                     chunk_bytes=8192) as out:
+            out.write("a", tensors["a"][:1])  # a tensor in runs, in order
+            out.write("a", tensors["a"][1:])
+            out.write("b", tensors["b"])
+            out.write("c", tensors["c"])
+        assert (disk_dir / "direct.safetensors").read_bytes() == (disk_dir / "buffered.safetensors").read_bytes()
+        with pytest.raises(ValueError, match=r"tensor 'b' written out of order; next is a"):
+            with DirectSafetensorsWriter(disk_dir / "bad.safetensors", layout, None, handle) as out:
+                out.write("b", tensors["b"])
+        with pytest.raises(ValueError, match=r"closed before tensor 'c' was written whole"):
+            with DirectSafetensorsWriter(disk_dir / "short.safetensors", layout, None, handle) as out:
+                out.write("a", tensors["a"])
+                out.write("b", tensors["b"])

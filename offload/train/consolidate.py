@@ -10,8 +10,8 @@ Each parameter's fp32 value is its fp32 master where the engine kept one (fp16/b
 optimizer's ``<i>.master_param``), else its partitions (fp32 training; frozen parameters in their
 dtype), each rank's partition read from the file that holds it. `convert_zero_checkpoint_to_fp32_state_dict`
 streams: one tensor read while the one before is written, so its memory is bounded by twice the
-largest tensor (plus its cast to ``dtype``), whatever the model's size; reads bypass the page cache
-(O_DIRECT). What it writes is what ``transformers``' ``save_pretrained`` writes: ``model.safetensors``
+largest tensor (plus its cast to ``dtype``) and two 64 MiB write chunks, whatever the model's size;
+reads and writes bypass the page cache (O_DIRECT). What it writes is what ``transformers``' ``save_pretrained`` writes: ``model.safetensors``
 or ``model-0000i-of-0000n.safetensors`` shards with ``model.safetensors.index.json``, ``format: pt``
 metadata, and the model's config.json (saved in the checkpoint), so ``from_pretrained(output_dir)``
 loads it. Tied parameters are written once, under their first name, as ``save_pretrained`` does.
@@ -23,17 +23,20 @@ line says so).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import re
+import tempfile
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-from offload.storage import atomic_safetensors, resolve_tag
+from offload.storage import resolve_tag
 from offload.storage.checkpoint_dir import fsync_dir
+from offload.storage.safetensors_writer import DirectSafetensorsWriter
 from offload.train.checkpoint_files import write_json
 from offload.train.checkpoint_reader import CheckpointReader
 
@@ -144,7 +147,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
         with tqdm(total=total, unit="B", unit_scale=True, desc="consolidating", disable=not progress) as bar:
             for shard, file in zip(shards, names):
                 layout = {entry["name"]: (dtype, tuple(entry["shape"])) for entry in shard}
-                with atomic_safetensors(os.path.join(output_dir, file), layout, {"format": "pt"}) as out:
+                with _atomic_direct(os.path.join(output_dir, file), layout, reader) as out:
                     for entry in shard:
                         _, tensor = next(tensors)
                         out.write(entry["name"], tensor)
@@ -203,3 +206,21 @@ def _shard_names(count: int) -> list[str]:
     if count == 1:
         return ["model.safetensors"]
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+@contextlib.contextmanager
+def _atomic_direct(path: str, layout: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                   reader: CheckpointReader) -> Iterator[DirectSafetensorsWriter]:
+    """A `DirectSafetensorsWriter` (format pt, through the reader's handle) on a hidden temporary file
+    beside ``path``, renamed over it when the block ends without an error, removed otherwise."""
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                                             dir=os.path.dirname(path))
+    os.close(descriptor)
+    try:
+        with DirectSafetensorsWriter(temporary, layout, {"format": "pt"}, reader.handle) as out:
+            yield out
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
