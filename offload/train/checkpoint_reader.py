@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from tensorio import DIRECT_ALIGN, AioHandle, IOFuture, aligned_tensor
+from tensorio import DIRECT_ALIGN, AioHandle, BufferPool, IOFuture
 
 from offload.storage.safetensors_reader import SafetensorsCheckpoint, TensorEntry
 from offload.train.checkpoint_files import optimizer_file, params_file, read_states, require_file
@@ -32,6 +32,13 @@ __all__ = ["CheckpointReader", "PendingRead"]
 
 _BLOCK = 8 << 20
 """Bytes per read request: large sequential reads, 8 in flight."""
+
+_POOL_BYTES = 512 << 20
+"""Read buffers kept for reuse at most (`CheckpointReader.pool`)."""
+
+_SIZE_CLASS = (64 << 20) + 2 * DIRECT_ALIGN
+"""Read buffers are taken in multiples of this size (64 MiB and the window's alignment slack), so that
+the reads of a streamed copy, 64 MiB runs whatever their tensor, all share them."""
 
 
 @dataclass
@@ -72,8 +79,12 @@ class CheckpointReader:
     rank files that disagree (tensors, sizes).
     """
 
-    def __init__(self, path: str | os.PathLike, handle: AioHandle | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, handle: AioHandle | None = None, *,
+                 pool_bytes: int = _POOL_BYTES) -> None:
         self.path = os.fspath(path)
+        self.pool = BufferPool(pool_bytes)
+        """The read buffers, reused once dropped (tensors of one size recur in every layer): memory
+        faulted in once, not for every tensor."""
         self._own_handle = handle is None
         self.handle = handle if handle is not None else AioHandle(block_size=_BLOCK, queue_depth=8)
         self.file_sizes: dict[str, int] = {}
@@ -153,7 +164,7 @@ class CheckpointReader:
         end = -(-(first_byte + nbytes) // DIRECT_ALIGN) * DIRECT_ALIGN
         size = self.file_sizes[path]
         length = min(end, size) - begin  # a window may end at the end of the file, unaligned
-        buffer = aligned_tensor(end - begin, torch.uint8)
+        buffer = self.pool.take(-(-(end - begin) // _SIZE_CLASS) * _SIZE_CLASS, torch.uint8)
         future = self.handle.read(buffer[:length] if length < buffer.numel() else buffer, path, begin)
         return future, buffer, first_byte - begin, nbytes
 
