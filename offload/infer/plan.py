@@ -191,7 +191,7 @@ def make_plan(units: Sequence[UnitSize], *, budget: int | None, buffer_count: in
         raise BudgetError(
             f"zero_optimization.offload_param.max_in_cpu: the budget of {format_bytes(budget)} cannot hold the weights "
             f"that must stay in memory ({format_bytes(must - kv_bytes)}: {_names(required)}){kv}; raise max_in_cpu to at "
-            f"least {format_bytes(must, up=True)} (rounded up)" + (" or lower the batch size or the number of tokens" if kv_bytes else ""))
+            f"least {format_bytes(must, up=True)}" + (" or lower the batch size or the number of tokens" if kv_bytes else ""))
     # 2. Then whole streamable units, largest first; equal ones spread through the forward.
     streamable = [u for u in units if u.streamable]
     rank = {streamable[i].name: r for r, i in enumerate(_spread_order(len(streamable)))}
