@@ -95,7 +95,13 @@ def validate_directory(directory: str | os.PathLike, *, need_bytes: int = 0) -> 
 
 def _check_directory(v: Validation) -> bool:
     d = v.directory
-    if not d.exists():
+    try:
+        d.stat()
+    except PermissionError:  # a parent directory this user may not search
+        v.checks.append(Check("directory", FAIL, f"permission denied: {d} (a directory on its path may not be "
+                                                 f"searched by this user); check the owner and permissions"))
+        return False
+    except FileNotFoundError:
         v.checks.append(Check("directory", FAIL, f"{d} does not exist; create it with `mkdir -p {d}`"))
         return False
     if not d.is_dir():
@@ -107,7 +113,8 @@ def _check_directory(v: Validation) -> bool:
         os.unlink(probe)
     except OSError as exc:
         hint = "the file system is read-only" if exc.errno == errno.EROFS else "check its owner and permissions"
-        v.checks.append(Check("directory", FAIL, f"cannot create files in {d} ({exc.strerror}); {hint}"))
+        denied = "permission denied: " if exc.errno in (errno.EACCES, errno.EPERM) else ""
+        v.checks.append(Check("directory", FAIL, f"{denied}cannot create files in {d} ({exc.strerror}); {hint}"))
         return False
     v.checks.append(Check("directory", OK, f"{d.resolve()} exists and is writable"))
     return True

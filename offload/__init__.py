@@ -47,6 +47,7 @@ from offload.train import (
     initialize,
 )
 from offload import zero  # noqa: E402  (deepspeed.zero's surface: Init, GatheredParameters, ...)
+from offload import checkpoint  # noqa: E402  (deepspeed.utils.zero_to_fp32's surface, and its command)
 
 __all__ = [
     "AdamParams",

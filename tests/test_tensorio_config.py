@@ -56,7 +56,7 @@ def test_whole_config_with_aio_in_either_place(tmp_path):
 
 
 def test_from_file_reads_the_example_configs():
-    cfg = AioConfig.from_file("configs/zero3_nvme_offload.json")
+    cfg = AioConfig.from_file("configs/zero3_nvme_offload_auto.json")
     assert (cfg.block_size, cfg.queue_depth, cfg.thread_count) == (262144, 32, 1)
     assert AioConfig.from_file("configs/zero3_auto.json") == AioConfig()
 

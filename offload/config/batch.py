@@ -30,10 +30,12 @@ def derive_batch_sizes(
         check_batch_sizes(train, micro, accum, world_size)
         return train, micro, accum
     if train is not None and micro is not None:
+        _check_divides(train, micro, "train_micro_batch_size_per_gpu", world_size, "gradient_accumulation_steps")
         accum = train // (micro * world_size)
         check_batch_sizes(train, micro, accum, world_size, derived="gradient_accumulation_steps")
     elif train is not None:
         accum = 1 if accum is None else accum
+        _check_divides(train, accum, "gradient_accumulation_steps", world_size, "train_micro_batch_size_per_gpu")
         micro = train // (accum * world_size)
         check_batch_sizes(train, micro, accum, world_size, derived="train_micro_batch_size_per_gpu")
     else:
@@ -41,3 +43,17 @@ def derive_batch_sizes(
         accum = 1 if accum is None else accum
         train = micro * accum * world_size
     return train, micro, accum
+
+
+def _check_divides(train: int, given: int, given_key: str, world_size: int, derived: str) -> None:
+    """Raise ValueError when no whole ``derived`` makes train_batch_size = given x derived x world size."""
+    if given < 1:
+        raise ValueError(f"{given_key}: {given} is not allowed; use an integer >= 1")
+    if train % (given * world_size) == 0:
+        return
+    raise ValueError(
+        f"train_batch_size ({train}) is not a multiple of {given_key} ({given}) x world size ({world_size}) = "
+        f"{given * world_size}, so no whole {derived} makes them multiply out; set train_batch_size to a multiple "
+        f"of {given * world_size} (such as {max(1, train // (given * world_size)) * given * world_size}) or set "
+        f"{derived} too"
+    )

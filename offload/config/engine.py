@@ -11,11 +11,12 @@ separate functions the engine calls when it starts: `check_against_model` and `c
 
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from tensorio._config import AioConfig
+from tensorio import AioConfig
 
 from offload.config.auto import resolve_auto
 from offload.config.batch import check_batch_sizes, derive_batch_sizes
@@ -202,9 +203,16 @@ def check_nvme_paths(config: EngineConfig) -> None:
         if offload.device != "nvme":
             continue
         where = f"zero_optimization.{key}.nvme_path: {offload.nvme_path!r}"
-        if not os.path.exists(offload.nvme_path):
-            raise FileNotFoundError(f"{where} does not exist; create the directory on the NVMe drive or fix the path")
+        try:
+            os.stat(offload.nvme_path)
+        except PermissionError:
+            raise PermissionError(errno.EACCES, f"{where}: permission denied (a directory on its path may not be "
+                                  f"searched by this process); fix its permissions or the path",
+                                  offload.nvme_path) from None
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{where} does not exist; create the directory on the NVMe drive or fix the path") from None
         if not os.path.isdir(offload.nvme_path):
             raise NotADirectoryError(f"{where} is not a directory; point it at a directory on the NVMe drive")
         if not os.access(offload.nvme_path, os.W_OK | os.X_OK):
-            raise PermissionError(f"{where} is not writable by this process; fix its permissions or the path")
+            raise PermissionError(errno.EACCES, f"{where}: permission denied (not writable by this process); fix its "
+                                  f"permissions or the path", offload.nvme_path)

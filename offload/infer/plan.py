@@ -10,6 +10,7 @@ streamed layer while each resident one computes.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,12 +22,15 @@ class BudgetError(ValueError):
     """The memory budget, the buffers or the machine cannot hold what the plan needs; names the figures."""
 
 
-def format_bytes(nbytes: float) -> str:
-    """ "1.50 GiB", "12.3 MiB", "512 B"."""
+def format_bytes(nbytes: float, *, up: bool = False) -> str:
+    """ "1.50 GiB", "12.3 MiB", "512 B": to the nearest shown digit, or rounded up with ``up`` (for
+    what is needed: a budget of the figure shown is then enough)."""
     for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(nbytes) >= size:
-            return f"{nbytes / size:.2f} {unit}" if unit in ("GiB", "TiB") else f"{nbytes / size:.1f} {unit}"
-    return f"{int(nbytes)} B"
+            scale = 100 if unit in ("GiB", "TiB") else 10
+            value = math.ceil(nbytes / size * scale) / scale if up else nbytes / size
+            return f"{value:.2f} {unit}" if scale == 100 else f"{value:.1f} {unit}"
+    return f"{math.ceil(nbytes) if up else int(nbytes)} B"
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +57,8 @@ class Plan:
     """Every unit, in forward order."""
     resident: frozenset[str]
     budget: int
-    """Bytes for resident weights and the KV cache (``max_in_cpu``); -1 with device "cpu" (no limit)."""
+    """Bytes for resident weights and the KV cache (``max_in_cpu``); -1 with device "cpu" (no limit); 0
+    streams everything streamable (what must stay in memory stays)."""
     kv_bytes: int
     """KV cache reserved in the budget (0 until a batch is known)."""
     kv_shape: tuple[int, int]
@@ -104,7 +109,9 @@ class Plan:
     def describe(self) -> str:
         """The plan as a few lines for people."""
         resident = [u for u in self.units if u.name in self.resident]
-        budget = "no limit (device cpu)" if self.budget < 0 else format_bytes(self.budget)
+        budget = ("no limit (device cpu)" if self.budget < 0 else
+                  "0: everything streamable is streamed, only what must stay is in memory" if self.budget == 0
+                  else format_bytes(self.budget))
         lines = [f"placement: budget {budget} for resident weights and the KV cache",
                  f"  resident: {format_bytes(self.resident_bytes)} in memory: {_names(resident)}"]
         streamed = self.streamed
@@ -160,7 +167,9 @@ def _spread_order(count: int) -> list[int]:
 def make_plan(units: Sequence[UnitSize], *, budget: int | None, buffer_count: int, buffer_nbytes: int | None = None,
               kv_bytes: int = 0, kv_shape: tuple[int, int] = (0, 0), disk_bps: float | None = None,
               disk_source: str = "") -> Plan:
-    """Place ``units`` (in forward order) within ``budget`` bytes (None: everything resident, device "cpu").
+    """Place ``units`` (in forward order) within ``budget`` bytes (None: everything resident, device "cpu";
+    0: every streamable unit streamed, the others and the KV cache resident whatever they take, as
+    DeepSpeed configs use ``max_in_cpu`` 0 for "everything on NVMe").
 
     The units that are not streamable and ``kv_bytes`` of KV cache come first; then streamable units,
     largest first (ties spread evenly through the forward), while they fit. ``buffer_nbytes`` is the
@@ -175,12 +184,14 @@ def make_plan(units: Sequence[UnitSize], *, budget: int | None, buffer_count: in
     # 1. What must stay, and the KV cache: both have to fit.
     required = [u for u in units if not u.streamable]
     must = sum(u.nbytes for u in required) + kv_bytes
+    if budget == 0:
+        return _streaming_all(units, required, kv_bytes, kv_shape, buffer_count, buffer_nbytes, disk_bps, disk_source)
     if must > budget:
         kv = f" plus a KV cache of {format_bytes(kv_bytes)} for batch {kv_shape[0]} x {kv_shape[1]} tokens" if kv_bytes else ""
         raise BudgetError(
             f"zero_optimization.offload_param.max_in_cpu: the budget of {format_bytes(budget)} cannot hold the weights "
             f"that must stay in memory ({format_bytes(must - kv_bytes)}: {_names(required)}){kv}; raise max_in_cpu to at "
-            f"least {format_bytes(must)}" + (" or lower the batch size or the number of tokens" if kv_bytes else ""))
+            f"least {format_bytes(must, up=True)}" + (" or lower the batch size or the number of tokens" if kv_bytes else ""))
     # 2. Then whole streamable units, largest first; equal ones spread through the forward.
     streamable = [u for u in units if u.streamable]
     rank = {streamable[i].name: r for r, i in enumerate(_spread_order(len(streamable)))}
@@ -190,13 +201,27 @@ def make_plan(units: Sequence[UnitSize], *, budget: int | None, buffer_count: in
         if unit.nbytes <= room:
             resident.add(unit.name)
             room -= unit.nbytes
-    # 3. The ring's buffers hold the largest streamed unit.
+    need = _ring_buffer_nbytes(units, resident, buffer_nbytes)
+    return Plan(tuple(units), frozenset(resident), budget, kv_bytes, kv_shape, buffer_count, need, disk_bps, disk_source)
+
+
+def _streaming_all(units: Sequence[UnitSize], required: Sequence[UnitSize], kv_bytes: int, kv_shape: tuple[int, int],
+                   buffer_count: int, buffer_nbytes: int | None, disk_bps: float | None, disk_source: str) -> Plan:
+    """The plan of budget 0: only the units that must stay are resident."""
+    resident = {u.name for u in required}
+    need = _ring_buffer_nbytes(units, resident, buffer_nbytes)
+    return Plan(tuple(units), frozenset(resident), 0, kv_bytes, kv_shape, buffer_count, need, disk_bps, disk_source)
+
+
+def _ring_buffer_nbytes(units: Sequence[UnitSize], resident: set[str], buffer_nbytes: int | None) -> int:
+    """Bytes a ring buffer needs: the largest streamed unit's windows. Raises BudgetError when the
+    user's ``buffer_nbytes`` is smaller."""
     streamed = [u for u in units if u.name not in resident]
     need = max((u.buffer_nbytes for u in streamed), default=0)
     if buffer_nbytes is not None and streamed and buffer_nbytes < need:
         largest = max(streamed, key=lambda u: u.buffer_nbytes)
         raise BudgetError(
             f"zero_optimization.offload_param.buffer_size: a buffer of {format_bytes(buffer_nbytes)} cannot hold "
-            f"{largest.name!r}, which is streamed and needs {format_bytes(need)} ({need} bytes, its aligned windows); "
-            f"raise buffer_size or leave it out to size the buffers to the largest streamed layer")
-    return Plan(tuple(units), frozenset(resident), budget, kv_bytes, kv_shape, buffer_count, need, disk_bps, disk_source)
+            f"{largest.name!r}, which is streamed and needs {format_bytes(need, up=True)} ({need} bytes, its aligned "
+            f"windows); raise buffer_size or leave it out to size the buffers to the largest streamed layer")
+    return need

@@ -39,6 +39,7 @@ from offload.train.space import check_swap_space, swap_space_needed
 from offload.train.step_after_backward import UpdateAfterBackward
 from offload.train.step_in_backward import UpdateDuringBackward
 from offload.train.step_in_forward import UpdateInNextForward
+from offload.train.plan import training_plan
 from offload.train.update_mode import StepContext, UpdateMode, UpdatePath, choose_update_mode, fast_optimizer
 from offload.train.writeback import PartitionWriteBack
 from tensorio import BufferPool
@@ -220,7 +221,9 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
     # 7. Gather hooks and prefetch: last, since they gather the partitions placed above.
     store.install(model)
     undo.callback(store.remove_hooks)
-    return make_engine(model, ctx, path, world_size=world_size, rank=rank)
+    engine = make_engine(model, ctx, path, world_size=world_size, rank=rank)
+    engine.plan = training_plan(cfg, records, mode.value, world_size=world_size, rank=rank)
+    return engine
 
 
 def _update_path(mode: UpdateMode, ctx: StepContext, trainable: list[ParamRecord], sizes: StepSizes, *,

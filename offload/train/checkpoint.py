@@ -1,71 +1,82 @@
 """The engine's checkpoints: each rank's partitions, optimizer state and counters, streamed, and
 nothing in them that runs code when loaded.
 
-Layout of ``save_dir/<tag>/`` (see docs/engine.md, "Checkpoints"); per rank ``r`` (5 digits):
+Layout of ``save_dir/<tag>/`` (see docs/engine.md, "Checkpoints"; file names in
+`offload.train.checkpoint_files`); per rank ``r`` (5 digits):
 
     rank<r>_params.safetensors     this rank's parameter partitions, flat, by parameter name
     rank<r>_optimizer.safetensors  this rank's optimizer state, flat fp32, "<index>.<key>"
     rank<r>_states.json            counters, loss scale, schedule, optimizer steps and param groups,
-                                   and the caller's ``client_state``
+                                   the parameters' names and shapes, and the caller's ``client_state``
     rank<r>_client.safetensors     tensors of ``client_state``, when it holds any
+
+and once: ``config.json`` (the model's, when it has a transformers config) and ``zero_to_fp32.py``
+(runs `offload.train.consolidate` on this tag: ``python zero_to_fp32.py OUTPUT_DIR``).
 
 JSON and safetensors only: loading a checkpoint never unpickles, so a checkpoint from someone else
 cannot execute anything. ``client_state`` may hold what JSON holds (dicts with str keys, lists,
 str, int, float, bool, None) and tensors; tuples come back as lists.
+
+A checkpoint loads at any world size: each rank reads its partition of every tensor from the saved
+ranks' files that hold it (`offload.train.checkpoint_reader`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from tensorio import aligned_tensor
 
 from offload.params import ParamRecord, ParamStore
+from offload.params.partition import partition_numel
 from offload.storage import SafetensorsWriter, atomic_checkpoint, atomic_safetensors, resolve_tag
+from offload.train.checkpoint_files import (FORMAT, client_file, decode_state, encode_state, optimizer_file,
+                                            params_file, states_file, write_json)
+from offload.train.checkpoint_reader import CheckpointReader
 
-__all__ = ["decode_state", "encode_state", "load_checkpoint", "save_16bit_model", "save_checkpoint"]
+__all__ = ["CheckpointLoad", "decode_state", "encode_state", "model_config", "save_16bit_model", "save_checkpoint"]
 
-_FORMAT = 1
-"""Version of the rank<r>_states.json layout."""
+CONFIG_NAME = "config.json"
+SCRIPT_NAME = "zero_to_fp32.py"
 
-_TENSOR = "__tensor__"
-"""Key of the JSON object that stands for a tensor of rank<r>_client.safetensors."""
+_SCRIPT = '''#!/usr/bin/env python
+"""Consolidate the checkpoint in this directory into one set of weights that from_pretrained loads.
 
+    python zero_to_fp32.py OUTPUT_DIR [--dtype fp32|bf16|fp16] [--max-shard-size 5GB]
 
-def params_file(rank: int) -> str:
-    return f"rank{rank:05d}_params.safetensors"
+The same as `python -m offload.checkpoint consolidate SAVE_DIR OUTPUT_DIR --tag TAG`; needs the
+tensorio-offload package (pip install tensorio-offload). Streams tensor by tensor: memory stays
+bounded by the largest tensor, whatever the model's size.
+"""
+import os
+import sys
 
+from offload.checkpoint import main
 
-def optimizer_file(rank: int) -> str:
-    return f"rank{rank:05d}_optimizer.safetensors"
-
-
-def states_file(rank: int) -> str:
-    return f"rank{rank:05d}_states.json"
-
-
-def client_file(rank: int) -> str:
-    return f"rank{rank:05d}_client.safetensors"
+tag_dir = os.path.dirname(os.path.abspath(__file__))
+sys.exit(main(["consolidate", os.path.dirname(tag_dir), *sys.argv[1:], "--tag", os.path.basename(tag_dir)]))
+'''
 
 
 def save_checkpoint(save_dir: str | os.PathLike, tag: str, *, rank: int, group: Any, store: ParamStore,
-                    optimizer: Any, state: Mapping[str, Any]) -> str:
+                    optimizer: Any, state: Mapping[str, Any], model: nn.Module | None = None) -> str:
     """Write this rank's partitions, optimizer state and ``state`` (JSON-able plus tensors) under
-    ``save_dir/tag`` atomically with the other ranks; return the tag's path.
+    ``save_dir/tag`` atomically with the other ranks; rank 0 also writes ``model``'s config.json
+    (when it has a transformers config) and zero_to_fp32.py. Return the tag's path.
 
     One partition and one optimizer sub-group in memory at a time. Raises TypeError naming the
     entry of ``state`` that is neither JSON nor a tensor (before anything is written), OSError
     naming the file for ENOSPC and the like, TensorIOError for the swap files.
     """
-    encoded, tensors = encode_state(dict(state))
     records = store.records
+    encoded, tensors = encode_state({**state, "parameters": _parameter_list(records)})
     # One staging directory for all ranks; the tag commits only once every rank's files are in
     # place, and if any rank fails nothing becomes visible and every rank raises.
     with atomic_checkpoint(save_dir, tag, all_ranks=True, group=group) as staging:
@@ -86,60 +97,156 @@ def save_checkpoint(save_dir: str | os.PathLike, tag: str, *, rank: int, group: 
                     for name, tensor in tensors.items():
                         out.write(name, tensor)
         with _naming_the_file(staging / states_file(rank)) as path, open(path, "w") as file:
-            json.dump({"format": _FORMAT, **encoded}, file, allow_nan=True)
+            json.dump({"format": FORMAT, **encoded}, file, allow_nan=True)
+        if rank == 0:
+            _write_beside(staging, model)
     return os.path.join(os.fspath(save_dir), tag)
 
 
-def load_checkpoint(load_dir: str | os.PathLike, tag: str | None, *, rank: int, world_size: int,
-                    store: ParamStore, optimizer: Any) -> tuple[str, dict[str, Any]]:
-    """Load a checkpoint written by `save_checkpoint` into the partitions and the optimizer; return
-    its path and the rest of the state it saved (counters, schedule, client state).
+class CheckpointLoad:
+    """A checkpoint opened and checked against the model and optimizer; nothing has changed yet.
+    `apply` loads it. Use as a context manager (closes its files).
 
-    Raises FileNotFoundError for a missing checkpoint or file (naming it), ValueError when it was
-    saved with another world size, for another model, or by a version that pickled its state
-    (before any parameter changes).
+    Any world size loads: with another than the one that saved it, each parameter's partition, fp32
+    master and moments are cut from the saved ranks' files (the padding past the tensor's end is
+    zero, as a fresh partition's).
+
+    Raises (on opening, before anything changes) FileNotFoundError for a missing checkpoint or file
+    and SafetensorsError for a truncated or damaged one, each naming it; ValueError naming the file
+    when it was saved for another model or by a version that pickled its state.
     """
-    from safetensors import safe_open
 
-    path = str(resolve_tag(load_dir, tag))
-    state = _read_states(path, rank)
-    if state["world_size"] != world_size:
-        raise ValueError(f"{path}: saved with {state['world_size']} ranks, loading with {world_size}; "
-                         f"resume with the same world size")
-    records = store.records
-    with safe_open(_existing(path, params_file(rank)), framework="pt") as params:
-        _check_params(path, params, records)
-        # 1. Parameters first, one at a time (a few writes in flight): a 16-bit parameter's
-        #    optimizer state may take its master copy from it.
+    def __init__(self, load_dir: str | os.PathLike, tag: str | None, *, rank: int, world_size: int,
+                 store: ParamStore, optimizer: Any) -> None:
+        self.path = str(resolve_tag(load_dir, tag))
+        self.rank, self.world_size, self.store, self.optimizer = rank, world_size, store, optimizer
+        self.reader = CheckpointReader(self.path)
+        try:
+            self.state = dict(self.reader.rank_state(rank))
+            self.saved_world_size = self.reader.world_size
+            self._trainable = [rec for rec in store.records if rec.param.requires_grad]
+            self._check_params()
+            self._check_optimizer()
+        except BaseException:
+            self.reader.close()
+            raise
+
+    def __enter__(self) -> "CheckpointLoad":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.reader.close()
+
+    def apply(self) -> dict[str, Any]:
+        """Load the partitions, then the optimizer state; return the rest of the saved state
+        (counters, schedule, client state). An error here (TensorIOError, the optimizer's
+        ValueError) may leave some partitions loaded: the caller must not train on."""
+        same = self.saved_world_size == self.world_size
+        records = self.store.records
+        # 1. Parameters first, one at a time, the next one read meanwhile (a few writes in flight):
+        #    a 16-bit parameter's optimizer state may take its master copy from it.
         writes: list = []
-        for rec in records:
-            values = params.get_tensor(rec.name)
+        pending = self._read_partition(records[0], same) if records else None
+        for i, rec in enumerate(records):
+            values = pending.result()
+            pending = self._read_partition(records[i + 1], same) if i + 1 < len(records) else None
             if rec.on_disk:
                 staged = aligned_tensor(rec.partition_numel, rec.partition.dtype)  # O_DIRECT from it
                 staged.copy_(values)
-                writes.append(store.write_partition(rec, staged))  # the request keeps ``staged`` alive
+                writes.append(self.store.write_partition(rec, staged))  # the request keeps ``staged`` alive
                 if len(writes) > 2:
                     writes.pop(0).result()  # sync point: bounds the memory in flight
             else:
                 rec.partition.data.copy_(values)
-            store.refresh(rec)
+            self.store.refresh(rec)
         for future in writes:  # sync point
             future.result()
-    # 2. Then the optimizer.
-    with sized_partitions([rec for rec in records if rec.param.requires_grad]):
-        with safe_open(_existing(path, optimizer_file(rank)), framework="pt") as moments:
-            layout = {name: moments.get_slice(name).get_shape()[0] for name in moments.keys()}
-            optimizer.load_state(state.pop("optimizer"), layout,
-                                 lambda name, start, stop: moments.get_slice(name)[start:stop])
-    return path, state
+        # 2. Then the optimizer, its state cut the same way.
+        state = dict(self.state)
+        saved = state.pop("optimizer")
+        names = self.reader.names("optimizer")
+        layout = {name: self._trainable[int(name.split(".")[0])].partition_numel for name in names}
+
+        def read(name: str, start: int, stop: int) -> torch.Tensor:
+            rec = self._trainable[int(name.split(".")[0])]
+            base = self.rank * rec.partition_numel
+            return self.reader.read("optimizer", name, base + start, base + stop,
+                                    numel=None if same else rec.numel).result()
+
+        with sized_partitions(self._trainable):
+            try:
+                self.optimizer.load_state(saved, layout, read)
+            except ValueError as error:
+                saved_by = self.rank if self.rank < self.saved_world_size else 0
+                raise ValueError(f"{os.path.join(self.path, states_file(saved_by))}: {error}") from error
+        state.pop("parameters", None)
+        return state
+
+    def _read_partition(self, rec: ParamRecord, same: bool):
+        start = self.rank * rec.partition_numel
+        return self.reader.read("params", rec.name, start, start + rec.partition_numel,
+                                numel=None if same else rec.numel)
+
+    def _check_params(self) -> None:
+        file = os.path.join(self.path, params_file(0))
+        records = self.store.records
+        names = set(self.reader.names("params"))
+        if names != {rec.name for rec in records}:
+            raise ValueError(f"{file}: the checkpoint's parameters differ from the model's "
+                             f"(missing: {sorted({r.name for r in records} - names)[:5]}, "
+                             f"unexpected: {sorted(names - {r.name for r in records})[:5]})")
+        for rec in records:
+            saved = self.reader.tensor("params", rec.name).shape[0]
+            if saved != partition_numel(rec.numel, self.saved_world_size):
+                raise ValueError(f"{file}: parameter {rec.name!r} has {saved} elements per rank of "
+                                 f"{self.saved_world_size}, the model's {rec.numel} elements would have "
+                                 f"{partition_numel(rec.numel, self.saved_world_size)}; load it into the same model")
+
+    def _check_optimizer(self) -> None:
+        file = os.path.join(self.path, optimizer_file(0))
+        saved = self.state["optimizer"]
+        for name in self.reader.names("optimizer"):
+            index = int(name.split(".")[0])
+            if not 0 <= index < len(self._trainable):
+                raise ValueError(f"{file}: state {name!r} is for parameter {index}; the model has "
+                                 f"{len(self._trainable)} trainable parameters")
+            rec = self._trainable[index]
+            size = self.reader.tensor("optimizer", name).shape[0]
+            if size != partition_numel(rec.numel, self.saved_world_size):
+                raise ValueError(f"{file}: state {name!r} has {size} elements per rank, the model's {rec.name!r} "
+                                 f"({rec.numel} elements) would have {partition_numel(rec.numel, self.saved_world_size)}")
+        groups, ours = saved["param_groups"], self.optimizer.param_groups
+        states = os.path.join(self.path, states_file(0))
+        if len(groups) != len(ours) or any(len(g["params"]) != len(o["params"]) for g, o in zip(groups, ours)):
+            raise ValueError(f"{states}: the optimizer's param groups hold {[len(g['params']) for g in groups]} "
+                             f"parameters, this optimizer's {[len(o['params']) for o in ours]}; load it with the "
+                             f"same parameter groups")
+        names = set(self.reader.names("optimizer"))
+        for index in saved["steps"]:
+            for key in ("exp_avg", "exp_avg_sq"):
+                if f"{index}.{key}" not in names:
+                    raise ValueError(f"{file}: no {key} for parameter {index}, which has a step count")
+
+
+def model_config(model: nn.Module | None) -> dict[str, Any] | None:
+    """``model``'s transformers config as config.json holds it (with ``architectures``), or None
+    for a model without one."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_json_string"):
+        return None
+    values = json.loads(config.to_json_string(use_diff=False))
+    values["architectures"] = [type(model).__name__]
+    return values
 
 
 def save_16bit_model(save_dir: str | os.PathLike, save_filename: str, *, rank: int, world_size: int,
-                     group: Any, store: ParamStore) -> None:
+                     group: Any, store: ParamStore, model: nn.Module | None = None) -> None:
     """Write the whole model's weights (gathered across ranks, in the training dtype) to
-    ``save_dir/save_filename`` as safetensors; rank 0 writes. Every rank must call it.
+    ``save_dir/save_filename`` as safetensors with ``format: pt`` metadata, and ``model``'s
+    config.json beside it (when it has a transformers config), so that ``from_pretrained(save_dir)``
+    loads it as written; rank 0 writes. Every rank must call it.
 
-    One gathered parameter in memory at a time; the file appears whole or not at all. Raises
+    One gathered parameter in memory at a time; each file appears whole or not at all. Raises
     ValueError for a ``save_filename`` that is not a plain file name (it would leave ``save_dir``),
     OSError naming the file when it cannot be written.
     """
@@ -152,7 +259,7 @@ def save_16bit_model(save_dir: str | os.PathLike, save_filename: str, *, rank: i
         os.makedirs(save_dir, exist_ok=True)
         target = os.path.join(os.fspath(save_dir), save_filename)
         writer = _naming_the_file(target, atomic_safetensors(
-            target, {rec.name: (rec.param.dtype, rec.shape) for rec in records}))
+            target, {rec.name: (rec.param.dtype, rec.shape) for rec in records}, {"format": "pt"}))
     with writer as out:
         for rec in records:  # every rank gathers (a collective); rank 0 writes
             kept = rec.full is not None
@@ -161,6 +268,8 @@ def save_16bit_model(save_dir: str | os.PathLike, save_filename: str, *, rank: i
                 out.write(rec.name, full.view(rec.shape))
             if not kept:
                 store.release(rec)
+    if rank == 0:
+        _write_config(save_dir, model)
     if world_size > 1:
         dist.barrier(group=group)
 
@@ -181,97 +290,33 @@ class sized_partitions:
             rec.partition.data = torch.empty(0, dtype=rec.partition.dtype)
 
 
-# ---- state as JSON plus tensors -----------------------------------------------------------------------
-
-def encode_state(state: Any, path: str = "state") -> tuple[Any, dict[str, torch.Tensor]]:
-    """``state`` as JSON values, with each tensor replaced by a reference into the returned dict.
-
-    Raises TypeError naming the entry (``path`` and the keys below it) that is neither.
-    """
-    tensors: dict[str, torch.Tensor] = {}
-
-    def encode(value: Any, where: str) -> Any:
-        if value is None or isinstance(value, (bool, int, str)):
-            return value
-        if isinstance(value, float):
-            return value if math.isfinite(value) else {"__float__": repr(value)}
-        if isinstance(value, torch.Tensor):
-            name = f"t{len(tensors)}"
-            tensors[name] = value.detach().cpu().contiguous()
-            return {_TENSOR: name}
-        if isinstance(value, Mapping):
-            out = {}
-            for key, item in value.items():
-                if not isinstance(key, (str, int)) or isinstance(key, bool):
-                    raise TypeError(f"{where}: key {key!r} is a {type(key).__name__}; checkpoints keep str "
-                                    f"and int keys only (nothing is pickled)")
-                out[str(key)] = encode(item, f"{where}[{key!r}]")
-            return out
-        if isinstance(value, (list, tuple)):
-            return [encode(item, f"{where}[{i}]") for i, item in enumerate(value)]
-        raise TypeError(f"{where} is a {type(value).__name__}; checkpoints keep JSON values (dict, list, str, "
-                        f"int, float, bool, None) and tensors only, so that loading one never runs code")
-    return encode(state, path), tensors
-
-
-def decode_state(encoded: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """The inverse of `encode_state` (tuples come back as lists)."""
-    if isinstance(encoded, list):
-        return [decode_state(item, tensors) for item in encoded]
-    if isinstance(encoded, dict):
-        if set(encoded) == {_TENSOR}:
-            return tensors[encoded[_TENSOR]]
-        if set(encoded) == {"__float__"}:
-            return float(encoded["__float__"])
-        return {key: decode_state(item, tensors) for key, item in encoded.items()}
-    return encoded
-
-
-def _read_states(path: str, rank: int) -> dict[str, Any]:
-    from safetensors.torch import load_file
-
-    states = os.path.join(path, states_file(rank))
-    if not os.path.exists(states):
-        pickled = os.path.join(path, f"rank{rank:05d}_states.pt")
-        if os.path.exists(pickled):
-            raise ValueError(f"{pickled}: a checkpoint of an earlier version, whose state is pickled; it is not "
-                             f"loaded, because unpickling a file can run any code. Load it with that version and "
-                             f"save it again")
-        _existing(path, states_file(rank))
-    try:
-        with open(states) as file:
-            encoded = json.load(file)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{states}: not a checkpoint state file ({error})") from None
-    if not isinstance(encoded, dict) or encoded.pop("format", None) != _FORMAT:
-        raise ValueError(f"{states}: not a checkpoint state file of format {_FORMAT}")
-    client = os.path.join(path, client_file(rank))
-    tensors = load_file(client) if os.path.exists(client) else {}
-    state = decode_state(encoded, tensors)
-    for group in state["optimizer"]["param_groups"]:
-        if isinstance(group.get("betas"), list):
-            group["betas"] = tuple(group["betas"])  # as torch.optim keeps them
-    return state
-
-
-def _check_params(path: str, params: Any, records: list[ParamRecord]) -> None:
-    names = set(params.keys())
-    if names != {rec.name for rec in records}:
-        raise ValueError(f"{path}: the checkpoint's parameters differ from the model's "
-                         f"(missing: {sorted({r.name for r in records} - names)[:5]}, "
-                         f"unexpected: {sorted(names - {r.name for r in records})[:5]})")
+def _parameter_list(records: list[ParamRecord]) -> list[dict[str, Any]]:
+    """Each parameter's names, shape, dtype and optimizer index (None when frozen): what the offline
+    consolidation needs to rebuild full tensors."""
+    out, trainable = [], 0
     for rec in records:
-        numel = params.get_slice(rec.name).get_shape()[0]
-        if numel != rec.partition_numel:
-            raise ValueError(f"{path}: parameter {rec.name!r} has {numel} elements, the model "
-                             f"{rec.partition_numel} per rank; load it into the same model")
+        index = None
+        if rec.param.requires_grad:
+            index, trainable = trainable, trainable + 1
+        out.append({"name": rec.name, "names": list(rec.names), "shape": list(rec.shape),
+                    "dtype": str(rec.partition.dtype).removeprefix("torch."), "optimizer_index": index})
+    return out
 
 
-def _existing(directory: str, name: str) -> str:
-    path = os.path.join(directory, name)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: missing from the checkpoint; it is incomplete or of another world size")
-    return path
+def _write_beside(staging: Any, model: nn.Module | None) -> None:
+    """config.json (when the model has one) and zero_to_fp32.py, into the tag being saved."""
+    _write_config(staging, model)
+    with _naming_the_file(os.path.join(staging, SCRIPT_NAME)) as path, open(path, "w") as file:
+        file.write(_SCRIPT)
+
+
+def _write_config(directory: str | os.PathLike, model: nn.Module | None) -> None:
+    config = model_config(model)
+    if config is None:
+        return
+    target = os.path.join(os.fspath(directory), CONFIG_NAME)
+    with _naming_the_file(target):
+        write_json(target, config)
 
 
 @contextlib.contextmanager

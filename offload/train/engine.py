@@ -30,6 +30,7 @@ from offload.params import ParamRecord, ParamStore
 from offload.train import checkpoint
 from offload.train.assemble import assemble
 from offload.train.grads import GradReducer
+from offload.train.plan import TrainingPlan
 from offload.train.stats import EngineStats, collect_stats
 from offload.train.timers import PhaseTimers
 from offload.train.update_mode import StepContext, UpdatePath
@@ -114,6 +115,9 @@ class Engine:
     The DeepSpeed facade: every moment of a step that depends on where the update runs is delegated to
     its update path (`UpdatePath`, chosen once at `initialize`; docs/engine.md).
     """
+
+    plan: TrainingPlan
+    """Where this rank's partitions and optimizer state live and where the update runs (``print(engine.plan)``)."""
 
     def __init__(self, module: nn.Module, ctx: StepContext, path: UpdatePath, *, world_size: int, rank: int) -> None:
         self.module = module
@@ -275,7 +279,7 @@ class Engine:
 
     @property
     def records(self) -> list[ParamRecord]:
-        """One record per (tied) parameter: partition, location, state (see offload/_params.py)."""
+        """One record per (tied) parameter: partition, location, state (see offload/params/store.py, ParamRecord)."""
         return self._store.records
 
     def io_bytes(self) -> dict[str, int]:
@@ -310,7 +314,7 @@ class Engine:
                  "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
                  "client_state": dict(client_state or {})}
         path = checkpoint.save_checkpoint(save_dir, tag, rank=self.rank, group=self.group, store=self._store,
-                                          optimizer=self.optimizer, state=state)
+                                          optimizer=self.optimizer, state=state, model=self.module)
         self._failure.saved(path)
         return path
 
@@ -318,14 +322,22 @@ class Engine:
                         ) -> tuple[str | None, dict[str, Any] | None]:
         """Load a checkpoint written by ``save_checkpoint`` (tag None: the one ``latest`` names).
 
-        Streamed like the save; never unpickles. Returns ``(path, client_state)``. Raises
-        FileNotFoundError for a missing checkpoint and ValueError when it was saved with another
-        world size or for another model (before any parameter changes).
+        Streamed like the save; never unpickles; any world size (partitions, fp32 masters and
+        moments are repartitioned). Returns ``(path, client_state)``. Raises FileNotFoundError for a
+        missing checkpoint or file, SafetensorsError for a truncated one and ValueError for one of
+        another model, each naming the file, with the engine as it was before the call. An error
+        after the load began (an I/O error) refuses step() and save_checkpoint() until a load succeeds.
         """
-        self._path.abandon()  # updates still running would write over the loaded values
-        self._store.release_all()  # partitions read ahead would hold the values from before the load
-        path, state = checkpoint.load_checkpoint(load_dir, tag, rank=self.rank, world_size=self.world_size,
-                                                 store=self._store, optimizer=self.optimizer)
+        with checkpoint.CheckpointLoad(load_dir, tag, rank=self.rank, world_size=self.world_size,
+                                       store=self._store, optimizer=self.optimizer) as source:  # checked; nothing changed
+            self._path.abandon()  # updates still running would write over the loaded values
+            self._store.release_all()  # partitions read ahead would hold the values from before the load
+            try:
+                path, state = source.path, source.apply()
+            except BaseException as error:
+                self._failure.partly_updated(f"load_checkpoint of {source.path} failed part way "
+                                             f"({type(error).__name__}: {error})")
+                raise
         if self.loss_scaler is not None and state["loss_scaler"] is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
@@ -350,7 +362,8 @@ class Engine:
 
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "model.safetensors") -> bool:
         """Write the whole model's weights (in the training dtype: 16-bit under fp16/bf16) to
-        ``save_dir/save_filename`` as safetensors, gathered across ranks; rank 0 writes it.
+        ``save_dir/save_filename`` as safetensors (format "pt") with the model's config.json, so that
+        ``from_pretrained(save_dir)`` loads it; gathered across ranks; rank 0 writes them.
 
         Tied parameters are saved once, under their first name. Returns False (and logs why) when
         zero_optimization.stage3_gather_16bit_weights_on_model_save is false, as DeepSpeed does.
@@ -364,7 +377,7 @@ class Engine:
             return False
         self._settle()
         checkpoint.save_16bit_model(save_dir, save_filename, rank=self.rank, world_size=self.world_size,
-                                    group=self.group, store=self._store)
+                                    group=self.group, store=self._store, model=self.module)
         return True
 
     # ---- full parameters ----------------------------------------------------------------------------

@@ -1,0 +1,54 @@
+"""``python -m offload.checkpoint consolidate SAVE_DIR OUTPUT_DIR``: a checkpoint of
+``engine.save_checkpoint`` (saved by any number of ranks) into weights that ``from_pretrained`` loads.
+
+    python -m offload.checkpoint consolidate ckpt/ out/ [--tag global_step100] [--dtype fp32|bf16|fp16]
+                                             [--max-shard-size 5GB] [--exclude-frozen-parameters] [--debug]
+
+Streams tensor by tensor (memory bounded by the largest tensor, whatever the model's size) with a
+progress bar. User errors end in one line; ``--debug`` (or ``OFFLOAD_DEBUG=1``) shows their traceback.
+
+The Python functions, with DeepSpeed's names (``deepspeed.utils.zero_to_fp32``), are here too:
+``get_fp32_state_dict_from_zero_checkpoint``, ``convert_zero_checkpoint_to_fp32_state_dict``,
+``load_state_dict_from_zero_checkpoint`` (see `offload.train.consolidate`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from offload.cli_errors import run_command
+from offload.train.consolidate import (DTYPES, convert_zero_checkpoint_to_fp32_state_dict,
+                                       get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint,
+                                       parse_size)
+
+__all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint",
+           "load_state_dict_from_zero_checkpoint", "main"]
+
+PROG = "python -m offload.checkpoint"
+
+
+def _consolidate(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = ap.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("consolidate", help="a checkpoint into safetensors weights that from_pretrained loads")
+    p.add_argument("checkpoint_dir", help="the save_dir of engine.save_checkpoint (holding `latest` and the tags)")
+    p.add_argument("output_dir", help="where model.safetensors (or shards and their index) and config.json go")
+    p.add_argument("--tag", help="the checkpoint tag (default: the one `latest` names)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="dtype of the weights written (fp32)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest shard, such as 5GB or 500MB (5GB)")
+    p.add_argument("--exclude-frozen-parameters", action="store_true", help="leave out parameters not trained")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    parse_size(args.max_shard_size, "--max-shard-size")
+    convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_dir, args.max_shard_size,
+                                               safe_serialization=True, tag=args.tag,
+                                               exclude_frozen_parameters=args.exclude_frozen_parameters,
+                                               dtype=DTYPES[args.dtype], progress=not args.no_progress)
+    print(f"wrote {args.output_dir}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command; return its exit status (2 after a user error, printed as one line)."""
+    return run_command(_consolidate, PROG, argv)
+
