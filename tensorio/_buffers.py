@@ -22,8 +22,9 @@ _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MADV_POPULATE_WRITE = 23  # Linux 5.14; older kernels answer EINVAL
 # Bytes one prefault call takes. The kernel holds the process's memory map (mmap_lock) for reading
 # through a whole call, and another thread's mmap or munmap (glibc's large malloc and free, as torch
-# allocates every activation) waits for it: 64 MiB calls of cold memory (about 75 ms each here) made
-# a layer's forward beside them 30x slower (docs/inference.md, "Load"). 4 MiB keeps each wait short.
+# allocates every activation) waits for it, so a call long enough to fault in tens of MiB of cold
+# memory stalls a forward running beside it (docs/tensorio.md, "Buffers", has the figures). 4 MiB
+# keeps each wait short.
 _FAULT_PIECE = 4 << 20
 _FAULT_THREADS = 8  # prefault's threads by default: one per core, at most this many
 _HUGE_PAGE = 2 << 20
@@ -43,7 +44,7 @@ def _mapped_tensor(num_elem: int, dtype: torch.dtype) -> tuple[torch.Tensor, mma
     region = mmap.mmap(-1, max(num_elem * itemsize, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if len(region) >= _HUGE_PAGE and _MADV_HUGEPAGE is not None:
         # Large buffers are filled whole, so 2 MiB pages cost no memory and fault in 512x fewer
-        # steps: 5x faster to first touch here (docs/tensorio.md, "Buffers"). Only a hint: a
+        # steps, much faster to first touch (docs/tensorio.md, "Buffers"). Only a hint: a
         # kernel without transparent huge pages refuses it, and the buffer keeps small pages.
         try:
             region.madvise(_MADV_HUGEPAGE)
@@ -66,8 +67,8 @@ def prefault(tensor: torch.Tensor, start: int = 0, stop: int | None = None, *, t
     """Fault in bytes ``[start, stop)`` of a CPU tensor's storage for writing, now, without writing them.
 
     A read into memory never touched faults its pages in on the reading thread, one at a time; on a
-    virtual machine whose host backs memory lazily that costs more than the read itself (2.2-2.8 s
-    of kernel time per GiB here, docs/inference.md). Faulting in ahead takes that off the reads' path,
+    virtual machine whose host backs memory lazily that can cost more than the read itself
+    (docs/tensorio.md, "Buffers"). Faulting in ahead takes that off the reads' path,
     and ``threads`` (default: one per core, at most 8) share it in 4 MiB pieces, short enough that
     the other threads' mmap and munmap calls are not held up behind them; the calls release the
     GIL. The range is widened to whole pages. Returns False, having done nothing, where the kernel

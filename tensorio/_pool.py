@@ -2,11 +2,11 @@
 
 A loop that reads into a fresh buffer on every pass (a training step reading each parameter
 partition, writing each gradient) maps new memory every time, and the kernel faults every page of
-it in again: 0.5 s per GiB on this machine, 2.2-2.8 s per GiB when the host has taken the freed
-memory back (docs/tensorio.md, "Buffers"). The pool keeps the buffers it made and gives one back
-out when no tensor (the buffer, or any view of it) still refers to its memory, so each byte is
-faulted in once. It never hands out memory in use: a buffer is free only when the pool holds the
-last reference to its storage.
+it in again, on the thread that first writes it, at a cost comparable to the I/O itself and more on
+a virtual machine whose host takes freed memory back (docs/tensorio.md, "Buffers", has the figures).
+The pool keeps the buffers it made and gives one back out when no tensor (the buffer, or any view of
+it) still refers to its memory, so each byte is faulted in once. It never hands out memory in use:
+a buffer is free only when the pool holds the last reference to its storage.
 """
 
 from __future__ import annotations

@@ -1,4 +1,11 @@
-"""Shared fixtures: scratch directories on the disk (O_DIRECT) and on tmpfs (no O_DIRECT)."""
+"""Shared fixtures (scratch directories on the disk, with O_DIRECT, and on tmpfs) and the test tiers.
+
+Tiers: a test that starts Python child processes is marked ``subprocess``, one that runs several
+ranks ``multiprocess``, one that runs the fio binary ``fio``, one that runs a benchmark script end to
+end ``bench`` (per module with ``pytestmark``, or per test). Each of these is also ``slow``, so
+``pytest -m "not slow"`` is the fast tier (under 2 minutes on a 2-core machine) and ``./run test``
+runs everything. A ``fio`` test is skipped, saying how to install it, where fio is missing.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,23 @@ from pathlib import Path
 
 import pytest
 
+from bench.fio import fio_path
+
 REPO = Path(__file__).resolve().parent.parent
+
+#: Markers whose tests are left out of the fast tier (registered in pyproject.toml).
+SLOW_KINDS = ("subprocess", "multiprocess", "fio", "bench")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the added marks must count
+def pytest_collection_modifyitems(config, items):
+    """Every test of a slow kind is ``slow`` too; ``fio`` tests skip where fio is not installed."""
+    no_fio = pytest.mark.skip(reason="fio not installed: apt-get install fio") if fio_path() is None else None
+    for item in items:
+        if any(item.get_closest_marker(kind) for kind in SLOW_KINDS):
+            item.add_marker(pytest.mark.slow)
+        if no_fio is not None and item.get_closest_marker("fio"):
+            item.add_marker(no_fio)
 
 
 @pytest.fixture

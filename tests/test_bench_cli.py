@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from bench.cli import main
-from bench.fio import fio_path
 from bench.scratch import PREFIX
 from tensorio import AioConfig, filesystem_type
 
@@ -88,7 +87,7 @@ def test_sweep_writes_json_csv_png_and_an_aio_section_that_loads_unchanged(disk_
     assert list(disk_dir.iterdir()) == []  # every benchmark file removed
 
 
-@pytest.mark.skipif(fio_path() is None, reason="fio not installed: apt-get install fio")
+@pytest.mark.fio
 def test_sweep_compares_its_best_with_fio(disk_dir, tmp_path, capsys):
     assert main(["sweep", str(disk_dir), *TINY_SWEEP, "--backend", "threads", "--out-dir", str(tmp_path / "r"),
                  "--config-out", str(tmp_path / "a.json")]) == 0
@@ -127,6 +126,7 @@ def test_sweep_on_tmpfs_says_the_figures_are_buffered(shm_dir, tmp_path, capsys)
     assert all(p["direct"] is False for p in disk["points"])
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupted_sweep_leaves_no_files(disk_dir, tmp_path, sig):
     cmd = [sys.executable, "-m", "bench.cli", "sweep", str(disk_dir), "--quick", "--size", "256M", "--no-fio",
@@ -220,7 +220,7 @@ def test_run_in_a_missing_directory_fails_cleanly(tmp_path, capsys):
     assert not (tmp_path / "nope").exists()
 
 
-@pytest.mark.skipif(fio_path() is None, reason="fio not installed: apt-get install fio")
+@pytest.mark.fio
 def test_fio_subcommand_runs_the_matching_job(disk_dir, capsys):
     assert main(["fio", str(disk_dir), "--rw", "write", "--size", "8M", "--bs", "1M", "--qd", "4", "--threads", "2"]) == 0
     out = capsys.readouterr().out

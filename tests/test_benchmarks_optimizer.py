@@ -8,8 +8,10 @@ import pytest
 
 from bench.fio import fio_path
 
+pytestmark = pytest.mark.bench
 
-@pytest.mark.skipif(fio_path() is None, reason="fio not installed: apt-get install fio")
+
+@pytest.mark.fio
 def test_optimizer_step_benchmark_tiny(tmp_path, capsys):
     from benchmarks import optimizer_step
 

@@ -127,6 +127,7 @@ _KILLED_SAVER = textwrap.dedent(
 )
 
 
+@pytest.mark.subprocess
 def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     saver = subprocess.Popen(
@@ -162,6 +163,7 @@ _LOOPING_SAVER = textwrap.dedent(
 )
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("delay", [0.05, 0.3])
 def test_sigkill_at_an_arbitrary_moment_leaves_only_whole_checkpoints(tmp_path, delay):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -210,6 +212,7 @@ def _two_rank_saver(rank, tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.multiprocess
 def test_two_ranks_share_one_staging_directory_and_fail_together(tmp_path):
     save(tmp_path / "ckpt", "s0", b"zero")
     # spawn, not fork: a child forked after this process ran OpenMP kernels can hang in its first one

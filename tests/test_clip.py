@@ -110,6 +110,7 @@ def _partition_worker(rank, tmp_path, world_size):
         dist.destroy_process_group()
 
 
+@pytest.mark.multiprocess
 def test_partitions_over_two_ranks_give_the_norm_of_the_whole(tmp_path):
     world_size = 2
     # spawn, not fork: a child forked after this process ran OpenMP kernels can hang in its first one

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from bench.fio import fio_path
+pytestmark = pytest.mark.bench
 
 
-@pytest.mark.skipif(fio_path() is None, reason="fio not installed: apt-get install fio")
+@pytest.mark.fio
 def test_engine_step_benchmark_tiny(tmp_path, capsys):
     pytest.importorskip("transformers")
     from benchmarks import engine_step
@@ -29,7 +29,7 @@ def test_engine_step_benchmark_tiny(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []  # swap and fio files removed
 
 
-@pytest.mark.skipif(fio_path() is None, reason="fio not installed: apt-get install fio")
+@pytest.mark.fio
 def test_engine_step_benchmark_with_clipping_and_accumulation_tiny(tmp_path, capsys):
     """--clip and --gas give both modes the same work; the engine's update runs in the next forward and
     the clipped steps are counted (what a speculative update would redo)."""

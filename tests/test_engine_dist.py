@@ -13,6 +13,8 @@ from torch import nn
 
 from offload.train.engine import initialize
 
+pytestmark = pytest.mark.multiprocess
+
 transformers = pytest.importorskip("transformers")
 
 

@@ -11,6 +11,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.subprocess
+
 pytest.importorskip("psutil")
 
 WIDTH, LAYERS, BATCH = 512, 40, 8

@@ -20,8 +20,6 @@ from tensorio import AioConfig
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[1]
 
-needs_fio = pytest.mark.skipif(fio_path() is None, reason="fio not installed: apt-get install fio")
-
 
 @pytest.fixture
 def disk_dir(tmp_path) -> Path:
@@ -37,7 +35,7 @@ def disk_dir(tmp_path) -> Path:
     d.rmdir()
 
 
-@needs_fio
+@pytest.mark.fio
 @pytest.mark.parametrize("rw", ["read", "write"])
 @pytest.mark.parametrize("engine", ["io_uring", "libaio", "psync"])
 def test_run_fio_parses_real_output_and_removes_its_file(disk_dir, rw, engine):
@@ -56,7 +54,7 @@ def test_run_fio_parses_real_output_and_removes_its_file(disk_dir, rw, engine):
     assert list(disk_dir.iterdir()) == []
 
 
-@needs_fio
+@pytest.mark.fio
 def test_read_job_does_not_time_the_layout(disk_dir):
     """fio writes the file before a read job; that pass must not show up in the read job's report."""
     result = run_fio(FioJob(directory=disk_dir, rw="read", size=8 * MiB, block_size=MiB))
@@ -64,7 +62,7 @@ def test_read_job_does_not_time_the_layout(disk_dir):
     assert result.job["read"]["io_bytes"] == 8 * MiB
 
 
-@needs_fio
+@pytest.mark.fio
 def test_overwrite_lays_the_file_out_untimed(disk_dir):
     result = run_fio(FioJob(directory=disk_dir, rw="write", size=8 * MiB, block_size=MiB, overwrite=True))
     assert "--overwrite=1" in result.command
@@ -72,7 +70,7 @@ def test_overwrite_lays_the_file_out_untimed(disk_dir):
     assert list(disk_dir.iterdir()) == []
 
 
-@needs_fio
+@pytest.mark.fio
 def test_given_file_is_used_and_left_to_the_caller(disk_dir):
     path = disk_dir / "mine.dat"
     run_fio(FioJob(directory=disk_dir, rw="write", size=8 * MiB, block_size=MiB), filename=path)
@@ -85,14 +83,14 @@ def test_given_file_is_used_and_left_to_the_caller(disk_dir):
     path.unlink()
 
 
-@needs_fio
+@pytest.mark.fio
 def test_numjobs_split_one_file(disk_dir):
     result = run_fio(FioJob(directory=disk_dir, rw="write", size=8 * MiB, block_size=MiB, numjobs=2))
     assert result.io_bytes == 8 * MiB  # group_reporting sums both jobs; each moved half
     assert "--size=4194304" in result.command and "--offset_increment=4194304" in result.command
 
 
-@needs_fio
+@pytest.mark.fio
 def test_runtime_limit_stops_early(disk_dir):
     # 4 GiB in 4 KiB synchronous writes takes far longer than the limit on any disk; fio's own clock
     # stops the job, so a loaded machine only moves fewer bytes.
@@ -144,7 +142,7 @@ def test_missing_fio_says_how_to_install(monkeypatch, tmp_path):
         run_fio(FioJob(directory=tmp_path, rw="read", size=MiB))
 
 
-@needs_fio
+@pytest.mark.fio
 def test_missing_directory_is_refused_not_created(tmp_path):
     missing = tmp_path / "nope"
     with pytest.raises(FileNotFoundError, match="nope"):
@@ -162,7 +160,8 @@ def test_failing_fio_names_command_and_stderr(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["fio"]
 
 
-@needs_fio
+@pytest.mark.fio
+@pytest.mark.subprocess
 def test_interrupted_run_stops_fio_and_removes_its_file(disk_dir):
     # A read of 2 GiB lays its file out first; interrupt it while the file exists. fio is paused
     # (SIGSTOP) while the test looks, so that it cannot finish first however loaded the machine is.
@@ -211,7 +210,7 @@ def _moved(process: subprocess.Popen, nbytes: int) -> bool:
     return counters.read_bytes >= nbytes and counters.write_bytes >= nbytes
 
 
-@needs_fio
+@pytest.mark.fio
 def test_fio_load_runs_beside_the_body_at_its_rates_and_removes_its_file(disk_dir):
     load = FioLoad(directory=disk_dir, read_rate=40_000_000, write_rate=20_000_000, size=8 * MiB, block_size=MiB)
     with fio_load(load) as run:
@@ -228,7 +227,7 @@ def test_fio_load_runs_beside_the_body_at_its_rates_and_removes_its_file(disk_di
     assert list(disk_dir.iterdir()) == []
 
 
-@needs_fio
+@pytest.mark.fio
 def test_fio_load_stops_fio_when_the_body_raises(disk_dir):
     with pytest.raises(KeyError):
         with fio_load(FioLoad(directory=disk_dir, read_rate=0, write_rate=10_000_000, size=4 * MiB)) as run:
@@ -237,7 +236,7 @@ def test_fio_load_stops_fio_when_the_body_raises(disk_dir):
     assert list(disk_dir.iterdir()) == []
 
 
-@needs_fio
+@pytest.mark.fio
 def test_fio_load_that_stops_on_its_own_is_an_error(disk_dir, tmp_path):
     (tmp_path / "bin").mkdir()
     fake = tmp_path / "bin" / "fio"  # the real fio for the file's layout; the load itself fails at once

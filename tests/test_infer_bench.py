@@ -11,14 +11,13 @@ import torch
 import transformers
 from test_infer_generate import scratch_dir
 
-from bench.fio import fio_path
 from benchmarks._common import RssSampler
 from benchmarks.infer_stream import Spec, main, write_checkpoint
 
 
+@pytest.mark.bench
+@pytest.mark.fio
 def test_tiny_run_end_to_end(capsys):
-    if fio_path() is None:
-        pytest.skip("fio is not installed")
     accelerate = "dispatch" if importlib.util.find_spec("accelerate") else "none"
     root = scratch_dir("infer-bench-")
     try:

@@ -55,6 +55,7 @@ def test_prompt_text_needs_a_tokenizer(gpt2):
         main([str(directory), "--prompt", "hello"], out=io.StringIO())
 
 
+@pytest.mark.subprocess
 def test_module_entry_with_a_tokenizer(gpt2, tmp_path):
     directory, model = gpt2
     with_tokenizer = tmp_path / "ckpt"

@@ -28,6 +28,7 @@ def big_checkpoint():
         yield directory
 
 
+@pytest.mark.subprocess
 def test_peak_rss_within_the_plan_and_page_cache_untouched(big_checkpoint):
     files = _files(big_checkpoint)
     weights = sum(p.stat().st_size for p in big_checkpoint.glob("*.safetensors"))

@@ -160,6 +160,7 @@ def _overflow_worker(rank, tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.multiprocess
 def test_an_overflow_on_one_rank_is_seen_by_every_rank(tmp_path):
     # spawn, not fork: a child forked after this process ran OpenMP kernels can hang in its first one
     mp.spawn(_overflow_worker, args=(tmp_path,), nprocs=2)

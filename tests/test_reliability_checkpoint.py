@@ -50,6 +50,7 @@ def _start_saver(save_dir):
     return saver, conn
 
 
+@pytest.mark.multiprocess
 def test_a_second_writer_is_refused_and_the_first_save_completes(tmp_path):
     save_dir = tmp_path / "ckpt"
     save(save_dir, "zero")
@@ -72,6 +73,7 @@ def test_a_second_writer_is_refused_and_the_first_save_completes(tmp_path):
     assert visible(save_dir) == ["first", LATEST, "second", "zero"]
 
 
+@pytest.mark.multiprocess
 def test_a_killed_saver_leaves_an_unheld_lock_that_the_next_save_takes(tmp_path):
     save_dir = tmp_path / "ckpt"
     save(save_dir, "zero")
@@ -108,6 +110,7 @@ def _two_rank_saver(rank, tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.multiprocess
 def test_a_process_group_is_refused_as_a_whole_when_another_run_saves(tmp_path):
     with atomic_checkpoint(tmp_path / "ckpt", "other") as staging:
         (staging / "a").write_text("a")

@@ -24,6 +24,8 @@ from offload.train.engine import initialize
 from tensorio import AioConfig
 from test_engine import engine_config, mlp, mlp_batches, mlp_loss
 
+pytestmark = pytest.mark.subprocess
+
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 

@@ -85,6 +85,7 @@ def test_queued_requests_share_one_descriptor_per_file(disk_dir, backend):
         assert (disk_dir / f"f{k}.bin").read_bytes() == expected
 
 
+@pytest.mark.subprocess
 def test_thousands_of_queued_requests_under_a_low_descriptor_limit(disk_dir, backend):
     # 3,000 requests queued at once on three files with RLIMIT_NOFILE at 512 (before: EMFILE).
     script = textwrap.dedent(f"""

@@ -7,10 +7,9 @@ import json
 
 import pytest
 
-from bench.fio import fio_path
 
-
-@pytest.mark.skipif(fio_path() is None, reason="fio not installed: apt-get install fio")
+@pytest.mark.bench
+@pytest.mark.fio
 def test_train_large_benchmark_tiny(tmp_path, capsys):
     pytest.importorskip("transformers")
     from benchmarks import train_large

@@ -250,6 +250,7 @@ BUILD_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.subprocess
 def test_building_under_init_stays_within_one_module_and_the_budget(disk_dir):
     """A model several times the budget: the build's peak RSS growth stays under twice the largest
     parameter (as built, and its page-aligned copy on its way to the disk) plus the budget

@@ -180,9 +180,9 @@ def choose_sub_group_size(numels: Sequence[int], *, grad_itemsize: int = 4, buff
     of two, between SPLIT_ALIGN and MAX_CHOSEN_SUB_GROUP, and halved while ``buffer_count`` buffers of
     its state (``state_itemsize`` bytes an element) would take more than 1/BUFFER_SHARE of ``host_bytes``.
 
-    Measured on GPT-2 small (benchmarks/optimizer_colossal.py): 2 Mi, the size this gives, ran at 0.97-1.05x
-    no offload with 3 buffers; 4 Mi (the old default), whose 16 MiB regions fit no freed gradient but
-    the embedding's, at 1.11x and 0.2 GB less memory saved.
+    A size fixed above the typical parameter (4 Mi on GPT-2 small: 16 MiB regions, which no freed
+    gradient but the embedding's can hold) sends the read-ahead back to the fixed buffers, so the
+    updates wait on reads and less memory is saved (docs/optimizer_offload.md has the figures).
     """
     sizes = sorted(n for n in numels if n > 0)
     total = sum(sizes)
@@ -202,5 +202,5 @@ def choose_sub_group_size(numels: Sequence[int], *, grad_itemsize: int = 4, buff
 def choose_buffer_count(*, overlap_backward: bool) -> int:
     """The swap buffer count when the user chose none: 3 when the updates overlap backward (one being
     updated, one read ahead, one written behind; further read-ahead goes into applied gradients'
-    memory: 3 buffers measured as fast as 4 on GPT-2 small, with 17 MB less memory), else 4 (DeepSpeed's)."""
+    memory, so a fourth buffer would only add memory), else 4 (DeepSpeed's)."""
     return 3 if overlap_backward else 4
