@@ -56,23 +56,27 @@ def client_file(rank: int) -> str:
 
 
 def save_checkpoint(save_dir: str | os.PathLike, tag: str, *, rank: int, group: Any, store: ParamStore,
-                    optimizer: Any, state: Mapping[str, Any]) -> str:
+                    optimizer: Any, state: Mapping[str, Any], update_latest: bool = True,
+                    exclude_frozen: bool = False) -> str:
     """Write this rank's partitions, optimizer state and ``state`` (JSON-able plus tensors) under
     ``save_dir/tag`` atomically with the other ranks; return the tag's path.
 
+    ``update_latest`` False leaves ``latest`` alone; ``exclude_frozen`` leaves out the partitions of
+    parameters that do not require gradients.
     One partition and one optimizer sub-group in memory at a time. Raises TypeError naming the
     entry of ``state`` that is neither JSON nor a tensor (before anything is written), OSError
     naming the file for ENOSPC and the like, TensorIOError for the swap files.
     """
     encoded, tensors = encode_state(dict(state))
     records = store.records
+    saved = [rec for rec in records if rec.param.requires_grad or not exclude_frozen]
     # One staging directory for all ranks; the tag commits only once every rank's files are in
     # place, and if any rank fails nothing becomes visible and every rank raises.
-    with atomic_checkpoint(save_dir, tag, all_ranks=True, group=group) as staging:
+    with atomic_checkpoint(save_dir, tag, all_ranks=True, group=group, update_latest=update_latest) as staging:
         # 1. Parameters, one partition at a time.
-        layout = {rec.name: (rec.partition.dtype, (rec.partition_numel,)) for rec in records}
+        layout = {rec.name: (rec.partition.dtype, (rec.partition_numel,)) for rec in saved}
         with _naming_the_file(staging / params_file(rank)) as path, SafetensorsWriter(path, layout) as out:
-            for rec in records:
+            for rec in saved:
                 out.write(rec.name, store.read_partition(rec))
         # 2. The optimizer state, one sub-group at a time.
         with sized_partitions([rec for rec in records if rec.param.requires_grad]):
@@ -95,6 +99,8 @@ def load_checkpoint(load_dir: str | os.PathLike, tag: str | None, *, rank: int, 
     """Load a checkpoint written by `save_checkpoint` into the partitions and the optimizer; return
     its path and the rest of the state it saved (counters, schedule, client state).
 
+    ``optimizer`` None leaves the optimizer's state as it is. Frozen parameters missing from the
+    checkpoint (saved with ``exclude_frozen``) keep their values.
     Raises FileNotFoundError for a missing checkpoint or file (naming it), ValueError when it was
     saved with another world size, for another model, or by a version that pickled its state
     (before any parameter changes).
@@ -106,8 +112,9 @@ def load_checkpoint(load_dir: str | os.PathLike, tag: str | None, *, rank: int, 
     if state["world_size"] != world_size:
         raise ValueError(f"{path}: saved with {state['world_size']} ranks, loading with {world_size}; "
                          f"resume with the same world size")
-    records = store.records
     with safe_open(_existing(path, params_file(rank)), framework="pt") as params:
+        names = set(params.keys())
+        records = [rec for rec in store.records if rec.name in names or rec.param.requires_grad]
         _check_params(path, params, records)
         # 1. Parameters first, one at a time (a few writes in flight): a 16-bit parameter's
         #    optimizer state may take its master copy from it.
@@ -125,6 +132,9 @@ def load_checkpoint(load_dir: str | os.PathLike, tag: str | None, *, rank: int, 
             store.refresh(rec)
         for future in writes:  # sync point
             future.result()
+    if optimizer is None:
+        state.pop("optimizer")
+        return path, state
     # 2. Then the optimizer.
     with sized_partitions([rec for rec in records if rec.param.requires_grad]):
         with safe_open(_existing(path, optimizer_file(rank)), framework="pt") as moments:

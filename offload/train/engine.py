@@ -43,6 +43,7 @@ from offload.train.loss_scaler import build_loss_scaler
 from offload.train.timers import PhaseTimers
 from offload.train.deferred import DeferredStep
 from offload.train.rollback import StepRollback
+from offload.train.surface import consolidated_state_dict, optimizer_param_groups
 from offload.train.writeback import PartitionWriteBack
 from tensorio import BufferPool
 
@@ -51,33 +52,47 @@ __all__ = ["Engine", "initialize"]
 log = logging.getLogger("offload")
 
 
-def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
-               config: Mapping[str, Any] | str | os.PathLike | None = None, optimizer: Any = None,
-               lr_scheduler: Any = None, training_data: Any = None, collate_fn: Callable | None = None,
-               *, config_params: Mapping[str, Any] | None = None,
+def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
+               model_parameters: Iterable[Any] | None = None, training_data: Any = None, lr_scheduler: Any = None,
+               distributed_port: int = 29500, mpu: Any = None, dist_init_required: bool | None = None,
+               collate_fn: Callable | None = None, config: Mapping[str, Any] | str | os.PathLike | None = None,
+               mesh_param: Any = None, config_params: Mapping[str, Any] | None = None,
                ) -> tuple["Engine", torch.optim.Optimizer, Any, Any]:
-    """Wrap ``model`` in a stage-3 engine, as ``deepspeed.initialize`` does.
+    """Wrap ``model`` in a stage-3 engine, as ``deepspeed.initialize`` does (same arguments, same order).
 
     Args:
+        args: optional; its ``deepspeed_config`` (a path) is the config when ``config`` is not given.
         model: any torch.nn.Module on the CPU. Its parameters are partitioned in place: between uses
             their ``.data`` is empty; use the engine to run it.
-        model_parameters: accepted for DeepSpeed compatibility; every parameter of ``model`` is trained
-            (freeze one with ``requires_grad=False`` instead).
+        optimizer: None (the config's ``optimizer`` section), a ``torch.optim.Adam``/``AdamW`` whose
+            param groups and hyperparameters are taken over, or a callable ``f(params) -> optimizer``.
+        model_parameters: None (every trainable parameter), or param group dicts (``{"params": [...],
+            "weight_decay": 0.0}``, ...) giving the config's optimizer several groups, each with its own
+            lr / betas / eps / weight_decay. A trainable parameter must be in a group.
+        training_data: a dataset; when given, a DataLoader of ``train_micro_batch_size_per_gpu`` is returned.
+        lr_scheduler: None (the config's ``scheduler``), a scheduler object, or ``f(optimizer)``.
+        distributed_port: accepted (torchrun's MASTER_PORT sets the port).
+        mpu, mesh_param: must be None (data parallel only).
+        dist_init_required: None starts a process group when torchrun launched several ranks; True
+            starts one whenever none exists; False never does.
         config: a DeepSpeed-format dict or JSON path without "auto" values (see `resolve_auto`).
             ``config_params`` is DeepSpeed's older name for it.
-        optimizer: None (the config's ``optimizer`` section), a ``torch.optim.Adam``/``AdamW`` whose
-            hyperparameters are taken over, or a callable ``f(params) -> optimizer``.
-        lr_scheduler: None (the config's ``scheduler``), a scheduler object, or ``f(optimizer)``.
-        training_data: a dataset; when given, a DataLoader of ``train_micro_batch_size_per_gpu`` is returned.
 
     Returns ``(engine, optimizer, dataloader or None, lr_scheduler or None)``.
     Raises ValueError for a bad config (naming the key), a missing optimizer, or a parameter the
     engine cannot partition; FileNotFoundError / PermissionError for a bad ``nvme_path``.
     """
-    if config is None:
-        config = config_params
-    if config is None:
-        raise ValueError("config: missing; pass config=<dict or path of a DeepSpeed-format JSON config>")
+    from offload.train.surface import check_distributed_arguments, config_from_arguments
+
+    if model is None and isinstance(args, nn.Module):
+        raise ValueError("model: missing; the first positional argument of initialize is args, as in "
+                         "deepspeed.initialize: pass model=...")
+    if model is None:
+        raise ValueError("model: missing; pass model=<the torch.nn.Module to train>")
+    config = config_from_arguments(args, config, config_params)
+    check_distributed_arguments(dist_init_required, mpu, mesh_param, world_size_from_env())
+    if dist_init_required and not (dist.is_available() and dist.is_initialized()):
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
     world_size, rank, group = _process_group()
     if isinstance(config, EngineConfig):
         cfg = config
@@ -86,7 +101,7 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
     else:
         cfg = EngineConfig.from_file(config, world_size=world_size)
     engine = _assemble(model, cfg, world_size=world_size, rank=rank, group=group, optimizer=optimizer,
-                       lr_scheduler=lr_scheduler)
+                       lr_scheduler=lr_scheduler, model_parameters=model_parameters)
     loader = None
     if training_data is not None:
         loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu,
@@ -129,7 +144,7 @@ def _warn_no_effect(zero: Any) -> None:
 
 
 def _assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int, group: Any,
-              optimizer: Any, lr_scheduler: Any) -> "Engine":
+              optimizer: Any, lr_scheduler: Any, model_parameters: Iterable[Any] | None = None) -> "Engine":
     """Build the engine in the order each part needs the one before it.
 
     All or nothing: on any error the model's parameters get their original tensors back, and every
@@ -142,7 +157,7 @@ def _assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int
         originals = [(p, p.data) for p in model.parameters()]  # references, not copies
         undo.callback(_restore, originals)
         engine = _build(model, cfg, undo, world_size=world_size, rank=rank, group=group, optimizer=optimizer,
-                        lr_scheduler=lr_scheduler)
+                        lr_scheduler=lr_scheduler, model_parameters=model_parameters)
         undo.pop_all()  # success: nothing to undo
     dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None
     if dtype is not None:  # floating buffers follow the parameters, as model.half() would cast them
@@ -223,7 +238,7 @@ def _restore(originals: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
 
 
 def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, world_size: int, rank: int,
-           group: Any, optimizer: Any, lr_scheduler: Any) -> "Engine":
+           group: Any, optimizer: Any, lr_scheduler: Any, model_parameters: Iterable[Any] | None = None) -> "Engine":
     """`_assemble`'s steps; each thing made is registered in ``undo`` for removal on failure."""
     zero = cfg.zero_optimization
     offload_param, offload_opt = zero.offload_param, zero.offload_optimizer
@@ -292,7 +307,8 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
                      offload_param.buffer_size)
             sub_group_size = max(1024, offload_param.buffer_size)
     with checkpoint.sized_partitions(trainable):
-        opt = _build_optimizer(cfg, optimizer, [rec.partition for rec in trainable], overlap_backward=in_backward,
+        opt = _build_optimizer(cfg, optimizer, optimizer_param_groups(trainable, optimizer, model_parameters),
+                               overlap_backward=in_backward,
                                spare_limit=spare_limit, sub_group_size=sub_group_size, buffer_count=buffer_count)
     if hasattr(opt, "close"):
         undo.callback(opt.close)
@@ -427,10 +443,10 @@ def _hand_over(opt: OffloadAdam, writeback: PartitionWriteBack | None, rollback:
     opt.grad_ready(rec.partition, grad=grad.view(rec.partition.shape))
 
 
-def _build_optimizer(cfg: EngineConfig, client: Any, params: list[nn.Parameter], *,
+def _build_optimizer(cfg: EngineConfig, client: Any, params: list[dict[str, Any]], *,
                      overlap_backward: bool = False, spare_limit: int | None = None,
                      sub_group_size: int, buffer_count: int) -> torch.optim.Optimizer:
-    """OffloadAdam over ``params`` with the config's or the client optimizer's hyperparameters."""
+    """OffloadAdam over the param groups ``params`` with the config's or the client optimizer's hyperparameters."""
     off = cfg.zero_optimization.offload_optimizer
     swap = dict(nvme_offload_fraction=off.ratio if off.device == "nvme" else 0.0,
                 nvme_offload_dir=off.nvme_path if off.device == "nvme" else None,
@@ -447,17 +463,14 @@ def _build_optimizer(cfg: EngineConfig, client: Any, params: list[nn.Parameter],
     if cfg.optimizer is not None:
         raise ValueError('optimizer: given both in the config and as optimizer=; keep one')
     if isinstance(client, (torch.optim.Adam, torch.optim.AdamW)):
-        d = client.defaults
-        if len(client.param_groups) > 1:
-            raise ValueError("optimizer=: a client optimizer with several param groups cannot be taken over; "
-                             "pass a callable f(params) -> optimizer, or use the config's optimizer section")
+        d = client.defaults  # each group's own lr, betas, eps and weight_decay are in ``params``
         if d.get("amsgrad"):
             raise ValueError("optimizer=: amsgrad=True is not supported; use amsgrad=False")
         adamw = isinstance(client, torch.optim.AdamW) or bool(d.get("decoupled_weight_decay", False))
         return OffloadAdam(params, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
                            adamw_mode=adamw, **swap)
     if callable(client):
-        return client(params)
+        return client(params if len(params) > 1 else params[0]["params"])
     raise ValueError(f"optimizer=: a {type(client).__name__} cannot be taken over; pass a torch.optim.Adam or "
                      f"AdamW, a callable f(params) -> optimizer, or None with an optimizer section in the config")
 
@@ -505,6 +518,14 @@ class Engine:
         self._rolled_back: str | None = None
         """The last step that failed and was rolled back entirely (training may go on)."""
         self.timers = PhaseTimers.from_config(config, log=log.info if rank == 0 else (lambda line: None))
+        self._boundary: bool | None = None
+        """`set_gradient_accumulation_boundary`'s override (None: count micro steps)."""
+        self._fresh_grads = False
+        """Gradients accumulated since the last step or zero_grad (`get_global_grad_norm` reads them)."""
+        self._lr_kwargs: Mapping[str, Any] = {}
+        self._last_grad_norm: float | None = None
+        """The global gradient norm of the last step (before clipping, unscaled), None before the first."""
+        optimizer.overflow = False  # DeepSpeed's ZeRO optimizers' flag: whether the last step was skipped
         self._finalizer = weakref.finalize(self, _close, store, reducer, optimizer)
 
     # ---- training ---------------------------------------------------------------------------------
@@ -528,15 +549,18 @@ class Engine:
                 self._give_up(error, gradients_lost=False)  # the update of the last step failed
             raise
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate ``loss`` (divided by gradient_accumulation_steps, times the fp16 loss scale).
+    def backward(self, loss: torch.Tensor, release_loss: bool = False, retain_graph: bool = False,
+                 scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backpropagate ``loss`` (divided by gradient_accumulation_steps unless ``scale_wrt_gas`` is
+        False, times the fp16 loss scale); return the loss backpropagated before the loss scale, as
+        DeepSpeed does. ``release_loss`` is accepted (DeepSpeed ignores it too).
 
         Gradients are reduced to this rank's partitions as they are produced.
         """
-        if self.config.gradient_accumulation_steps > 1:
+        if self.config.gradient_accumulation_steps > 1 and scale_wrt_gas:
             loss = loss / self.config.gradient_accumulation_steps
-        if self.loss_scaler is not None:
-            loss = self.loss_scaler.scale_loss(loss)
+        scaled = self.loss_scaler.scale_loss(loss) if self.loss_scaler is not None else loss
+        self._fresh_grads = True
         # Sync point: the last step's updates have run, and, where this backward's gradients go to the
         # partitions' free slots, the step has committed (raises after giving it up).
         self._finish_last_step(commit=self._reducer.param_slots)
@@ -553,7 +577,7 @@ class Engine:
                 self._rollback.begin_step()
             # Saved-tensor hooks here too: reentrant activation checkpointing re-runs forward in backward.
             with self.timers.phase("backward"), self._store.saved_tensor_hooks():
-                loss.backward()
+                scaled.backward(retain_graph=retain_graph)
                 self._reducer.flush()  # sync point: the last buckets' reductions
         except BaseException as error:
             self._reducer.abandon()
@@ -565,13 +589,23 @@ class Engine:
             raise
         finally:
             self._store.end_backward()  # sync point: every gathered parameter and unused prefetch is released
+        return loss
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the next ``step()`` updates the parameters."""
+        """True when the next ``step()`` updates the parameters: every gradient_accumulation_steps micro
+        steps, or as `set_gradient_accumulation_boundary` said."""
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
-    def step(self) -> None:
-        """End a micro step; at a gradient-accumulation boundary, update the parameters.
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Say, before each micro batch's backward, whether the next ``step()`` updates (DeepSpeed's
+        override, which Accelerate sets from its ``sync_gradients``); None: count micro steps again."""
+        self._boundary = is_boundary
+
+    def step(self, lr_kwargs: Mapping[str, Any] | None = None) -> None:
+        """End a micro step; at a gradient-accumulation boundary, update the parameters. ``lr_kwargs``
+        are passed to the scheduler's ``step`` (as DeepSpeed does).
 
         Raises tensorio.TensorIOError when the swap files fail, RuntimeError when fp16 overflows at
         the minimum loss scale.
@@ -581,9 +615,13 @@ class Engine:
             raise RuntimeError(f"cannot step: {self._grads_failure}; call zero_grad() and run the accumulation "
                                f"again, or load_checkpoint(...)")
         if self.is_gradient_accumulation_boundary():
+            self._last_grad_norm = self._step_norm()
             snapshot = self._counters() if self._rollback is not None else None
+            skipped = self.skipped_steps
+            self._lr_kwargs = lr_kwargs or {}
             with self.timers.phase("step"):
                 self._optimizer_step(snapshot)
+            self.optimizer.overflow = self.skipped_steps > skipped
             self.global_steps += 1
             if self.global_steps % self.config.steps_per_print == 0:
                 self._report()
@@ -714,7 +752,7 @@ class Engine:
             self.zero_grad()
             return
         if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+            self.lr_scheduler.step(**self._lr_kwargs)
         self.zero_grad()  # the step holds the gradients now
 
     def _finish_last_step(self, *, commit: bool = False) -> None:
@@ -780,7 +818,7 @@ class Engine:
         for rec in records:
             self._store.refresh(rec)
         if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+            self.lr_scheduler.step(**self._lr_kwargs)
         self.zero_grad()
         self._store.prefetch_from_start()
 
@@ -828,6 +866,7 @@ class Engine:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the accumulated gradient partitions (in memory and offloaded)."""
         self._grads_failure = None
+        self._fresh_grads = False
         self._reducer.clear()
         for rec in self._store.records:
             rec.partition.grad = None
@@ -842,12 +881,33 @@ class Engine:
         self.module.eval()
         return self
 
+    def parameters(self, recurse: bool = True) -> Iterable[nn.Parameter]:
+        """The model's parameters (DeepSpeed's engine is a module; trainers count and iterate them).
+        Between uses their ``.data`` is empty: their shapes are in `records`."""
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True) -> Iterable[tuple[str, nn.Parameter]]:
+        """The model's named parameters (see `parameters`)."""
+        return self.module.named_parameters(prefix, recurse)
+
     def get_lr(self) -> list[float]:
         """The learning rate of each param group."""
         return [group["lr"] for group in self.optimizer.param_groups]
 
-    def get_global_grad_norm(self) -> float:
-        """The global L2 norm of the accumulated gradients over all ranks (before clipping)."""
+    def get_global_grad_norm(self) -> float | None:
+        """The global L2 norm of the gradients over all ranks, before clipping: of those accumulated
+        since the last step (between backward and step), else of the last step's, as DeepSpeed keeps
+        it (None before the first step). Under fp16 the last step's is unscaled."""
+        if not self._fresh_grads:
+            return self._last_grad_norm
+        return self._accumulated_norm()
+
+    def _step_norm(self) -> float:
+        """The norm `get_global_grad_norm` keeps for the step about to run (fp16: unscaled)."""
+        norm = self._accumulated_norm()
+        return norm / self.loss_scaler.loss_scale if self.loss_scaler is not None else norm
+
+    def _accumulated_norm(self) -> float:
         total = torch.zeros((), dtype=torch.float64)
         self._reducer.drain()
         for rec in self._store.records:
@@ -871,7 +931,8 @@ class Engine:
     # ---- checkpoints ------------------------------------------------------------------------------------
 
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
-                        client_state: Mapping[str, Any] | None = None) -> str:
+                        client_state: Mapping[str, Any] | None = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> str:
         """Save this rank's parameter partitions, optimizer state (offloaded included), loss scale,
         scheduler, counters and ``client_state`` under ``save_dir/tag`` (default tag
         ``global_step<N>``); return the path. Layout and guarantees: `offload.train.checkpoint`.
@@ -879,8 +940,10 @@ class Engine:
         Streamed: one partition and one optimizer sub-group in memory at a time, whatever the model's
         size. Written atomically: until the new tag is complete the previous checkpoint and ``latest``
         are untouched. Nothing is pickled: ``client_state`` holds JSON values and tensors. Every rank
-        must call it. Raises TypeError for a ``client_state`` entry that is neither, OSError naming
-        the file (ENOSPC, ...), TensorIOError.
+        must call it. ``save_latest`` False leaves ``latest`` as it was. ``exclude_frozen_parameters``
+        leaves out the partitions of parameters with ``requires_grad=False`` (a load keeps the model's
+        values for them). Returns the path (DeepSpeed returns True; a path is true too). Raises TypeError
+        for a ``client_state`` entry that is neither, OSError naming the file (ENOSPC, ...), TensorIOError.
         """
         self._check_not_failed("save a checkpoint")
         tag = tag if tag is not None else f"global_step{self.global_steps}"
@@ -891,31 +954,48 @@ class Engine:
                  "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
                  "client_state": dict(client_state or {})}
         path = checkpoint.save_checkpoint(save_dir, tag, rank=self.rank, group=self.group, store=self._store,
-                                          optimizer=self.optimizer, state=state)
+                                          optimizer=self.optimizer, state=state, update_latest=save_latest,
+                                          exclude_frozen=exclude_frozen_parameters)
         self._last_checkpoint = path
         return path
 
-    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Callable | None = None
                         ) -> tuple[str | None, dict[str, Any] | None]:
         """Load a checkpoint written by ``save_checkpoint`` (tag None: the one ``latest`` names).
 
-        Streamed like the save; never unpickles. Returns ``(path, client_state)``. Raises
-        FileNotFoundError for a missing checkpoint and ValueError when it was saved with another
-        world size or for another model (before any parameter changes).
+        Streamed like the save; never unpickles. Returns ``(path, client_state)``, or ``(None, None)``
+        with a warning when ``tag`` is None and ``load_dir`` has no ``latest`` (as DeepSpeed does).
+        ``load_optimizer_states`` False keeps the optimizer's state (fp32 training only: under fp16/bf16
+        the master weights are optimizer state); ``load_lr_scheduler_states`` False keeps the schedule;
+        ``load_module_only`` loads the parameters alone (no optimizer, schedule, loss scale or counters).
+        ``load_module_strict`` False is accepted: the checkpoint's parameters must still be the model's.
+        Raises FileNotFoundError for a missing tag and ValueError when it was saved with another
+        world size or for another model (before any parameter changes), or for ``custom_load_fn``.
         """
+        from offload.train.surface import check_load_arguments
+
+        if tag is None and not os.path.isfile(os.path.join(os.fspath(load_dir), "latest")):
+            log.warning("load_checkpoint: %s has no 'latest' file; nothing loaded (pass tag= to load a given "
+                        "checkpoint)", os.fspath(load_dir))
+            return None, None
+        load_optimizer = check_load_arguments(self.config, load_optimizer_states=load_optimizer_states,
+                                              load_module_only=load_module_only, custom_load_fn=custom_load_fn)
         if self._rollback is not None:
             self._abandon_updates()  # updates still running would write over the loaded values
             self._rollback.take_aborts()
         self._store.release_all()  # partitions read ahead would hold the values from before the load
         path, state = checkpoint.load_checkpoint(load_dir, tag, rank=self.rank, world_size=self.world_size,
-                                                 store=self._store, optimizer=self.optimizer)
-        if self.loss_scaler is not None and state["loss_scaler"] is not None:
-            self.loss_scaler.load_state_dict(state["loss_scaler"])
-        if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.global_steps, self.micro_steps = state["global_steps"], state["micro_steps"]
-        self.skipped_steps = state["skipped_steps"]
+                                                 store=self._store, optimizer=self.optimizer if load_optimizer else None)
         self.zero_grad()
+        if not load_module_only:
+            if self.loss_scaler is not None and state["loss_scaler"] is not None:
+                self.loss_scaler.load_state_dict(state["loss_scaler"])
+            if self.lr_scheduler is not None and state["lr_scheduler"] is not None and load_lr_scheduler_states:
+                self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            self.global_steps, self.micro_steps = state["global_steps"], state["micro_steps"]
+            self.skipped_steps = state["skipped_steps"]
         self._failure, self._last_checkpoint = None, path  # every partition holds the checkpoint's values
         self._rolled_back = None
         return path, state["client_state"]
@@ -965,6 +1045,22 @@ class Engine:
                 self._store.release(rec)
             for name in rec.names:
                 yield name, full
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """zero_optimization.stage3_gather_16bit_weights_on_model_save: whether `save_16bit_model` writes."""
+        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor] | None:
+        """The whole model's state dict (parameters in the training dtype, gathered one at a time, and
+        persistent buffers) on rank 0, None on the other ranks, as DeepSpeed's: what Hugging Face's
+        Trainer saves with ``save_pretrained``. Every rank must call it. The whole model is in rank 0's
+        memory: for a model larger than memory use `save_16bit_model`, which streams."""
+        return consolidated_state_dict(self.module, self.full_parameters(), rank=self.rank,
+                                       exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def destroy(self) -> None:
+        """DeepSpeed's name for releasing the engine's resources: `close`."""
+        self.close()
 
     def close(self) -> None:
         """Remove the hooks, the parameter swap file and the optimizer's swap file.
