@@ -43,7 +43,7 @@ from offload.train.loss_scaler import build_loss_scaler
 from offload.train.timers import PhaseTimers
 from offload.train.deferred import DeferredStep
 from offload.train.rollback import StepRollback
-from offload.train.surface import consolidated_state_dict, optimizer_param_groups
+from offload.train.surface import consolidated_state_dict, in_optimizer_order, optimizer_param_groups
 from offload.train.writeback import PartitionWriteBack
 from tensorio import BufferPool
 
@@ -306,9 +306,10 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
                      "NVMe wait in memory until their whole sub-group is updated", sub_group_size,
                      offload_param.buffer_size)
             sub_group_size = max(1024, offload_param.buffer_size)
+    groups = optimizer_param_groups(trainable, optimizer, model_parameters)
+    trainable = in_optimizer_order(trainable, groups)  # the optimizer's i-th parameter is trainable[i]'s partition
     with checkpoint.sized_partitions(trainable):
-        opt = _build_optimizer(cfg, optimizer, optimizer_param_groups(trainable, optimizer, model_parameters),
-                               overlap_backward=in_backward,
+        opt = _build_optimizer(cfg, optimizer, groups, overlap_backward=in_backward,
                                spare_limit=spare_limit, sub_group_size=sub_group_size, buffer_count=buffer_count)
     if hasattr(opt, "close"):
         undo.callback(opt.close)

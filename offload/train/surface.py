@@ -18,8 +18,8 @@ from torch import nn
 
 from offload.params import ParamRecord
 
-__all__ = ["check_distributed_arguments", "check_load_arguments", "config_from_arguments", "optimizer_param_groups",
-           "consolidated_state_dict"]
+__all__ = ["check_distributed_arguments", "check_load_arguments", "config_from_arguments", "consolidated_state_dict",
+           "in_optimizer_order", "optimizer_param_groups"]
 
 log = logging.getLogger("offload")
 
@@ -108,6 +108,13 @@ def optimizer_param_groups(trainable: list[ParamRecord], client: Any, model_para
         raise ValueError(f"parameters {missing[:5]}{' ...' if len(missing) > 5 else ''} are trainable but in no param "
                          f"group of the optimizer; add them to a group or set requires_grad=False")
     return [group for group in groups if group["params"]]
+
+
+def in_optimizer_order(trainable: list[ParamRecord], groups: list[dict[str, Any]]) -> list[ParamRecord]:
+    """``trainable``'s records in the order the optimizer built over ``groups`` numbers its parameters
+    (group by group): the order the engine's parts that index the optimizer's parameters rely on."""
+    by_partition = {id(rec.partition): rec for rec in trainable}
+    return [by_partition[id(p)] for group in groups for p in group["params"]]
 
 
 def consolidated_state_dict(module: nn.Module, full_parameters: Iterable[tuple[str, torch.Tensor]], *,
