@@ -904,8 +904,17 @@ class Engine:
         return self._accumulated_norm()
 
     def _step_norm(self) -> float:
-        """The norm `get_global_grad_norm` keeps for the step about to run (fp16: unscaled)."""
-        norm = self._accumulated_norm()
+        """The norm `get_global_grad_norm` keeps for the step about to run (fp16: unscaled). Its wait for
+        the gradients' writes may raise their error: handled as the step's own check would handle it."""
+        try:
+            norm = self._accumulated_norm()
+        except BaseException as error:
+            if self._rollback is not None and self._rollback.uncommitted:  # updates ran during backward
+                self._give_up(error, gradients_lost=True)
+            else:  # nothing is updated yet: the parameters are whole
+                self._grads_failure = (f"step {self.global_steps + 1} failed before its update ({type(error).__name__}: "
+                                       f"{error}): its gradients are lost, the parameters are whole")
+            raise
         return norm / self.loss_scaler.loss_scale if self.loss_scaler is not None else norm
 
     def _accumulated_norm(self) -> float:
