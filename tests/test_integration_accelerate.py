@@ -51,7 +51,8 @@ def run(accelerator, prepared, skip=0):
 def config(disk_dir):
     return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": 1.0,
             "zero_optimization": {"stage": 3,
-                                  "offload_param": {"device": "nvme", "nvme_path": str(disk_dir), "buffer_size": 1 << 14},
+                                  "offload_param": {"device": "nvme", "nvme_path": str(disk_dir), "buffer_size": 1 << 14,
+                                                    "max_in_cpu": 0},
                                   "offload_optimizer": {"device": "nvme", "nvme_path": str(disk_dir)}}}
 
 

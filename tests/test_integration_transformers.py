@@ -50,7 +50,8 @@ def nvme_config(disk_dir):
         "train_batch_size": "auto", "gradient_clipping": "auto",
         "zero_optimization": {
             "stage": 3, "stage3_gather_16bit_weights_on_model_save": True,
-            "offload_param": {"device": "nvme", "nvme_path": str(disk_dir), "buffer_count": 4, "buffer_size": 1 << 16},
+            "offload_param": {"device": "nvme", "nvme_path": str(disk_dir), "buffer_count": 4, "buffer_size": 1 << 16,
+                              "max_in_cpu": 0},
             "offload_optimizer": {"device": "nvme", "nvme_path": str(disk_dir)},
         },
     }
