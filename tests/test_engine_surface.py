@@ -197,3 +197,17 @@ def test_load_without_optimizer_states_is_refused_under_bf16(disk_dir, tmp_path)
     with pytest.raises(ValueError, match="master weights"):
         engine.load_checkpoint(tmp_path, load_optimizer_states=False)
     engine.close()
+
+
+def test_save_pretrained_on_the_partitioned_model_writes_the_real_weights(disk_dir, tmp_path):
+    import transformers
+
+    engine = _trained(disk_dir, 2)
+    trained = dict(engine.full_parameters())
+    engine.module.save_pretrained(tmp_path / "saved")
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "saved")
+    for name, tensor in reloaded.named_parameters():
+        torch.testing.assert_close(tensor.detach(), trained[name], msg=lambda m: f"{name}: {m}")
+    engine.close()
+    with pytest.raises(RuntimeError, match="save_16bit_model"):
+        engine.module.save_pretrained(tmp_path / "late")

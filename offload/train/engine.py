@@ -43,7 +43,8 @@ from offload.train.loss_scaler import build_loss_scaler
 from offload.train.timers import PhaseTimers
 from offload.train.deferred import DeferredStep
 from offload.train.rollback import StepRollback
-from offload.train.surface import consolidated_state_dict, in_optimizer_order, optimizer_param_groups
+from offload.train.surface import (consolidated_state_dict, in_optimizer_order, optimizer_param_groups,
+                                   save_pretrained_gathered)
 from offload.train.writeback import PartitionWriteBack
 from tensorio import BufferPool
 
@@ -528,6 +529,7 @@ class Engine:
         """The global gradient norm of the last step (before clipping, unscaled), None before the first."""
         optimizer.overflow = False  # DeepSpeed's ZeRO optimizers' flag: whether the last step was skipped
         self._finalizer = weakref.finalize(self, _close, store, reducer, optimizer)
+        save_pretrained_gathered(self)  # engine.module.save_pretrained() writes the real weights
 
     # ---- training ---------------------------------------------------------------------------------
 
@@ -1067,6 +1069,11 @@ class Engine:
         memory: for a model larger than memory use `save_16bit_model`, which streams."""
         return consolidated_state_dict(self.module, self.full_parameters(), rank=self.rank,
                                        exclude_frozen_parameters=exclude_frozen_parameters)
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close` ran (the swap files are gone; the parameters cannot be gathered any more)."""
+        return not self._finalizer.alive
 
     def destroy(self) -> None:
         """DeepSpeed's name for releasing the engine's resources: `close`."""

@@ -9,8 +9,9 @@ on a DeepSpeed engine; `offload.train.engine.Engine` delegates to them.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
-import os
+import weakref
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 from offload.params import ParamRecord
 
 __all__ = ["check_distributed_arguments", "check_load_arguments", "config_from_arguments", "consolidated_state_dict",
-           "in_optimizer_order", "optimizer_param_groups"]
+           "in_optimizer_order", "optimizer_param_groups", "save_pretrained_gathered"]
 
 log = logging.getLogger("offload")
 
@@ -151,3 +152,30 @@ def check_load_arguments(config: Any, *, load_optimizer_states: bool, load_modul
                          "whose fp32 master weights are optimizer state; load the whole checkpoint, or the "
                          "weights alone with engine.load_pretrained")
     return load_optimizer
+
+
+def save_pretrained_gathered(engine: Any) -> None:
+    """Make ``engine.module.save_pretrained`` (a transformers model's) write the real weights: called
+    without ``state_dict``, it is given the engine's consolidated one (every rank must call it, as with
+    DeepSpeed's). Without this, the partitioned parameters' empty tensors would be written, silently.
+    After ``engine.close()`` it raises RuntimeError naming `save_16bit_model`."""
+    module = engine.module
+    original = getattr(module, "save_pretrained", None)
+    if original is None:
+        return
+    ref = weakref.ref(engine)
+
+    @functools.wraps(original)
+    def save_pretrained(*args: Any, state_dict: Mapping[str, torch.Tensor] | None = None, **kwargs: Any) -> Any:
+        if state_dict is None:
+            live = ref()
+            if live is None or live.closed:
+                raise RuntimeError("save_pretrained: the model's parameters are partitioned and their engine is "
+                                   "closed; save with engine.save_16bit_model(dir) or "
+                                   "engine._zero3_consolidated_16bit_state_dict() before closing it")
+            state_dict = live._zero3_consolidated_16bit_state_dict()
+            if live.rank != 0:
+                return None
+        return original(*args, state_dict=state_dict, **kwargs)
+
+    module.save_pretrained = save_pretrained
