@@ -44,7 +44,7 @@ from offload.train.timers import PhaseTimers
 from offload.train.deferred import DeferredStep
 from offload.train.rollback import StepRollback
 from offload.train.surface import (consolidated_state_dict, in_optimizer_order, optimizer_param_groups,
-                                   save_pretrained_gathered)
+                                   save_pretrained_gathered, step_scheduler)
 from offload.train.writeback import PartitionWriteBack
 from tensorio import BufferPool
 
@@ -755,7 +755,7 @@ class Engine:
             self.zero_grad()
             return
         if self.lr_scheduler is not None:
-            self.lr_scheduler.step(**self._lr_kwargs)
+            step_scheduler(self.lr_scheduler, self._lr_kwargs)
         self.zero_grad()  # the step holds the gradients now
 
     def _finish_last_step(self, *, commit: bool = False) -> None:
@@ -821,7 +821,7 @@ class Engine:
         for rec in records:
             self._store.refresh(rec)
         if self.lr_scheduler is not None:
-            self.lr_scheduler.step(**self._lr_kwargs)
+            step_scheduler(self.lr_scheduler, self._lr_kwargs)
         self.zero_grad()
         self._store.prefetch_from_start()
 

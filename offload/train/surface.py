@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import warnings
 import weakref
 from typing import Any, Iterable, Mapping
 
@@ -20,7 +21,7 @@ from torch import nn
 from offload.params import ParamRecord
 
 __all__ = ["check_distributed_arguments", "check_load_arguments", "config_from_arguments", "consolidated_state_dict",
-           "in_optimizer_order", "optimizer_param_groups", "save_pretrained_gathered"]
+           "in_optimizer_order", "optimizer_param_groups", "save_pretrained_gathered", "step_scheduler"]
 
 log = logging.getLogger("offload")
 
@@ -179,3 +180,16 @@ def save_pretrained_gathered(engine: Any) -> None:
         return original(*args, state_dict=state_dict, **kwargs)
 
     module.save_pretrained = save_pretrained
+
+
+_ORDER_WARNINGS = r"(Detected call of `lr_scheduler\.step\(\)` before|Seems like `optimizer\.step\(\)` has been overridden)"
+"""torch's checks that ``optimizer.step()`` ran before ``lr_scheduler.step()``: the engine runs the update
+itself (during backward, in the next forward or in chunks), not always through ``optimizer.step()``."""
+
+
+def step_scheduler(scheduler: Any, lr_kwargs: Mapping[str, Any]) -> None:
+    """Step the engine's learning-rate schedule after an update, without torch's call-order warnings
+    (they do not apply: the update the schedule follows has been handed over or run)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_ORDER_WARNINGS, category=UserWarning)
+        scheduler.step(**lr_kwargs)
