@@ -2,6 +2,8 @@
 a saved model that reloads, and an exact resume (issue 26's target, on a tiny GPT-2)."""
 
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ pytest.importorskip("accelerate")
 
 from offload.integrations.transformers import OffloadTrainer  # noqa: E402
 
+REPO = Path(__file__).resolve().parent.parent
 STEPS, ACCUMULATION, MICRO = 20, 2, 2
 SEQ = 16
 
@@ -138,3 +141,26 @@ def test_config_optimizer_and_scheduler_are_the_engines(disk_dir, tmp_path):
 def test_missing_config_is_refused(tmp_path):
     with pytest.raises(ValueError, match="offload_config"):
         OffloadTrainer(model=tiny_gpt2(), args=arguments(tmp_path))
+
+
+def _torchrun(kind, out):
+    import json
+    import subprocess
+    import sys
+
+    from benchmarks._common import free_port
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), "-m", "tests.trainer_dist_worker", kind, str(out)],
+                          capture_output=True, text=True, env=env, cwd=REPO, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("LOGS "))
+    return json.loads(line[5:])
+
+
+def test_two_ranks_through_torchrun_match_plain_trainer(disk_dir):
+    """Two gloo processes: OffloadTrainer (each rank one partition) against plain Trainer's DDP."""
+    ours, theirs = _torchrun("offload", disk_dir), _torchrun("plain", disk_dir)
+    assert_same_logs(ours, theirs)
+    assert (disk_dir / "saved" / "model.safetensors").is_file()
