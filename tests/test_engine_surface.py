@@ -211,3 +211,15 @@ def test_save_pretrained_on_the_partitioned_model_writes_the_real_weights(disk_d
     engine.close()
     with pytest.raises(RuntimeError, match="save_16bit_model"):
         engine.module.save_pretrained(tmp_path / "late")
+
+
+def test_a_forward_with_gradients_outside_the_engine_is_refused(disk_dir):
+    engine = _trained(disk_dir, 1)
+    batch = gpt2_batches(1)[0]
+    with pytest.raises(RuntimeError, match=r"call engine\(\.\.\.\)"):
+        gpt2_loss(engine.module, batch)
+    with torch.no_grad():  # evaluation on the module itself is fine
+        assert torch.isfinite(gpt2_loss(engine.module, batch))
+    engine.backward(gpt2_loss(engine, batch))  # and training through the engine goes on
+    engine.step()
+    engine.close()

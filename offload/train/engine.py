@@ -44,7 +44,7 @@ from offload.train.timers import PhaseTimers
 from offload.train.deferred import DeferredStep
 from offload.train.rollback import StepRollback
 from offload.train.surface import (consolidated_state_dict, in_optimizer_order, optimizer_param_groups,
-                                   save_pretrained_gathered, step_scheduler)
+                                   refuse_forward_outside, save_pretrained_gathered, step_scheduler)
 from offload.train.writeback import PartitionWriteBack
 from tensorio import BufferPool
 
@@ -530,6 +530,9 @@ class Engine:
         optimizer.overflow = False  # DeepSpeed's ZeRO optimizers' flag: whether the last step was skipped
         self._finalizer = weakref.finalize(self, _close, store, reducer, optimizer)
         save_pretrained_gathered(self)  # engine.module.save_pretrained() writes the real weights
+        self.forwarding = 0
+        """Forwards running through the engine (a forward with gradients of ``module`` alone is refused)."""
+        refuse_forward_outside(self)
 
     # ---- training ---------------------------------------------------------------------------------
 
@@ -544,6 +547,7 @@ class Engine:
         if self._deferred is None:
             self._settle()
         self._store.begin_forward()
+        self.forwarding += 1
         try:
             with self.timers.phase("forward"), self._store.saved_tensor_hooks():
                 return self.module(*args, **kwargs)
@@ -551,6 +555,8 @@ class Engine:
             if self._deferred is not None and self._deferred.failed:
                 self._give_up(error, gradients_lost=False)  # the update of the last step failed
             raise
+        finally:
+            self.forwarding -= 1
 
     def backward(self, loss: torch.Tensor, release_loss: bool = False, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:

@@ -21,7 +21,8 @@ from torch import nn
 from offload.params import ParamRecord
 
 __all__ = ["check_distributed_arguments", "check_load_arguments", "config_from_arguments", "consolidated_state_dict",
-           "in_optimizer_order", "optimizer_param_groups", "save_pretrained_gathered", "step_scheduler"]
+           "in_optimizer_order", "optimizer_param_groups", "refuse_forward_outside", "save_pretrained_gathered",
+           "step_scheduler"]
 
 log = logging.getLogger("offload")
 
@@ -193,3 +194,20 @@ def step_scheduler(scheduler: Any, lr_kwargs: Mapping[str, Any]) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_ORDER_WARNINGS, category=UserWarning)
         scheduler.step(**lr_kwargs)
+
+
+def refuse_forward_outside(engine: Any) -> None:
+    """Refuse, with an error saying what to call, a forward with gradients of ``engine.module`` that does
+    not go through the engine: its parameters are partitioned, and only the engine's forward lets the
+    backward gather them again (it would fail deep inside autograd: "mat2 must be a matrix"). Forwards
+    under ``torch.no_grad()`` (evaluation, ``generate``) are let through."""
+    ref = weakref.ref(engine)
+
+    def check(module: nn.Module, args: Any) -> None:
+        live = ref()
+        if torch.is_grad_enabled() and (live is None or not live.forwarding):
+            raise RuntimeError("a forward with gradients of engine.module outside the engine: its parameters are "
+                               "partitioned, and only the engine's forward lets backward gather them; call "
+                               "engine(...) (and engine.backward(loss)), or run under torch.no_grad() to evaluate")
+
+    engine.module.register_forward_pre_hook(check)
