@@ -2,8 +2,11 @@
 configure_optimizers' AdamW groups and scheduler, clipping and accumulation; validation; a checkpoint
 at step 5 that resumes identically."""
 
+import os
+
 import pytest
 import torch
+import torch.distributed as dist
 
 pl = pytest.importorskip("lightning.pytorch")
 
@@ -12,6 +15,22 @@ from offload.integrations.lightning import OffloadStrategy  # noqa: E402
 from tests.test_engine import gpt2  # noqa: E402
 
 STEPS, ACCUMULATION = 10, 2
+_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK")
+
+
+@pytest.fixture(autouse=True)
+def nothing_distributed_left():
+    """Lightning's DDP-type strategies start a process group in this process and export its launch
+    variables: both go when each test ends, so that later tests (and their subprocesses) see one process."""
+    saved = {key: os.environ.get(key) for key in _LAUNCH_VARIABLES}
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 class Module(pl.LightningModule):
