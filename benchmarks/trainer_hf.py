@@ -9,7 +9,8 @@ with warm-up), ``--gas`` micro batches per step. Each configuration runs in its 
 that its peak RSS is its own: ``--warmup`` steps, then ``--steps`` timed steps (time between Trainer's
 ``on_step_end`` callbacks). ``--repeats N`` runs both N times, interleaved, and reports the medians and
 the offload / plain ratio within each repeat (project target <= 1.3, with less peak RSS). Peak RSS is
-the kernel's high-water mark over the timed steps.
+the kernel's high-water mark over the timed steps. The offload config is the Hugging Face "auto" one
+with ``max_in_cpu`` 0 and a swap budget of two buffers of the largest parameter.
 """
 
 from __future__ import annotations
@@ -65,11 +66,15 @@ def _child(args: dict) -> None:
     if args["mode"] == "trainer":
         trainer = transformers.Trainer(**common)
     else:
+        # The swap budget of engine_step's runs: two buffers of the largest parameter (DeepSpeed's default,
+        # 5 x 1e8 elements, would let GPT-2 small's parameters all stay gathered in memory).
+        largest = max(p.numel() for p in model.parameters())
         config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                   "gradient_clipping": "auto",
                   "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": "auto",
                                         "stage3_prefetch_bucket_size": "auto", "reduce_bucket_size": "auto",
-                                        "offload_param": {"device": "nvme", "nvme_path": args["dir"], "max_in_cpu": 0},
+                                        "offload_param": {"device": "nvme", "nvme_path": args["dir"], "max_in_cpu": 0,
+                                                          "buffer_count": 2, "buffer_size": largest},
                                         "offload_optimizer": {"device": "nvme", "nvme_path": args["dir"]}}}
         trainer = OffloadTrainer(offload_config=config, **common)
     trainer.train()
