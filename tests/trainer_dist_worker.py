@@ -23,7 +23,18 @@ def main(kind: str, out: str) -> None:
         trainer.save_model(os.path.join(out, "saved"))
         trainer.engine.close()
     if int(os.environ["RANK"]) == 0:
-        print("LOGS " + json.dumps(logged(trainer)))
+        print("LOGS " + json.dumps(logged(trainer)), flush=True)
+    # End the process group before the interpreter's shutdown frees what its collectives used (gloo's
+    # teardown may otherwise abort: docs/engine.md, engine.close()).
+    import gc
+
+    import torch.distributed as dist
+
+    del trainer
+    gc.collect()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
