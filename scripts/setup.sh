@@ -28,9 +28,9 @@ fi
 stamp=.venv/.tensorio-setup
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    echo "setup: installing the project (editable, with test extras)"
-    "${PIP[@]}" install -e '.[test]' 2>&1 | grep -v "^WARNING: Location" || true
-    .venv/bin/python -c 'import tensorio, offload, bench, pytest' # fails loudly if the install did not
+    echo "setup: installing the project (editable, with the test and trainer-integration extras)"
+    "${PIP[@]}" install -e '.[test,lightning,accelerate]' 2>&1 | grep -v "^WARNING: Location" || true
+    .venv/bin/python -c 'import tensorio, offload, bench, pytest, lightning, accelerate' # fails loudly if the install did not
     echo "$want" > "$stamp"
 fi
 

@@ -11,10 +11,12 @@ separate functions the engine calls when it starts: `check_against_model` and `c
 
 from __future__ import annotations
 
+import copy
 import errno
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any
 
 from tensorio import AioConfig
 
@@ -36,8 +38,12 @@ _ZERO_JSON_KEYS = {f.name for f in fields(ZeroConfig)} | {"aio"}
 
 
 @dataclass(kw_only=True, slots=True)
-class EngineConfig:
-    """Every setting of the stage-3 engine, checked; named as DeepSpeed's JSON config names them."""
+class EngineConfig(Mapping):
+    """Every setting of the stage-3 engine, checked; named as DeepSpeed's JSON config names them.
+
+    It is also a read-only mapping over the JSON it was built from (``source``), as DeepSpeed's
+    ``engine.config`` is a dict: ``config["zero_optimization"]["stage"]``, ``config.get("fp16", {})``.
+    """
 
     world_size: int
     """Data-parallel ranks the batch sizes were checked against (not a JSON key; see from_dict)."""
@@ -77,6 +83,18 @@ class EngineConfig:
 
     aio: AioConfig = field(default_factory=AioConfig)
     """NVMe I/O settings (JSON key ``aio`` at the top or inside ``zero_optimization``, not both)."""
+
+    source: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """The DeepSpeed-format dict this was built from ("auto" values resolved): what the mapping reads."""
+
+    def __getitem__(self, key: str) -> Any:
+        return self.source[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.source)
+
+    def __len__(self) -> int:
+        return len(self.source)
 
     def __post_init__(self) -> None:
         self.world_size = integral("world_size", self.world_size, minimum=1)
@@ -129,9 +147,11 @@ class EngineConfig:
         zero = section_values(values.get("zero_optimization", {}), "zero_optimization", _ZERO_JSON_KEYS)
         values["aio"] = _read_aio(values.get("aio"), zero.pop("aio", None))
         values["zero_optimization"] = ZeroConfig.from_dict(zero)
+        source = copy.deepcopy(dict(config))
+        source.update(train_batch_size=train, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accum)
         return cls(
             world_size=world_size, train_batch_size=train, train_micro_batch_size_per_gpu=micro,
-            gradient_accumulation_steps=accum, **values,
+            gradient_accumulation_steps=accum, source=source, **values,
         )
 
     @classmethod

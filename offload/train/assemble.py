@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ from offload.train.step_after_backward import UpdateAfterBackward
 from offload.train.step_in_backward import UpdateDuringBackward
 from offload.train.step_in_forward import UpdateInNextForward
 from offload.train.plan import training_plan
+from offload.train.surface import in_optimizer_order, optimizer_param_groups
 from offload.train.update_mode import StepContext, UpdateMode, UpdatePath, choose_update_mode, fast_optimizer
 from offload.train.writeback import PartitionWriteBack
 from tensorio import BufferPool
@@ -64,7 +65,8 @@ def _warn_no_effect(zero: Any) -> None:
 
 
 def assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int, group: Any,
-             optimizer: Any, lr_scheduler: Any, make_engine: Callable[..., Any]) -> Any:
+             optimizer: Any, lr_scheduler: Any, make_engine: Callable[..., Any],
+             model_parameters: Iterable[Any] | None = None) -> Any:
     """Build the engine (``make_engine(model, ctx, path, world_size=, rank=)``, the `Engine` class) in the
     order each part needs the one before it (see the module docstring).
 
@@ -78,7 +80,7 @@ def assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int,
         originals = [(p, p.data) for p in model.parameters()]  # references, not copies
         undo.callback(_restore, originals)
         engine = _build(model, cfg, undo, world_size=world_size, rank=rank, group=group, optimizer=optimizer,
-                        lr_scheduler=lr_scheduler, make_engine=make_engine)
+                        lr_scheduler=lr_scheduler, make_engine=make_engine, model_parameters=model_parameters)
         undo.pop_all()  # success: nothing to undo
     dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None
     if dtype is not None:  # floating buffers follow the parameters, as model.half() would cast them
@@ -159,7 +161,8 @@ def _restore(originals: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
 
 
 def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, world_size: int, rank: int,
-           group: Any, optimizer: Any, lr_scheduler: Any, make_engine: Callable[..., Any]) -> Any:
+           group: Any, optimizer: Any, lr_scheduler: Any, make_engine: Callable[..., Any],
+           model_parameters: Iterable[Any] | None) -> Any:
     """`assemble`'s steps; each thing made is registered in ``undo`` for removal on failure."""
     zero = cfg.zero_optimization
     offload_param, offload_opt = zero.offload_param, zero.offload_optimizer
@@ -206,8 +209,10 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
     undo.callback(reducer.remove)
     # 5. Optimizer offload: OffloadAdam over the partitions; it plans its sub-groups from their sizes,
     #    so it comes after the partitions exist and before anything runs.
+    groups = optimizer_param_groups(trainable, optimizer, model_parameters)
+    trainable = in_optimizer_order(trainable, groups)  # the optimizer's i-th parameter is trainable[i]'s partition
     with checkpoint.sized_partitions(trainable):
-        opt = _build_optimizer(cfg, optimizer, [rec.partition for rec in trainable], overlap_backward=fast,
+        opt = _build_optimizer(cfg, optimizer, groups, overlap_backward=fast,
                                spare_limit=sizes.spare_limit, sub_group_size=sizes.sub_group_size,
                                buffer_count=sizes.buffer_count)
     if hasattr(opt, "close"):
@@ -250,10 +255,10 @@ def _update_path(mode: UpdateMode, ctx: StepContext, trainable: list[ParamRecord
     return UpdateInNextForward(ctx, writeback, rollback, deferred)
 
 
-def _build_optimizer(cfg: EngineConfig, client: Any, params: list[nn.Parameter], *,
+def _build_optimizer(cfg: EngineConfig, client: Any, params: list[dict[str, Any]], *,
                      overlap_backward: bool = False, spare_limit: int | None = None,
                      sub_group_size: int, buffer_count: int) -> torch.optim.Optimizer:
-    """OffloadAdam over ``params`` with the config's or the client optimizer's hyperparameters."""
+    """OffloadAdam over the param groups ``params`` with the config's or the client optimizer's hyperparameters."""
     off = cfg.zero_optimization.offload_optimizer
     swap = dict(nvme_offload_fraction=off.ratio if off.device == "nvme" else 0.0,
                 nvme_offload_dir=off.nvme_path if off.device == "nvme" else None,
@@ -270,17 +275,14 @@ def _build_optimizer(cfg: EngineConfig, client: Any, params: list[nn.Parameter],
     if cfg.optimizer is not None:
         raise ValueError('optimizer: given both in the config and as optimizer=; keep one')
     if isinstance(client, (torch.optim.Adam, torch.optim.AdamW)):
-        d = client.defaults
-        if len(client.param_groups) > 1:
-            raise ValueError("optimizer=: a client optimizer with several param groups cannot be taken over; "
-                             "pass a callable f(params) -> optimizer, or use the config's optimizer section")
+        d = client.defaults  # each group's own lr, betas, eps and weight_decay are in ``params``
         if d.get("amsgrad"):
             raise ValueError("optimizer=: amsgrad=True is not supported; use amsgrad=False")
         adamw = isinstance(client, torch.optim.AdamW) or bool(d.get("decoupled_weight_decay", False))
         return OffloadAdam(params, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
                            adamw_mode=adamw, **swap)
     if callable(client):
-        return client(params)
+        return client(params if len(params) > 1 else params[0]["params"])
     raise ValueError(f"optimizer=: a {type(client).__name__} cannot be taken over; pass a torch.optim.Adam or "
                      f"AdamW, a callable f(params) -> optimizer, or None with an optimizer section in the config")
 

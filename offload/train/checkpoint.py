@@ -40,6 +40,7 @@ from offload.storage import SafetensorsWriter, atomic_checkpoint, atomic_safeten
 from offload.train.checkpoint_files import (FORMAT, client_file, decode_state, encode_state, optimizer_file,
                                             params_file, states_file, write_json)
 from offload.train.checkpoint_reader import CheckpointReader
+from offload.train.surface import in_optimizer_order
 
 __all__ = ["CheckpointLoad", "decode_state", "encode_state", "model_config", "save_16bit_model", "save_checkpoint"]
 
@@ -66,24 +67,28 @@ sys.exit(main(["consolidate", os.path.dirname(tag_dir), *sys.argv[1:], "--tag", 
 
 
 def save_checkpoint(save_dir: str | os.PathLike, tag: str, *, rank: int, group: Any, store: ParamStore,
-                    optimizer: Any, state: Mapping[str, Any], model: nn.Module | None = None) -> str:
+                    optimizer: Any, state: Mapping[str, Any], model: nn.Module | None = None,
+                    update_latest: bool = True, exclude_frozen: bool = False) -> str:
     """Write this rank's partitions, optimizer state and ``state`` (JSON-able plus tensors) under
     ``save_dir/tag`` atomically with the other ranks; rank 0 also writes ``model``'s config.json
     (when it has a transformers config) and zero_to_fp32.py. Return the tag's path.
 
+    ``update_latest`` False leaves ``latest`` alone; ``exclude_frozen`` leaves out the partitions of
+    parameters that do not require gradients.
     One partition and one optimizer sub-group in memory at a time. Raises TypeError naming the
     entry of ``state`` that is neither JSON nor a tensor (before anything is written), OSError
     naming the file for ENOSPC and the like, TensorIOError for the swap files.
     """
     records = store.records
-    encoded, tensors = encode_state({**state, "parameters": _parameter_list(records)})
+    encoded, tensors = encode_state({**state, "parameters": _parameter_list(records, optimizer)})
+    saved = [rec for rec in records if rec.param.requires_grad or not exclude_frozen]
     # One staging directory for all ranks; the tag commits only once every rank's files are in
     # place, and if any rank fails nothing becomes visible and every rank raises.
-    with atomic_checkpoint(save_dir, tag, all_ranks=True, group=group) as staging:
+    with atomic_checkpoint(save_dir, tag, all_ranks=True, group=group, update_latest=update_latest) as staging:
         # 1. Parameters, one partition at a time.
-        layout = {rec.name: (rec.partition.dtype, (rec.partition_numel,)) for rec in records}
+        layout = {rec.name: (rec.partition.dtype, (rec.partition_numel,)) for rec in saved}
         with _naming_the_file(staging / params_file(rank)) as path, SafetensorsWriter(path, layout) as out:
-            for rec in records:
+            for rec in saved:
                 out.write(rec.name, store.read_partition(rec))
         # 2. The optimizer state, one sub-group at a time.
         with sized_partitions([rec for rec in records if rec.param.requires_grad]):
@@ -114,6 +119,9 @@ class CheckpointLoad:
     Raises (on opening, before anything changes) FileNotFoundError for a missing checkpoint or file
     and SafetensorsError for a truncated or damaged one, each naming it; ValueError naming the file
     when it was saved for another model or by a version that pickled its state.
+
+    ``optimizer`` None leaves the optimizer's state as it is. Frozen parameters missing from the
+    checkpoint (saved with ``exclude_frozen``) keep their values.
     """
 
     def __init__(self, load_dir: str | os.PathLike, tag: str | None, *, rank: int, world_size: int,
@@ -124,9 +132,11 @@ class CheckpointLoad:
         try:
             self.state = dict(self.reader.rank_state(rank))
             self.saved_world_size = self.reader.world_size
-            self._trainable = [rec for rec in store.records if rec.param.requires_grad]
+            self._trainable = (_optimizer_order(store.records, optimizer) if optimizer is not None else
+                               [rec for rec in store.records if rec.param.requires_grad])
             self._check_params()
-            self._check_optimizer()
+            if optimizer is not None:
+                self._check_optimizer()
         except BaseException:
             self.reader.close()
             raise
@@ -142,7 +152,8 @@ class CheckpointLoad:
         (counters, schedule, client state). An error here (TensorIOError, the optimizer's
         ValueError) may leave some partitions loaded: the caller must not train on."""
         same = self.saved_world_size == self.world_size
-        records = self.store.records
+        saved_names = set(self.reader.names("params"))
+        records = [rec for rec in self.store.records if rec.name in saved_names]  # frozen ones may be left out
         # 1. Parameters first, one at a time, the next one read meanwhile (a few writes in flight):
         #    a 16-bit parameter's optimizer state may take its master copy from it.
         writes: list = []
@@ -164,6 +175,9 @@ class CheckpointLoad:
         # 2. Then the optimizer, its state cut the same way.
         state = dict(self.state)
         saved = state.pop("optimizer")
+        state.pop("parameters", None)
+        if self.optimizer is None:
+            return state
         names = self.reader.names("optimizer")
         layout = {name: self._trainable[int(name.split(".")[0])].partition_numel for name in names}
 
@@ -179,7 +193,6 @@ class CheckpointLoad:
             except ValueError as error:
                 saved_by = self.rank if self.rank < self.saved_world_size else 0
                 raise ValueError(f"{os.path.join(self.path, states_file(saved_by))}: {error}") from error
-        state.pop("parameters", None)
         return state
 
     def _read_partition(self, rec: ParamRecord, same: bool):
@@ -189,12 +202,13 @@ class CheckpointLoad:
 
     def _check_params(self) -> None:
         file = os.path.join(self.path, params_file(0))
-        records = self.store.records
         names = set(self.reader.names("params"))
-        if names != {rec.name for rec in records}:
+        ours = {rec.name for rec in self.store.records}
+        missing = {rec.name for rec in self._trainable} - names  # frozen ones may be left out (exclude_frozen)
+        if missing or names - ours:
             raise ValueError(f"{file}: the checkpoint's parameters differ from the model's "
-                             f"(missing: {sorted({r.name for r in records} - names)[:5]}, "
-                             f"unexpected: {sorted(names - {r.name for r in records})[:5]})")
+                             f"(missing: {sorted(missing)[:5]}, unexpected: {sorted(names - ours)[:5]})")
+        records = [rec for rec in self.store.records if rec.name in names]
         for rec in records:
             saved = self.reader.tensor("params", rec.name).shape[0]
             if saved != partition_numel(rec.numel, self.saved_world_size):
@@ -290,17 +304,19 @@ class sized_partitions:
             rec.partition.data = torch.empty(0, dtype=rec.partition.dtype)
 
 
-def _parameter_list(records: list[ParamRecord]) -> list[dict[str, Any]]:
+def _parameter_list(records: list[ParamRecord], optimizer: Any) -> list[dict[str, Any]]:
     """Each parameter's names, shape, dtype and optimizer index (None when frozen): what the offline
     consolidation needs to rebuild full tensors."""
-    out, trainable = [], 0
-    for rec in records:
-        index = None
-        if rec.param.requires_grad:
-            index, trainable = trainable, trainable + 1
-        out.append({"name": rec.name, "names": list(rec.names), "shape": list(rec.shape),
-                    "dtype": str(rec.partition.dtype).removeprefix("torch."), "optimizer_index": index})
-    return out
+    index = {id(rec): i for i, rec in enumerate(_optimizer_order(records, optimizer))}
+    return [{"name": rec.name, "names": list(rec.names), "shape": list(rec.shape),
+             "dtype": str(rec.partition.dtype).removeprefix("torch."), "optimizer_index": index.get(id(rec))}
+            for rec in records]
+
+
+def _optimizer_order(records: list[ParamRecord], optimizer: Any) -> list[ParamRecord]:
+    """The trainable records in the order the optimizer numbers its parameters (its param groups, one
+    after the other): the index its saved state is keyed by."""
+    return in_optimizer_order([rec for rec in records if rec.param.requires_grad], optimizer.param_groups)
 
 
 def _write_beside(staging: Any, model: nn.Module | None) -> None:

@@ -32,6 +32,8 @@ from offload.train.assemble import assemble
 from offload.train.grads import GradReducer
 from offload.train.plan import TrainingPlan
 from offload.train.stats import EngineStats, collect_stats
+from offload.train.surface import (consolidated_state_dict, refuse_forward_outside, save_pretrained_gathered,
+                                   step_scheduler)
 from offload.train.timers import PhaseTimers
 from offload.train.update_mode import StepContext, UpdatePath
 
@@ -40,33 +42,47 @@ __all__ = ["Engine", "initialize"]
 log = logging.getLogger("offload")
 
 
-def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
-               config: Mapping[str, Any] | str | os.PathLike | None = None, optimizer: Any = None,
-               lr_scheduler: Any = None, training_data: Any = None, collate_fn: Callable | None = None,
-               *, config_params: Mapping[str, Any] | None = None,
+def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
+               model_parameters: Iterable[Any] | None = None, training_data: Any = None, lr_scheduler: Any = None,
+               distributed_port: int = 29500, mpu: Any = None, dist_init_required: bool | None = None,
+               collate_fn: Callable | None = None, config: Mapping[str, Any] | str | os.PathLike | None = None,
+               mesh_param: Any = None, config_params: Mapping[str, Any] | None = None,
                ) -> tuple["Engine", torch.optim.Optimizer, Any, Any]:
-    """Wrap ``model`` in a stage-3 engine, as ``deepspeed.initialize`` does.
+    """Wrap ``model`` in a stage-3 engine, as ``deepspeed.initialize`` does (same arguments, same order).
 
     Args:
+        args: optional; its ``deepspeed_config`` (a path) is the config when ``config`` is not given.
         model: any torch.nn.Module on the CPU. Its parameters are partitioned in place: between uses
             their ``.data`` is empty; use the engine to run it.
-        model_parameters: accepted for DeepSpeed compatibility; every parameter of ``model`` is trained
-            (freeze one with ``requires_grad=False`` instead).
+        optimizer: None (the config's ``optimizer`` section), a ``torch.optim.Adam``/``AdamW`` whose
+            param groups and hyperparameters are taken over, or a callable ``f(params) -> optimizer``.
+        model_parameters: None (every trainable parameter), or param group dicts (``{"params": [...],
+            "weight_decay": 0.0}``, ...) giving the config's optimizer several groups, each with its own
+            lr / betas / eps / weight_decay. A trainable parameter must be in a group.
+        training_data: a dataset; when given, a DataLoader of ``train_micro_batch_size_per_gpu`` is returned.
+        lr_scheduler: None (the config's ``scheduler``), a scheduler object, or ``f(optimizer)``.
+        distributed_port: accepted (torchrun's MASTER_PORT sets the port).
+        mpu, mesh_param: must be None (data parallel only).
+        dist_init_required: None starts a process group when torchrun launched several ranks; True
+            starts one whenever none exists; False never does.
         config: a DeepSpeed-format dict or JSON path without "auto" values (see `resolve_auto`).
             ``config_params`` is DeepSpeed's older name for it.
-        optimizer: None (the config's ``optimizer`` section), a ``torch.optim.Adam``/``AdamW`` whose
-            hyperparameters are taken over, or a callable ``f(params) -> optimizer``.
-        lr_scheduler: None (the config's ``scheduler``), a scheduler object, or ``f(optimizer)``.
-        training_data: a dataset; when given, a DataLoader of ``train_micro_batch_size_per_gpu`` is returned.
 
     Returns ``(engine, optimizer, dataloader or None, lr_scheduler or None)``.
     Raises ValueError for a bad config (naming the key), a missing optimizer, or a parameter the
     engine cannot partition; FileNotFoundError / PermissionError for a bad ``nvme_path``.
     """
-    if config is None:
-        config = config_params
-    if config is None:
-        raise ValueError("config: missing; pass config=<dict or path of a DeepSpeed-format JSON config>")
+    from offload.train.surface import check_distributed_arguments, config_from_arguments
+
+    if model is None and isinstance(args, nn.Module):
+        raise ValueError("model: missing; the first positional argument of initialize is args, as in "
+                         "deepspeed.initialize: pass model=...")
+    if model is None:
+        raise ValueError("model: missing; pass model=<the torch.nn.Module to train>")
+    config = config_from_arguments(args, config, config_params)
+    check_distributed_arguments(dist_init_required, mpu, mesh_param, world_size_from_env())
+    if dist_init_required and not (dist.is_available() and dist.is_initialized()):
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
     world_size, rank, group = _process_group()
     if isinstance(config, EngineConfig):
         cfg = config
@@ -75,7 +91,7 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
     else:
         cfg = EngineConfig.from_file(config, world_size=world_size)
     engine = assemble(model, cfg, world_size=world_size, rank=rank, group=group, optimizer=optimizer,
-                      lr_scheduler=lr_scheduler, make_engine=Engine)
+                      lr_scheduler=lr_scheduler, model_parameters=model_parameters, make_engine=Engine)
     loader = None
     if training_data is not None:
         loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu,
@@ -129,7 +145,18 @@ class Engine:
         self._reducer: GradReducer = ctx.reducer
         self._failure = ctx.failure
         self.timers = PhaseTimers.from_config(self.config, log=log.info if rank == 0 else (lambda line: None))
+        self._boundary: bool | None = None
+        """`set_gradient_accumulation_boundary`'s override (None: count micro steps)."""
+        self._fresh_grads = False
+        """Gradients accumulated since the last step or zero_grad (`get_global_grad_norm` reads them)."""
+        self._last_grad_norm: float | None = None
+        """The global gradient norm of the last step (before clipping, unscaled), None before the first."""
+        ctx.optimizer.overflow = False  # DeepSpeed's ZeRO optimizers' flag: whether the last step was skipped
         self._finalizer = weakref.finalize(self, _close, ctx.store, ctx.reducer, ctx.optimizer)
+        save_pretrained_gathered(self)  # engine.module.save_pretrained() writes the real weights
+        self.forwarding = 0
+        """Forwards running through the engine (a forward with gradients of ``module`` alone is refused)."""
+        refuse_forward_outside(self)
 
     # ---- DeepSpeed's attributes ---------------------------------------------------------------------
 
@@ -171,22 +198,28 @@ class Engine:
         Raises the update's error (TensorIOError) when it failed; the step is then rolled back."""
         self._path.before_forward()
         self._store.begin_forward()
+        self.forwarding += 1
         try:
             with self.timers.phase("forward"), self._store.saved_tensor_hooks():
                 return self.module(*args, **kwargs)
         except BaseException as error:
             self._path.forward_failed(error)
             raise
+        finally:
+            self.forwarding -= 1
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate ``loss`` (divided by gradient_accumulation_steps, times the fp16 loss scale).
+    def backward(self, loss: torch.Tensor, release_loss: bool = False, retain_graph: bool = False,
+                 scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backpropagate ``loss`` (divided by gradient_accumulation_steps unless ``scale_wrt_gas`` is
+        False, times the fp16 loss scale); return the loss backpropagated before the loss scale, as
+        DeepSpeed does. ``release_loss`` is accepted (DeepSpeed ignores it too).
 
         Gradients are reduced to this rank's partitions as they are produced.
         """
-        if self.config.gradient_accumulation_steps > 1:
+        if self.config.gradient_accumulation_steps > 1 and scale_wrt_gas:
             loss = loss / self.config.gradient_accumulation_steps
-        if self.loss_scaler is not None:
-            loss = self.loss_scaler.scale_loss(loss)
+        scaled = self.loss_scaler.scale_loss(loss) if self.loss_scaler is not None else loss
+        self._fresh_grads = True
         boundary = self.is_gradient_accumulation_boundary()
         # Sync point: the last step's updates have run (raises after giving it up).
         self._path.before_backward(boundary)
@@ -195,7 +228,7 @@ class Engine:
         try:
             # Saved-tensor hooks here too: reentrant activation checkpointing re-runs forward in backward.
             with self.timers.phase("backward"), self._store.saved_tensor_hooks():
-                loss.backward()
+                scaled.backward(retain_graph=retain_graph)
                 self._reducer.flush()  # sync point: the last buckets' reductions
         except BaseException as error:
             self._reducer.abandon()
@@ -203,27 +236,40 @@ class Engine:
             raise
         finally:
             self._store.end_backward()  # sync point: every gathered parameter and unused prefetch is released
+        return loss
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the next ``step()`` updates the parameters."""
+        """True when the next ``step()`` updates the parameters: every gradient_accumulation_steps micro
+        steps, or as `set_gradient_accumulation_boundary` said."""
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
-    def step(self) -> None:
-        """End a micro step; at a gradient-accumulation boundary, update the parameters.
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Say, before each micro batch's backward, whether the next ``step()`` updates (DeepSpeed's
+        override, which Accelerate sets from its ``sync_gradients``); None: count micro steps again."""
+        self._boundary = is_boundary
+
+    def step(self, lr_kwargs: Mapping[str, Any] | None = None) -> None:
+        """End a micro step; at a gradient-accumulation boundary, update the parameters. ``lr_kwargs``
+        are passed to the scheduler's ``step`` (as DeepSpeed does).
 
         Raises tensorio.TensorIOError when the swap files fail, RuntimeError when fp16 overflows at
         the minimum loss scale, or when an earlier failure left nothing to step from (saying how to resume).
         """
         self._failure.check_step()
         if self.is_gradient_accumulation_boundary():
+            self._last_grad_norm = self._step_norm()
             with self.timers.phase("step"):
                 if self._path.step():
                     if self.lr_scheduler is not None:
-                        self.lr_scheduler.step()
+                        step_scheduler(self.lr_scheduler, lr_kwargs or {})
                     self.zero_grad()
                     self._path.after_step()
+                    self.optimizer.overflow = False
                 else:  # fp16 overflow: the step is skipped
                     self.skipped_steps += 1
+                    self.optimizer.overflow = True
                     self.zero_grad()
             self.global_steps += 1
             if self.global_steps % self.config.steps_per_print == 0:
@@ -246,6 +292,7 @@ class Engine:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the accumulated gradient partitions (in memory and offloaded)."""
         self._failure.gradients_cleared()
+        self._fresh_grads = False
         self._reducer.clear()
         for rec in self._store.records:
             rec.partition.grad = None
@@ -260,12 +307,41 @@ class Engine:
         self.module.eval()
         return self
 
+    def parameters(self, recurse: bool = True) -> Iterable[nn.Parameter]:
+        """The model's parameters (DeepSpeed's engine is a module; trainers count and iterate them).
+        Between uses their ``.data`` is empty: their shapes are in `records`."""
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True) -> Iterable[tuple[str, nn.Parameter]]:
+        """The model's named parameters (see `parameters`)."""
+        return self.module.named_parameters(prefix, recurse)
+
     def get_lr(self) -> list[float]:
         """The learning rate of each param group."""
         return [group["lr"] for group in self.optimizer.param_groups]
 
-    def get_global_grad_norm(self) -> float:
-        """The global L2 norm of the accumulated gradients over all ranks (before clipping)."""
+    def get_global_grad_norm(self) -> float | None:
+        """The global L2 norm of the gradients over all ranks, before clipping: of those accumulated
+        since the last step (between backward and step), else of the last step's, as DeepSpeed keeps
+        it (None before the first step). Under fp16 the last step's is unscaled."""
+        if not self._fresh_grads:
+            return self._last_grad_norm
+        return self._accumulated_norm()
+
+    def _step_norm(self) -> float:
+        """The norm `get_global_grad_norm` keeps for the step about to run (fp16: unscaled). Its wait for
+        the gradients' writes may raise their error: handled as the step's own check would handle it."""
+        try:
+            norm = self._accumulated_norm()
+        except BaseException as error:
+            if self._path.counts().uncommitted:  # updates ran during backward: give the step up whole
+                self._path.give_up(error, gradients_lost=True)
+            else:  # nothing is updated yet: the parameters are whole
+                self._ctx.gradients_lost_before_update(error)
+            raise
+        return norm / self.loss_scaler.loss_scale if self.loss_scaler is not None else norm
+
+    def _accumulated_norm(self) -> float:
         total = torch.zeros((), dtype=torch.float64)
         self._reducer.drain()
         for rec in self._store.records:
@@ -294,7 +370,8 @@ class Engine:
     # ---- checkpoints ------------------------------------------------------------------------------------
 
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
-                        client_state: Mapping[str, Any] | None = None) -> str:
+                        client_state: Mapping[str, Any] | None = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> str:
         """Save this rank's parameter partitions, optimizer state (offloaded included), loss scale,
         scheduler, counters and ``client_state`` under ``save_dir/tag`` (default tag
         ``global_step<N>``); return the path. Layout and guarantees: `offload.train.checkpoint`.
@@ -302,8 +379,10 @@ class Engine:
         Streamed: one partition and one optimizer sub-group in memory at a time, whatever the model's
         size. Written atomically: until the new tag is complete the previous checkpoint and ``latest``
         are untouched. Nothing is pickled: ``client_state`` holds JSON values and tensors. Every rank
-        must call it. Raises TypeError for a ``client_state`` entry that is neither, OSError naming
-        the file (ENOSPC, ...), TensorIOError.
+        must call it. ``save_latest`` False leaves ``latest`` as it was. ``exclude_frozen_parameters``
+        leaves out the partitions of parameters with ``requires_grad=False`` (a load keeps the model's
+        values for them). Returns the path (DeepSpeed returns True; a path is true too). Raises TypeError
+        for a ``client_state`` entry that is neither, OSError naming the file (ENOSPC, ...), TensorIOError.
         """
         self._check_not_failed("save a checkpoint")
         tag = tag if tag is not None else f"global_step{self.global_steps}"
@@ -314,22 +393,40 @@ class Engine:
                  "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
                  "client_state": dict(client_state or {})}
         path = checkpoint.save_checkpoint(save_dir, tag, rank=self.rank, group=self.group, store=self._store,
-                                          optimizer=self.optimizer, state=state, model=self.module)
+                                          optimizer=self.optimizer, state=state, model=self.module,
+                                          update_latest=save_latest, exclude_frozen=exclude_frozen_parameters)
         self._failure.saved(path)
         return path
 
-    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Callable | None = None
                         ) -> tuple[str | None, dict[str, Any] | None]:
         """Load a checkpoint written by ``save_checkpoint`` (tag None: the one ``latest`` names).
 
         Streamed like the save; never unpickles; any world size (partitions, fp32 masters and
-        moments are repartitioned). Returns ``(path, client_state)``. Raises FileNotFoundError for a
-        missing checkpoint or file, SafetensorsError for a truncated one and ValueError for one of
-        another model, each naming the file, with the engine as it was before the call. An error
-        after the load began (an I/O error) refuses step() and save_checkpoint() until a load succeeds.
+        moments are repartitioned). Returns ``(path, client_state)``, or ``(None, None)`` with a
+        warning when ``tag`` is None and ``load_dir`` has no ``latest`` (as DeepSpeed does).
+        ``load_optimizer_states`` False keeps the optimizer's state (fp32 training only: under
+        fp16/bf16 the master weights are optimizer state); ``load_lr_scheduler_states`` False keeps the
+        schedule; ``load_module_only`` loads the parameters alone (no optimizer, schedule, loss scale or
+        counters). ``load_module_strict`` False is accepted: the checkpoint's parameters must still be
+        the model's. Raises FileNotFoundError for a missing checkpoint or file, SafetensorsError for a
+        truncated one and ValueError for one of another model or for ``custom_load_fn``, each naming
+        the file, with the engine as it was before the call. An error after the load began (an I/O
+        error) refuses step() and save_checkpoint() until a load succeeds.
         """
+        from offload.train.surface import check_load_arguments
+
+        if tag is None and not os.path.isfile(os.path.join(os.fspath(load_dir), "latest")):
+            log.warning("load_checkpoint: %s has no 'latest' file; nothing loaded (pass tag= to load a given "
+                        "checkpoint)", os.fspath(load_dir))
+            return None, None
+        load_optimizer = check_load_arguments(self.config, load_optimizer_states=load_optimizer_states,
+                                              load_module_only=load_module_only, custom_load_fn=custom_load_fn)
         with checkpoint.CheckpointLoad(load_dir, tag, rank=self.rank, world_size=self.world_size,
-                                       store=self._store, optimizer=self.optimizer) as source:  # checked; nothing changed
+                                       store=self._store, optimizer=self.optimizer if load_optimizer else None
+                                       ) as source:  # checked; nothing changed
             self._path.abandon()  # updates still running would write over the loaded values
             self._store.release_all()  # partitions read ahead would hold the values from before the load
             try:
@@ -338,13 +435,14 @@ class Engine:
                 self._failure.partly_updated(f"load_checkpoint of {source.path} failed part way "
                                              f"({type(error).__name__}: {error})")
                 raise
-        if self.loss_scaler is not None and state["loss_scaler"] is not None:
-            self.loss_scaler.load_state_dict(state["loss_scaler"])
-        if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.global_steps, self.micro_steps = state["global_steps"], state["micro_steps"]
-        self.skipped_steps = state["skipped_steps"]
         self.zero_grad()
+        if not load_module_only:
+            if self.loss_scaler is not None and state["loss_scaler"] is not None:
+                self.loss_scaler.load_state_dict(state["loss_scaler"])
+            if self.lr_scheduler is not None and state["lr_scheduler"] is not None and load_lr_scheduler_states:
+                self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            self.global_steps, self.micro_steps = state["global_steps"], state["micro_steps"]
+            self.skipped_steps = state["skipped_steps"]
         self._failure.loaded(path)  # every partition holds the checkpoint's values
         return path, state["client_state"]
 
@@ -392,6 +490,27 @@ class Engine:
                 self._store.release(rec)
             for name in rec.names:
                 yield name, full
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """zero_optimization.stage3_gather_16bit_weights_on_model_save: whether `save_16bit_model` writes."""
+        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor] | None:
+        """The whole model's state dict (parameters in the training dtype, gathered one at a time, and
+        persistent buffers) on rank 0, None on the other ranks, as DeepSpeed's: what Hugging Face's
+        Trainer saves with ``save_pretrained``. Every rank must call it. The whole model is in rank 0's
+        memory: for a model larger than memory use `save_16bit_model`, which streams."""
+        return consolidated_state_dict(self.module, self.full_parameters(), rank=self.rank,
+                                       exclude_frozen_parameters=exclude_frozen_parameters)
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close` ran (the swap files are gone; the parameters cannot be gathered any more)."""
+        return not self._finalizer.alive
+
+    def destroy(self) -> None:
+        """DeepSpeed's name for releasing the engine's resources: `close`."""
+        self.close()
 
     def close(self) -> None:
         """Remove the hooks, the parameter swap file and the optimizer's swap file.

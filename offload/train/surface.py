@@ -1,0 +1,213 @@
+"""The parts of DeepSpeed's engine surface that trainers call, kept out of the engine's core.
+
+`initialize`'s DeepSpeed-only arguments (``args``, ``dist_init_required``, ``mpu``, ...), the mapping of
+a client optimizer's (or ``model_parameters``') param groups onto the engine's partitions, and
+``_zero3_consolidated_16bit_state_dict``. Hugging Face's Trainer, Accelerate and Lightning call these
+on a DeepSpeed engine; `offload.train.engine.Engine` delegates to them.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import warnings
+import weakref
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from offload.params import ParamRecord
+
+__all__ = ["check_distributed_arguments", "check_load_arguments", "config_from_arguments", "consolidated_state_dict",
+           "in_optimizer_order", "optimizer_param_groups", "refuse_forward_outside", "save_pretrained_gathered",
+           "step_scheduler"]
+
+log = logging.getLogger("offload")
+
+_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+"""The keys of a param group that OffloadAdam's groups take over from a client's."""
+
+
+def config_from_arguments(args: Any, config: Any, config_params: Any) -> Any:
+    """The config `initialize` uses, found as DeepSpeed finds it: ``config``, else ``config_params``
+    (its older name), else ``args.deepspeed_config`` (the path DeepSpeed's argument parser adds).
+
+    Raises ValueError when two of them are given, or none.
+    """
+    if config is not None and config_params is not None:
+        raise ValueError("config, config_params: both given; they are the same argument (config_params is "
+                         "DeepSpeed's older name), pass one")
+    config = config if config is not None else config_params
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if from_args is not None and config is not None:
+        raise ValueError(f"config: given to initialize() and as args.deepspeed_config ({from_args!r}); pass one")
+    config = config if config is not None else from_args
+    if config is None:
+        raise ValueError("config: missing; pass config=<dict or path of a DeepSpeed-format JSON config> "
+                         "(or args with a deepspeed_config path)")
+    return config
+
+
+def check_distributed_arguments(dist_init_required: bool | None, mpu: Any, mesh_param: Any,
+                                world_size_from_env: int) -> None:
+    """Refuse, naming the argument, what `initialize` cannot do: model parallelism (``mpu``,
+    ``mesh_param``), and ``dist_init_required=False`` when torchrun asks for several ranks but no
+    process group exists (DeepSpeed would fail later, in its first collective)."""
+    if mpu is not None:
+        raise ValueError("mpu: model parallelism is not supported; the engine is data parallel only (pass mpu=None)")
+    if mesh_param is not None:
+        raise ValueError("mesh_param: model or sequence parallel meshes are not supported; the engine is data "
+                         "parallel only (pass mesh_param=None)")
+    if dist_init_required is False and world_size_from_env > 1 and not (
+            torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise ValueError(f"dist_init_required=False: WORLD_SIZE is {world_size_from_env} but no process group "
+                         f"exists; call torch.distributed.init_process_group first, or pass dist_init_required=None")
+
+
+def optimizer_param_groups(trainable: list[ParamRecord], client: Any, model_parameters: Iterable[Any] | None
+                           ) -> list[dict[str, Any]]:
+    """The optimizer's param groups over the engine's partitions, as the caller grouped the model's parameters.
+
+    The groups come from a client ``torch.optim.Adam``/``AdamW`` (its ``param_groups``), else from
+    ``model_parameters`` when it holds dicts (DeepSpeed's way to give the config's optimizer several
+    groups, e.g. decay and no decay), else one group of every trainable parameter. Each group keeps its
+    own ``lr``, ``betas``, ``eps`` and ``weight_decay``; the rest come from the optimizer's defaults.
+
+    Raises ValueError naming the parameter when a trainable parameter is in no group or in two, and
+    naming the group for amsgrad or maximize (OffloadAdam has neither).
+    """
+    if isinstance(client, (torch.optim.Adam, torch.optim.AdamW)):
+        source = client.param_groups
+    elif model_parameters is not None:
+        given = list(model_parameters)
+        source = given if given and all(isinstance(g, Mapping) for g in given) else None
+    else:
+        source = None
+    if source is None:  # one group: every trainable partition, in the records' order
+        return [{"params": [rec.partition for rec in trainable]}]
+    by_param = {id(rec.param): rec for rec in trainable}
+    placed: dict[int, int] = {}
+    groups = []
+    for g, group in enumerate(source):
+        if group.get("amsgrad") or group.get("maximize"):
+            key = "amsgrad" if group.get("amsgrad") else "maximize"
+            raise ValueError(f"param group {g}: {key}=True is not supported by the engine's OffloadAdam; use False")
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        partitions = []
+        for p in params:
+            rec = by_param.get(id(p))
+            if rec is None:  # a frozen parameter, or not one of the model's
+                continue
+            if id(p) in placed:
+                raise ValueError(f"parameter {rec.name!r} is in param groups {placed[id(p)]} and {g}; put it in one")
+            placed[id(p)] = g
+            partitions.append(rec.partition)
+        groups.append({"params": partitions, **{k: group[k] for k in _HYPERPARAMETERS if k in group}})
+    missing = [rec.name for rec in trainable if id(rec.param) not in placed]
+    if missing:
+        raise ValueError(f"parameters {missing[:5]}{' ...' if len(missing) > 5 else ''} are trainable but in no param "
+                         f"group of the optimizer; add them to a group or set requires_grad=False")
+    return [group for group in groups if group["params"]]
+
+
+def in_optimizer_order(trainable: list[ParamRecord], groups: list[dict[str, Any]]) -> list[ParamRecord]:
+    """``trainable``'s records in the order the optimizer built over ``groups`` numbers its parameters
+    (group by group): the order the engine's parts that index the optimizer's parameters rely on."""
+    by_partition = {id(rec.partition): rec for rec in trainable}
+    return [by_partition[id(p)] for group in groups for p in group["params"]]
+
+
+def consolidated_state_dict(module: nn.Module, full_parameters: Iterable[tuple[str, torch.Tensor]], *,
+                            rank: int, exclude_frozen_parameters: bool = False
+                            ) -> "collections.OrderedDict[str, torch.Tensor] | None":
+    """The whole model's state dict from ``full_parameters`` (the engine's gathered copies, in the
+    training dtype) plus the module's persistent buffers, as DeepSpeed's
+    ``_zero3_consolidated_16bit_state_dict``: on rank 0; None on the other ranks, which must iterate
+    too (each gather is a collective). Tied parameters share one tensor under each of their names."""
+    frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    state: collections.OrderedDict[str, torch.Tensor] | None = collections.OrderedDict() if rank == 0 else None
+    for name, full in full_parameters:
+        if state is not None and not (exclude_frozen_parameters and name in frozen):
+            state[name] = full
+    if state is not None:
+        for prefix, sub in module.named_modules():
+            for name, buffer in sub.named_buffers(recurse=False):
+                if buffer is not None and name not in sub._non_persistent_buffers_set:
+                    state[f"{prefix}.{name}" if prefix else name] = buffer.detach().clone()
+    return state
+
+
+def check_load_arguments(config: Any, *, load_optimizer_states: bool, load_module_only: bool,
+                         custom_load_fn: Any) -> bool:
+    """Whether `Engine.load_checkpoint` loads the optimizer's state. Raises ValueError naming the
+    argument for ``custom_load_fn`` (DeepSpeed's hook for its own module format) and for skipping the
+    optimizer's state under fp16/bf16, where the fp32 master weights are part of it (the parameters
+    would load and the next step would overwrite them from the old master copies)."""
+    if custom_load_fn is not None:
+        raise ValueError("custom_load_fn: not supported; checkpoints are safetensors files read by the engine")
+    load_optimizer = load_optimizer_states and not load_module_only
+    if not load_optimizer and (config.fp16.enabled or config.bf16.enabled):
+        raise ValueError("load_optimizer_states=False / load_module_only=True: not supported with fp16 or bf16, "
+                         "whose fp32 master weights are optimizer state; load the whole checkpoint, or the "
+                         "weights alone with engine.load_pretrained")
+    return load_optimizer
+
+
+def save_pretrained_gathered(engine: Any) -> None:
+    """Make ``engine.module.save_pretrained`` (a transformers model's) write the real weights: called
+    without ``state_dict``, it is given the engine's consolidated one (every rank must call it, as with
+    DeepSpeed's). Without this, the partitioned parameters' empty tensors would be written, silently.
+    After ``engine.close()`` it raises RuntimeError naming `save_16bit_model`."""
+    module = engine.module
+    original = getattr(module, "save_pretrained", None)
+    if original is None:
+        return
+    ref = weakref.ref(engine)
+
+    @functools.wraps(original)
+    def save_pretrained(*args: Any, state_dict: Mapping[str, torch.Tensor] | None = None, **kwargs: Any) -> Any:
+        if state_dict is None:
+            live = ref()
+            if live is None or live.closed:
+                raise RuntimeError("save_pretrained: the model's parameters are partitioned and their engine is "
+                                   "closed; save with engine.save_16bit_model(dir) or "
+                                   "engine._zero3_consolidated_16bit_state_dict() before closing it")
+            state_dict = live._zero3_consolidated_16bit_state_dict()
+            if live.rank != 0:
+                return None
+        return original(*args, state_dict=state_dict, **kwargs)
+
+    module.save_pretrained = save_pretrained
+
+
+_ORDER_WARNINGS = r"(Detected call of `lr_scheduler\.step\(\)` before|Seems like `optimizer\.step\(\)` has been overridden)"
+"""torch's checks that ``optimizer.step()`` ran before ``lr_scheduler.step()``: the engine runs the update
+itself (during backward, in the next forward or in chunks), not always through ``optimizer.step()``."""
+
+
+def step_scheduler(scheduler: Any, lr_kwargs: Mapping[str, Any]) -> None:
+    """Step the engine's learning-rate schedule after an update, without torch's call-order warnings
+    (they do not apply: the update the schedule follows has been handed over or run)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_ORDER_WARNINGS, category=UserWarning)
+        scheduler.step(**lr_kwargs)
+
+
+def refuse_forward_outside(engine: Any) -> None:
+    """Refuse, with an error saying what to call, a forward with gradients of ``engine.module`` that does
+    not go through the engine: its parameters are partitioned, and only the engine's forward lets the
+    backward gather them again (it would fail deep inside autograd: "mat2 must be a matrix"). Forwards
+    under ``torch.no_grad()`` (evaluation, ``generate``) are let through."""
+    ref = weakref.ref(engine)
+
+    def check(module: nn.Module, args: Any) -> None:
+        live = ref()
+        if torch.is_grad_enabled() and (live is None or not live.forwarding):
+            raise RuntimeError("a forward with gradients of engine.module outside the engine: its parameters are "
+                               "partitioned, and only the engine's forward lets backward gather them; call "
+                               "engine(...) (and engine.backward(loss)), or run under torch.no_grad() to evaluate")
+
+    engine.module.register_forward_pre_hook(check)

@@ -1,0 +1,131 @@
+"""OffloadStrategy against Lightning without offload: the same losses and learning rates with
+configure_optimizers' AdamW groups and scheduler, clipping and accumulation; validation; a checkpoint
+at step 5 that resumes identically."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from offload.integrations.lightning import OffloadStrategy  # noqa: E402
+
+from tests.test_engine import gpt2  # noqa: E402
+
+STEPS, ACCUMULATION = 10, 2
+_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK")
+
+
+@pytest.fixture(autouse=True)
+def nothing_distributed_left():
+    """Lightning's DDP-type strategies start a process group in this process and export its launch
+    variables: both go when each test ends, so that later tests (and their subprocesses) see one process."""
+    saved = {key: os.environ.get(key) for key in _LAUNCH_VARIABLES}
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+class Module(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model = gpt2(dropout=0.0)
+        self.seen = []  # per micro batch: (loss, lr)
+        self.val_losses = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(batch, labels=batch).loss
+        self.seen.append((loss.item(), self.trainer.optimizers[0].param_groups[0]["lr"]))
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.val_losses.append(self.model(batch, labels=batch).loss.item())
+
+    def configure_optimizers(self):
+        decay = [p for n, p in self.named_parameters() if p.dim() > 1]
+        no_decay = [p for n, p in self.named_parameters() if p.dim() <= 1]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                lr=1e-2)
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 4))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def loader(n=STEPS * ACCUMULATION):
+    g = torch.Generator().manual_seed(1)
+    return torch.utils.data.DataLoader(torch.randint(0, 64, (n * 2, 8), generator=g), batch_size=2)
+
+
+def trainer(tmp_path, strategy, **kwargs):
+    # use_distributed_sampler=False: Lightning gives a DDP-type strategy (ours, DeepSpeed's) a DistributedSampler,
+    # whose order differs from the plain single-device run's
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=STEPS,
+                      accumulate_grad_batches=ACCUMULATION, gradient_clip_val=1.0, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                      num_sanity_val_steps=0, use_distributed_sampler=False, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    module = Module()
+    trainer(tmp_path_factory.mktemp("plain"), "auto", enable_checkpointing=False).fit(module, loader(), loader(4))
+    return module
+
+
+def nvme(disk_dir):
+    return OffloadStrategy(offload_params="nvme", offload_optimizer="nvme", nvme_path=str(disk_dir))
+
+
+def test_strategy_matches_lightning_and_validates(reference, disk_dir, tmp_path):
+    module = Module()
+    run = trainer(tmp_path, nvme(disk_dir), enable_checkpointing=False)
+    run.fit(module, loader(), loader(4))
+    assert len(module.seen) == STEPS * ACCUMULATION
+    for i, (ours, theirs) in enumerate(zip(module.seen, reference.seen)):
+        assert ours == pytest.approx(theirs, rel=1e-5), f"micro batch {i}"
+    assert module.val_losses == pytest.approx(reference.val_losses, rel=1e-5)
+    assert run.strategy.engine.global_steps == STEPS
+    # validate after fit runs through the engine too
+    module.val_losses = []
+    run.validate(module, loader(4))
+    assert module.val_losses == pytest.approx(reference.val_losses, rel=1e-5)  # the same trained weights
+    run.strategy.engine.close()
+
+
+def test_registered_names(disk_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = pl.Trainer(strategy="offload_stage_3_nvme", accelerator="cpu", devices=1, max_steps=1, logger=False,
+                     enable_progress_bar=False, enable_checkpointing=False)
+    assert isinstance(run.strategy, OffloadStrategy)
+    assert run.strategy.config["zero_optimization"]["offload_param"]["device"] == "nvme"
+    assert isinstance(pl.Trainer(strategy="offload_stage_3", accelerator="cpu", devices=1, logger=False).strategy,
+                      OffloadStrategy)
+
+
+def resumed_run(tmp_path, strategy_fn):
+    """Fit with a checkpoint every 5 steps, then fit a new module from the step-5 checkpoint: the
+    resumed run's (loss, lr) per micro batch. Lightning restarts a plain DataLoader's epoch on resume,
+    for both runs alike."""
+    checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1)
+    trainer(tmp_path, strategy_fn(), callbacks=[checkpoints]).fit(Module(), loader())
+    path = tmp_path / "ckpt" / "epoch=0-step=5.ckpt"
+    resumed = Module()
+    run = trainer(tmp_path, strategy_fn())
+    run.fit(resumed, loader(), ckpt_path=str(path))
+    assert run.global_step == STEPS
+    return resumed.seen, path
+
+
+def test_checkpoint_resumes_identically(disk_dir, tmp_path):
+    theirs, _ = resumed_run(tmp_path / "plain", lambda: "auto")
+    ours, path = resumed_run(tmp_path / "ours", lambda: nvme(disk_dir))
+    assert (path / "latest").is_file()  # the engine's checkpoint directory
+    assert len(ours) == len(theirs) == STEPS * ACCUMULATION // 2
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert a == pytest.approx(b, rel=1e-5), f"micro batch {i} after the resume"

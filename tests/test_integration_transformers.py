@@ -1,0 +1,166 @@
+"""OffloadTrainer against plain transformers.Trainer: the same losses, learning rates and grad norms,
+a saved model that reloads, and an exact resume (issue 26's target, on a tiny GPT-2)."""
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from offload.integrations.transformers import OffloadTrainer  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS, ACCUMULATION, MICRO = 20, 2, 2
+SEQ = 16
+
+
+def tiny_gpt2():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=SEQ,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, 256, (n, SEQ), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def arguments(out, **overrides):
+    values = dict(output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=MICRO,
+                  gradient_accumulation_steps=ACCUMULATION, learning_rate=1e-3, weight_decay=0.1,
+                  max_grad_norm=1.0, lr_scheduler_type="linear", warmup_steps=4, logging_steps=1,
+                  save_strategy="no", report_to=[], seed=0, data_seed=0, use_cpu=True, disable_tqdm=True,
+                  dataloader_num_workers=0, per_device_eval_batch_size=4)
+    values.update(overrides)
+    return transformers.TrainingArguments(**values)
+
+
+def nvme_config(disk_dir):
+    return {
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto", "gradient_clipping": "auto",
+        "zero_optimization": {
+            "stage": 3, "stage3_gather_16bit_weights_on_model_save": True,
+            "offload_param": {"device": "nvme", "nvme_path": str(disk_dir), "buffer_count": 4, "buffer_size": 1 << 16,
+                              "max_in_cpu": 0},
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(disk_dir)},
+        },
+    }
+
+
+def logged(trainer):
+    """Per step: (loss, learning rate, grad norm)."""
+    return [(e["loss"], e["learning_rate"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e]
+
+
+def assert_same_logs(ours, reference):
+    assert len(ours) == len(reference) > 0
+    for step, (a, b) in enumerate(zip(ours, reference), 1):
+        for name, x, y in zip(("loss", "learning rate", "grad norm"), a, b):
+            assert x == pytest.approx(y, rel=1e-5, abs=1e-12), f"step {step}: {name} {x} != {y}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plain")
+    trainer = transformers.Trainer(model=tiny_gpt2(), args=arguments(out), train_dataset=Tokens(200),
+                                   eval_dataset=Tokens(8))
+    trainer.train()
+    return trainer
+
+
+def test_trainer_matches_plain_trainer_and_saves_a_model_that_reloads(reference, disk_dir, tmp_path):
+    trainer = OffloadTrainer(model=tiny_gpt2(), args=arguments(tmp_path / "run"), train_dataset=Tokens(200),
+                             eval_dataset=Tokens(8), offload_config=nvme_config(disk_dir))
+    trainer.train()
+    assert_same_logs(logged(trainer), logged(reference))
+    assert trainer.engine.global_steps == STEPS
+    # Evaluation through the engine gives plain Trainer's loss on the same weights.
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(reference.evaluate()["eval_loss"], rel=1e-5)
+    # The saved model is the trained one: from_pretrained reloads it to equal logits.
+    trainer.save_model(tmp_path / "saved")
+    assert (tmp_path / "saved" / "config.json").is_file()
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "saved")
+    ids = Tokens(4).ids
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, reference.model(ids).logits, rtol=1e-5, atol=1e-5)
+    # predict runs through the engine too.
+    prediction = trainer.predict(Tokens(4))
+    assert prediction.predictions.shape == (4, SEQ, 256)
+    trainer.engine.close()
+
+
+def test_resume_from_step_10_continues_identically(reference, disk_dir, tmp_path):
+    args = dict(save_strategy="steps", save_steps=10)
+    first = OffloadTrainer(model=tiny_gpt2(), args=arguments(tmp_path / "run", **args), train_dataset=Tokens(200),
+                           offload_config=nvme_config(disk_dir))
+    first.train()
+    first.engine.close()
+    checkpoint = tmp_path / "run" / "checkpoint-10"
+    assert (checkpoint / "latest").is_file() and (checkpoint / "model.safetensors").is_file()
+    resumed = OffloadTrainer(model=tiny_gpt2(), args=arguments(tmp_path / "run", **args), train_dataset=Tokens(200),
+                             offload_config=nvme_config(disk_dir))
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    ours = logged(resumed)  # the first 10 steps' logs come back with the trainer state
+    assert len(ours) == STEPS and resumed.engine.global_steps == STEPS
+    assert_same_logs(ours[10:], logged(reference)[10:])
+    resumed.engine.close()
+
+
+def test_config_optimizer_and_scheduler_are_the_engines(disk_dir, tmp_path):
+    config = nvme_config(disk_dir)
+    config["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "betas": "auto",
+                                                       "eps": "auto"}}
+    config["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                              "warmup_num_steps": "auto", "total_num_steps": "auto"}}
+    trainer = OffloadTrainer(model=tiny_gpt2(), args=arguments(tmp_path / "run", max_steps=6),
+                             train_dataset=Tokens(40), offload_config=config)
+    trainer.train()
+    groups = trainer.engine.optimizer.param_groups
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]  # Trainer's decay / no-decay groups
+    logs = logged(trainer)
+    assert len(logs) == 6 and all(math.isfinite(loss) and norm > 0 for loss, _, norm in logs)
+    rates = [lr for _, lr, _ in logs]
+    # DeepSpeed's log warmup to args.learning_rate over args.warmup_steps ("auto"), logged per step
+    assert rates == sorted(rates) and rates[0] == 0.0 and 0 < rates[3] < 1e-3 and rates[-1] == pytest.approx(1e-3)
+    trainer.engine.close()
+
+
+def test_missing_config_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="offload_config"):
+        OffloadTrainer(model=tiny_gpt2(), args=arguments(tmp_path))
+
+
+def _torchrun(kind, out):
+    import json
+    import subprocess
+    import sys
+
+    from benchmarks._common import free_port
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), "-m", "tests.trainer_dist_worker", kind, str(out)],
+                          capture_output=True, text=True, env=env, cwd=REPO, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("LOGS "))
+    return json.loads(line[5:])
+
+
+def test_two_ranks_through_torchrun_match_plain_trainer(disk_dir):
+    """Two gloo processes: OffloadTrainer (each rank one partition) against plain Trainer's DDP."""
+    ours, theirs = _torchrun("offload", disk_dir), _torchrun("plain", disk_dir)
+    assert_same_logs(ours, theirs)
+    assert (disk_dir / "saved" / "model.safetensors").is_file()
