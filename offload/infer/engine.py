@@ -277,11 +277,15 @@ class InferenceEngine:
         """Swap the decoder layers' linear layers for packed ones (`QuantLinear`) and read every weight
         from the quantized cache (written once under ``nvme_path``, else in the checkpoint's directory)."""
         spec = self.settings.weight_quantization
+        if self.device.type != "cpu":
+            raise ValueError(f"weight_quantization: the packed kernels run on the CPU here; compute_device "
+                             f"{self.device.type!r} does not take quantized layers yet (leave weight_quantization out, "
+                             f"or set compute_device \"cpu\")")
         targets = {path: self.module.get_submodule(path) for path in block_linears(self.module, _blocks(self.module), spec)}
         if not targets:
             raise ValueError(f"weight_quantization: {type(self.module).__name__} has no nn.Linear in its decoder layers "
-                             f"that the int{spec.num_bits} kernel takes (int4: out features a multiple of 16, in "
-                             f"features of {spec.group_size}); leave weight_quantization out")
+                             f"that the int{spec.num_bits} kernel takes (int8: in features a multiple of 16; int4: out "
+                             f"features a multiple of 16, in features of {spec.group_size}); leave weight_quantization out")
         self._unquantized_sizes = self._sizes()
         cache = quantized_cache(self.checkpoint, self.units, targets, spec, self.dtype,
                                 self.settings.nvme_path or directory, self.handle)

@@ -12,8 +12,10 @@ into a ring buffer computes straight from the bytes read, with nothing unpacked 
 
 Scales and zeros are in the compute dtype (the kernels take them in the activations' dtype), and the
 integers are chosen against the scales as stored, so the rounding of the scales costs no accuracy
-twice. Linear layers whose shapes the int4 kernel does not take (out not a multiple of 16, in not a
-multiple of the group) stay in the compute dtype.
+twice. Linear layers whose shapes the kernels do not take stay in the compute dtype: int8, in
+features not a multiple of 16 (torch 2.13's ``_weight_int8pack_mm`` reads out of bounds there as soon
+as the input has more than one row: a segmentation fault); int4, out features not a multiple of 16
+or in features not a multiple of the group.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ def quantizable(linear: nn.Module, spec: WeightQuantization) -> bool:
     if type(linear) is not nn.Linear:
         return False
     out_features, in_features = linear.weight.shape
-    if spec.num_bits == 8:
-        return True
+    if spec.num_bits == 8:  # torch 2.13's int8 kernel crashes on other widths beyond one row of input
+        return in_features % 16 == 0
     return out_features % 16 == 0 and in_features % spec.group_size == 0
 
 
