@@ -16,6 +16,7 @@ import shutil
 
 import pytest
 import torch
+from test_infer_generate import one_thread  # noqa: F401 - autouse: one compute thread for tiny matrices
 from test_infer_generate import PAD, build_model, prompts, save_checkpoint, scratch_dir, tight_budget
 
 from offload.infer import InferenceConfig, init_inference
@@ -25,15 +26,6 @@ from offload.infer.quantize import QuantLinear, quantize_weight
 
 SPECS = [WeightQuantization(num_bits=8), WeightQuantization(num_bits=8, symmetric=False),
          WeightQuantization(num_bits=4, group_size=32), WeightQuantization(num_bits=4, group_size=64, symmetric=True)]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: one compute thread is faster, and far steadier on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture()
