@@ -6,7 +6,7 @@
 No pretrained weights reach this machine, so a byte-level Llama is trained here on real text the
 machine ships: the Python standard library's source (``.py`` files under ``sysconfig``'s stdlib,
 site-packages and the test suite left out), split by file: every file whose path hashes to 0 mod 20
-is held out. The model (hidden 512, 6 layers, 20.5 M parameters by default) is trained for
+is held out. The model (hidden 512, 6 layers, 20.7 M parameters by default) is trained for
 ``--steps`` steps of ``--batch`` x 256 bytes (AdamW, bf16 autocast), saved as a bf16 safetensors checkpoint,
 and then evaluated on held-out windows through `init_inference` with the decoder layers streamed
 (``max_in_cpu`` just above what must stay): unquantized, int8 (per channel) and int4 (groups of 64
