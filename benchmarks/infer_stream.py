@@ -279,7 +279,8 @@ def child(args: dict) -> dict:
                        resident_bytes=plan.resident_bytes, read_bytes_per_forward=plan.read_bytes_per_forward,
                        plan_memory_bytes=plan.memory_bytes, read_wait_s=model.read_wait_seconds,
                        activation_bytes=model.activation_bytes(args["batch"], args["prompt_tokens"] + args["new_tokens"]),
-                       io_bytes=model.io_bytes(), plan=plan.describe())
+                       io_bytes=model.io_bytes(), plan=plan.describe(), quantization=plan.quantization,
+                       unquantized_read_bytes_per_forward=plan.unquantized_read_bytes)
         model.close()
     return figures
 
@@ -294,6 +295,8 @@ def _load(kind: str, checkpoint: Path, config, args: dict):
         from offload.infer import init_inference
 
         ring = {"buffer_count": args["buffer_count"]} if args["buffer_count"] else {}
+        if args.get("quantize"):  # benchmarks/infer_quant.py: the quantized cache, written before the run
+            ring.update(weight_quantization=args["quantize"], nvme_path=args["nvme_path"])
         return init_inference(checkpoint, max_in_cpu=f"{budget}B", aio=args["aio"], disk_gbps=args["disk_gbps"],  # bytes
                               **ring)
     if kind == "accelerate-dispatch":

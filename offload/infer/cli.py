@@ -60,6 +60,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     for key in ("buffer_count", "dtype", "disk_gbps", "nvme_path"):
         if getattr(args, key) is not None:
             values[key] = getattr(args, key)
+    if args.quantize is not None:
+        values["weight_quantization"] = args.quantize
     return values
 
 
@@ -77,7 +79,11 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
     ap.add_argument("--max-in-cpu", help="memory budget: elements, or bytes such as 8GiB")
     ap.add_argument("--buffer-count", type=int, help="locked buffers in the prefetch ring")
     ap.add_argument("--dtype", help="compute dtype (default: the checkpoint's)")
-    ap.add_argument("--nvme-path", help="directory for a converted copy when --dtype differs from the checkpoint's")
+    ap.add_argument("--nvme-path", help="directory for a converted copy when --dtype differs from the checkpoint's, "
+                                           "and for the quantized cache of --quantize")
+    ap.add_argument("--quantize", choices=("int8", "int4", "none"),
+                    help="decoder weights as int8 (per channel) or int4 (group 64), quantized once into a cache "
+                         "under --nvme-path (default: the checkpoint's directory)")
     ap.add_argument("--config", help="DeepSpeed-style JSON config (command-line options override it)")
     ap.add_argument("--disk-gbps", type=float, help="the disk's read speed in GB/s (default: measure it)")
     ap.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
@@ -152,6 +158,7 @@ def _figures(engine, printer: _Printer, start: float, end: float, read_start: in
         "disk_gbps": plan.disk_bps / 1e9 if plan.disk_bps else None, "disk_source": plan.disk_source,
         "disk_s_per_forward": plan.disk_seconds_per_forward, "read_wait_s": engine.read_wait_seconds,
         "resident_bytes": plan.resident_bytes, "streamed_bytes": plan.streamed_bytes,
+        "quantization": plan.quantization, "unquantized_read_bytes_per_forward": plan.unquantized_read_bytes,
     }
 
 

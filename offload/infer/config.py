@@ -24,7 +24,7 @@ import torch
 
 from tensorio import AioConfig, parse_size
 
-__all__ = ["IGNORED_KEYS", "InferenceConfig", "parse_dtype"]
+__all__ = ["IGNORED_KEYS", "InferenceConfig", "WeightQuantization", "parse_dtype"]
 
 #: DeepSpeed keys accepted and without effect in inference (training-only or about the GPU).
 IGNORED_KEYS = {
@@ -69,6 +69,79 @@ def _int(key: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{key}: {value!r} is not allowed; use an integer >= {minimum}")
     return value
+
+
+@dataclass(frozen=True, slots=True)
+class WeightQuantization:
+    """``weight_quantization``: the decoder layers' linear weights stored and streamed as 8- or 4-bit
+    integers (docs/inference.md, "Quantized weights"). DeepSpeed's keys, read from
+    ``weight_quantization.quantized_initialization`` (or directly under ``weight_quantization``)."""
+
+    num_bits: int = 4
+    """8: one scale per output channel (``torch._weight_int8pack_mm``'s layout); 4: one scale (and
+    zero) per ``group_size`` inputs of each output channel (``torch._weight_int4pack_mm_for_cpu``'s)."""
+
+    group_size: int | None = None
+    """4 bits: inputs per group, a power of two from 32 to 256 (None: 64, ZeRO-Inference's). 8 bits:
+    must be left out (the int8 kernel takes one scale per output channel)."""
+
+    symmetric: bool | None = None
+    """Symmetric (scale only) or asymmetric (scale and zero point) ranges; None: symmetric for 8
+    bits, asymmetric for 4 (ZeRO-Inference's)."""
+
+    def __post_init__(self) -> None:
+        key = "weight_quantization"
+        if self.num_bits not in (4, 8) or isinstance(self.num_bits, bool):
+            raise ValueError(f"{key}.num_bits: {self.num_bits!r} is not allowed; use 8 or 4")
+        if self.num_bits == 8 and self.group_size is not None:
+            raise ValueError(f"{key}.group_size: {self.group_size!r} is not allowed with num_bits 8: int8 weights get "
+                             f"one scale per output channel (the layout torch._weight_int8pack_mm takes); leave "
+                             f"group_size out")
+        if self.num_bits == 4:
+            group = 64 if self.group_size is None else _int(f"{key}.group_size", self.group_size, 32)
+            if group not in (32, 64, 128, 256):
+                raise ValueError(f"{key}.group_size: {group!r} is not allowed; use 32, 64, 128 or 256")
+            object.__setattr__(self, "group_size", group)
+        if self.symmetric is None:
+            object.__setattr__(self, "symmetric", self.num_bits == 8)
+        if not isinstance(self.symmetric, bool):
+            raise ValueError(f"{key}.symmetric: expected true or false, got {self.symmetric!r}")
+
+    @property
+    def name(self) -> str:
+        """ "int8 (per channel, symmetric)", "int4 (group 64, asymmetric)"."""
+        layout = "per channel" if self.group_size is None else f"group {self.group_size}"
+        return f"int{self.num_bits} ({layout}, {'symmetric' if self.symmetric else 'asymmetric'})"
+
+    @classmethod
+    def parse(cls, value: Any) -> "WeightQuantization | None":
+        """From "int8" / "int4" (the command's ``--quantize``), "none" / None (no quantization), a
+        DeepSpeed-style mapping, or a `WeightQuantization`. Raises ValueError naming the key."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            choices = {"int8": 8, "int4": 4}
+            if value.lower() == "none":
+                return None
+            if value.lower() not in choices:
+                raise ValueError(f"weight_quantization: {value!r} is not allowed; use \"int8\", \"int4\" or \"none\"")
+            return cls(num_bits=choices[value.lower()])
+        section = _section(value, "weight_quantization", {"quantized_initialization", "num_bits", "group_size",
+                                                          "group_dim", "symmetric", "enabled"})
+        if "quantized_initialization" in section:
+            if len(section) > 1:
+                raise ValueError("weight_quantization: give num_bits, group_size and symmetric either inside "
+                                 "quantized_initialization (DeepSpeed's form) or directly, not both")
+            section = _section(section["quantized_initialization"], "weight_quantization.quantized_initialization",
+                               {"num_bits", "group_size", "group_dim", "symmetric"})
+        if section.pop("enabled", True) is False:
+            return None
+        if section.pop("group_dim", 1) != 1:
+            raise ValueError("weight_quantization.group_dim: only 1 (groups along the input dimension, DeepSpeed's "
+                             "default) is supported")
+        if "num_bits" not in section:
+            raise ValueError("weight_quantization.num_bits: missing; use 8 or 4")
+        return cls(**section)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -118,6 +191,11 @@ class InferenceConfig:
     compute_device: str = "auto"
     """"cpu", "cuda", or "auto" (CUDA when available). Not a DeepSpeed key."""
 
+    weight_quantization: WeightQuantization | None = None
+    """``weight_quantization``: the decoder layers' linear weights as int8 or int4, quantized once
+    into a cache under ``nvme_path`` (the checkpoint's directory without it) and streamed from there;
+    None keeps them in the compute dtype. Also "int8" / "int4" (`WeightQuantization.parse`)."""
+
     def __post_init__(self) -> None:
         key = "zero_optimization.offload_param"
         if self.device not in ("nvme", "cpu"):
@@ -144,6 +222,7 @@ class InferenceConfig:
             raise ValueError(f"disk_gbps: {self.disk_gbps!r} is not allowed; use GB/s > 0")
         if self.compute_device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"compute_device: {self.compute_device!r} is not allowed; use \"auto\", \"cpu\" or \"cuda\"")
+        self.weight_quantization = WeightQuantization.parse(self.weight_quantization)
 
     def budget_bytes(self, itemsize: int) -> int:
         """``max_in_cpu`` in bytes, for a model whose weights have ``itemsize`` bytes per element."""
@@ -186,8 +265,10 @@ def _section(value: Any, key: str, allowed: set[str]) -> dict[str, Any]:
 
 def _from_deepspeed(config: Mapping[str, Any]) -> dict[str, Any]:
     """The `InferenceConfig` fields a DeepSpeed-style config sets, its keys checked."""
-    top = _section(config, "", {"zero_optimization", "aio", "dtype", "bf16", "bfloat16", "fp16"})
+    top = _section(config, "", {"zero_optimization", "aio", "dtype", "bf16", "bfloat16", "fp16", "weight_quantization"})
     values: dict[str, Any] = {}
+    if "weight_quantization" in top:
+        values["weight_quantization"] = WeightQuantization.parse(top["weight_quantization"])
     zero = _section(top.get("zero_optimization", {}), "zero_optimization",
                     {"offload_param", "stage3_prefetch_bucket_size", "aio"})
     param = _section(zero.get("offload_param", {}), "zero_optimization.offload_param",

@@ -4,6 +4,7 @@ with O_DIRECT: what fits in the memory budget once, the rest streamed layer by l
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -20,6 +21,8 @@ from offload.infer.config import InferenceConfig
 from offload.infer.convert import converted_copy
 from offload.infer.device_ring import DeviceRing
 from offload.infer.plan import BudgetError, Plan, UnitSize, format_bytes, make_plan
+from offload.infer.qcache import PAD_PREFIX, quantized_cache
+from offload.infer.quantize import block_linears, swap_linears
 from offload.infer.stream import LayerStreamer, ParamRef, ResidentLoad, Unit
 from offload.storage.safetensors_reader import SafetensorsCheckpoint, read_windows, tensor_views, windows_nbytes
 from tensorio import AioHandle, aligned_tensor
@@ -87,6 +90,9 @@ class InferenceEngine:
             # 3. One record per unit, its tensors matched to the checkpoint's (names, shapes).
             self.units = _units(self.module, self.checkpoint)
             self._load_bytes = _materialize_buffers(self.module, self.checkpoint, self.handle, self.device)
+            self._unquantized_sizes: list[UnitSize] | None = None
+            if settings.weight_quantization is not None:  # packed linear layers, read from the quantized cache
+                self._quantize(directory)
             # 4. The placement; streamed tensors must be on the disk in the compute dtype.
             self.plan = self._make_plan(kv_bytes=0, kv_shape=(0, 0))
             if any(self._needs_conversion(u) for u in self.units if u.name not in self.plan.resident):
@@ -261,8 +267,14 @@ class InferenceEngine:
         buffer_nbytes = None if settings.buffer_size is None else settings.buffer_size * itemsize
         if disk is None:
             disk = (settings.disk_gbps * 1e9, "given") if settings.disk_gbps else (None, "")
-        return make_plan(self._sizes(), budget=budget, buffer_count=settings.buffer_count, buffer_nbytes=buffer_nbytes,
+        plan = make_plan(self._sizes(), budget=budget, buffer_count=settings.buffer_count, buffer_nbytes=buffer_nbytes,
                          kv_bytes=kv_bytes, kv_shape=kv_shape, disk_bps=disk[0], disk_source=disk[1])
+        if self._unquantized_sizes is not None:  # the same placement's bytes without quantization, for comparison
+            before = make_plan(self._unquantized_sizes, budget=budget, buffer_count=settings.buffer_count,
+                               kv_bytes=kv_bytes, kv_shape=kv_shape)
+            plan = dataclasses.replace(plan, quantization=settings.weight_quantization.name,
+                                       unquantized_read_bytes=before.read_bytes_per_forward)
+        return plan
 
     def _lookahead_units(self, plan: Plan) -> int | None:
         """Reads in flight that ``stage3_prefetch_bucket_size`` allows (at least one), None for no limit."""
@@ -271,6 +283,26 @@ class InferenceEngine:
             return None
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return max(1, bucket * itemsize // plan.buffer_nbytes)
+
+    def _quantize(self, directory: str) -> None:
+        """Swap the decoder layers' linear layers for packed ones (`QuantLinear`) and read every weight
+        from the quantized cache (written once under ``nvme_path``, else in the checkpoint's directory)."""
+        spec = self.settings.weight_quantization
+        if self.device.type != "cpu":
+            raise ValueError(f"weight_quantization: the packed kernels run on the CPU here; compute_device "
+                             f"{self.device.type!r} does not take quantized layers yet (leave weight_quantization out, "
+                             f"or set compute_device \"cpu\")")
+        targets = {path: self.module.get_submodule(path) for path in block_linears(self.module, _blocks(self.module), spec)}
+        if not targets:
+            raise ValueError(f"weight_quantization: {type(self.module).__name__} has no nn.Linear in its decoder layers "
+                             f"that the int{spec.num_bits} kernel takes (int8: in features a multiple of 16; int4: out "
+                             f"features a multiple of 16, in features of {spec.group_size}); leave weight_quantization out")
+        self._unquantized_sizes = self._sizes()
+        cache = quantized_cache(self.checkpoint, self.units, targets, spec, self.dtype,
+                                self.settings.nvme_path or directory, self.handle)
+        swap_linears(self.module, list(targets), spec, self.dtype)
+        self.checkpoint = SafetensorsCheckpoint(cache, self.handle)
+        self.units = _units(self.module, self.checkpoint)
 
     def _needs_conversion(self, unit: Unit) -> bool:
         return any(self.checkpoint[ref.tensor].dtype != ref.placeholder.dtype for ref in unit.params)
@@ -454,6 +486,7 @@ def _check_unexpected(module: nn.Module, checkpoint: SafetensorsCheckpoint, cons
     buffers = {key for name, _ in module.named_buffers() for key in _candidates(name, prefix)}
     ignore = [re.compile(p) for p in (getattr(module, "_keys_to_ignore_on_load_unexpected", None) or [])]
     ignore.append(re.compile(r"rotary_emb\.inv_freq"))
+    ignore.append(re.compile(rf"^{re.escape(PAD_PREFIX)}"))  # the quantized cache's alignment padding
     extra = [name for name in checkpoint.entries
              if name not in consumed and name not in buffers and not any(p.search(name) for p in ignore)]
     if extra:

@@ -70,6 +70,10 @@ class Plan:
     """Disk read speed in bytes per second, or None when unknown."""
     disk_source: str = ""
     """How ``disk_bps`` was obtained ("measured: ..." or "given")."""
+    quantization: str = ""
+    """The decoder layers' weight quantization ("int4 (group 64, asymmetric)"), "" for none."""
+    unquantized_read_bytes: int | None = None
+    """With ``quantization``: the bytes per forward the same budget would read with unquantized weights."""
 
     @property
     def streamed(self) -> tuple[UnitSize, ...]:
@@ -122,6 +126,13 @@ class Plan:
                          f"read ahead while a layer computes)")
         else:
             lines.append("  streamed: nothing (every weight is in memory)")
+        if self.quantization:
+            before = self.unquantized_read_bytes
+            lines.append(f"  quantized: {self.quantization} linear weights in the decoder layers: "
+                         f"{format_bytes(self.read_bytes_per_forward)} read per forward"
+                         + (f", unquantized {format_bytes(before)}" if before is not None else "")
+                         + (f" ({before / self.read_bytes_per_forward:.2f}x fewer bytes)"
+                            if before and self.read_bytes_per_forward else ""))
         batch, tokens = self.kv_shape
         lines.append(f"  KV cache: {format_bytes(self.kv_bytes)} reserved"
                      + (f" (batch {batch} x {tokens} tokens)" if batch else " (none yet: reserved per generate call)"))

@@ -45,7 +45,7 @@ def save_tensors_safetensors(
 
 @contextmanager
 def atomic_safetensors(path: str | os.PathLike, layout: Mapping[str, tuple[torch.dtype, Sequence[int]]],
-                       metadata: Mapping[str, str] | None = None) -> Iterator["SafetensorsWriter"]:
+                       metadata: Mapping[str, str] | None = None, *, data_align: int = 8) -> Iterator["SafetensorsWriter"]:
     """A `SafetensorsWriter` on a hidden temporary file beside ``path``, fsynced and renamed over
     ``path`` when the block ends without an error; on an error the temporary file is removed and
     ``path`` is untouched. Raises FileNotFoundError if the parent directory is missing."""
@@ -55,7 +55,7 @@ def atomic_safetensors(path: str | os.PathLike, layout: Mapping[str, tuple[torch
     descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(descriptor)
     try:
-        with SafetensorsWriter(temporary, layout, metadata) as out:
+        with SafetensorsWriter(temporary, layout, metadata, data_align=data_align) as out:
             yield out
         os.replace(temporary, path)
     except BaseException:
@@ -65,7 +65,7 @@ def atomic_safetensors(path: str | os.PathLike, layout: Mapping[str, tuple[torch
 
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-                       torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+                       torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
 class SafetensorsWriter:
@@ -76,7 +76,8 @@ class SafetensorsWriter:
     run of a tensor's elements in place, in any order, so that only that run has to be in memory.
     Every element must be written before `close` (unwritten ones read as zeros). The file is what
     ``safetensors.torch.save_file`` would make of the same tensors, up to their order, and loads with
-    ``safetensors.torch.load_file`` or ``safe_open``. Not atomic by itself: write it inside
+    ``safetensors.torch.load_file`` or ``safe_open``. ``data_align`` (a multiple of 8) pads the
+    header so that the tensors' data starts at a multiple of it in the file. Not atomic by itself: write it inside
     `atomic_checkpoint`'s directory, or to a temporary name that you rename.
 
     Raises TypeError for a dtype safetensors cannot store, ValueError for a write outside a tensor or
@@ -84,8 +85,8 @@ class SafetensorsWriter:
     """
 
     def __init__(self, path: str | os.PathLike, layout: Mapping[str, tuple[torch.dtype, Sequence[int]]],
-                 metadata: Mapping[str, str] | None = None) -> None:
-        head, self._places, end = _header(layout, metadata)
+                 metadata: Mapping[str, str] | None = None, *, data_align: int = 8) -> None:
+        head, self._places, end = _header(layout, metadata, data_align)
         self._data = len(head)
         self.path = os.fspath(path)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -233,10 +234,11 @@ class DirectSafetensorsWriter:
             self._chunks = None
 
 
-def _header(layout: Mapping[str, tuple[torch.dtype, Sequence[int]]], metadata: Mapping[str, str] | None
-            ) -> tuple[bytes, dict[str, tuple[torch.dtype, int, int]], int]:
-    """The safetensors header bytes (length prefix included, padded so the data starts 8-byte
-    aligned), each tensor's (dtype, byte offset in the data, elements), and the data's size.
+def _header(layout: Mapping[str, tuple[torch.dtype, Sequence[int]]], metadata: Mapping[str, str] | None,
+            data_align: int = 8) -> tuple[bytes, dict[str, tuple[torch.dtype, int, int]], int]:
+    """The safetensors header bytes (length prefix included, padded so the data starts at a multiple
+    of ``data_align``, 8 as safetensors writes it, or a multiple of 8), each tensor's (dtype, byte
+    offset in the data, elements), and the data's size.
     Raises TypeError for metadata that is not str to str or a dtype safetensors cannot store."""
     header: dict[str, object] = {}
     for key, value in (metadata or {}).items():
@@ -258,7 +260,7 @@ def _header(layout: Mapping[str, tuple[torch.dtype, Sequence[int]]], metadata: M
         places[name] = (dtype, end, numel)
         end += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    encoded += b" " * (-(8 + len(encoded)) % data_align)
     return struct.pack("<Q", len(encoded)) + encoded, places, end
 
 

@@ -1,0 +1,250 @@
+"""Benchmark: int8 / int4 weights on the stream against bf16 streaming, Accelerate and fio, in one run.
+
+    python -m benchmarks.infer_quant --dir /work/bench-llama --out infer_quant.json   # the 28.6 GB Llama, 2 GiB
+    python -m benchmarks.infer_quant --dir /tmp/x --scale 0.025 --layers 4 --shards 5 --budget 1MiB \\
+        --fio-size 16MiB --floor-layers 1                                           # tiny, as the test runs it
+
+1. The random-weight Llama of benchmarks/infer_stream.py (hidden 5120, 44 layers, bf16, 28.6 GB),
+   written once and reused.
+2. fio's O_DIRECT sequential read speed in the same directory, with our aio settings.
+3. The int8 (per channel) and int4 (group 64, asymmetric) caches, written once each under
+   ``DIR/quantized`` by a process of their own: time, peak RSS (the quantization's memory bound) and
+   size. Reused by later runs while the checkpoint is unchanged.
+4. Each configuration in a fresh process, every file dropped from the page cache first: ours in
+   bf16, int8 and int4 at ``--budget`` (batch 1), and Accelerate's
+   ``from_pretrained(device_map="auto")`` with the same ``max_memory`` and disk offload (the child of
+   benchmarks/infer_stream.py: seconds per token is the median of the decode steps).
+5. The compute floor of each: a model of the same shape with 2 and with 2 + ``--floor-layers``
+   decoder layers, all in memory (quantized alike), its decode steps timed (median); the floor is
+   the smaller model's step plus the per-layer difference times the other layers.
+6. The targets: int8 >= 1.8x and int4 >= 3x bf16's tokens/s; each <= 1.15 x max(bytes streamed per
+   token / fio, its compute floor); int4 >= 6x Accelerate's tokens/s; page-cache growth < 256 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks._common import ChildError, RssSampler, run_child
+from benchmarks.infer_stream import Spec, _failure, _files, _gib, meminfo, run_config, write_checkpoint
+from tensorio import parse_size
+
+VARIANTS = {"bf16": None, "int8": "int8", "int4": "int4"}
+
+
+# ---- children ---------------------------------------------------------------------------------------
+
+
+def quantize_child(args: dict) -> dict:
+    """Write (or find) the cache of ``args["quantize"]``: seconds, peak RSS, the cache's bytes."""
+    from offload.infer import init_inference
+
+    with RssSampler(kernel_peak=True) as rss:
+        start = time.perf_counter()
+        with init_inference(args["checkpoint"], weight_quantization=args["quantize"], nvme_path=args["nvme_path"],
+                            max_in_cpu=f"{args['budget']}B", disk_gbps=1.0) as engine:
+            seconds = time.perf_counter() - start
+            directory = engine.checkpoint.directory
+    size = sum(os.path.getsize(f) for f in _files(Path(directory)))
+    return {"seconds": seconds, "peak_rss": rss.peak, "cache_bytes": size, "cache": directory}
+
+
+def floor_child(args: dict) -> dict:
+    """Seconds per decode step of the model in memory, ``args["layers"]`` decoder layers, quantized as asked."""
+    import torch
+    import transformers
+
+    from benchmarks.infer_stream import _Clock
+    from offload.infer.config import WeightQuantization
+    from offload.infer.quantize import QuantLinear, block_linears, quantize_weight
+
+    config = Spec(**args["spec"]).config()
+    config.num_hidden_layers = args["layers"]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    spec = WeightQuantization.parse(args["quantize"])
+    if spec is not None:
+        for path in list(block_linears(model, "model.layers", spec)):
+            linear = model.get_submodule(path)
+            layer = QuantLinear(linear.in_features, linear.out_features, spec, torch.bfloat16, bias=False, device="cpu")
+            for name, value in quantize_weight(linear.weight.data, spec, torch.bfloat16).items():
+                getattr(layer, name).data = value
+            parent, _, attr = path.rpartition(".")
+            setattr(model.get_submodule(parent), attr, layer)
+    ids = torch.randint(3, config.vocab_size, (1, args["prompt_tokens"]), generator=torch.Generator().manual_seed(0))
+    clock = _Clock()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args["new_tokens"], do_sample=False,
+                       pad_token_id=0, streamer=clock)
+    return {"s_per_step": float(np.median(np.diff(clock.times)))}
+
+
+# ---- the run --------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark; print the configuration, the runs and the targets; return every figure."""
+    from bench.fio import FioError, job_for_config, run_fio
+    from offload.infer.config import InferenceConfig
+    from tensorio import AioConfig
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", help="working directory: the checkpoint, the quantized caches (written once, reused)")
+    ap.add_argument("--scale", type=float, default=1.0, help="scale hidden, intermediate and vocab (1: the 28.6 GB model)")
+    ap.add_argument("--layers", type=int, default=44)
+    ap.add_argument("--shards", type=int, default=46)
+    ap.add_argument("--budget", default="2GiB", help="max_in_cpu for ours and max_memory for Accelerate")
+    ap.add_argument("--accelerate", default="auto", help="\"auto\" (from_pretrained(device_map='auto')) or none")
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--floor-layers", type=int, default=4, help="decoder layers added for the compute floor's slope")
+    ap.add_argument("--fio-size", default="4GiB")
+    ap.add_argument("--out", help="write every figure to this JSON file")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        payload = json.loads(args.child)
+        print(json.dumps(quantize_child(payload) if payload["kind"] == "quantize" else floor_child(payload)))
+        return {}
+    if not args.dir:
+        ap.error("--dir is required")
+    directory = Path(args.dir).resolve()
+    spec = Spec.scaled(args.scale, args.layers, args.shards)
+    budget = parse_size(args.budget)
+    aio = InferenceConfig().aio
+    print(f"configuration: {spec}, bf16; prompt {args.prompt_tokens} tokens, {args.new_tokens} new; budget "
+          f"{_gib(budget)}, batch 1; Accelerate: {args.accelerate}; aio {aio.to_dict()}")
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
+
+    # 1. The checkpoint; 2. fio.
+    checkpoint = write_checkpoint(directory / "checkpoint", spec)
+    size = sum(os.path.getsize(f) for f in _files(checkpoint) if f.endswith(".safetensors"))
+    print(f"checkpoint: {checkpoint} ({size / 1e9:.2f} GB)")
+    try:
+        fio = run_fio(job_for_config(AioConfig.from_dict(aio.to_dict()), directory=directory, rw="read",
+                                     size=parse_size(args.fio_size)))
+        fio_bps = fio.bw_bytes
+        print(f"fio: {fio.gb_per_s:.3f} GB/s O_DIRECT sequential read ({' '.join(fio.command[1:])})")
+    except FioError as exc:
+        fio_bps = None
+        print(f"fio: not measured ({exc}); the disk-bound targets are skipped")
+
+    # 3. The caches, once.
+    caches = directory / "quantized"
+    caches.mkdir(exist_ok=True)
+    quantized = {}
+    for name, q in VARIANTS.items():
+        if q is None:
+            continue
+        payload = {"kind": "quantize", "checkpoint": str(checkpoint), "quantize": q, "nvme_path": str(caches),
+                   "budget": budget}
+        quantized[name] = run_child("benchmarks.infer_quant", ["--child", json.dumps(payload)])
+        r = quantized[name]
+        print(f"{name} cache: {r['cache_bytes'] / 1e9:.2f} GB, {r['seconds']:.1f} s to write or find (peak RSS "
+              f"{_gib(r['peak_rss'])}): {r['cache']}")
+
+    # 4. The runs, each in a fresh process, every file cold.
+    offload_folder = directory / "accelerate-offload"
+    runs = [("ours", name) for name in VARIANTS] + [(f"accelerate-{k}", "bf16") for k in args.accelerate.split(",")
+                                                    if k and k != "none"]
+    results = []
+    for kind, name in runs:
+        _make_cold([checkpoint, caches, offload_folder])
+        payload = {"kind": kind, "checkpoint": str(checkpoint), "budget": budget, "batch": 1,
+                   "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "buffer_count": None,
+                   "aio": aio.to_dict(), "disk_gbps": fio_bps / 1e9 if fio_bps else None,
+                   "offload_folder": str(offload_folder), "quantize": VARIANTS[name], "nvme_path": str(caches)}
+        available = meminfo("MemAvailable")
+        try:
+            result = run_config(payload)
+        except ChildError as exc:
+            result = {"kind": kind, "error": _failure(exc)}
+        result.update(variant=name, mem_available_before=available)
+        results.append(result)
+        if "plan" in result:
+            print(result["plan"])
+        _print_row(result)
+
+    # 5. The compute floors.
+    floors = {}
+    for name, q in VARIANTS.items():
+        steps = {}
+        for layers in (2, 2 + args.floor_layers):
+            payload = {"kind": "floor", "spec": asdict(spec), "layers": layers, "quantize": q,
+                       "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens}
+            steps[layers] = run_child("benchmarks.infer_quant", ["--child", json.dumps(payload)])["s_per_step"]
+        per_layer = max(0.0, (steps[2 + args.floor_layers] - steps[2]) / args.floor_layers)
+        floors[name] = {"steps": steps, "per_layer_s": per_layer, "floor_s": steps[2] + per_layer * (spec.layers - 2)}
+        print(f"compute floor, {name}: {floors[name]['floor_s']:.3f} s per token ({steps[2]:.3f} s with 2 layers, "
+              f"{per_layer:.4f} s per layer more, {spec.layers} layers; weights in memory)")
+
+    targets = _targets(results, floors, fio_bps)
+    print("targets:\n  " + "\n  ".join(targets))
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    figures = {"spec": asdict(spec), "checkpoint_bytes": size, "fio_bps": fio_bps, "budget": budget,
+               "quantized": quantized, "runs": results, "floors": floors, "targets": targets}
+    if args.out:
+        Path(args.out).write_text(json.dumps(figures, indent=1))
+    return figures
+
+
+def _make_cold(directories: list[Path]) -> None:
+    from offload.infer.convert import drop_page_cache
+
+    for folder in directories:
+        if folder.exists():
+            for path in _files(folder):
+                drop_page_cache(path)
+
+
+def _print_row(r: dict) -> None:
+    if "error" in r:
+        print(f"{r['kind']:>20} {r['variant']:>5}: FAILED, {r['error']}")
+        return
+    print(f"{r['kind']:>20} {r['variant']:>5}: load {r['load_s']:.2f} s, first token {r['ttft_s']:.2f} s, "
+          f"{r['s_per_token']:.3f} s/token (steps {' '.join(f'{s:.2f}' for s in r['decode_steps'])}), "
+          f"{r['tokens_per_s']:.3f} tokens/s, peak RSS {_gib(r['peak_rss'])}, page cache "
+          f"+{r['cached_growth'] / 1e6:.0f} MB, read {r['read_bytes'] / 1e9:.2f} GB")
+
+
+def _targets(results: list[dict], floors: dict, fio_bps: float | None) -> list[str]:
+    ours = {r["variant"]: r for r in results if r["kind"] == "ours" and "error" not in r}
+    lines = [f"{r['kind']} {r['variant']}: not measured ({r['error']})" for r in results if "error" in r]
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    bf16 = ours.get("bf16")
+    for name, factor in (("int8", 1.8), ("int4", 3.0)):
+        r = ours.get(name)
+        if r and bf16:
+            ratio = r["tokens_per_s"] / bf16["tokens_per_s"]
+            lines.append(f"{name}: {ratio:.2f}x bf16's tokens/s ({r['tokens_per_s']:.3f} against "
+                         f"{bf16['tokens_per_s']:.3f}); target >= {factor}x: {verdict(ratio >= factor)}")
+    for name, r in ours.items():
+        disk = r["read_bytes_per_forward"] / fio_bps if fio_bps else 0.0
+        floor = floors.get(name, {}).get("floor_s", 0.0)
+        bound = max(disk, floor)
+        which = "compute floor" if floor >= disk else "disk bound"
+        lines.append(f"{name}: {r['s_per_token']:.3f} s/token = {r['s_per_token'] / bound:.2f}x max(disk "
+                     f"{disk:.3f} s = {r['read_bytes_per_forward'] / 1e9:.2f} GB / fio, compute floor {floor:.3f} s), "
+                     f"the {which}; target <= 1.15x: {verdict(r['s_per_token'] <= 1.15 * bound)}")
+        growth = max(r["cached_growth"], r["checkpoint_cache_growth"])
+        lines.append(f"{name}: page cache +{growth / 1e6:.0f} MB; target < 256 MB: {verdict(growth < 256e6)}")
+    accelerate = next((r for r in results if r["kind"].startswith("accelerate") and "error" not in r), None)
+    if accelerate and ours.get("int4"):
+        ratio = ours["int4"]["tokens_per_s"] / accelerate["tokens_per_s"]
+        lines.append(f"int4: {ratio:.2f}x {accelerate['kind']}'s tokens/s (page cache +{accelerate['cached_growth'] / 1e6:.0f} "
+                     f"MB there); target >= 6x: {verdict(ratio >= 6)}")
+    return lines
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""benchmarks/infer_quant.py at a tiny scale: it writes its checkpoint and both quantized caches, measures
+fio, runs bf16, int8 and int4 in child processes, measures the compute floors and prints the targets
+(the figures themselves mean nothing here)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from test_infer_generate import scratch_dir
+
+from bench.fio import fio_path
+from benchmarks.infer_quant import main
+
+
+def test_tiny_run_end_to_end(capsys):
+    if fio_path() is None:
+        pytest.skip("fio is not installed")
+    root = scratch_dir("infer-quant-bench-")
+    try:
+        figures = main(["--dir", str(root), "--scale", "0.025", "--layers", "4", "--shards", "5", "--budget", "700KiB",
+                        "--accelerate", "none", "--fio-size", "16MiB", "--prompt-tokens", "8", "--new-tokens", "3",
+                        "--floor-layers", "1", "--out", str(root / "figures.json")])
+        caches = sorted(p.name for p in (root / "quantized").iterdir())
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    printed = capsys.readouterr().out
+    assert [c.split("-")[1] for c in caches] == ["int4", "int8"]
+    runs = {r["variant"]: r for r in figures["runs"]}
+    assert set(runs) == {"bf16", "int8", "int4"} and not any("error" in r for r in runs.values())
+    for name in ("int8", "int4"):  # the same budget's placement, unquantized, is bf16's; quantized it reads less
+        assert runs[name]["unquantized_read_bytes_per_forward"] == runs["bf16"]["read_bytes_per_forward"]
+        assert runs[name]["read_bytes_per_forward"] < runs["bf16"]["read_bytes_per_forward"]
+    assert all(figures["floors"][name]["floor_s"] > 0 for name in runs)
+    assert "quantized: int4 (group 64, asymmetric)" in printed and "targets:" in printed
+    assert any("x bf16's tokens/s" in line for line in figures["targets"])
