@@ -47,6 +47,7 @@ tensor = tensorio.aligned_tensor(1 << 16, torch.uint8)
 fn = lambda future: None
 offset = 0
 os.makedirs("{scratch}/nvme/swap", exist_ok=True)
+os.makedirs("{scratch}/nvme/cache", exist_ok=True)  # the quantized cache's directory (docs/inference.md)
 fd = os.open("{scratch}/nvme/scratch.bin", os.O_RDWR | os.O_CREAT, 0o600)
 os.pwrite(fd, bytes(1 << 16), 0)
 transformers.GPT2LMHeadModel(_gpt2).save_pretrained("{scratch}/pretrained")
