@@ -107,7 +107,7 @@ def _child(args: argparse.Namespace) -> None:
         io_end = psutil.Process().io_counters()
         io_wait = opt.io_wait_seconds() - waited if offloaded else 0.0
         if offloaded:
-            opt.close()  # not timed: removing the 2 GB swap file took 0.29 s here (ext4 mounted with discard)
+            opt.close()  # not timed: removing the swap file is teardown (slow on ext4 mounted with discard)
     print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "io_wait": io_wait, "peak_rss": rss.peak,
                       "read_bytes": io_end.read_bytes - io_start.read_bytes,
                       "written_bytes": io_end.write_bytes - io_start.write_bytes}))

@@ -29,7 +29,7 @@ the optimizer state never written, so reads none of it) and marks the targets: p
 the training state; the loss lower at the last step than at the first; step time <= 1.3 x max(the
 step's bytes at fio's speed (read / fio read + written / fio write), the plain-PyTorch step time of
 the reference scaled by the parameter ratio). fio's speed is taken beside each step (the faster of the
-measurements just before and just after it): this disk's read speed moved by up to 3.8x within a run
+measurements just before and just after it): this disk's read speed moves by several times within a run
 (0.70 to 2.66 GB/s). The same target against the fastest fio figure of the whole run is printed beside it.
 """
 
@@ -284,7 +284,7 @@ class DiskBusy:
 
 def _fio_beside_steps(spec: dict) -> dict:
     """fio's speed in the swap directory between two steps (outside their timing): this disk's speed
-    moved by up to 3.8x within a run, so a step is compared with the disk as it was around it."""
+    moves by several times within a run, so a step is compared with the disk as it was around it."""
     return measure_fio(spec["nvme_dir"], spec["fio_size"], spec["block_size"], spec["queue_depth"])
 
 

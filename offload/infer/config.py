@@ -160,9 +160,8 @@ class InferenceConfig:
     buffer_count: int = 2
     """``offload_param.buffer_count``: locked buffers in the prefetch ring, each one streamed layer. >= 1.
     Two keep the disk busy whether the disk or the compute is the slower (one layer computes while
-    the next is read, and the freed buffer takes the read after that at once); a third decoded no
-    faster and cost a layer's memory more, faulted in beside the first forward (docs/benchmarks.md,
-    inference run 13)."""
+    the next is read, and the freed buffer takes the read after that at once); a third only reads
+    further ahead and costs a layer's memory more, faulted in beside the first forward."""
 
     buffer_size: int | None = None
     """``offload_param.buffer_size``: elements per buffer; None sizes them to the largest streamed

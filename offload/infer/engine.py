@@ -408,7 +408,7 @@ def _contiguous_head_input(module: nn.Module) -> None:
     ``generate`` hands it the last position's hidden states, a slice ``hidden[:, -1:, :]`` that is
     not contiguous. torch.matmul multiplies such an input by a weight that does not require grad
     (ours never do: they are views into our buffers) with bmm on the weight expanded to the batch
-    and made contiguous: a copy of batch x the head (5 GB and 12 s on this machine for Llama-13B's
+    and made contiguous: a copy of batch x the head (5 GB for Llama-13B's
     32000 x 5120 head at batch 16) at every prefill. A contiguous input is folded into one mm.
     """
     head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None

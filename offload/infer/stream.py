@@ -332,7 +332,7 @@ class ResidentLoad:
     for the load. Created ``held``, the thread takes on only the units that cannot stream, and those
     a forward waits for, until `release` (the engine releases it once the first forward is done):
     that forward reads the others through the ring, with the disk and the cores to itself (faulting
-    fresh memory in slows a forward beside it by half here, docs/inference.md "Load"). A unit whose
+    fresh memory in takes CPU from a forward beside it, docs/inference.md "Load"). A unit whose
     load failed (a read or a fault error) is read again by the forward that needs it; only that
     read's error is raised, and the next forward tries again, so an error that has passed (a shard
     being replaced, a moment short of memory) costs nothing for good.

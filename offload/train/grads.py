@@ -104,7 +104,7 @@ class GradReducer:
         if self._nccl:
             part = torch.empty(rec.partition_numel, dtype=torch.float32)
             dist.reduce_scatter_tensor(part, padded, group=self.group)
-        else:  # gloo's reduce-scatter is 3-7x slower than its all-reduce: all-reduce, keep this rank's slice
+        else:  # gloo's reduce-scatter is slower than its all-reduce: all-reduce, keep this rank's slice
             dist.all_reduce(padded, group=self.group)
             part = padded.chunk(self.world_size)[self.rank].clone()  # not a view: the rest is freed
         self.comm_seconds += time.perf_counter() - start

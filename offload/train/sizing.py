@@ -32,8 +32,8 @@ _WINDOW_SHARE = 64
 """The fast paths' read-ahead windows (gradients read back, state read ahead, applied gradients lent to
 it, partitions waiting for their update or write-back) hold the swap budget's elements, but at most
 1/64 of the host's memory in fp32 bytes each: the budget follows ``offload_param.buffer_size``, which
-configs set to the largest parameter (DeepSpeed requires it), and a 3 B GPT-2's embedding made those
-windows 1.2-2.5 GB each, far more than the one layer of look-ahead that keeps the disk busy."""
+configs set to the largest parameter (DeepSpeed requires it), and a large embedding would make each
+window that large, far more than the one layer of look-ahead that keeps the disk busy."""
 
 _GRADS_SHARE = 4
 """Gradient partitions kept between backward and the update (accumulation, the step in the next forward)
