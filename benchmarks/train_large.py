@@ -29,8 +29,8 @@ the optimizer state never written, so reads none of it) and marks the targets: p
 the training state; the loss lower at the last step than at the first; step time <= 1.3 x max(the
 step's bytes at fio's speed (read / fio read + written / fio write), the plain-PyTorch step time of
 the reference scaled by the parameter ratio). fio's speed is taken beside each step (the faster of the
-measurements just before and just after it): this disk's read speed moves by several times within a run
-(0.70 to 2.66 GB/s). The same target against the fastest fio figure of the whole run is printed beside it.
+measurements just before and just after it): this disk's read speed moves by several times within a run.
+The same target against the fastest fio figure of the whole run is printed beside it.
 """
 
 from __future__ import annotations
