@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from offload.config import EngineConfig, world_size_from_env
+from offload.device import CpuDevice, check_process_group, start_process_group
 from offload.params import ParamRecord, ParamStore
 from offload.train import checkpoint
 from offload.train.assemble import assemble
@@ -40,6 +41,9 @@ from offload.train.update_mode import StepContext, UpdatePath
 __all__ = ["Engine", "initialize"]
 
 log = logging.getLogger("offload")
+
+COMPUTE_DEVICE = CpuDevice()
+"""Where the engine computes (forward, backward, the optimizer): the CPU until GPU execution lands."""
 
 
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
@@ -82,7 +86,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     config = config_from_arguments(args, config, config_params)
     check_distributed_arguments(dist_init_required, mpu, mesh_param, world_size_from_env())
     if dist_init_required and not (dist.is_available() and dist.is_initialized()):
-        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+        start_process_group(COMPUTE_DEVICE)
     world_size, rank, group = _process_group()
     if isinstance(config, EngineConfig):
         cfg = config
@@ -102,13 +106,15 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
 
 
 def _process_group() -> tuple[int, int, Any]:
-    """World size and rank; starts the default process group when launched by torchrun."""
+    """World size and rank; starts the default process group when launched by torchrun. Raises
+    ValueError when a group the caller started cannot carry the engine's collectives."""
     if dist.is_available() and dist.is_initialized():
+        check_process_group(COMPUTE_DEVICE)
         return dist.get_world_size(), dist.get_rank(), None
     world_size = world_size_from_env()
     if world_size == 1:
         return 1, 0, None  # no process group needed
-    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    start_process_group(COMPUTE_DEVICE)
     return dist.get_world_size(), dist.get_rank(), None
 
 
