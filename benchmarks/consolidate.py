@@ -67,7 +67,7 @@ def write_checkpoint(save_dir: Path, scale: str, world_size: int, layers: int | 
     from offload.storage.safetensors_writer import DirectSafetensorsWriter
     from tensorio import AioHandle
     from offload.train.checkpoint import model_config
-    from offload.train.checkpoint_files import FORMAT, optimizer_file, params_file, states_file
+    from offload.train.checkpoint_files import FORMAT, RANK_FILE_ALIGN, optimizer_file, params_file, states_file
 
     config = gpt2_config(scale, layers)
     with torch.device("meta"):
@@ -87,7 +87,8 @@ def write_checkpoint(save_dir: Path, scale: str, world_size: int, layers: int | 
     for rank in range(world_size):
         layout = {name: (torch.float32, (partition_numel(numel, world_size),)) for name, _, _, numel in params}
         with AioHandle(block_size=8 << 20, queue_depth=8) as handle, \
-                DirectSafetensorsWriter(tag_dir / params_file(rank), layout, None, handle) as out:
+                DirectSafetensorsWriter(tag_dir / params_file(rank), layout, None, handle,
+                                        data_align=RANK_FILE_ALIGN) as out:
             for index, (name, _, _, numel) in enumerate(params):
                 start, end = partition_bounds(numel, world_size, rank)
                 for first in range(start, min(end, numel), _TILE):
@@ -98,7 +99,7 @@ def write_checkpoint(save_dir: Path, scale: str, world_size: int, layers: int | 
         written += os.path.getsize(tag_dir / params_file(rank))
         moments = {f"{i}.{key}": (torch.float32, (partition_numel(numel, world_size),))
                    for i, (_, _, _, numel) in enumerate(params) for key in ("exp_avg", "exp_avg_sq")}
-        SafetensorsWriter(tag_dir / optimizer_file(rank), moments).close()  # header only: the data stays sparse
+        SafetensorsWriter(tag_dir / optimizer_file(rank), moments, data_align=RANK_FILE_ALIGN).close()  # header only: the data stays sparse
         state = {"format": FORMAT, "global_steps": 1, "micro_steps": 1, "skipped_steps": 0, "world_size": world_size,
                  "loss_scaler": None, "lr_scheduler": None, "client_state": {},
                  "optimizer": {"steps": {str(i): 1.0 for i in range(len(params))},

@@ -229,3 +229,47 @@ def test_direct_safetensors_writer_writes_what_the_buffered_one_writes(disk_dir)
             with DirectSafetensorsWriter(disk_dir / "short.safetensors", layout, None, handle) as out:
                 out.write("a", tensors["a"])
                 out.write("b", tensors["b"])
+
+
+def test_direct_safetensors_writer_converts_and_writes_aligned_runs_from_where_they_are(disk_dir):
+    """Values of another float dtype are converted on the way (an element may straddle the chunks);
+    a page-aligned run is written from the caller's buffer, which stays held until the writer is
+    closed (a pooled buffer is not handed out again meanwhile); the file is the buffered writer's."""
+    from safetensors import safe_open
+    from tensorio import AioHandle, BufferPool
+
+    from offload.storage import SafetensorsWriter
+    from offload.storage.safetensors_writer import DirectSafetensorsWriter
+
+    pool = BufferPool(64 << 20)
+    aligned = pool.take(3 * 4096, torch.float32)
+    aligned.copy_(torch.randn(aligned.numel()))
+    tensors = {"u": torch.arange(3, dtype=torch.uint8), "w": torch.randn(5001, dtype=torch.float64),
+               "h": torch.randn(4099), "p": aligned}
+    layout = {"u": (torch.uint8, (3,)), "w": (torch.float32, (5001,)), "h": (torch.bfloat16, (4099,)),
+              "p": (torch.float32, (3 * 4096,))}
+    with SafetensorsWriter(disk_dir / "buffered.safetensors", layout, {"format": "pt"}, data_align=4096) as out:
+        for name, (dtype, _) in layout.items():
+            out.write(name, tensors[name].to(dtype))
+    expected = aligned.clone()
+    with AioHandle() as handle:
+        with DirectSafetensorsWriter(disk_dir / "direct.safetensors", layout, {"format": "pt"}, handle,
+                                     chunk_bytes=8192, data_align=4096) as out:
+            for name in ("u", "w", "h", "p"):  # "h" ends unaligned in the file: "p" goes through the chunks
+                out.write(name, tensors[name])
+        assert (disk_dir / "direct.safetensors").read_bytes() == (disk_dir / "buffered.safetensors").read_bytes()
+        layout = {"p": (torch.float32, (3 * 4096,)), "q": (torch.float32, (4096,))}
+        with DirectSafetensorsWriter(disk_dir / "held.safetensors", layout, None, handle, data_align=4096) as out:
+            out.write("p", aligned)
+            pointer = aligned.data_ptr()
+            del aligned, tensors
+            other = pool.take(3 * 4096, torch.float32)  # the writer still holds the first buffer
+            assert other.data_ptr() != pointer
+            out.write("q", torch.ones(4096))
+        with safe_open(disk_dir / "held.safetensors", framework="pt") as f:
+            assert torch.equal(f.get_tensor("p"), expected)
+            assert torch.equal(f.get_tensor("q"), torch.ones(4096))
+        with pytest.raises(ValueError, match=r"tensor 'q' is torch.float32, got torch.int64 values"):
+            with DirectSafetensorsWriter(disk_dir / "bad.safetensors", layout, None, handle) as out:
+                out.write("p", torch.zeros(3 * 4096))
+                out.write("q", torch.zeros(4096, dtype=torch.int64))
