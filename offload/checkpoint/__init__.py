@@ -4,8 +4,8 @@
     python -m offload.checkpoint consolidate ckpt/ out/ [--tag global_step100] [--dtype fp32|bf16|fp16]
                                              [--max-shard-size 5GB] [--exclude-frozen-parameters] [--debug]
 
-Streams tensor by tensor (memory bounded by the largest tensor, whatever the model's size) with a
-progress bar. User errors end in one line; ``--debug`` (or ``OFFLOAD_DEBUG=1``) shows their traceback.
+Streams in runs of 64 MiB, reading ahead while it writes (memory under 1 GB whatever the model's size
+or its largest tensor), with a progress bar. User errors end in one line; ``--debug`` (or ``OFFLOAD_DEBUG=1``) shows their traceback.
 
 The Python functions, with DeepSpeed's names (``deepspeed.utils.zero_to_fp32``), are here too:
 ``get_fp32_state_dict_from_zero_checkpoint``, ``convert_zero_checkpoint_to_fp32_state_dict``,

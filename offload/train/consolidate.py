@@ -9,10 +9,14 @@ weights, with DeepSpeed's names (``deepspeed.utils.zero_to_fp32``).
 Each parameter's fp32 value is its fp32 master where the engine kept one (fp16/bf16 training: the
 optimizer's ``<i>.master_param``), else its partitions (fp32 training; frozen parameters in their
 dtype), each rank's partition read from the file that holds it. `convert_zero_checkpoint_to_fp32_state_dict`
-streams in runs of 64 MiB, four read ahead while the one before is written: its memory is bounded
-by those runs, their casts to ``dtype`` and two 64 MiB write chunks (well under 1 GB), whatever the
-model's size or its largest tensor; the read buffers are reused (faulting fresh memory in for every
-tensor ran at a tenth of the disk's speed here), and reads and writes bypass the page cache (O_DIRECT). What it writes is what ``transformers``' ``save_pretrained`` writes: ``model.safetensors``
+streams in runs of 64 MiB: four are read ahead while the ones before are written, both with O_DIRECT
+(the page cache is left alone). The rank files' data starts page-aligned (``RANK_FILE_ALIGN``) and so
+does the output's, so a run whose tensors before it are whole pages (every fp32 tensor of GPT-2 and
+Llama shapes) is written from the buffer it was read into, with no copy; other runs, and every run
+of ``--dtype bf16|fp16``, are copied (converted on the way) into one of two 64 MiB write chunks. The
+memory is bounded by the read buffers (`_BUFFERS` runs, reused: faulting fresh memory in for every
+tensor ran at a tenth of the disk's speed here) and the two chunks, under 1 GB whatever the model's
+size or its largest tensor. What it writes is what ``transformers``' ``save_pretrained`` writes: ``model.safetensors``
 or ``model-0000i-of-0000n.safetensors`` shards with ``model.safetensors.index.json``, ``format: pt``
 metadata, and the model's config.json (saved in the checkpoint), so ``from_pretrained(output_dir)``
 loads it. Tied parameters are written once, under their first name, as ``save_pretrained`` does.
