@@ -15,7 +15,7 @@ from test_engine import engine_config, gpt2, gpt2_batches, gpt2_loss
 
 from offload.checkpoint import main as checkpoint_command
 from offload.storage.safetensors_reader import SafetensorsError
-from offload.train.consolidate import (convert_zero_checkpoint_to_fp32_state_dict,
+from offload.train.consolidate import (DTYPES, convert_zero_checkpoint_to_fp32_state_dict,
                                        get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint)
 from offload.train.engine import initialize
 
@@ -61,6 +61,36 @@ def test_consolidated_checkpoint_loads_with_from_pretrained_and_gives_the_engine
     raw = next((disk_dir / "out").glob("model-00001-*.safetensors")).read_bytes()
     header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
     assert header["__metadata__"] == {"format": "pt"}
+    engine.close()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_page_sized_tensors_are_written_from_their_read_buffers(disk_dir, monkeypatch, dtype):
+    """Tensors of whole pages (as every fp32 tensor of GPT-2 and Llama shapes): fp32 runs go from the
+    buffer they were read into straight to the disk, only the header is copied; bf16 is converted
+    while copied. Either way the weights are the engine's."""
+    from safetensors import safe_open
+
+    from offload.storage.safetensors_writer import DirectSafetensorsWriter
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 128, bias=False), torch.nn.ReLU(),
+                                torch.nn.Linear(128, 32, bias=False))  # 4096 elements each: 4 pages of fp32
+    engine, *_ = initialize(model=model, config=engine_config(disk_dir, "nvme", "nvme", micro=2))
+    for _ in range(2):
+        engine.backward(engine(torch.randn(2, 32)).square().mean())
+        engine.step()
+    engine.save_checkpoint(disk_dir / "ckpt")
+    copied = []
+    put = DirectSafetensorsWriter._put
+    monkeypatch.setattr(DirectSafetensorsWriter, "_put", lambda self, raw: (copied.append(raw.numel()), put(self, raw)))
+    convert_zero_checkpoint_to_fp32_state_dict(disk_dir / "ckpt", disk_dir / "out", dtype=DTYPES[dtype])
+    with safe_open(disk_dir / "out" / "model.safetensors", framework="pt") as f:
+        weights = {name: f.get_tensor(name) for name in f.keys()}
+    expected = {name: value.to(DTYPES[dtype]) for name, value in engine.full_parameters()}
+    assert weights.keys() == expected.keys() and all(torch.equal(weights[n], expected[n]) for n in expected)
+    if dtype == "fp32":
+        assert sum(copied) == 4096  # the header, padded to a page
     engine.close()
 
 
