@@ -1,12 +1,15 @@
 """`tensorio-bench`: validate a swap directory, measure one aio configuration, sweep a grid, run fio.
 
 Exit status: 0 done, 1 failed (bad directory, I/O error, fio error), 2 bad usage, 130 interrupted.
-Every subcommand prints its configuration first; benchmark files are removed on every exit.
+Every subcommand prints its configuration first; benchmark files are removed on every exit. Errors
+end in one line; ``--debug`` (or ``OFFLOAD_DEBUG=1``) shows the traceback, the underlying error's
+included.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import asdict, replace
@@ -16,6 +19,10 @@ from typing import Any
 from ._units import format_bytes, format_ns, format_size, parse_size
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+
+DEBUG_ENV = "OFFLOAD_DEBUG"
+"""Set to 1 to see the traceback of an error: the variable of the ``python -m offload.*`` commands
+(offload.cli_errors, not imported here: it would load the offload package into this tool)."""
 
 DEFAULT_CONFIG_OUT = Path("configs/aio_tuned.json")
 
@@ -34,11 +41,17 @@ class CliError(Exception):
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `tensorio-bench` console command; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    argv = [arg for arg in argv if arg != "--debug"]  # accepted before or after the subcommand
     parser = _parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args)
     except CliError as exc:
+        if debug:
+            exc.__suppress_context__ = False  # the error it reports, with its traceback, comes first
+            raise
         print(f"tensorio-bench {args.command}: error: {exc}", file=sys.stderr)
         return exc.status
     except KeyboardInterrupt:
@@ -391,6 +404,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="write into a fresh file (allocating writes) instead of overwriting a laid-out one")
     _add_aio_flags(p)
     p.set_defaults(func=_cmd_fio)
+    for p in (parser, *sub.choices.values()):  # main() reads it: listed here for --help
+        p.add_argument("--debug", action="store_true",
+                       help=f"show the traceback of an error instead of one line (or set {DEBUG_ENV}=1)")
     return parser
 
 

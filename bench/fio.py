@@ -84,7 +84,8 @@ class FioJob:
     """Existing directory on the disk to measure; fio's data file is created and removed there."""
 
     rw: str
-    """"read" or "write" (sequential)."""
+    """"read" or "write" (sequential), or "rw": sequential reads and writes mixed half and half, the
+    disk reading while it writes as much (what copying a file on one disk asks of it)."""
 
     size: int
     """Total bytes moved, over all jobs. A positive multiple of ``numjobs * block_size``."""
@@ -118,8 +119,8 @@ class FioJob:
     """Stop after this many seconds even if ``size`` has not been moved (None: no limit)."""
 
     def __post_init__(self) -> None:
-        if self.rw not in ("read", "write"):
-            raise ValueError(f"FioJob.rw: {self.rw!r} is not allowed; use 'read' or 'write'")
+        if self.rw not in ("read", "write", "rw"):
+            raise ValueError(f"FioJob.rw: {self.rw!r} is not allowed; use 'read', 'write' or 'rw'")
         if self.ioengine not in ENGINES:
             raise ValueError(f"FioJob.ioengine: {self.ioengine!r} is not allowed; use one of {', '.join(ENGINES)}")
         for key in ("size", "block_size", "queue_depth", "numjobs"):
@@ -163,6 +164,8 @@ class FioJob:
             "--thread",  # jobs as threads of one process, so that killing fio stops them all
             "--group_reporting",
         ]
+        if self.rw == "rw":
+            cmd.append("--rwmixread=50")
         if self.overwrite:
             cmd.append("--overwrite=1")
         if self.runtime_s is not None:
@@ -190,6 +193,9 @@ class FioResult:
     fio_version: str
     job: dict[str, Any] = field(repr=False)
     """fio's whole JSON record of the (group-reported) job, for fields not copied above."""
+    mix_write_bw_bytes: int | None = None
+    """For an "rw" job: the writes' bytes per second, beside the reads' (the fields above are the
+    reads' figures). None for "read" and "write"."""
 
     @property
     def gb_per_s(self) -> float:
@@ -408,7 +414,7 @@ def _parse(rw: str, stdout: str, cmd: list[str], stderr: str) -> FioResult:
     if job.get("error"):
         raise FioError(f"fio reported error {job['error']}: {' '.join(cmd)}\n{_tail(stderr)}")
     try:
-        stats = job[rw]
+        stats = job["read" if rw == "rw" else rw]
         clat = stats["clat_ns"]
         percentiles = clat.get("percentile", {})
         result = FioResult(
@@ -423,6 +429,7 @@ def _parse(rw: str, stdout: str, cmd: list[str], stderr: str) -> FioResult:
             command=cmd,
             fio_version=str(data.get("fio version", "")),
             job=job,
+            mix_write_bw_bytes=int(job["write"]["bw_bytes"]) if rw == "rw" else None,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise FioError(f"fio's JSON lacks {exc} for {rw}: {' '.join(cmd)}") from None

@@ -15,7 +15,7 @@ from test_engine import engine_config, gpt2, gpt2_batches, gpt2_loss
 
 from offload.checkpoint import main as checkpoint_command
 from offload.storage.safetensors_reader import SafetensorsError
-from offload.train.consolidate import (convert_zero_checkpoint_to_fp32_state_dict,
+from offload.train.consolidate import (DTYPES, convert_zero_checkpoint_to_fp32_state_dict,
                                        get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint)
 from offload.train.engine import initialize
 
@@ -61,6 +61,36 @@ def test_consolidated_checkpoint_loads_with_from_pretrained_and_gives_the_engine
     raw = next((disk_dir / "out").glob("model-00001-*.safetensors")).read_bytes()
     header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
     assert header["__metadata__"] == {"format": "pt"}
+    engine.close()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_page_sized_tensors_are_written_from_their_read_buffers(disk_dir, monkeypatch, dtype):
+    """Tensors of whole pages (as every fp32 tensor of GPT-2 and Llama shapes): fp32 runs go from the
+    buffer they were read into straight to the disk, only the header is copied; bf16 is converted
+    while copied. Either way the weights are the engine's."""
+    from safetensors import safe_open
+
+    from offload.storage.safetensors_writer import DirectSafetensorsWriter
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 128, bias=False), torch.nn.ReLU(),
+                                torch.nn.Linear(128, 32, bias=False))  # 4096 elements each: 4 pages of fp32
+    engine, *_ = initialize(model=model, config=engine_config(disk_dir, "nvme", "nvme", micro=2))
+    for _ in range(2):
+        engine.backward(engine(torch.randn(2, 32)).square().mean())
+        engine.step()
+    engine.save_checkpoint(disk_dir / "ckpt")
+    copied = []
+    put = DirectSafetensorsWriter._put
+    monkeypatch.setattr(DirectSafetensorsWriter, "_put", lambda self, raw: (copied.append(raw.numel()), put(self, raw)))
+    convert_zero_checkpoint_to_fp32_state_dict(disk_dir / "ckpt", disk_dir / "out", dtype=DTYPES[dtype])
+    with safe_open(disk_dir / "out" / "model.safetensors", framework="pt") as f:
+        weights = {name: f.get_tensor(name) for name in f.keys()}
+    expected = {name: value.to(DTYPES[dtype]) for name, value in engine.full_parameters()}
+    assert weights.keys() == expected.keys() and all(torch.equal(weights[n], expected[n]) for n in expected)
+    if dtype == "fp32":
+        assert sum(copied) == 4096  # the header, padded to a page
     engine.close()
 
 
@@ -229,3 +259,47 @@ def test_direct_safetensors_writer_writes_what_the_buffered_one_writes(disk_dir)
             with DirectSafetensorsWriter(disk_dir / "short.safetensors", layout, None, handle) as out:
                 out.write("a", tensors["a"])
                 out.write("b", tensors["b"])
+
+
+def test_direct_safetensors_writer_converts_and_writes_aligned_runs_from_where_they_are(disk_dir):
+    """Values of another float dtype are converted on the way (an element may straddle the chunks);
+    a page-aligned run is written from the caller's buffer, which stays held until the writer is
+    closed (a pooled buffer is not handed out again meanwhile); the file is the buffered writer's."""
+    from safetensors import safe_open
+    from tensorio import AioHandle, BufferPool
+
+    from offload.storage import SafetensorsWriter
+    from offload.storage.safetensors_writer import DirectSafetensorsWriter
+
+    pool = BufferPool(64 << 20)
+    aligned = pool.take(3 * 4096, torch.float32)
+    aligned.copy_(torch.randn(aligned.numel()))
+    tensors = {"u": torch.arange(3, dtype=torch.uint8), "w": torch.randn(5001, dtype=torch.float64),
+               "h": torch.randn(4099), "p": aligned}
+    layout = {"u": (torch.uint8, (3,)), "w": (torch.float32, (5001,)), "h": (torch.bfloat16, (4099,)),
+              "p": (torch.float32, (3 * 4096,))}
+    with SafetensorsWriter(disk_dir / "buffered.safetensors", layout, {"format": "pt"}, data_align=4096) as out:
+        for name, (dtype, _) in layout.items():
+            out.write(name, tensors[name].to(dtype))
+    expected = aligned.clone()
+    with AioHandle() as handle:
+        with DirectSafetensorsWriter(disk_dir / "direct.safetensors", layout, {"format": "pt"}, handle,
+                                     chunk_bytes=8192, data_align=4096) as out:
+            for name in ("u", "w", "h", "p"):  # "h" ends unaligned in the file: "p" goes through the chunks
+                out.write(name, tensors[name])
+        assert (disk_dir / "direct.safetensors").read_bytes() == (disk_dir / "buffered.safetensors").read_bytes()
+        layout = {"p": (torch.float32, (3 * 4096,)), "q": (torch.float32, (4096,))}
+        with DirectSafetensorsWriter(disk_dir / "held.safetensors", layout, None, handle, data_align=4096) as out:
+            out.write("p", aligned)
+            pointer = aligned.data_ptr()
+            del aligned, tensors
+            other = pool.take(3 * 4096, torch.float32)  # the writer still holds the first buffer
+            assert other.data_ptr() != pointer
+            out.write("q", torch.ones(4096))
+        with safe_open(disk_dir / "held.safetensors", framework="pt") as f:
+            assert torch.equal(f.get_tensor("p"), expected)
+            assert torch.equal(f.get_tensor("q"), torch.ones(4096))
+        with pytest.raises(ValueError, match=r"tensor 'q' is torch.float32, got torch.int64 values"):
+            with DirectSafetensorsWriter(disk_dir / "bad.safetensors", layout, None, handle) as out:
+                out.write("p", torch.zeros(3 * 4096))
+                out.write("q", torch.zeros(4096, dtype=torch.int64))

@@ -15,7 +15,8 @@ def test_tiny_run_end_to_end(disk_dir, capsys):
     assert result["checked"].endswith("from_pretrained's logits equal the engine's")
     assert len(result["runs"]) == 1 and result["peak_rss"] > 0 and result["median_read_bps"] > 0
     if fio_path() is not None:
-        assert result["fio_read_bps"] > 0 and "ratio_to_fio_read" in result
+        assert result["fio_read_bps"] > 0 and result["fio_mix_read_bps"] > 0
+        assert "ratio_to_fio_read" in result and "ratio_to_fio_mix_read" in result
     assert not (disk_dir / "bench" / "checkpoint").exists()  # removed afterwards
     assert "peak RSS" in capsys.readouterr().out
 

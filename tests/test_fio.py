@@ -63,6 +63,19 @@ def test_read_job_does_not_time_the_layout(disk_dir):
 
 
 @pytest.mark.fio
+def test_mixed_job_reads_and_writes_half_each_and_reports_both(disk_dir):
+    """rw="rw": what a copy on one disk asks of it; the reads' figures, and the writes' beside them."""
+    result = run_fio(FioJob(directory=disk_dir, rw="rw", size=16 * MiB, block_size=MiB, overwrite=True))
+    assert "--rw=rw" in result.command and "--rwmixread=50" in result.command
+    read, write = result.job["read"]["io_bytes"], result.job["write"]["io_bytes"]
+    assert read + write == 16 * MiB and read > 0 and write > 0
+    assert result.io_bytes == read and result.bw_bytes == result.job["read"]["bw_bytes"]
+    assert result.mix_write_bw_bytes == result.job["write"]["bw_bytes"] > 0
+    assert run_fio(FioJob(directory=disk_dir, rw="read", size=8 * MiB, block_size=MiB)).mix_write_bw_bytes is None
+    assert list(disk_dir.iterdir()) == []
+
+
+@pytest.mark.fio
 def test_overwrite_lays_the_file_out_untimed(disk_dir):
     result = run_fio(FioJob(directory=disk_dir, rw="write", size=8 * MiB, block_size=MiB, overwrite=True))
     assert "--overwrite=1" in result.command

@@ -4,8 +4,8 @@
     python -m offload.checkpoint consolidate ckpt/ out/ [--tag global_step100] [--dtype fp32|bf16|fp16]
                                              [--max-shard-size 5GB] [--exclude-frozen-parameters] [--debug]
 
-Streams tensor by tensor (memory bounded by the largest tensor, whatever the model's size) with a
-progress bar. User errors end in one line; ``--debug`` (or ``OFFLOAD_DEBUG=1``) shows their traceback.
+Streams in runs of 64 MiB, reading ahead while it writes (memory under 1 GB whatever the model's size
+or its largest tensor), with a progress bar. User errors end in one line; ``--debug`` (or ``OFFLOAD_DEBUG=1``) shows their traceback.
 
 The Python functions, with DeepSpeed's names (``deepspeed.utils.zero_to_fp32``), are here too:
 ``get_fp32_state_dict_from_zero_checkpoint``, ``convert_zero_checkpoint_to_fp32_state_dict``,
@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from offload.cli_errors import run_command
+from offload.cli_errors import add_debug_flag, run_command
 from offload.train.consolidate import (DTYPES, convert_zero_checkpoint_to_fp32_state_dict,
                                        get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint,
                                        parse_size)
@@ -30,6 +30,7 @@ PROG = "python -m offload.checkpoint"
 
 def _consolidate(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_debug_flag(ap)
     commands = ap.add_subparsers(dest="command", required=True)
     p = commands.add_parser("consolidate", help="a checkpoint into safetensors weights that from_pretrained loads")
     p.add_argument("checkpoint_dir", help="the save_dir of engine.save_checkpoint (holding `latest` and the tags)")
@@ -39,6 +40,7 @@ def _consolidate(argv: list[str]) -> None:
     p.add_argument("--max-shard-size", default="5GB", help="largest shard, such as 5GB or 500MB (5GB)")
     p.add_argument("--exclude-frozen-parameters", action="store_true", help="leave out parameters not trained")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_debug_flag(p)
     args = ap.parse_args(argv)
     parse_size(args.max_shard_size, "--max-shard-size")
     convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_dir, args.max_shard_size,

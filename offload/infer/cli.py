@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from offload.cli_errors import add_debug_flag
 from offload.infer.engine import init_inference
 
 
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
     ap.add_argument("--top-k", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON line at the end")
+    add_debug_flag(ap)  # read by offload.cli_errors.run_command (python -m offload.generate)
     args = ap.parse_args(argv)
     if args.batch_size < 1 or args.max_new_tokens < 1:
         ap.error("--batch-size and --max-new-tokens must be at least 1")

@@ -7,6 +7,7 @@ the data section, then the tensors' bytes back to back.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import struct
@@ -129,20 +130,31 @@ class SafetensorsWriter:
 
 class DirectSafetensorsWriter:
     """Write a safetensors file front to back with O_DIRECT through a tensorio handle: the header, then
-    each tensor of ``layout`` in order, whole or in consecutive runs (`write`). The bytes go through
-    two page-aligned chunks of ``chunk_bytes``: one fills while the other is written, so the disk
-    writes at its O_DIRECT speed and the page cache is left alone (buffered writes of a large file
-    ran at a tenth of it on this project's disk). `close` writes the last chunk, cuts the file to
-    its size and fsyncs it. The file is what `SafetensorsWriter` writes.
+    each tensor of ``layout`` in order, whole or in consecutive runs (`write`). The page cache is
+    left alone (buffered writes of a large file ran at a tenth of the disk's speed on this
+    project's disk), and writing overlaps what the caller does next:
+
+    - A run that starts page-aligned in memory where the file is page-aligned (``data_align`` 4096
+      and tensor sizes that are multiples of 4096 bytes keep it so) is written straight from the
+      caller's tensor, with no copy; the writer holds a reference to it until its write is done
+      (at most ``in_flight`` such writes at a time), so a pooled buffer is not handed out again
+      while the disk still reads it.
+    - Anything else goes through two page-aligned chunks of ``chunk_bytes``: one fills while the
+      other is written. Values of another floating dtype than the tensor's are converted as they
+      are copied into the chunk (one pass, no temporary).
+
+    `close` waits for the writes, cuts the file to its size and fsyncs it. The file is what
+    `SafetensorsWriter` writes with the same ``data_align``.
 
     Raises TypeError for a dtype safetensors cannot store, ValueError naming the tensor for a write
-    out of order, of another dtype or past its end, and for `close` before every tensor is whole;
-    TensorIOError from the writes.
+    out of order, of a dtype that cannot be converted or past its end, and for `close` before every
+    tensor is whole; TensorIOError from the writes.
     """
 
     def __init__(self, path: str | os.PathLike, layout: Mapping[str, tuple[torch.dtype, Sequence[int]]],
-                 metadata: Mapping[str, str] | None, handle: AioHandle, chunk_bytes: int = 64 << 20) -> None:
-        head, places, end = _header(layout, metadata)
+                 metadata: Mapping[str, str] | None, handle: AioHandle, chunk_bytes: int = 64 << 20, *,
+                 data_align: int = 8, in_flight: int = 4) -> None:
+        head, places, end = _header(layout, metadata, data_align)
         self.path, self._handle = os.fspath(path), handle
         self._size = len(head) + end
         self._order = [(name, dtype, numel) for name, (dtype, _, numel) in places.items()]
@@ -151,11 +163,15 @@ class DirectSafetensorsWriter:
         self._chunks = [aligned_tensor(chunk_bytes, torch.uint8) for _ in range(2)]
         self._pending: list[IOFuture | None] = [None, None]
         self._current, self._fill, self._offset = 0, 0, 0  # chunk filling, its bytes, its file offset
+        self._direct: collections.deque[tuple[IOFuture, torch.Tensor]] = collections.deque()
+        self._in_flight = max(1, in_flight)
         open(self.path, "wb").close()
         self._put(torch.frombuffer(bytearray(head), dtype=torch.uint8))
 
     def write(self, name: str, values: torch.Tensor) -> None:
-        """Append ``values`` (flattened) to tensor ``name``, the one being written (or the next one)."""
+        """Append ``values`` (flattened; converted if of another floating dtype) to tensor ``name``, the
+        one being written (or the next one). Do not modify ``values`` until `close`: it may be
+        written from where it is."""
         if self._next < len(self._order) and self._done == self._order[self._next][2] and \
                 name != self._order[self._next][0]:
             self._next, self._done = self._next + 1, 0
@@ -164,14 +180,31 @@ class DirectSafetensorsWriter:
             raise ValueError(f"{self.path}: tensor {name!r} written out of order; next is {expected}")
         _, dtype, numel = self._order[self._next]
         flat = values.detach().reshape(-1)
-        if flat.dtype != dtype:
+        if flat.dtype != dtype and not (flat.dtype.is_floating_point and dtype.is_floating_point):
             raise ValueError(f"{self.path}: tensor {name!r} is {dtype}, got {flat.dtype} values")
         if self._done + flat.numel() > numel:
             raise ValueError(f"{self.path}: {flat.numel()} more elements overrun tensor {name!r} of {numel}")
-        self._put(flat.contiguous().view(torch.uint8))
+        if flat.dtype != dtype:
+            self._put_converted(flat, dtype)
+        else:
+            self._put(self._write_direct(flat.contiguous().view(torch.uint8)))
         self._done += flat.numel()
         if self._done == numel:
             self._next, self._done = self._next + 1, 0
+
+    def _write_direct(self, raw: torch.Tensor) -> torch.Tensor:
+        """Start writing the page-aligned head of ``raw`` from where it is, when memory and file are
+        both page-aligned there; return the bytes left to copy."""
+        whole = raw.numel() // DIRECT_ALIGN * DIRECT_ALIGN
+        if not whole or raw.data_ptr() % DIRECT_ALIGN or (self._offset + self._fill) % DIRECT_ALIGN:
+            return raw
+        if self._fill:
+            self._flush(self._fill)
+        while len(self._direct) >= self._in_flight:  # sync point: bound the caller's buffers held
+            self._direct.popleft()[0].result()
+        self._direct.append((self._handle.write(raw[:whole], self.path, self._offset), raw))
+        self._offset += whole
+        return raw[whole:]
 
     def _put(self, raw: torch.Tensor) -> None:
         while raw.numel():
@@ -180,6 +213,23 @@ class DirectSafetensorsWriter:
             chunk[self._fill:self._fill + take] = raw[:take]
             self._fill += take
             raw = raw[take:]
+            if self._fill == chunk.numel():
+                self._flush(chunk.numel())
+
+    def _put_converted(self, flat: torch.Tensor, dtype: torch.dtype) -> None:
+        """Copy ``flat`` into the chunks as ``dtype``, converting on the way."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        while flat.numel():
+            chunk = self._chunks[self._current]
+            take = (chunk.numel() - self._fill) // itemsize
+            if self._fill % itemsize or take == 0:  # an element across the chunk's end: one at a time
+                self._put(flat[:1].to(dtype).view(torch.uint8))
+                flat = flat[1:]
+                continue
+            take = min(take, flat.numel())
+            chunk[self._fill:self._fill + take * itemsize].view(dtype).copy_(flat[:take])
+            self._fill += take * itemsize
+            flat = flat[take:]
             if self._fill == chunk.numel():
                 self._flush(chunk.numel())
 
@@ -205,21 +255,31 @@ class DirectSafetensorsWriter:
                 raise ValueError(f"{self.path}: closed before tensor {missing!r} was written whole")
             if self._fill:
                 self._flush(-(-self._fill // DIRECT_ALIGN) * DIRECT_ALIGN)
-            for i, future in enumerate(self._pending):
-                if future is not None:
-                    self._pending[i] = None
-                    future.result()
+            for future in self._in_flight_writes():
+                future.result()
         finally:
-            for i, future in enumerate(self._pending):  # on an error: nothing left in flight
-                if future is not None:
-                    future.exception()
-            self._chunks = None
+            self._abandon()
         os.truncate(self.path, self._size)
         descriptor = os.open(self.path, os.O_RDONLY)
         try:
             os.fsync(descriptor)
         finally:
             os.close(descriptor)
+
+    def _in_flight_writes(self) -> Iterator[IOFuture]:
+        """Every write still in flight, each taken off its list as it is handed out."""
+        for i, future in enumerate(self._pending):
+            if future is not None:
+                self._pending[i] = None
+                yield future
+        while self._direct:
+            yield self._direct.popleft()[0]
+
+    def _abandon(self) -> None:
+        """Wait for whatever is still in flight without raising (after an error); drop the chunks."""
+        for future in self._in_flight_writes():
+            future.exception()
+        self._chunks = None
 
     def __enter__(self) -> "DirectSafetensorsWriter":
         return self
@@ -228,10 +288,7 @@ class DirectSafetensorsWriter:
         if exc[0] is None:
             self.close()
         else:
-            for future in self._pending:
-                if future is not None:
-                    future.exception()
-            self._chunks = None
+            self._abandon()
 
 
 def _header(layout: Mapping[str, tuple[torch.dtype, Sequence[int]]], metadata: Mapping[str, str] | None,

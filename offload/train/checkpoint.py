@@ -37,8 +37,8 @@ from tensorio import aligned_tensor
 from offload.params import ParamRecord, ParamStore
 from offload.params.partition import partition_numel
 from offload.storage import SafetensorsWriter, atomic_checkpoint, atomic_safetensors, resolve_tag
-from offload.train.checkpoint_files import (FORMAT, client_file, decode_state, encode_state, optimizer_file,
-                                            params_file, states_file, write_json)
+from offload.train.checkpoint_files import (FORMAT, RANK_FILE_ALIGN, client_file, decode_state, encode_state,
+                                            optimizer_file, params_file, states_file, write_json)
 from offload.train.checkpoint_reader import CheckpointReader
 from offload.train.surface import in_optimizer_order
 
@@ -87,13 +87,15 @@ def save_checkpoint(save_dir: str | os.PathLike, tag: str, *, rank: int, group: 
     with atomic_checkpoint(save_dir, tag, all_ranks=True, group=group, update_latest=update_latest) as staging:
         # 1. Parameters, one partition at a time.
         layout = {rec.name: (rec.partition.dtype, (rec.partition_numel,)) for rec in saved}
-        with _naming_the_file(staging / params_file(rank)) as path, SafetensorsWriter(path, layout) as out:
+        with _naming_the_file(staging / params_file(rank)) as path, \
+                SafetensorsWriter(path, layout, data_align=RANK_FILE_ALIGN) as out:
             for rec in saved:
                 out.write(rec.name, store.read_partition(rec))
         # 2. The optimizer state, one sub-group at a time.
         with sized_partitions([rec for rec in records if rec.param.requires_grad]):
             layout = {name: (torch.float32, (numel,)) for name, numel in optimizer.state_layout().items()}
-            with _naming_the_file(staging / optimizer_file(rank)) as path, SafetensorsWriter(path, layout) as out:
+            with _naming_the_file(staging / optimizer_file(rank)) as path, \
+                    SafetensorsWriter(path, layout, data_align=RANK_FILE_ALIGN) as out:
                 encoded["optimizer"] = optimizer.save_state(lambda name, first, values: out.write(name, values, first))
         # 3. The rest, small: JSON, and the client's tensors beside it.
         if tensors:

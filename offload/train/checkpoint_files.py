@@ -18,11 +18,19 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["FORMAT", "client_file", "decode_state", "encode_state", "optimizer_file", "params_file", "read_states",
+from tensorio import DIRECT_ALIGN
+
+__all__ = ["FORMAT", "RANK_FILE_ALIGN", "client_file", "decode_state", "encode_state", "optimizer_file", "params_file", "read_states",
            "require_file", "states_file", "write_json"]
 
 FORMAT = 1
 """Version of the rank<r>_states.json layout."""
+
+RANK_FILE_ALIGN = DIRECT_ALIGN
+"""The rank files' tensor data starts at a multiple of this in the file (safetensors' header padded
+with spaces): a tensor whose offset in the data is a multiple of it too (sizes of 4096 bytes'
+multiples before it) is read with O_DIRECT into a page-aligned buffer and written out from there, by
+the offline consolidation, without a copy."""
 
 _TENSOR = "__tensor__"
 """Key of the JSON object that stands for a tensor of rank<r>_client.safetensors."""

@@ -28,7 +28,7 @@ from tensorio import DIRECT_ALIGN, AioHandle, BufferPool, IOFuture
 from offload.storage.safetensors_reader import SafetensorsCheckpoint, TensorEntry
 from offload.train.checkpoint_files import optimizer_file, params_file, read_states, require_file
 
-__all__ = ["CheckpointReader", "PendingRead"]
+__all__ = ["READ_BUFFER_BYTES", "CheckpointReader", "PendingRead"]
 
 _BLOCK = 8 << 20
 """Bytes per read request: large sequential reads, 8 in flight."""
@@ -36,7 +36,7 @@ _BLOCK = 8 << 20
 _POOL_BYTES = 512 << 20
 """Read buffers kept for reuse at most (`CheckpointReader.pool`)."""
 
-_SIZE_CLASS = (64 << 20) + 2 * DIRECT_ALIGN
+READ_BUFFER_BYTES = (64 << 20) + 2 * DIRECT_ALIGN
 """Read buffers are taken in multiples of this size (64 MiB and the window's alignment slack), so that
 the reads of a streamed copy, 64 MiB runs whatever their tensor, all share them."""
 
@@ -156,7 +156,11 @@ class CheckpointReader:
             pieces.append((lo - start, *self._start(piece.path, first_byte, (hi - lo) * _itemsize(piece.dtype)),
                            piece.dtype))
         whole = len(pieces) == 1 and pieces[0][0] == 0 and stop_data - start == count
-        out = None if whole or not pieces else torch.zeros(count, dtype=entry.dtype)
+        out = None
+        if pieces and not whole:  # assembled from several files, or with zeros past the tensor's end
+            nbytes = count * _itemsize(entry.dtype)
+            out = self.pool.take(-(-nbytes // READ_BUFFER_BYTES) * READ_BUFFER_BYTES, torch.uint8)[:nbytes].view(entry.dtype)
+            out[stop_data - start:] = 0
         return PendingRead(out, pieces, count, entry.dtype)
 
     def _start(self, path: str, first_byte: int, nbytes: int) -> tuple[IOFuture, torch.Tensor, int, int]:
@@ -164,7 +168,7 @@ class CheckpointReader:
         end = -(-(first_byte + nbytes) // DIRECT_ALIGN) * DIRECT_ALIGN
         size = self.file_sizes[path]
         length = min(end, size) - begin  # a window may end at the end of the file, unaligned
-        buffer = self.pool.take(-(-(end - begin) // _SIZE_CLASS) * _SIZE_CLASS, torch.uint8)
+        buffer = self.pool.take(-(-(end - begin) // READ_BUFFER_BYTES) * READ_BUFFER_BYTES, torch.uint8)
         future = self.handle.read(buffer[:length] if length < buffer.numel() else buffer, path, begin)
         return future, buffer, first_byte - begin, nbytes
 

@@ -9,10 +9,14 @@ weights, with DeepSpeed's names (``deepspeed.utils.zero_to_fp32``).
 Each parameter's fp32 value is its fp32 master where the engine kept one (fp16/bf16 training: the
 optimizer's ``<i>.master_param``), else its partitions (fp32 training; frozen parameters in their
 dtype), each rank's partition read from the file that holds it. `convert_zero_checkpoint_to_fp32_state_dict`
-streams in runs of 64 MiB, four read ahead while the one before is written: its memory is bounded
-by those runs, their casts to ``dtype`` and two 64 MiB write chunks (well under 1 GB), whatever the
-model's size or its largest tensor; the read buffers are reused (faulting fresh memory in for every
-tensor ran at a tenth of the disk's speed here), and reads and writes bypass the page cache (O_DIRECT). What it writes is what ``transformers``' ``save_pretrained`` writes: ``model.safetensors``
+streams in runs of 64 MiB: four are read ahead while the ones before are written, both with O_DIRECT
+(the page cache is left alone). The rank files' data starts page-aligned (``RANK_FILE_ALIGN``) and so
+does the output's, so a run whose tensors before it are whole pages (every fp32 tensor of GPT-2 and
+Llama shapes) is written from the buffer it was read into, with no copy; other runs, and every run
+of ``--dtype bf16|fp16``, are copied (converted on the way) into one of two 64 MiB write chunks. The
+memory is bounded by the read buffers (`_BUFFERS` runs, reused: faulting fresh memory in for every
+tensor ran at a tenth of the disk's speed here) and the two chunks, under 1 GB whatever the model's
+size or its largest tensor. What it writes is what ``transformers``' ``save_pretrained`` writes: ``model.safetensors``
 or ``model-0000i-of-0000n.safetensors`` shards with ``model.safetensors.index.json``, ``format: pt``
 metadata, and the model's config.json (saved in the checkpoint), so ``from_pretrained(output_dir)``
 loads it. Tied parameters are written once, under their first name, as ``save_pretrained`` does.
@@ -37,11 +41,13 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from tensorio import DIRECT_ALIGN
+
 from offload.storage import resolve_tag
 from offload.storage.checkpoint_dir import fsync_dir
 from offload.storage.safetensors_writer import DirectSafetensorsWriter
 from offload.train.checkpoint_files import write_json
-from offload.train.checkpoint_reader import CheckpointReader
+from offload.train.checkpoint_reader import READ_BUFFER_BYTES, CheckpointReader
 
 __all__ = ["consolidated_tensors", "convert_zero_checkpoint_to_fp32_state_dict",
            "get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint", "parse_size"]
@@ -56,6 +62,12 @@ _CHUNK = 16 << 20
 
 _AHEAD = 4
 """Reads of the streamed copy in flight: the disk always has the next ones queued."""
+
+_WRITES = 3
+"""Runs being written straight from their read buffers at a time (`DirectSafetensorsWriter`)."""
+
+_BUFFERS = _AHEAD + 1 + _WRITES
+"""Read buffers in use at once: the runs read ahead, the one being handed over, those being written."""
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -144,7 +156,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
                  "pytorch_model.bin for safe_serialization=False; pickles run code when loaded)")
     output_dir = os.fspath(output_dir)
     os.makedirs(output_dir, exist_ok=True)
-    with CheckpointReader(resolve_tag(checkpoint_dir, tag)) as reader:
+    with CheckpointReader(resolve_tag(checkpoint_dir, tag), pool_bytes=_BUFFERS * READ_BUFFER_BYTES) as reader:
         entries = [entry for entry, _, _ in _sources(reader, exclude_frozen_parameters)]
         itemsize = torch.empty((), dtype=dtype).element_size()
         shards = _shards(entries, itemsize, limit)
@@ -159,7 +171,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
                 with _atomic_direct(os.path.join(output_dir, file), layout, reader) as out:
                     for entry in shard:
                         for _ in range(_chunk_count(entry)):
-                            values = next(chunks).to(dtype)
+                            values = next(chunks)  # converted to dtype as it is copied for writing
                             out.write(entry["name"], values)
                             bar.update(values.numel() * itemsize)
                         weight_map[entry["name"]] = file
@@ -252,7 +264,8 @@ def _atomic_direct(path: str, layout: dict[str, tuple[torch.dtype, tuple[int, ..
                                              dir=os.path.dirname(path))
     os.close(descriptor)
     try:
-        with DirectSafetensorsWriter(temporary, layout, {"format": "pt"}, reader.handle) as out:
+        with DirectSafetensorsWriter(temporary, layout, {"format": "pt"}, reader.handle, data_align=DIRECT_ALIGN,
+                                     in_flight=_WRITES) as out:
             yield out
         os.replace(temporary, path)
     except BaseException:
