@@ -123,6 +123,7 @@ def test_bf16_checkpoint_consolidates_its_fp32_masters(disk_dir):
     engine.close()
 
 
+@pytest.mark.subprocess
 def test_each_checkpoint_carries_a_zero_to_fp32_script(disk_dir):
     engine = trained(disk_dir)
     script = disk_dir / "ckpt" / "global_step3" / "zero_to_fp32.py"
@@ -134,6 +135,7 @@ def test_each_checkpoint_carries_a_zero_to_fp32_script(disk_dir):
     engine.close()
 
 
+@pytest.mark.subprocess
 def test_consolidate_command_errors_are_one_line(disk_dir):
     missing = disk_dir / "nothing"
     done = subprocess.run([sys.executable, "-m", "offload.checkpoint", "consolidate", str(missing), str(disk_dir / "o")],

@@ -80,6 +80,7 @@ def launch(world_size: int, *args) -> None:
 
 
 # clip 0: the updates run during backward; clip > 0: in the next forward (their state read ahead).
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("saved,resumed,clip,bf16", [(2, 1, 0.0, False), (1, 2, 0.5, False), (1, 3, 0.0, True),
                                                      (3, 2, 0.0, False)],
                          ids=["2-to-1", "1-to-2-clipped", "1-to-3-bf16", "3-to-2"])

@@ -9,6 +9,7 @@ from bench.fio import fio_path
 from benchmarks import consolidate
 
 
+@pytest.mark.bench
 def test_tiny_run_end_to_end(disk_dir, capsys):
     result = consolidate.main(["--dir", str(disk_dir / "bench"), "--scale", "tiny", "--runs", "1", "--fio-size", "8MiB",
                                "--out", str(disk_dir / "out.json")])

@@ -102,6 +102,7 @@ def test_snippets_are_found_and_the_marker_skips(tmp_path):
     assert len([s for s in snippets(REPO / "README.md") if not s[2]]) >= 5
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("page", [p for p in PAGES if any(not skip for _, _, skip in snippets(p))],
                          ids=lambda p: str(p.relative_to(REPO)))
 def test_every_snippet_runs(page, disk_dir):

@@ -121,6 +121,7 @@ def _generate(*args: str, env: dict | None = None) -> subprocess.CompletedProces
                           env={**os.environ, **(env or {})})
 
 
+@pytest.mark.subprocess
 def test_generate_user_errors_are_one_line(disk_dir, llama):
     (disk_dir / "notes").mkdir()
     (disk_dir / "notes" / "a.txt").write_text("not a model")
@@ -137,6 +138,7 @@ def test_generate_user_errors_are_one_line(disk_dir, llama):
     assert "Traceback" in _generate(str(disk_dir / "notes"), "--prompt-ids", "1,2", env={"OFFLOAD_DEBUG": "1"}).stderr
 
 
+@pytest.mark.subprocess
 def test_generate_with_max_in_cpu_zero_runs(llama):
     done = _generate(str(llama[0]), "--prompt-ids", "5,9,42", "--max-new-tokens", "2", "--max-in-cpu", "0",
                      "--disk-gbps", "1")
@@ -167,12 +169,14 @@ def locked_dir(disk_dir):
     os.chmod(parent, 0o700)
 
 
+@pytest.mark.subprocess
 def test_validate_says_permission_denied(locked_dir):
     done = _as_unprivileged(f"import sys; from bench.cli import main; sys.exit(main(['validate', {str(locked_dir)!r}]))")
     assert "Traceback" not in done.stderr, done.stderr
     assert f"permission denied: {locked_dir}" in done.stdout
 
 
+@pytest.mark.subprocess
 def test_engine_nvme_path_says_permission_denied(locked_dir):
     config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(locked_dir)}},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
