@@ -187,8 +187,8 @@ def test_swap_file_layout_read_independently(tmp_path):
     data = np.fromfile(opt.swap_path, dtype=np.float32)
     for rec in opt._swapper.records.values():
         plan = rec.plan
-        assert rec.offset % 4096 == 0 and plan.state_bytes % 4096 == 0
-        base = rec.slot_offset(rec.slot) // 4
+        assert rec.slots.offset % 4096 == 0 and plan.state_bytes % 4096 == 0
+        base = rec.slots.slot_offset(rec.slots.committed) // 4
         for member in plan.members:
             for r, key in enumerate(("exp_avg", "exp_avg_sq")):
                 start = base + r * plan.region + member.offset

@@ -15,6 +15,7 @@ from tensorio import IOFuture, aligned_tensor
 
 from offload.params.partition import partition_bounds, partition_numel
 from offload.params.store import ParamRecord
+from offload.storage.slotted import allocate_pair
 from offload.storage.swapfile import SwapFile
 
 _WRITES_IN_FLIGHT = 8
@@ -73,8 +74,9 @@ class Placement:
         if self.accumulators:
             attach_accumulator(rec)
         if to_disk:
-            rec.offset = self.swap.allocate(local.nbytes, slots=2)  # the step's commit rule: `ParamStore.write_update`
-            self._writes.append(self.swap.write(local, rec.offset))  # the request keeps ``local`` alive
+            rec.slots = allocate_pair(self.swap, local.nbytes)  # a step's commit rule: `offload.storage.slotted`
+            rec.slots.filled = True
+            self._writes.append(self.swap.write(local, rec.slots.newest_offset))  # the request keeps ``local`` alive
             rec.partition.data = torch.empty(0, dtype=p.dtype)
         if keep_full:
             rec.full = flat

@@ -344,11 +344,11 @@ class Engine:
     def _accumulated_norm(self) -> float:
         total = torch.zeros((), dtype=torch.float64)
         self._reducer.drain()
-        for rec in self._store.records:
-            if rec.grad_norm is not None:  # taken as it was reduced (offloaded, applied during backward, or kept)
-                total += rec.grad_norm.double() ** 2
-            elif rec.grad is not None:
-                total += torch.linalg.vector_norm(rec.grad).double() ** 2
+        for grad in self._reducer.grads:
+            if grad.norm is not None:  # taken as it was reduced (offloaded, applied during backward, or kept)
+                total += grad.norm.double() ** 2
+            elif grad.value is not None:
+                total += torch.linalg.vector_norm(grad.value).double() ** 2
         if self.world_size > 1:
             dist.all_reduce(total, group=self.group)
         return float(total.sqrt())

@@ -26,6 +26,7 @@ from offload.config import EngineConfig
 from offload.params import ParamRecord, ParamStore
 from offload.train.failure import CounterSnapshot, FailureState, StepCounters, describe
 from offload.train.grads import GradReducer
+from offload.train.kept_buffers import KeptBuffers
 from offload.train.rollback import StepRollback
 from offload.train.writeback import PartitionWriteBack
 
@@ -84,6 +85,8 @@ class StepContext:
     group: Any
     counters: StepCounters
     failure: FailureState
+    kept: KeptBuffers
+    """The read buffers kept for the step's updates (the store's `BufferKeeper`)."""
 
     def trainable(self) -> list[ParamRecord]:
         """The records the optimizer steps, in order."""

@@ -1,13 +1,13 @@
 """On-disk partitions updated during backward, written back as soon as the optimizer is done with them.
 
 With parameters on NVMe and the updates running during backward (docs/engine.md), a partition's
-gradient arrives while the buffer its backward read is still in memory (`ParamStore.take_buffer`).
+gradient arrives while the buffer its backward read is still in memory (`KeptBuffers.take`).
 `PartitionWriteBack.hand_over` gives both to `OffloadAdam`, whose background thread updates the
 partition and calls back; the callback starts the write. The buffer is let go, and its elements
 leave the swap budget, once that write has landed (`reap`). Backward is held back while more than
 ``limit`` elements wait for their update or their write.
 
-The update is written to the partition's uncommitted slot (`ParamStore.write_update`): the previous
+The update is written to the partition's uncommitted slot (`SlottedRegion.stage`): the previous
 values stay readable until the optimizer commits the step. The same hand-over serves the step that runs
 during the next forward (`offload.train.deferred`): there a partition handed over with ``hold`` keeps
 its buffer after the write has landed, until the forward has used it (`use`), which saves reading it
@@ -25,13 +25,14 @@ from tensorio import IOFuture
 
 from offload.optim.protocol import StepOptimizer
 from offload.params.store import ParamRecord, ParamStore
+from offload.train.kept_buffers import KeptBuffers
 
 
 class PartitionWriteBack:
     """Hands on-disk partitions and their gradients to the optimizer and writes them back when updated."""
 
-    def __init__(self, store: ParamStore, optimizer: StepOptimizer, limit: int) -> None:
-        self._store, self._optimizer, self._limit = store, optimizer, limit
+    def __init__(self, store: ParamStore, kept: KeptBuffers, optimizer: StepOptimizer, limit: int) -> None:
+        self._store, self._kept, self._optimizer, self._limit = store, kept, optimizer, limit
         self._lock = threading.Lock()
         self._held: dict[int, ParamRecord] = {}
         """Records whose buffer was handed over and not yet written back and let go."""
@@ -55,7 +56,7 @@ class PartitionWriteBack:
         much is handed over and not yet written. ``hold``: keep the buffer after its write, until `use`.
         The gradient is passed as it is (fp32 for a 16-bit partition: the optimizer's master copy takes it)."""
         self.reap()
-        rec.partition.data = self._store.take_buffer(rec, observe=not hold)
+        rec.partition.data = self._kept.take(rec, observe=not hold)
         self._held[rec.index] = rec
         if hold:
             self._unused.add(rec.index)
@@ -76,7 +77,7 @@ class PartitionWriteBack:
     def _updated(self, rec: ParamRecord, partition: torch.Tensor) -> IOFuture:
         """The optimizer's thread: ``rec``'s partition is updated; start writing it back. The optimizer
         commits its step only once this write has succeeded."""
-        future = self._store.write_update(rec, partition.data)
+        future = self._store.region.stage(rec.slots, partition.data)
         with self._lock:
             self._updated_recs.add(rec.index)
             self._writes.append((rec, future))
@@ -150,7 +151,7 @@ class PartitionWriteBack:
         """``rec``'s partition is an empty placeholder again and its buffer leaves the budget."""
         rec.partition.grad = None
         rec.partition.data = self._store.placeholder(rec.partition.dtype)
-        self._store.return_buffer(rec)
+        self._kept.give_back(rec)
         del self._held[rec.index]
 
     def finish(self) -> None:
