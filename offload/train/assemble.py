@@ -28,7 +28,7 @@ from offload.params import ParamRecord, ParamStore, Placement, Prefetcher, SwapB
 from offload.params.construct import BUILT, built_store
 from offload.params.placement import attach_accumulator, parameter_names
 from offload.storage import SwapFile
-from offload.train import checkpoint
+from offload.train.checkpoint import sized_partitions
 from offload.train.deferred import DeferredStep
 from offload.train.failure import FailureState, StepCounters
 from offload.train.grads import GradReducer
@@ -212,7 +212,7 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
     #    so it comes after the partitions exist and before anything runs.
     groups = optimizer_param_groups(trainable, optimizer, model_parameters)
     trainable = in_optimizer_order(trainable, groups)  # the optimizer's i-th parameter is trainable[i]'s partition
-    with checkpoint.sized_partitions(trainable):
+    with sized_partitions(trainable):
         opt = _build_optimizer(cfg, optimizer, groups, overlap_backward=fast,
                                spare_limit=sizes.spare_limit, sub_group_size=sizes.sub_group_size,
                                buffer_count=sizes.buffer_count)

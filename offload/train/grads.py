@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from offload.params.store import ParamRecord, ParamStore
 from offload.storage.swapfile import SwapFile
+from offload.storage.write_queue import WriteQueue
 
 @dataclass(slots=True, eq=False)
 class GradPartition:
@@ -78,7 +79,8 @@ class GradReducer:
         self._buckets = (_Buckets(self, bucket_elements, overlap=overlap)
                          if world_size > 1 and not self._nccl and bucket_elements > 0 else None)
         """Gradients packed and all-reduced per bucket, asynchronously (gloo); None: one call per gradient."""
-        self._writes: collections.deque = collections.deque()
+        self._writes = WriteQueue()
+        """Offloaded gradient writes in flight, each with its buffer."""
         self._hooks = []
         for rec in store.records:
             if rec.accumulator is None:
@@ -181,10 +183,9 @@ class GradReducer:
             buffer.copy_(part)
         del part
         grad.norm = torch.linalg.vector_norm(buffer)  # one pass, while the buffer is in cache
-        self._writes.append((swap.write(buffer, offset), buffer))
+        self._writes.push(swap.write(buffer, offset), buffer)
         grad.on_disk = True
-        while len(self._writes) > _WRITES_IN_FLIGHT:
-            self._writes.popleft()[0].result()
+        self._writes.trim(_WRITES_IN_FLIGHT)
 
     def read(self, rec: ParamRecord) -> torch.Tensor:
         """This step's offloaded gradient partition of ``rec`` (float32), read now."""
@@ -217,10 +218,24 @@ class GradReducer:
                                f"not committed yet (the engine waits for the commit before backward)")
         return self.store.swap, rec.slots.spare_offset()
 
+    def global_norm(self) -> float:
+        """The L2 norm of this step's accumulated gradient partitions over all ranks (every rank calls it;
+        sync point: waits for the offloaded writes, raising their error), from each partition's norm
+        taken as it was reduced where there is one."""
+        total = torch.zeros((), dtype=torch.float64)
+        self.drain()
+        for grad in self.grads:
+            if grad.norm is not None:  # taken as it was reduced (offloaded, applied during backward, or kept)
+                total += grad.norm.double() ** 2
+            elif grad.value is not None:
+                total += torch.linalg.vector_norm(grad.value).double() ** 2
+        if self.world_size > 1:
+            dist.all_reduce(total, group=self.group)
+        return float(total.sqrt())
+
     def drain(self) -> None:
-        """Wait for every gradient write in flight (sync point). Raises TensorIOError."""
-        while self._writes:
-            self._writes.popleft()[0].result()
+        """Wait for every gradient write in flight (sync point). Raises the first failure's TensorIOError."""
+        self._writes.drain()
 
     def clear(self) -> None:
         """Forget this step's gradients (after the step, or when it is skipped)."""

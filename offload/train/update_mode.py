@@ -92,6 +92,13 @@ class StepContext:
         """The records the optimizer steps, in order."""
         return [rec for rec in self.store.records if rec.param.requires_grad]
 
+    def close(self) -> None:
+        """Remove the gradient hooks, then the optimizer's and the parameters' swap files (and hooks)."""
+        self.reducer.remove()
+        if hasattr(self.optimizer, "close"):
+            self.optimizer.close()
+        self.store.close()
+
     def gradients_lost_before_update(self, error: BaseException) -> None:
         """A step failed before changing anything: the parameters are whole, its gradients lost."""
         self.failure.gradients_lost(f"step {self.counters.global_steps + 1} failed before its update "

@@ -25,6 +25,7 @@ from tensorio import IOFuture
 
 from offload.optim.protocol import StepOptimizer
 from offload.params.store import ParamRecord, ParamStore
+from offload.storage.write_queue import WriteQueue
 from offload.train.kept_buffers import KeptBuffers
 
 
@@ -36,13 +37,13 @@ class PartitionWriteBack:
         self._lock = threading.Lock()
         self._held: dict[int, ParamRecord] = {}
         """Records whose buffer was handed over and not yet written back and let go."""
-        self._writes: list[tuple[ParamRecord, IOFuture]] = []
-        """Writes started by the optimizer's thread, not yet reaped (under ``_lock``)."""
+        self._writes = WriteQueue()
+        """Writes started by the optimizer's thread, not yet reaped, each with its record (the first error
+        is kept for `finish`)."""
         self._waiting = 0
         """Elements handed over and not yet updated (under ``_lock``)."""
         self._writing = 0
         """Elements being written (under ``_lock``)."""
-        self._error: BaseException | None = None
         self._updated_recs: set[int] = set()
         """Records handed over whose update has run (under ``_lock``)."""
         self._unused: set[int] = set()
@@ -80,7 +81,7 @@ class PartitionWriteBack:
         future = self._store.region.stage(rec.slots, partition.data)
         with self._lock:
             self._updated_recs.add(rec.index)
-            self._writes.append((rec, future))
+            self._writes.push(future, rec)
             self._waiting -= rec.partition_numel
             self._writing += rec.partition_numel
         return future
@@ -88,24 +89,14 @@ class PartitionWriteBack:
     def reap(self) -> None:
         """Let go of the partitions whose write has landed; never waits. A failed write is reported by
         `finish`."""
-        with self._lock:
-            done = [item for item in self._writes if item[1].done()]
-            self._writes = [item for item in self._writes if item not in done]
-        for rec, future in done:
-            self._let_go(rec, future)
+        for rec, error in self._writes.reap():
+            self._let_go(rec, error)
 
     def _wait_oldest_write(self) -> None:
-        with self._lock:
-            if not self._writes:
-                return
-            rec, future = self._writes.pop(0)
-        future.exception()  # sync point
-        self._let_go(rec, future)
+        if self._writes:
+            self._let_go(*self._writes.wait_oldest())  # sync point
 
-    def _let_go(self, rec: ParamRecord, future: IOFuture) -> None:
-        error = future.exception()
-        if error is not None and self._error is None:
-            self._error = error
+    def _let_go(self, rec: ParamRecord, error: BaseException | None) -> None:
         with self._lock:
             self._writing -= rec.partition_numel
         if rec.index in self._unused and error is None:
@@ -120,8 +111,7 @@ class PartitionWriteBack:
 
     def counts(self) -> tuple[int, int]:
         """``(partitions handed over and not let go yet, writes not reaped yet)`` (any thread)."""
-        with self._lock:
-            return len(self._held), len(self._writes)
+        return len(self._held), len(self._writes)
 
     def is_updated(self, rec: ParamRecord) -> bool:
         """Whether the optimizer has updated ``rec`` (any thread)."""
@@ -177,5 +167,4 @@ class PartitionWriteBack:
         with self._lock:
             self._waiting = self._writing = 0
             self._updated_recs.clear()
-        error, self._error = self._error, None
-        return error
+        return self._writes.take_error()
