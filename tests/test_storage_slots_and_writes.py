@@ -129,3 +129,21 @@ def test_abort_leaves_nothing_half_written_to_be_read_as_good(region):
     assert region.rollback() == pairs
     for pair in pairs:
         assert torch.equal(_read(region, pair), _values(0.0))
+
+
+def test_several_requests_land_as_one_write_and_a_write_can_be_taken_out():
+    """A sub-group's regions are written by several requests: the write is done when all are, and waiting
+    for it gives the first failure; its owner may take it out of the queue to wait for it itself."""
+    queue = WriteQueue()
+    parts = [_pending(), _pending()]
+    queue.push(parts, "sub-group 0")
+    queue.push(_pending(), "sub-group 1")
+    parts[0].set_result(8)
+    assert queue.reap() == []  # half written is not written
+    parts[1].set_exception(TensorIOError(errno.EIO, "region 1", path="swap", offset=8, length=8))
+    assert [(item, str(error)) for item, error in queue.reap()] == [("sub-group 0", str(parts[1].exception()))]
+    queue.remove("sub-group 1")
+    with pytest.raises(ValueError, match="no write"):
+        queue.remove("sub-group 1")
+    with pytest.raises(TensorIOError, match="region 1"):
+        queue.drain()

@@ -9,7 +9,6 @@ slots current. So a failed step leaves the previous state on disk, where a reloa
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import enum
 import errno
@@ -26,6 +25,7 @@ from offload.optim.spare import SparePool
 from offload.optim.subgroups import SubGroupPlan
 from offload.storage.slotted import SlotPair, SlottedRegion
 from offload.storage.swapfile import SwapFile
+from offload.storage.write_queue import WriteQueue
 
 
 class Where(enum.Enum):
@@ -77,7 +77,7 @@ class StateSwapper:
         self.file_bytes = self._file.allocated_bytes if self._file is not None else 0
         self._free: list[torch.Tensor] = []
         self._by_address: dict[int, torch.Tensor] = {}
-        self._writes: collections.deque[SwapRecord] = collections.deque()  # in flight, oldest first
+        self._writes = WriteQueue()  # each sub-group's state write in flight, oldest first
         self._spares = SparePool(spare_limit)  # memory lent by the caller (applied gradients)
         self._smallest_region = min((4 * p.region for p in plans if p.offloaded), default=0)
         self.buffer_bytes = 0
@@ -140,9 +140,8 @@ class StateSwapper:
 
     def reap(self) -> None:
         """Free the memory of writes that have already finished; never waits. Raises TensorIOError."""
-        for rec in [r for r in self._writes if all(f.done() for f in r.futures)]:
-            self._writes.remove(rec)
-            self._wait(rec, "write")
+        for rec, _ in self._writes.reap():
+            self._wait(rec, "write")  # done: raises its error, or one for a short write
             self._release(rec)
 
     def readiness(self, rec: SwapRecord) -> int:
@@ -160,8 +159,9 @@ class StateSwapper:
         Raises TensorIOError."""
         if not self._writes:
             return False
-        rec = self._writes.popleft()
-        self._wait(rec, "write")
+        with self._blocked():
+            rec, _ = self._writes.wait_oldest()
+        self._wait(rec, "write")  # done: raises its error, or one for a short write
         self._release(rec)
         return True
 
@@ -210,7 +210,7 @@ class StateSwapper:
         _expect(rec, Where.RESIDENT, "write")
         rec.futures = self._transfer(rec, self._region.stage_offset(rec.slots), self._file.write)
         rec.where = Where.WRITING
-        self._writes.append(rec)
+        self._writes.push(rec.futures, rec)
 
     def evict(self, rec: SwapRecord) -> None:
         """Give up ``rec``'s unmodified state (read ahead but not needed yet). Raises TensorIOError."""
@@ -242,7 +242,7 @@ class StateSwapper:
                 self._release(rec)
         if self._region is not None:
             self._region.rollback()
-        self._writes.clear()
+        self._writes.abort()  # every request was waited for above; forgets the errors
         self.drop_spares()
 
     @property

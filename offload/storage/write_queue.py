@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 __all__ = ["WriteQueue"]
 
@@ -30,6 +30,21 @@ class Write(Protocol):
     def done(self) -> bool: ...
 
     def exception(self) -> BaseException | None: ...
+
+
+class _AllOf:
+    """Several requests written as one (a sub-group's state regions): done when all are; waiting for it
+    waits for every one of them and gives the first one's error."""
+
+    def __init__(self, futures: Sequence[Write]) -> None:
+        self._futures = list(futures)
+
+    def done(self) -> bool:
+        return all(future.done() for future in self._futures)
+
+    def exception(self) -> BaseException | None:
+        errors = [future.exception() for future in self._futures]  # waits for every request
+        return next((error for error in errors if error is not None), None)
 
 
 class WriteQueue:
@@ -44,10 +59,23 @@ class WriteQueue:
         with self._lock:
             return len(self._writes)
 
-    def push(self, future: Write, item: Any = None) -> None:
-        """Add a started write and ``item``, kept until it lands (its buffer, its record). Never waits."""
+    def push(self, future: Write | Sequence[Write], item: Any = None) -> None:
+        """Add a started write (or several requests that land as one) and ``item``, kept until it lands (its
+        buffer, its record). Never waits."""
+        if not hasattr(future, "done"):
+            future = _AllOf(future)
         with self._lock:
             self._writes.append((future, item))
+
+    def remove(self, item: Any) -> None:
+        """Take ``item``'s write out of the queue without waiting for it (its owner waits for it itself).
+        Raises ValueError when no write of ``item`` is in flight."""
+        with self._lock:
+            for write in self._writes:
+                if write[1] is item:
+                    self._writes.remove(write)
+                    return
+        raise ValueError("internal error: no write of this item is in flight")
 
     def reap(self) -> list[tuple[Any, BaseException | None]]:
         """The writes that have landed, removed from the queue: ``(item, error or None)`` each, oldest first
