@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from offload.config import EngineConfig, check_nvme_paths, world_size_from_env
+from offload.device import CpuDevice, start_process_group
 from offload.params import ParamStore, Placement, Prefetcher, SwapBudget
 from offload.params.construct import BUILT, PartitionedBuild, built_store, discard_build
 from offload.params.pretrained import load_pretrained
@@ -80,7 +81,7 @@ class Init:
             else dist.get_world_size()
         self._rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         if self._world_size > 1 and not (dist.is_available() and dist.is_initialized()):
-            dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+            start_process_group(CpuDevice())  # the engine computes on the CPU
             self._rank = dist.get_rank()
         cfg = (EngineConfig.from_dict(source, world_size=self._world_size) if isinstance(source, Mapping)
                else EngineConfig.from_file(source, world_size=self._world_size))

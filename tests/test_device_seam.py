@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from offload.device import (CollectiveDeviceError, CpuDevice, DeviceMemoryError, DeviceSyncError, PinnedMemoryError,
-                            SimulatedDevice, collective_device, cuda_available, device_for, process_group_backend)
+                            SimulatedDevice, check_process_group, collective_device, cuda_available, device_for,
+                            process_group_backend, start_process_group)
 
 pytestmark = pytest.mark.simulated
 
@@ -375,3 +376,37 @@ def test_poison_reads_as_nan_in_every_float_dtype(late):
     raw = late.empty(8, name="raw")
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         assert all(math.isnan(v) for v in raw.view(dtype).tolist())
+
+
+def test_the_engine_starts_gloo_for_cpu_compute_even_where_cuda_exists(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine, compute on the CPU
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    start_process_group(CpuDevice())
+    try:
+        assert dist.get_backend() == "gloo"
+        check_process_group(CpuDevice())  # accepted
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_caller_started_nccl_group_under_cpu_compute_is_a_clear_error(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(ValueError, match=r"process group uses \"nccl\", but the engine computes on the cpu device "
+                                         r"and NCCL reduces only GPU tensors; start the group with "
+                                         r"torch.distributed.init_process_group\(\"gloo\"\)"):
+        check_process_group(CpuDevice())
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -11,7 +11,8 @@ from offload.device._cpu import CpuDevice
 from offload.device._cuda import CudaDevice, cuda_available
 from offload.device._errors import (CollectiveDeviceError, DeviceError, DeviceMemoryError, DeviceSyncError,
                                     PinnedMemoryError)
-from offload.device._select import DEVICE_CHOICES, collective_device, device_for, process_group_backend
+from offload.device._select import (DEVICE_CHOICES, check_process_group, collective_device, device_for,
+                                    process_group_backend, start_process_group)
 from offload.device._simulated import SimulatedDevice
 
 __all__ = [
@@ -27,8 +28,10 @@ __all__ = [
     "PinnedMemoryError",
     "SimulatedDevice",
     "Stream",
+    "check_process_group",
     "collective_device",
     "cuda_available",
     "device_for",
     "process_group_backend",
+    "start_process_group",
 ]

@@ -12,7 +12,8 @@ from offload.device._cpu import CpuDevice
 from offload.device._cuda import CudaDevice, cuda_available
 from offload.device._simulated import SimulatedDevice
 
-__all__ = ["DEVICE_CHOICES", "collective_device", "device_for", "process_group_backend"]
+__all__ = ["DEVICE_CHOICES", "check_process_group", "collective_device", "device_for", "process_group_backend",
+           "start_process_group"]
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "simulated")
 """What ``device_for`` takes: "auto" is CUDA where available, else the CPU; "simulated" is for tests."""
@@ -48,6 +49,24 @@ def process_group_backend(device: Device, requested: str | None = None, *, setti
     if backend not in ("nccl", "gloo", "mpi", "ucc"):
         raise ValueError(f"{setting}: {backend!r} is not a torch.distributed backend; use \"gloo\" or \"nccl\"")
     return backend
+
+
+def start_process_group(device: Device) -> None:
+    """Start torch.distributed's default process group (from torchrun's environment) with the
+    backend for compute on ``device``: gloo for the CPU, whether or not CUDA exists. Raises what
+    ``torch.distributed.init_process_group`` raises for a bad launch environment."""
+    dist.init_process_group(backend=process_group_backend(device))
+
+
+def check_process_group(device: Device, group: dist.ProcessGroup | None = None) -> None:
+    """Raise ValueError naming the backend and the fix when the process group the caller started
+    cannot carry collectives for compute on ``device`` (NCCL reduces GPU tensors only)."""
+    backend = dist.get_backend(group)
+    if backend == "nccl" and device.name != "cuda":
+        raise ValueError(f"the torch.distributed process group uses \"nccl\", but the engine computes on the "
+                         f"{device.name} device and NCCL reduces only GPU tensors; start the group with "
+                         f"torch.distributed.init_process_group(\"gloo\"), or leave it to the engine "
+                         f"(dist_init_required=True or no group started)")
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:

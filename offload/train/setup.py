@@ -13,8 +13,12 @@ import torch.distributed as dist
 from torch import nn
 
 from offload.config import EngineConfig, world_size_from_env
+from offload.device import CpuDevice, check_process_group, start_process_group
 from offload.train.assemble import assemble
 from offload.train.surface import check_distributed_arguments, config_from_arguments
+
+COMPUTE_DEVICE = CpuDevice()
+"""Where the engine computes (forward, backward, the optimizer): the CPU until GPU execution lands."""
 
 
 def engine_from_arguments(*, args: Any, model: nn.Module | None, optimizer: Any, model_parameters: Iterable[Any] | None,
@@ -32,7 +36,7 @@ def engine_from_arguments(*, args: Any, model: nn.Module | None, optimizer: Any,
     config = config_from_arguments(args, config, config_params)
     check_distributed_arguments(dist_init_required, mpu, mesh_param, world_size_from_env())
     if dist_init_required and not (dist.is_available() and dist.is_initialized()):
-        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+        start_process_group(COMPUTE_DEVICE)
     world_size, rank, group = _process_group()
     if isinstance(config, EngineConfig):
         cfg = config
@@ -52,11 +56,13 @@ def engine_from_arguments(*, args: Any, model: nn.Module | None, optimizer: Any,
 
 
 def _process_group() -> tuple[int, int, Any]:
-    """World size and rank; starts the default process group when launched by torchrun."""
+    """World size and rank; starts the default process group when launched by torchrun. Raises
+    ValueError when a group the caller started cannot carry the engine's collectives."""
     if dist.is_available() and dist.is_initialized():
+        check_process_group(COMPUTE_DEVICE)
         return dist.get_world_size(), dist.get_rank(), None
     world_size = world_size_from_env()
     if world_size == 1:
         return 1, 0, None  # no process group needed
-    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    start_process_group(COMPUTE_DEVICE)
     return dist.get_world_size(), dist.get_rank(), None
