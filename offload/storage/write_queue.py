@@ -1,7 +1,7 @@
 """`WriteQueue`: the writes a writer has in flight, oldest first, with the first error kept.
 
-Every writer of the swap files (partition placement, gradient offload, partition write-back, ...)
-starts writes that must land before their memory is reused and before the step that made them may
+Every writer of the swap files (partition placement, gradient offload, the partition write-back of
+the fast paths, the optimizer state's swapper) starts writes that must land before their memory is reused and before the step that made them may
 commit. The queue holds each write's future with what must stay alive until it lands (its buffer,
 or the record that owns it), and keeps the rule every writer needs:
 
