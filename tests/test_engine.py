@@ -862,7 +862,8 @@ def test_gradients_kept_in_the_swap_file_when_memory_is_short(disk_dir, monkeypa
     # An on-disk fp32 partition's gradient waits in the partition's free slot; a 16-bit one's (half the
     # slot) and in-memory ones' in the gradient swap file.
     on_disk = [rec for rec in engine.records if rec.param.requires_grad and rec.on_disk]
-    assert on_disk and all((rec.grad_offset < 0) == (dtype is None) for rec in on_disk)
+    places = engine.stats().offloaded_grads
+    assert on_disk and places["param_slot"] == (len(on_disk) if dtype is None else 0)
     assert (engine.stats().io["grads"]["read"] > 0) == (dtype is not None)  # fp32: every gradient in a free slot
     engine.close()
 
@@ -881,27 +882,28 @@ def test_the_step_in_the_next_forward_prepares_its_first_updates_during_backward
     losses = train(engine, batches[:2], loss_fn)  # the gather order and the update order are learnt
     # White-box: which buffers the step in the next forward kept and handed over (internal state).
     store, opt, deferred, writeback = engine._store, engine.optimizer, engine._path.deferred, engine._path.writeback
+    kept = engine._ctx.kept
     loss = loss_fn(engine, batches[2])
     engine.backward(loss)
     losses.append(loss.item())
     units = deferred._forward_order(set(deferred._unit))
     first = units[0]
     on_disk = [rec.index for unit in units for rec in unit if rec.on_disk]
-    assert store.keep_next and store.keep_next == set(on_disk[:len(store.keep_next)])  # the first ones in order
+    assert kept.next and kept.next == set(on_disk[:len(kept.next)])  # the first ones in order
     assert store.records[on_disk[0]].buffer is not None  # the tied embedding: read by backward (lm_head), kept
     opt.wait_for_updates(lambda: False)  # the read-ahead has been started
     order = opt._schedule.order
     ahead = [i for i in order if opt._swapper.records[i].where is not Where.ON_DISK]
     assert ahead and ahead == order[:len(ahead)]  # the first sub-groups of the learnt order
-    kept = [store.records[i] for i in store.keep_next if store.records[i].buffer is not None]
+    kept_recs = [store.records[i] for i in kept.next if store.records[i].buffer is not None]
     reads = store.demand_reads + store.prefetch_reads
     engine.step()
     # Handed over at once, or (when a partition of the same update, which backward does not read, is
     # still being read) still held for the hand-over: either way never read again.
-    assert all(writeback.holds(rec) or rec.buffer is not None for rec in kept)
+    assert all(writeback.holds(rec) or rec.buffer is not None for rec in kept_recs)
     assert any(writeback.holds(rec) for rec in first) or any(rec.read is not None for rec in first)
     assert store.demand_reads + store.prefetch_reads - reads <= len(store.prefetcher.trace)  # only read-ahead
-    assert not store.keep_next
+    assert not kept.next
     losses += train(engine, batches[3:], loss_fn)
     assert losses == ref_losses
     for name, value in engine.full_parameters():

@@ -17,14 +17,14 @@ import torch
 from tensorio import AioConfig
 
 from offload.config.swap import SwapConfig
-from offload.optim.kernel import (ParamState, StepInputs, adam_update, check_grads, check_hyperparameters,
-                                  check_params)
+from offload.optim.kernel import ParamState, StepInputs, check_hyperparameters, check_params
 from offload.optim.overlap import BackgroundWorker, BackwardUpdates
 from offload.optim.schedule import SwapSchedule
 from offload.optim.state_io import OptimizerState
-from offload.optim.subgroups import (ParamSpec, SubGroupPlan, choose_buffer_count, choose_sub_group_size,
-                                     host_memory_bytes, linked_groups, plan_subgroups)
-from offload.optim.swapper import StateSwapper, Where
+from offload.optim.step import StepRun
+from offload.optim.subgroups import (ParamSpec, SubGroupPlan, choose_buffer_count, chosen_swap_config, linked_groups,
+                                     plan_subgroups)
+from offload.optim.swapper import StateSwapper
 from offload.optim.transaction import StepTransaction
 
 __all__ = ["OffloadAdam"]
@@ -84,7 +84,6 @@ class OffloadAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=maximize, foreach=None, capturable=False, differentiable=False, fused=True,
                         decoupled_weight_decay=bool(adamw_mode))
-        self._adamw_mode = bool(adamw_mode)
         self._planned = False
         super().__init__(params, defaults)
 
@@ -95,16 +94,12 @@ class OffloadAdam(torch.optim.Optimizer):
                 self._params.append(ParamState(param=p, group=g, index=len(self._params)))
         check_params(self._params)
         self._index_of = {id(rec.param): rec.index for rec in self._params}
-        if buffer_count is None:
-            buffer_count = choose_buffer_count(overlap_backward=overlap_backward)
-        if sub_group_size is None:  # the typical parameter's size, within host memory (see choose_sub_group_size)
-            sub_group_size = choose_sub_group_size(
-                [r.param.numel() for r in self._params if r.param.requires_grad],
-                grad_itemsize=min((r.param.element_size() for r in self._params), default=4),
-                buffer_count=buffer_count, host_bytes=host_memory_bytes())
-        self._swap_config = SwapConfig(buffer_count=buffer_count, pin_memory=pin_memory,
-                                       pipeline_read=pipeline_read, pipeline_write=pipeline_write,
-                                       sub_group_size=sub_group_size, aio=aio if aio is not None else AioConfig())
+        self._swap_config = chosen_swap_config(  # the sizes not given: from the parameters and the host's memory
+            [r.param.numel() for r in self._params if r.param.requires_grad],
+            grad_itemsize=min((r.param.element_size() for r in self._params), default=4),
+            buffer_count=buffer_count, sub_group_size=sub_group_size,
+            overlap_backward=overlap_backward, pin_memory=pin_memory, pipeline_read=pipeline_read,
+            pipeline_write=pipeline_write, aio=aio if aio is not None else AioConfig())
         # 2. Plan the sub-groups (pure), then place their state: in RAM or in the swap file.
         specs = [[ParamSpec(numel=r.param.numel(), master=r.master) for r in self._params if r.group == g]
                  for g in range(len(self.param_groups))]
@@ -130,14 +125,16 @@ class OffloadAdam(torch.optim.Optimizer):
         self._transaction = StepTransaction(self._swapper, self._params, self._schedule, self._inputs)
         self._state = OptimizerState(self, self._params, self._plans, self._resident, self._swapper,
                                      self._transaction.abort)
+        self._run = StepRun(self, self._params, self._plans, self._resident, self._swapper, self._schedule,
+                            self._transaction, self._inputs, adamw_mode=bool(adamw_mode))
         # 4. With overlap_backward, hooks hand sub-groups to a worker thread: backward never waits for
         #    I/O. Which fields that thread shares, and the locking rule: `BackwardUpdates`.
         self._background: BackwardUpdates | None = None
         if overlap_backward and any(p.offloaded for p in self._plans):
             self._background = BackwardUpdates(self._params, self._plans, schedule=self._schedule,
                                                transaction=self._transaction, inputs=self._inputs,
-                                               update=self._update, begin_step=self._begin_step)
-            self._transaction.background = self._background
+                                               update=self._run.update, begin_step=self._run.begin)
+            self._transaction.background = self._run.background = self._background
         worker = self._background.worker if self._background is not None else None  # not the optimizer: no cycle
         self._finalizer = weakref.finalize(self, _cleanup, self._swapper, self._tmpdir, worker)
 
@@ -166,54 +163,7 @@ class OffloadAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._inputs.groups is None:
-            self._begin_step(1.0)
-        if self._background is not None:
-            self._background.in_backward = False
-        self._sync()  # the updates handed over in backward, and the write-behind of the previous step
-        self._swapper.drop_spares()  # gradient memory not used for read-ahead goes back now
-        todo = [p for p in self._plans if p.index not in self._schedule.done and self._has_grads(p)]
-        for plan in todo:
-            check_grads(plan, self._params, self._grad_of)
-        offloaded = [p.index for p in todo if p.offloaded]
-        resident = [p for p in todo if not p.offloaded]
-        try:
-            # 1. Offloaded sub-groups not updated during backward, pipelined in plan order.
-            if offloaded:
-                self._schedule.prefetch(offloaded)
-            for index in offloaded:
-                self._schedule.update_offloaded(index, offloaded, self._update)
-            # 2. Buffers read ahead for sub-groups that got no gradient this step are given back.
-            for rec in self._swapper.records.values():
-                if rec.where in (Where.READING, Where.RESIDENT):
-                    self._swapper.evict(rec)
-            # 3. Parameters updated here rather than during backward: grad_ready's callbacks run now.
-            if self._background is not None:
-                self._background.run_callbacks()
-            # 4. Sync point: resident state may change only once every write has succeeded.
-            if resident or self._background is None:
-                self._swapper.drain()
-                self._transaction.wait_dependents()
-                self._swapper.commit()  # the step counts are committed below, with the resident state
-        except BaseException:
-            self._transaction.abort()
-            raise
-        # 5. Resident sub-groups: no I/O, cannot fail.
-        for plan in resident:
-            self._update(plan, self._resident[plan.index])
-        try:
-            if self._swapper.idle and (self._background is None or self._background.dependents_done()):
-                self._transaction.commit()  # never waits; raises a failed callback write
-            else:
-                self._transaction.uncommitted = True  # write-behind: committed at the next sync point
-        except BaseException:
-            self._transaction.abort()
-            raise
-        self._schedule.end_step()
-        self._inputs.clear()
-        if self._transaction.uncommitted and self._background is not None:
-            # Finish the writes during the next forward, freeing their memory as each one lands.
-            self._background.worker.submit(self._background.in_worker, self._transaction.finish_write_behind)
+        self._run.run()
         return loss
 
     def grad_ready(self, param: torch.Tensor,
@@ -316,16 +266,12 @@ class OffloadAdam(torch.optim.Optimizer):
         """Sync point: wait for the updates handed over and the last step's write-behind, and commit them
         (the step hooks run). Raises the step's error (a TensorIOError for the swap file) after giving
         it up."""
-        self._sync()
+        self._transaction.sync()
 
     def raise_if_failed(self) -> None:
         """Raise the background thread's error, if it had one, after giving the step up (overlap_backward)."""
         if self._background is not None and self._background.worker.failed:
-            self._sync()
-
-    def _begin_step(self, grad_scale: float) -> None:
-        """Read the hyperparameters the step will use (see `start_step`)."""
-        self._inputs.begin(self.param_groups, grad_scale)
+            self._transaction.sync()
 
     @property
     def updates_pending(self) -> bool:
@@ -348,23 +294,6 @@ class OffloadAdam(torch.optim.Optimizer):
         if self._background is not None:
             self._background.wait_until(done)
 
-    def _sync(self) -> None:
-        """Wait for the background thread and the last step's write-behind, and commit them (`StepTransaction.sync`)."""
-        self._transaction.sync()
-
-    def _has_grads(self, plan: SubGroupPlan) -> bool:
-        return any(self._grad_of(m.param) is not None for m in plan.members)
-
-    def _grad_of(self, index: int) -> torch.Tensor | None:
-        """The gradient parameter ``index`` is updated with: the one passed to `grad_ready`, else ``.grad``."""
-        return self._inputs.grad_of(index, self._params)
-
-    def _update(self, plan: SubGroupPlan, regions: list[torch.Tensor]) -> None:
-        """Run the kernel on one sub-group with this step's hyperparameters and gradient scale."""
-        inputs = self._inputs
-        group = inputs.groups[plan.group] if inputs.groups is not None else self.param_groups[plan.group]
-        adam_update(plan, regions, self._params, self._grad_of, group, inputs.grad_scale, self._adamw_mode)
-
     # ---- state dicts (offload/optim/state_io.py) ---------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -374,7 +303,7 @@ class OffloadAdam(torch.optim.Optimizer):
         state is gathered in RAM, one sub-group read at a time (`save_state` streams it instead).
         Raises TensorIOError.
         """
-        self._sync()
+        self._transaction.sync()
         return self._state.state_dict()
 
     def state_layout(self) -> dict[str, int]:
@@ -388,7 +317,7 @@ class OffloadAdam(torch.optim.Optimizer):
         run of each `state_layout` tensor, one sub-group in memory at a time. Returns the rest (step
         counts and param groups, small) for `load_state`. Raises TensorIOError and ``write``'s errors.
         """
-        self._sync()
+        self._transaction.sync()
         return self._state.save(write)
 
     def load_state(self, saved: Mapping[str, Any], layout: Mapping[str, int],
@@ -400,7 +329,7 @@ class OffloadAdam(torch.optim.Optimizer):
         parameter). All or nothing: raises ValueError for a mismatch (naming the parameter or group)
         before anything changes, and TensorIOError for the swap file, leaving the previous state.
         """
-        self._sync()
+        self._transaction.sync()
         self._state.load_saved(saved, layout, read)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -410,7 +339,7 @@ class OffloadAdam(torch.optim.Optimizer):
         copy from the parameter. All or nothing: raises ValueError for a mismatched state dict (naming
         the group or parameter) and TensorIOError for the swap file, leaving the previous state.
         """
-        self._sync()
+        self._transaction.sync()
         self._state.load_state_dict(state_dict)
 
     # ---- memory and lifetime ----------------------------------------------------------------------------
@@ -435,7 +364,7 @@ class OffloadAdam(torch.optim.Optimizer):
         """Where the offloaded state is now: ``"sub_groups"`` by place ("on disk", "reading", "resident",
         "writing") and the fixed swap buffers ``"free_buffers"`` of ``"buffer_count"``. Between steps every
         sub-group is on disk (or still being written, with overlap_backward) and every buffer is free."""
-        self._sync()
+        self._transaction.sync()
         return {"sub_groups": self._swapper.where_counts(), "free_buffers": self._swapper.free_buffers,
                 "buffer_count": self._swap_config.buffer_count}
 
@@ -452,7 +381,7 @@ class OffloadAdam(torch.optim.Optimizer):
     def close(self) -> None:
         """Finish the I/O in flight (committing it), remove the hooks, the swap file and a temporary directory."""
         try:
-            self._sync()
+            self._transaction.sync()
         finally:
             if self._background is not None:
                 self._background.close()

@@ -24,7 +24,7 @@ from offload.optim.swapper import StateSwapper, SwapRecord, Where
 
 
 Update = Callable[[SubGroupPlan, list[torch.Tensor]], None]
-"""Runs the kernel on a sub-group's state regions (`OffloadAdam._update`)."""
+"""Runs the kernel on a sub-group's state regions (`StepRun.update`, offload/optim/step.py)."""
 
 
 class SwapSchedule:

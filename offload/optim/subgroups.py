@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from tensorio import AioConfig
+
+from offload.config.swap import SwapConfig
+
 #: A parameter split across sub-groups is cut at multiples of this many elements. Torch's fused
 #: CPU Adam kernel runs whole vectors of 64 elements and a scalar tail, so cuts on such multiples
 #: give bit-for-bit the result of updating the whole parameter at once. 1024 fp32 elements is one
@@ -204,3 +208,18 @@ def choose_buffer_count(*, overlap_backward: bool) -> int:
     updated, one read ahead, one written behind; further read-ahead goes into applied gradients'
     memory, so a fourth buffer would only add memory), else 4 (DeepSpeed's)."""
     return 3 if overlap_backward else 4
+
+
+def chosen_swap_config(trainable_numels: Sequence[int], *, grad_itemsize: int, buffer_count: int | None,
+                       sub_group_size: int | None, overlap_backward: bool, pin_memory: bool, pipeline_read: bool,
+                       pipeline_write: bool, aio: AioConfig) -> SwapConfig:
+    """OffloadAdam's swap settings, with the sizes the user left None chosen: ``buffer_count`` by
+    `choose_buffer_count`, ``sub_group_size`` the typical trainable parameter's size within this host's
+    memory (`choose_sub_group_size`). Raises ValueError (naming the key) for a bad setting."""
+    if buffer_count is None:
+        buffer_count = choose_buffer_count(overlap_backward=overlap_backward)
+    if sub_group_size is None:
+        sub_group_size = choose_sub_group_size(trainable_numels, grad_itemsize=grad_itemsize,
+                                               buffer_count=buffer_count, host_bytes=host_memory_bytes())
+    return SwapConfig(buffer_count=buffer_count, pin_memory=pin_memory, pipeline_read=pipeline_read,
+                      pipeline_write=pipeline_write, sub_group_size=sub_group_size, aio=aio)

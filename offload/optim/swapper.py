@@ -1,15 +1,14 @@
 """The optimizer-state swapper: sub-group state moved between one swap file and a few locked buffers.
 
-One `SwapRecord` per offloaded sub-group holds everything about it: where its state is, which of
-its two file slots is current, the buffer it occupies and the I/O in flight. The file holds two
-slots per sub-group (A/B): a step reads the committed slot and writes the other one, and only
-`commit()`, called once every write of the step has succeeded, makes the new slots current. So a
-failed step leaves the previous state on disk, where a reload finds it.
+One `SwapRecord` per offloaded sub-group holds everything about it: where its state is, its two file
+slots, the buffer it occupies and the I/O in flight. The slots follow the commit rule of
+`offload.storage.slotted`, as the parameter partitions' do: a step reads the newest slot and writes the
+uncommitted one, and only `commit()`, called once every write of the step has succeeded, makes the new
+slots current. So a failed step leaves the previous state on disk, where a reload finds it.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import enum
 import errno
@@ -24,7 +23,9 @@ from tensorio import IOFuture, TensorIOError, aligned_tensor, locked_tensor
 from offload.config.swap import SwapConfig
 from offload.optim.spare import SparePool
 from offload.optim.subgroups import SubGroupPlan
+from offload.storage.slotted import SlotPair, SlottedRegion
 from offload.storage.swapfile import SwapFile
+from offload.storage.write_queue import WriteQueue
 
 
 class Where(enum.Enum):
@@ -41,14 +42,8 @@ class SwapRecord:
     """Everything about one offloaded sub-group's state."""
 
     plan: SubGroupPlan
-    offset: int
-    """Byte offset of slot 0 in the swap file; slot 1 follows at ``offset + plan.state_bytes``."""
-    slot: int = 0
-    """The committed slot: the state as of the last committed step."""
-    on_disk: bool = False
-    """Whether the committed slot was ever written; if not, the state is all zeros."""
-    written: bool = False
-    """Whether the other slot holds this step's new state (not committed yet)."""
+    slots: SlotPair
+    """Its state's two slots in the swap file (never written: the state is all zeros)."""
     where: Where = Where.ON_DISK
     regions: list[torch.Tensor] | None = None
     """The state in memory: ``plan.regions`` fp32 tensors of ``plan.region`` elements (exp_avg,
@@ -58,9 +53,6 @@ class SwapRecord:
     futures: list[IOFuture] = field(default_factory=list)
     spare_chunks: list = field(default_factory=list)
     """The spare-memory chunk of each region, while the regions are in spare memory."""
-
-    def slot_offset(self, slot: int) -> int:
-        return self.offset + slot * self.plan.state_bytes
 
 
 class StateSwapper:
@@ -79,13 +71,13 @@ class StateSwapper:
         offloaded = [plan for plan in plans if plan.offloaded]
         # The file is made now so that a bad directory fails here, not in the middle of a step.
         self._file = SwapFile(directory, config.aio, kind="adam", key="nvme_offload_dir") if offloaded else None
+        self._region = SlottedRegion(self._file) if offloaded else None
         self.records: dict[int, SwapRecord] = {  # slots A and B; state_bytes is a multiple of the page
-            plan.index: SwapRecord(plan=plan, offset=self._file.allocate(plan.state_bytes, slots=2))
-            for plan in offloaded}
+            plan.index: SwapRecord(plan=plan, slots=self._region.add(plan.state_bytes)) for plan in offloaded}
         self.file_bytes = self._file.allocated_bytes if self._file is not None else 0
         self._free: list[torch.Tensor] = []
         self._by_address: dict[int, torch.Tensor] = {}
-        self._writes: collections.deque[SwapRecord] = collections.deque()  # in flight, oldest first
+        self._writes = WriteQueue()  # each sub-group's state write in flight, oldest first
         self._spares = SparePool(spare_limit)  # memory lent by the caller (applied gradients)
         self._smallest_region = min((4 * p.region for p in plans if p.offloaded), default=0)
         self.buffer_bytes = 0
@@ -148,9 +140,8 @@ class StateSwapper:
 
     def reap(self) -> None:
         """Free the memory of writes that have already finished; never waits. Raises TensorIOError."""
-        for rec in [r for r in self._writes if all(f.done() for f in r.futures)]:
-            self._writes.remove(rec)
-            self._finish_write(rec)
+        for rec, _ in self._writes.reap():
+            self._wait(rec, "write")  # done: raises its error, or one for a short write
             self._release(rec)
 
     def readiness(self, rec: SwapRecord) -> int:
@@ -168,8 +159,9 @@ class StateSwapper:
         Raises TensorIOError."""
         if not self._writes:
             return False
-        rec = self._writes.popleft()
-        self._finish_write(rec)
+        with self._blocked():
+            rec, _ = self._writes.wait_oldest()
+        self._wait(rec, "write")  # done: raises its error, or one for a short write
         self._release(rec)
         return True
 
@@ -181,18 +173,17 @@ class StateSwapper:
         """
         if rec.where is Where.WRITING:
             self._writes.remove(rec)
-            self._finish_write(rec)  # sync point: its memory already holds the latest state
+            self._wait(rec, "write")  # sync point: its memory already holds the latest state
             rec.where = Where.RESIDENT
             return
         _expect(rec, Where.ON_DISK, "read")
         self._acquire(rec, spare=spare)
-        latest_on_disk = rec.written or rec.on_disk
-        if not latest_on_disk:
+        if not rec.slots.holds_values:
             for region in rec.regions:
                 region.zero_()
             rec.where = Where.RESIDENT
             return
-        rec.futures = self._transfer(rec, 1 - rec.slot if rec.written else rec.slot, self._file.read)
+        rec.futures = self._transfer(rec, rec.slots.newest_offset, self._file.read)
         rec.where = Where.READING
 
     def wait_read(self, rec: SwapRecord) -> list[torch.Tensor]:
@@ -217,9 +208,9 @@ class StateSwapper:
     def start_write(self, rec: SwapRecord) -> None:
         """Start writing ``rec``'s state to its uncommitted slot; its memory is freed when it is done."""
         _expect(rec, Where.RESIDENT, "write")
-        rec.futures = self._transfer(rec, 1 - rec.slot, self._file.write)
+        rec.futures = self._transfer(rec, self._region.stage_offset(rec.slots), self._file.write)
         rec.where = Where.WRITING
-        self._writes.append(rec)
+        self._writes.push(rec.futures, rec)
 
     def evict(self, rec: SwapRecord) -> None:
         """Give up ``rec``'s unmodified state (read ahead but not needed yet). Raises TensorIOError."""
@@ -238,9 +229,8 @@ class StateSwapper:
         """Make the slots written this step current. Call only after `drain` succeeded."""
         if self._writes:
             raise RuntimeError("internal error: commit with writes in flight; call drain() first")
-        for rec in self.records.values():
-            if rec.written:
-                rec.slot, rec.on_disk, rec.written = 1 - rec.slot, True, False
+        if self._region is not None:
+            self._region.commit()
 
     def abort(self) -> None:
         """After a failure: wait for all I/O (errors ignored), free the memory, forget this step's writes."""
@@ -250,8 +240,9 @@ class StateSwapper:
             rec.futures = []
             if rec.regions is not None:
                 self._release(rec)
-            rec.written = False
-        self._writes.clear()
+        if self._region is not None:
+            self._region.rollback()
+        self._writes.abort()  # every request was waited for above; forgets the errors
         self.drop_spares()
 
     @property
@@ -270,10 +261,9 @@ class StateSwapper:
 
     # ---- internals ------------------------------------------------------------------------------------
 
-    def _transfer(self, rec: SwapRecord, slot: int, move) -> list[IOFuture]:
-        """Start reading or writing (``move``) ``rec``'s regions at ``slot``: one request per fixed
-        buffer (the regions are back to back there as in the file), else one per region."""
-        offset = rec.slot_offset(slot)
+    def _transfer(self, rec: SwapRecord, offset: int, move) -> list[IOFuture]:
+        """Start reading or writing (``move``) ``rec``'s regions at the slot at ``offset``: one request per
+        fixed buffer (the regions are back to back there as in the file), else one per region."""
         if rec.buffer is not None:
             return [move(rec.buffer, offset)]
         region_bytes = rec.plan.region * 4
@@ -303,10 +293,6 @@ class StateSwapper:
         rec.spare_chunks = []
         rec.regions, rec.buffer, rec.futures, rec.where = None, None, [], Where.ON_DISK
 
-    def _finish_write(self, rec: SwapRecord) -> None:
-        self._wait(rec, "write")
-        rec.written = True
-
     def _wait(self, rec: SwapRecord, verb: str) -> None:
         """Wait for every request of ``rec`` (so that its memory is no longer in use), then raise the
         first failure's TensorIOError, or one for a short transfer."""
@@ -330,7 +316,7 @@ class StateSwapper:
 def _check_count(moved: Any, rec: SwapRecord, verb: str) -> None:
     if moved != rec.plan.state_bytes:
         raise TensorIOError(errno.EIO, f"short {verb} of sub-group {rec.plan.index}: {moved} of "
-                            f"{rec.plan.state_bytes} bytes", path="swap file", offset=rec.offset,
+                            f"{rec.plan.state_bytes} bytes", path="swap file", offset=rec.slots.offset,
                             length=rec.plan.state_bytes)
 
 

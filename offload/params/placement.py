@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tensorio import IOFuture, aligned_tensor
+from tensorio import aligned_tensor
 
 from offload.params.partition import partition_bounds, partition_numel
 from offload.params.store import ParamRecord
+from offload.storage.slotted import allocate_pair
 from offload.storage.swapfile import SwapFile
+from offload.storage.write_queue import WriteQueue
 
 _WRITES_IN_FLIGHT = 8
 """Initial writes in flight at most: bounds the memory of partitions on their way to the disk."""
@@ -38,7 +40,7 @@ class Placement:
     attaches them then."""
     in_cpu: int = 0
     """Elements of non-persistent partitions kept in memory so far."""
-    _writes: list[IOFuture] = field(default_factory=list)
+    _writes: WriteQueue = field(default_factory=WriteQueue)
 
     def place(self, p: nn.Parameter, names: list[str], index: int) -> ParamRecord:
         """Partition ``p``, keep this rank's partition in memory or start writing it to the swap file;
@@ -73,8 +75,9 @@ class Placement:
         if self.accumulators:
             attach_accumulator(rec)
         if to_disk:
-            rec.offset = self.swap.allocate(local.nbytes, slots=2)  # the step's commit rule: `ParamStore.write_update`
-            self._writes.append(self.swap.write(local, rec.offset))  # the request keeps ``local`` alive
+            rec.slots = allocate_pair(self.swap, local.nbytes)  # a step's commit rule: `offload.storage.slotted`
+            rec.slots.filled = True
+            self._writes.push(self.swap.write(local, rec.slots.newest_offset), local)
             rec.partition.data = torch.empty(0, dtype=p.dtype)
         if keep_full:
             rec.full = flat
@@ -86,11 +89,7 @@ class Placement:
 
     def finish(self) -> None:
         """Wait for every write `place` started (sync point). Raises the first failure's TensorIOError."""
-        writes, self._writes = self._writes, []
-        for future in writes:
-            future.exception()  # wait for all before raising: never leave a write behind
-        for future in writes:
-            future.result()
+        self._writes.drain()  # waits for all before raising: never leaves a write behind
 
 
 def attach_accumulator(rec: ParamRecord) -> None:

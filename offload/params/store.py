@@ -2,8 +2,7 @@
 
 One `ParamRecord` per distinct ``nn.Parameter`` (tied parameters share one) holds everything about
 it: its rank's partition (the tensor the optimizer steps), where that partition lives (memory or
-NVMe, and whether a read is in flight), the gathered full tensor while in use, and its accumulated
-gradient partition. Nothing is glued onto the parameter: between uses its ``.data`` is an empty
+NVMe, and whether a read is in flight) and the gathered full tensor while in use. Nothing is glued onto the parameter: between uses its ``.data`` is an empty
 placeholder and the record is the only place that knows where its values are.
 
 Gathering happens at three points:
@@ -12,10 +11,11 @@ Gathering happens at three points:
 2. autograd's saved-tensor hooks replace a saved gathered parameter (or a view of it) by a token
    during forward, and gather it again when backward unpacks the token: so backward needs neither
    module backward hooks nor the forward's buffers to survive;
-3. a training engine's step loads NVMe partitions for the optimizer (`start_loads`, `finish_loads`).
+3. outside the passes, for a whole partition (`read_partition`, `write_back`).
 
-Reads of on-disk partitions, and the writes of updated ones, go through the store, so that every
-buffer is counted in the swap budget.
+Nothing here is training-specific: gradients, the buffers a step keeps for its updates and the step's
+commit rule belong to `offload.train`, which plugs in through two small protocols (`PendingUpdates`,
+`BufferKeeper`). Every buffer a read fills is counted in the swap budget.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from tensorio import IOFuture
 
 from offload.params.partition import partition_bounds
 from offload.params.prefetch import Prefetcher, SwapBudget
-from offload.storage.swapfile import SwapFile, aligned_size
+from offload.storage.slotted import SlotPair, SlottedRegion
+from offload.storage.swapfile import SwapFile
 
 
 @dataclass(slots=True, eq=False)
@@ -52,14 +53,9 @@ class ParamRecord:
     keep_full: bool
     """Never released: persistent (small) parameters, and at world size 1 those in memory (the
     partition is then a view of the parameter itself)."""
-    offset: int = -1
-    """Byte offset of the partition's first slot in the parameter swap file (NVMe records only); the
-    second slot follows at ``offset + slot_bytes`` (see `slot_offset`)."""
-    slot: int = 0
-    """The committed slot: the partition as of the last committed step (a failed step rolls back to it)."""
-    latest: int = 0
-    """The slot holding the newest values: the other one once a step has written its update there,
-    until that step commits (``slot = latest``) or rolls back (``latest = slot``)."""
+    slots: SlotPair | None = None
+    """The partition's two slots in the parameter swap file (NVMe records only): reads take the newest,
+    a training step writes the other and commits or rolls back (`offload.storage.slotted`)."""
     buffer: torch.Tensor | None = None
     """The page-aligned buffer a read fills, counted in the swap budget until dropped."""
     read: IOFuture | None = None
@@ -69,15 +65,6 @@ class ParamRecord:
     """Modules whose forward is using the gathered parameter now."""
     saved: int = 0
     """Tokens saved for backward and not yet unpacked."""
-    grad: torch.Tensor | None = None
-    """Accumulated gradient partition (float32, ``partition_numel`` elements) when kept in memory."""
-    grad_offset: int = -1
-    """Byte offset of the gradient partition in the gradient swap file (gradients offloaded to NVMe)."""
-    grad_on_disk: bool = False
-    """The gradient swap file holds this step's accumulated gradient partition."""
-    grad_norm: torch.Tensor | None = None
-    """L2 norm of the offloaded accumulated gradient (float32, inf/nan if any element is): for clipping
-    and the fp16 overflow check."""
     accumulator: object = None
     """The parameter's AccumulateGrad node, held so that its hooks stay registered."""
 
@@ -87,11 +74,17 @@ class ParamRecord:
 
     @property
     def on_disk(self) -> bool:
-        return self.offset >= 0
+        return self.slots is not None
 
-    def slot_offset(self, slot: int) -> int:
-        """Byte offset of slot ``slot`` (0 or 1) of the on-disk partition."""
-        return self.offset + slot * aligned_size(self.partition_numel * self.partition.dtype.itemsize)
+
+class BufferKeeper(Protocol):
+    """Which on-disk partitions' buffers stay in memory when their parameter is released (`ParamStore.keeper`)."""
+
+    def keeps(self, rec: ParamRecord) -> bool:
+        """Whether ``rec``'s buffer stays when its parameter is released."""
+
+    def reset(self, *, end_of_backward: bool) -> None:
+        """The store releases everything (`ParamStore.release_all`): at the end of a backward, or for good."""
 
 
 class PendingUpdates(Protocol):
@@ -139,13 +132,9 @@ class ParamStore:
     reuse_distance: int = 0
     """stage3_max_reuse_distance: a parameter read from NVMe stays gathered after a module's forward
     when the recorded order uses it again within this many elements of reads (see `reused_soon`)."""
-    keep_for_update: bool = False
-    """Set by `begin_backward` for a backward whose updates run as gradients arrive: an on-disk trainable
-    partition's buffer is kept when its parameter is released, for the update to use (see `take_buffer`)."""
-    keep_next: set[int] = field(default_factory=set)
-    """On-disk partitions whose buffer is kept when released, in the budget, past the end of backward
-    (any other `release_all` drops them): set by an engine whose updates run in the next forward, for the
-    partitions that forward updates first, so that the read backward did serves the update."""
+    keeper: BufferKeeper | None = None
+    """Which read buffers stay in memory (in the budget) when their parameter is released (`BufferKeeper`):
+    a training step's, for the updates that use them; None: none."""
     updates: PendingUpdates | None = None
     """A step whose updates run during the passes (`PendingUpdates`): `gather` first calls
     its ``values(rec)``, which waits for ``rec``'s update and returns the updated partition when the step
@@ -170,6 +159,9 @@ class ParamStore:
 
     def __post_init__(self) -> None:
         self._by_param = {id(rec.param): rec for rec in self.records}
+        self.region: SlottedRegion | None = (
+            SlottedRegion(self.swap, [rec.slots for rec in self.records if rec.on_disk]) if self.swap is not None else None)
+        """The on-disk partitions' slots (`offload.storage.slotted`): a training step commits or rolls them back."""
         self._serial = next(_SERIALS)
         _STORES.add(self)
 
@@ -181,6 +173,8 @@ class ParamStore:
             raise RuntimeError(f"internal error: record {rec.name!r} has index {rec.index}, expected {len(self.records)}")
         self.records.append(rec)
         self._by_param[id(rec.param)] = rec
+        if rec.on_disk:
+            self.region.adopt(rec.slots)
 
     def record_of(self, param: torch.Tensor) -> ParamRecord | None:
         """The record of ``param`` in this store, or None."""
@@ -203,7 +197,7 @@ class ParamStore:
             local = held
         elif rec.on_disk:
             self.prefetcher.observe(rec.index)
-            self._arrive(rec)
+            self.arrive(rec)
             local = rec.buffer
         else:
             local = rec.partition.data
@@ -216,7 +210,7 @@ class ParamStore:
             dist.all_gather(chunks, local.contiguous(), group=self.group)
             full = full[:rec.numel]
             if not self._keeps(rec):
-                self._drop_buffer(rec)
+                self.drop_buffer(rec)
         rec.full = full
         rec.param.data = full.view(rec.shape)
         if not rec.keep_full:
@@ -250,28 +244,12 @@ class ParamStore:
         rec.full = None
         rec.param.data = self.placeholder_of(rec)
         if not self._keeps(rec):
-            self._drop_buffer(rec)
+            self.drop_buffer(rec)
 
     def _keeps(self, rec: ParamRecord) -> bool:
-        return (self.keep_for_update and rec.on_disk and rec.param.requires_grad) or rec.index in self.keep_next
+        return self.keeper is not None and self.keeper.keeps(rec)
 
-    def take_buffer(self, rec: ParamRecord, *, observe: bool = True) -> torch.Tensor:
-        """The page-aligned buffer holding an on-disk partition's values, for its update: the one kept
-        from this backward's gather, else one read now (sync point). The caller owns it from here and
-        gives its elements back to the budget with `return_buffer`. ``observe``: count it as a gather in
-        the recorded order (not for a step run in the forward, whose gathers count themselves)."""
-        if rec.full is not None:
-            self.release(rec)  # the gradient is final: no backward node reads the parameter any more
-        if rec.buffer is None or rec.read is not None:
-            # Not gathered in this backward (a bias, an embedding): part of the recorded order, so
-            # that from the next step on it is read ahead like any gather.
-            if observe:
-                self.prefetcher.observe(rec.index)
-            self._arrive(rec)
-        buffer, rec.buffer = rec.buffer, None
-        return buffer
-
-    def _arrive(self, rec: ParamRecord) -> None:
+    def arrive(self, rec: ParamRecord) -> None:
         """Make an on-disk partition's values be in ``rec.buffer``: read on demand unless prefetched or
         kept, prefetch what comes next, and wait for the read (sync point)."""
         if rec.buffer is None:
@@ -281,10 +259,6 @@ class ParamStore:
         if rec.read is not None:
             rec.read.result()
         rec.read = None
-
-    def return_buffer(self, rec: ParamRecord) -> None:
-        """A buffer from `take_buffer` is no longer used: its elements leave the budget."""
-        self.budget.held -= rec.partition_numel
 
     def start_read(self, rec: ParamRecord) -> None:
         """Start reading an on-disk partition into a fresh buffer (counted in the budget); a partition the
@@ -296,8 +270,7 @@ class ParamStore:
             rec.buffer = self.swap.buffer(rec.partition_numel, rec.partition.dtype)
             self.skipped_reads += 1
         else:
-            rec.buffer, rec.read = self.swap.read_new(rec.partition_numel, rec.partition.dtype,
-                                                      rec.slot_offset(rec.latest))
+            rec.buffer, rec.read = self.region.read_new(rec.slots, rec.partition_numel, rec.partition.dtype)
         self.budget.held += rec.partition_numel
 
     def prefetch_from_start(self) -> None:
@@ -323,7 +296,8 @@ class ParamStore:
             self.prefetch_reads += 1
             ahead += rec.partition_numel
 
-    def _drop_buffer(self, rec: ParamRecord) -> None:
+    def drop_buffer(self, rec: ParamRecord) -> None:
+        """Let go of ``rec``'s read buffer (after its read, if one is in flight): its elements leave the budget."""
         if rec.buffer is not None:
             if rec.read is not None:  # never free memory the kernel may still write to
                 rec.read.exception()  # waits; a failed read was raised where it was needed
@@ -345,18 +319,16 @@ class ParamStore:
             self._shaped[rec.index] = torch.zeros((), dtype=rec.param.dtype).expand(rec.shape)
         return self._shaped[rec.index]
 
-    def release_all(self, *, keep_next: bool = False) -> None:
-        """End of a backward or step (or before a load): release everything not kept and drop unused
-        prefetches; the buffers kept for the next forward's updates (``keep_next``) stay only with
-        ``keep_next`` (the end of a backward)."""
-        self.keep_for_update = False
-        if not keep_next:
-            self.keep_next = set()
+    def release_all(self, *, end_of_backward: bool = False) -> None:
+        """End of a backward or step (or before a load): release everything and drop unused prefetches;
+        the `keeper` says which buffers stay after its `BufferKeeper.reset`."""
+        if self.keeper is not None:
+            self.keeper.reset(end_of_backward=end_of_backward)
         for rec in self.records:
             rec.users = rec.saved = 0
             self.release(rec)
-            if rec.index not in self.keep_next:
-                self._drop_buffer(rec)
+            if not self._keeps(rec):
+                self.drop_buffer(rec)
 
     # ---- the passes ----------------------------------------------------------------------------
 
@@ -364,15 +336,10 @@ class ParamStore:
         """A forward pass starts: the recorded order is replayed from its start."""
         self.prefetcher.cursor = 0
 
-    def begin_backward(self, *, keep_for_update: bool) -> None:
-        """A backward pass starts; with ``keep_for_update`` the buffers of on-disk trainable partitions
-        are kept when released, for updates that run during backward (see `take_buffer`)."""
-        self.keep_for_update = keep_for_update
-
     def end_backward(self) -> None:
-        """A backward pass ended (or failed): release everything but ``keep_next`` (sync point); the first
-        step's order is final."""
-        self.release_all(keep_next=True)
+        """A backward pass ended (or failed): release everything but what the `keeper` keeps past it (sync
+        point); the first step's order is final."""
+        self.release_all(end_of_backward=True)
         self.prefetcher.end_step()
 
     # ---- partitions read or written outside the passes ----------------------------------------------
@@ -381,41 +348,17 @@ class ParamStore:
         """A copy of ``rec``'s partition (read from NVMe when it is there: sync point)."""
         if not rec.on_disk:
             return rec.partition.detach().clone()
-        buffer, future = self.swap.read_new(rec.partition_numel, rec.partition.dtype, rec.slot_offset(rec.latest))
+        buffer, future = self.region.read_new(rec.slots, rec.partition_numel, rec.partition.dtype)
         future.result()
         return buffer
 
     def write_partition(self, rec: ParamRecord, values: torch.Tensor) -> IOFuture:
         """Start writing ``values`` (``partition_numel`` elements, page-aligned, kept unchanged until the
         future is done) over ``rec``'s on-disk partition, in place (its newest slot): for writes outside a
-        step, such as loading weights. A step's update goes to the other slot instead (`write_update`)."""
+        step, such as loading weights. A step's update goes to the other slot instead (`SlottedRegion.stage`)."""
         if not rec.on_disk:
             raise RuntimeError(f"internal error: parameter {rec.name!r} has no on-disk partition to write")
-        return self.swap.write(values, rec.slot_offset(rec.latest))
-
-    def write_update(self, rec: ParamRecord, values: torch.Tensor) -> IOFuture:
-        """Start writing a step's update of ``rec`` (as `write_partition`) to the slot that is not the
-        committed one, which stays readable until `commit_slots`; from now on reads take the new slot,
-        so none may start before this write is done (the caller keeps ``values`` for uses until then)."""
-        if not rec.on_disk:
-            raise RuntimeError(f"internal error: parameter {rec.name!r} has no on-disk partition to write")
-        future = self.swap.write(values, rec.slot_offset(1 - rec.slot))
-        rec.latest = 1 - rec.slot
-        return future
-
-    def commit_slots(self) -> None:
-        """Every update written since the last commit has landed and the step is final: its slots become
-        the committed ones."""
-        for rec in self.records:
-            rec.slot = rec.latest
-
-    def rollback_slots(self) -> list[ParamRecord]:
-        """A step failed: forget the updates it wrote; reads take the committed slots again. Returns the
-        records rolled back. The caller waits for those writes first (never read a slot being written)."""
-        rolled = [rec for rec in self.records if rec.latest != rec.slot]
-        for rec in rolled:
-            rec.latest = rec.slot
-        return rolled
+        return self.region.write_in_place(rec.slots, values)
 
     def write_back(self, rec: ParamRecord) -> None:
         """The gathered full tensor of ``rec`` was changed in place: put this rank's slice into its partition,
@@ -437,6 +380,12 @@ class ParamStore:
             staged[:values.numel()].copy_(values)
         self.write_partition(rec, staged).result()
 
+    def refresh(self, rec: ParamRecord) -> None:
+        """After ``rec``'s partition changed: regather a kept parameter whose partition is not a view of it."""
+        if rec.keep_full and self.world_size > 1:
+            rec.full = None
+            self.gather(rec)
+
     def io_bytes(self) -> dict[str, int]:
         """Bytes read from and written to the parameter swap file so far."""
         return SwapFile.io_bytes_of(self.swap)
@@ -446,42 +395,6 @@ class ParamStore:
         self.remove_hooks()
         if self.swap is not None:
             self.swap.close()
-
-    # ---- the optimizer's view of NVMe partitions ------------------------------------------------
-
-    def start_loads(self, recs: list[ParamRecord]) -> None:
-        """Start reading the on-disk partitions of ``recs`` for the optimizer step (counted in the budget)."""
-        for rec in recs:
-            if rec.on_disk and rec.read is None and rec.buffer is None:
-                self.start_read(rec)
-
-    def finish_loads(self, recs: list[ParamRecord]) -> None:
-        """Wait for ``start_loads``'s reads (sync point); the partitions then hold their values."""
-        for rec in recs:
-            if rec.on_disk:
-                if rec.read is not None:
-                    rec.read.result()
-                    rec.read = None
-                rec.partition.data = rec.buffer
-
-    def start_stores(self, recs: list[ParamRecord]) -> list:
-        """Start writing the updated on-disk partitions of ``recs``; return the futures."""
-        return [self.write_update(rec, rec.partition.data) for rec in recs if rec.on_disk]
-
-    def finish_stores(self, recs: list[ParamRecord], writes: list) -> None:
-        """Wait for ``start_stores``'s writes (sync point: a partition is dropped only once on disk)."""
-        for future in writes:
-            future.result()
-        for rec in recs:
-            if rec.on_disk:
-                rec.partition.data = self.placeholder(rec.partition.dtype)
-                self._drop_buffer(rec)
-
-    def refresh(self, rec: ParamRecord) -> None:
-        """After an update: regather a kept parameter whose partition is not a view of it."""
-        if rec.keep_full and self.world_size > 1:
-            rec.full = None
-            self.gather(rec)
 
     # ---- hooks ---------------------------------------------------------------------------------
 

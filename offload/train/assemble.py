@@ -28,10 +28,11 @@ from offload.params import ParamRecord, ParamStore, Placement, Prefetcher, SwapB
 from offload.params.construct import BUILT, built_store
 from offload.params.placement import attach_accumulator, parameter_names
 from offload.storage import SwapFile
-from offload.train import checkpoint
+from offload.train.checkpoint import sized_partitions
 from offload.train.deferred import DeferredStep
 from offload.train.failure import FailureState, StepCounters
 from offload.train.grads import GradReducer
+from offload.train.kept_buffers import KeptBuffers
 from offload.train.loss_scaler import build_loss_scaler
 from offload.train.rollback import StepRollback
 from offload.train.sizing import StepSizes, plan_sizes
@@ -211,7 +212,7 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
     #    so it comes after the partitions exist and before anything runs.
     groups = optimizer_param_groups(trainable, optimizer, model_parameters)
     trainable = in_optimizer_order(trainable, groups)  # the optimizer's i-th parameter is trainable[i]'s partition
-    with checkpoint.sized_partitions(trainable):
+    with sized_partitions(trainable):
         opt = _build_optimizer(cfg, optimizer, groups, overlap_backward=fast,
                                spare_limit=sizes.spare_limit, sub_group_size=sizes.sub_group_size,
                                buffer_count=sizes.buffer_count)
@@ -221,7 +222,7 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
     # 6. The update path.
     ctx = StepContext(config=cfg, store=store, reducer=reducer, optimizer=opt, lr_scheduler=scheduler,
                       loss_scaler=build_loss_scaler(cfg.fp16) if cfg.fp16.enabled else None, group=group,
-                      counters=StepCounters(), failure=FailureState())
+                      counters=StepCounters(), failure=FailureState(), kept=KeptBuffers(store))
     path = _update_path(mode, ctx, trainable, sizes, grad_reads=reducer.start_read if grad_swap else None)
     # 7. Gather hooks and prefetch: last, since they gather the partitions placed above.
     store.install(model)
@@ -240,7 +241,7 @@ def _update_path(mode: UpdateMode, ctx: StepContext, trainable: list[ParamRecord
     store, opt, offload_param = ctx.store, ctx.optimizer, ctx.config.zero_optimization.offload_param
     writeback = None
     if sizes.spare_limit is not None:
-        writeback = PartitionWriteBack(store, opt, limit=min(offload_param.buffer_size, sizes.window))
+        writeback = PartitionWriteBack(store, ctx.kept, opt, limit=min(offload_param.buffer_size, sizes.window))
     rollback = StepRollback(store, limit=offload_param.buffer_size)
     opt.add_step_hooks(on_commit=rollback.committed, on_abort=rollback.aborted)
     if mode is UpdateMode.IN_BACKWARD:
@@ -248,7 +249,7 @@ def _update_path(mode: UpdateMode, ctx: StepContext, trainable: list[ParamRecord
         ctx.reducer.consumer = path.gradient_final
         return path
     # The forward's gathers wait for, and take, the updated partitions.
-    deferred = store.updates = DeferredStep(store, opt, writeback, trainable, rollback, grad_reads=grad_reads,
+    deferred = store.updates = DeferredStep(store, ctx.kept, opt, writeback, trainable, rollback, grad_reads=grad_reads,
                                             read_ahead=sizes.window)
     # Late in backward (most activations freed), the state of the first updates is read ahead.
     ctx.reducer.on_half = functools.partial(opt.read_ahead, sizes.state_ahead)

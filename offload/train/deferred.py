@@ -39,6 +39,7 @@ import torch
 
 from offload.optim.protocol import StepOptimizer
 from offload.params.store import ParamRecord, ParamStore
+from offload.train.kept_buffers import KeptBuffers
 from offload.train.rollback import StepRollback
 from offload.train.writeback import PartitionWriteBack
 
@@ -46,9 +47,9 @@ from offload.train.writeback import PartitionWriteBack
 class DeferredStep:
     """Runs a validated step's updates during the next forward (see the module docstring)."""
 
-    def __init__(self, store: ParamStore, optimizer: StepOptimizer, writeback: PartitionWriteBack | None,
+    def __init__(self, store: ParamStore, kept: KeptBuffers, optimizer: StepOptimizer, writeback: PartitionWriteBack | None,
                  records: list[ParamRecord], rollback: StepRollback, grad_reads=None, read_ahead: int = 0) -> None:
-        self._store, self._opt, self._writeback, self._rollback = store, optimizer, writeback, rollback
+        self._store, self._kept, self._opt, self._writeback, self._rollback = store, kept, optimizer, writeback, rollback
         self._grad_reads = grad_reads
         """``start_read(rec) -> (buffer, future)`` of the gradient swap file (gradients not kept in memory)."""
         self._read_ahead = read_ahead
@@ -96,11 +97,11 @@ class DeferredStep:
         self.active = True
         self._store.prefetch_from_start()  # the forward's first partitions: read for their updates, or not (`overwrites`)
         self._advance()
-        self._store.keep_next = set()  # those not handed over yet are prefetched buffers like any other
+        self._kept.next = set()  # those not handed over yet are prefetched buffers like any other
 
     def prepare(self, keep_elements: int) -> None:
         """A backward whose step will be handed over begins: keep the buffers its gathers read of the
-        on-disk partitions the next forward updates first, up to ``keep_elements`` (`ParamStore.keep_next`),
+        on-disk partitions the next forward updates first, up to ``keep_elements`` (`KeptBuffers.next`),
         so that their updates need no read."""
         keep, held = set(), 0
         on_disk = [rec for unit in self._forward_order(set(self._unit)) for rec in unit if rec.on_disk]
@@ -109,7 +110,7 @@ class DeferredStep:
                 break
             keep.add(rec.index)
             held += rec.partition_numel
-        self._store.keep_next = keep
+        self._kept.next = keep
 
     def values(self, rec: ParamRecord) -> torch.Tensor | None:
         """The store is gathering ``rec``: make sure its update has run (handing it over, and reading it,

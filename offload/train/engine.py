@@ -22,28 +22,26 @@ import weakref
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from offload.config import EngineConfig, world_size_from_env
-from offload.device import CpuDevice, check_process_group, start_process_group
+from offload.config import EngineConfig
 from offload.params import ParamRecord, ParamStore
-from offload.train import checkpoint
-from offload.train.assemble import assemble
+from offload.train.grad_norm import GlobalGradNorm
 from offload.train.grads import GradReducer
 from offload.train.plan import TrainingPlan
+from offload.train.save_load import (gathered_parameters, load_engine_checkpoint, load_pretrained_weights,
+                                     save_engine_16bit_model, save_engine_checkpoint)
+from offload.train.setup import engine_from_arguments
 from offload.train.stats import EngineStats, collect_stats
 from offload.train.surface import (consolidated_state_dict, refuse_forward_outside, save_pretrained_gathered,
                                    step_scheduler)
 from offload.train.timers import PhaseTimers
+from offload.train.failure import CounterAttribute
 from offload.train.update_mode import StepContext, UpdatePath
 
 __all__ = ["Engine", "initialize"]
 
 log = logging.getLogger("offload")
-
-COMPUTE_DEVICE = CpuDevice()
-"""Where the engine computes (forward, backward, the optimizer): the CPU until GPU execution lands."""
 
 
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
@@ -76,59 +74,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     Raises ValueError for a bad config (naming the key), a missing optimizer, or a parameter the
     engine cannot partition; FileNotFoundError / PermissionError for a bad ``nvme_path``.
     """
-    from offload.train.surface import check_distributed_arguments, config_from_arguments
-
-    if model is None and isinstance(args, nn.Module):
-        raise ValueError("model: missing; the first positional argument of initialize is args, as in "
-                         "deepspeed.initialize: pass model=...")
-    if model is None:
-        raise ValueError("model: missing; pass model=<the torch.nn.Module to train>")
-    config = config_from_arguments(args, config, config_params)
-    check_distributed_arguments(dist_init_required, mpu, mesh_param, world_size_from_env())
-    if dist_init_required and not (dist.is_available() and dist.is_initialized()):
-        start_process_group(COMPUTE_DEVICE)
-    world_size, rank, group = _process_group()
-    if isinstance(config, EngineConfig):
-        cfg = config
-    elif isinstance(config, Mapping):
-        cfg = EngineConfig.from_dict(config, world_size=world_size)
-    else:
-        cfg = EngineConfig.from_file(config, world_size=world_size)
-    engine = assemble(model, cfg, world_size=world_size, rank=rank, group=group, optimizer=optimizer,
-                      lr_scheduler=lr_scheduler, model_parameters=model_parameters, make_engine=Engine)
-    loader = None
-    if training_data is not None:
-        loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu,
-                                             collate_fn=collate_fn, shuffle=world_size == 1,
-                                             sampler=None if world_size == 1 else
-                                             torch.utils.data.DistributedSampler(training_data, world_size, rank))
-    return engine, engine.optimizer, loader, engine.lr_scheduler
-
-
-def _process_group() -> tuple[int, int, Any]:
-    """World size and rank; starts the default process group when launched by torchrun. Raises
-    ValueError when a group the caller started cannot carry the engine's collectives."""
-    if dist.is_available() and dist.is_initialized():
-        check_process_group(COMPUTE_DEVICE)
-        return dist.get_world_size(), dist.get_rank(), None
-    world_size = world_size_from_env()
-    if world_size == 1:
-        return 1, 0, None  # no process group needed
-    start_process_group(COMPUTE_DEVICE)
-    return dist.get_world_size(), dist.get_rank(), None
-
-
-class _Counter:
-    """An engine attribute kept in the step context's `StepCounters` (a failed step's rollback restores them)."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, engine: Any, owner: type | None = None) -> Any:
-        return self if engine is None else getattr(engine._ctx.counters, self.name)
-
-    def __set__(self, engine: Any, value: int) -> None:
-        setattr(engine._ctx.counters, self.name, value)
+    return engine_from_arguments(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                 training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                                 dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+                                 mesh_param=mesh_param, config_params=config_params, make_engine=Engine)
 
 
 class Engine:
@@ -146,6 +95,8 @@ class Engine:
         self.config: EngineConfig = ctx.config
         self.world_size, self.rank, self.group = world_size, rank, ctx.group
         self._ctx = ctx
+        self.counters = ctx.counters
+        """The DeepSpeed counters below, in one object (a failed step's rollback restores them)."""
         self._path = path
         self._store: ParamStore = ctx.store
         self._reducer: GradReducer = ctx.reducer
@@ -153,12 +104,9 @@ class Engine:
         self.timers = PhaseTimers.from_config(self.config, log=log.info if rank == 0 else (lambda line: None))
         self._boundary: bool | None = None
         """`set_gradient_accumulation_boundary`'s override (None: count micro steps)."""
-        self._fresh_grads = False
-        """Gradients accumulated since the last step or zero_grad (`get_global_grad_norm` reads them)."""
-        self._last_grad_norm: float | None = None
-        """The global gradient norm of the last step (before clipping, unscaled), None before the first."""
+        self._norm = GlobalGradNorm(ctx, path)
         ctx.optimizer.overflow = False  # DeepSpeed's ZeRO optimizers' flag: whether the last step was skipped
-        self._finalizer = weakref.finalize(self, _close, ctx.store, ctx.reducer, ctx.optimizer)
+        self._finalizer = weakref.finalize(self, ctx.close)
         save_pretrained_gathered(self)  # engine.module.save_pretrained() writes the real weights
         self.forwarding = 0
         """Forwards running through the engine (a forward with gradients of ``module`` alone is refused)."""
@@ -185,11 +133,11 @@ class Engine:
         """The fp16 loss scaler, or None without fp16."""
         return self._ctx.loss_scaler
 
-    global_steps = _Counter()
+    global_steps = CounterAttribute()
     """Optimizer steps taken (skipped fp16 steps included)."""
-    micro_steps = _Counter()
+    micro_steps = CounterAttribute()
     """Micro-batches stepped."""
-    skipped_steps = _Counter()
+    skipped_steps = CounterAttribute()
     """Steps skipped for an fp16 overflow."""
 
     # ---- training ---------------------------------------------------------------------------------
@@ -225,7 +173,7 @@ class Engine:
         if self.config.gradient_accumulation_steps > 1 and scale_wrt_gas:
             loss = loss / self.config.gradient_accumulation_steps
         scaled = self.loss_scaler.scale_loss(loss) if self.loss_scaler is not None else loss
-        self._fresh_grads = True
+        self._norm.fresh = True
         boundary = self.is_gradient_accumulation_boundary()
         # Sync point: the last step's updates have run (raises after giving it up).
         self._path.before_backward(boundary)
@@ -265,7 +213,7 @@ class Engine:
         """
         self._failure.check_step()
         if self.is_gradient_accumulation_boundary():
-            self._last_grad_norm = self._step_norm()
+            self._norm.take_for_step()
             with self.timers.phase("step"):
                 if self._path.step():
                     if self.lr_scheduler is not None:
@@ -288,17 +236,10 @@ class Engine:
         if self.rank == 0:
             log.info(f"step {self.global_steps}: lr {self.get_lr()}, skipped {self.skipped_steps}{scale}")
 
-    def _check_not_failed(self, what: str) -> None:
-        self._failure.check(what)
-
-    def _settle(self) -> None:
-        """Before partitions are read outside the passes (a save, `full_parameters`): see `UpdatePath.settle`."""
-        self._path.settle()
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the accumulated gradient partitions (in memory and offloaded)."""
         self._failure.gradients_cleared()
-        self._fresh_grads = False
+        self._norm.fresh = False
         self._reducer.clear()
         for rec in self._store.records:
             rec.partition.grad = None
@@ -330,34 +271,7 @@ class Engine:
         """The global L2 norm of the gradients over all ranks, before clipping: of those accumulated
         since the last step (between backward and step), else of the last step's, as DeepSpeed keeps
         it (None before the first step). Under fp16 the last step's is unscaled."""
-        if not self._fresh_grads:
-            return self._last_grad_norm
-        return self._accumulated_norm()
-
-    def _step_norm(self) -> float:
-        """The norm `get_global_grad_norm` keeps for the step about to run (fp16: unscaled). Its wait for
-        the gradients' writes may raise their error: handled as the step's own check would handle it."""
-        try:
-            norm = self._accumulated_norm()
-        except BaseException as error:
-            if self._path.counts().uncommitted:  # updates ran during backward: give the step up whole
-                self._path.give_up(error, gradients_lost=True)
-            else:  # nothing is updated yet: the parameters are whole
-                self._ctx.gradients_lost_before_update(error)
-            raise
-        return norm / self.loss_scaler.loss_scale if self.loss_scaler is not None else norm
-
-    def _accumulated_norm(self) -> float:
-        total = torch.zeros((), dtype=torch.float64)
-        self._reducer.drain()
-        for rec in self._store.records:
-            if rec.grad_norm is not None:  # taken as it was reduced (offloaded, applied during backward, or kept)
-                total += rec.grad_norm.double() ** 2
-            elif rec.grad is not None:
-                total += torch.linalg.vector_norm(rec.grad).double() ** 2
-        if self.world_size > 1:
-            dist.all_reduce(total, group=self.group)
-        return float(total.sqrt())
+        return self._norm.now()
 
     @property
     def records(self) -> list[ParamRecord]:
@@ -390,19 +304,9 @@ class Engine:
         values for them). Returns the path (DeepSpeed returns True; a path is true too). Raises TypeError
         for a ``client_state`` entry that is neither, OSError naming the file (ENOSPC, ...), TensorIOError.
         """
-        self._check_not_failed("save a checkpoint")
-        tag = tag if tag is not None else f"global_step{self.global_steps}"
-        self._settle()
-        state = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
-                 "skipped_steps": self.skipped_steps, "world_size": self.world_size,
-                 "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
-                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-                 "client_state": dict(client_state or {})}
-        path = checkpoint.save_checkpoint(save_dir, tag, rank=self.rank, group=self.group, store=self._store,
-                                          optimizer=self.optimizer, state=state, model=self.module,
-                                          update_latest=save_latest, exclude_frozen=exclude_frozen_parameters)
-        self._failure.saved(path)
-        return path
+        return save_engine_checkpoint(self._ctx, self._path, self.module, rank=self.rank, world_size=self.world_size,
+                                      save_dir=save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                                      exclude_frozen=exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -422,35 +326,11 @@ class Engine:
         the file, with the engine as it was before the call. An error after the load began (an I/O
         error) refuses step() and save_checkpoint() until a load succeeds.
         """
-        from offload.train.surface import check_load_arguments
-
-        if tag is None and not os.path.isfile(os.path.join(os.fspath(load_dir), "latest")):
-            log.warning("load_checkpoint: %s has no 'latest' file; nothing loaded (pass tag= to load a given "
-                        "checkpoint)", os.fspath(load_dir))
-            return None, None
-        load_optimizer = check_load_arguments(self.config, load_optimizer_states=load_optimizer_states,
-                                              load_module_only=load_module_only, custom_load_fn=custom_load_fn)
-        with checkpoint.CheckpointLoad(load_dir, tag, rank=self.rank, world_size=self.world_size,
-                                       store=self._store, optimizer=self.optimizer if load_optimizer else None
-                                       ) as source:  # checked; nothing changed
-            self._path.abandon()  # updates still running would write over the loaded values
-            self._store.release_all()  # partitions read ahead would hold the values from before the load
-            try:
-                path, state = source.path, source.apply()
-            except BaseException as error:
-                self._failure.partly_updated(f"load_checkpoint of {source.path} failed part way "
-                                             f"({type(error).__name__}: {error})")
-                raise
-        self.zero_grad()
-        if not load_module_only:
-            if self.loss_scaler is not None and state["loss_scaler"] is not None:
-                self.loss_scaler.load_state_dict(state["loss_scaler"])
-            if self.lr_scheduler is not None and state["lr_scheduler"] is not None and load_lr_scheduler_states:
-                self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-            self.global_steps, self.micro_steps = state["global_steps"], state["micro_steps"]
-            self.skipped_steps = state["skipped_steps"]
-        self._failure.loaded(path)  # every partition holds the checkpoint's values
-        return path, state["client_state"]
+        return load_engine_checkpoint(self._ctx, self._path, rank=self.rank, world_size=self.world_size,
+                                      load_dir=load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+                                      load_lr_scheduler_states=load_lr_scheduler_states,
+                                      load_module_only=load_module_only, custom_load_fn=custom_load_fn,
+                                      zero_grad=self.zero_grad)
 
     def load_pretrained(self, checkpoint_dir: str | os.PathLike) -> list[str]:
         """Read a Hugging Face checkpoint (config.json beside model.safetensors, or shards with their
@@ -458,11 +338,7 @@ class Engine:
         before the first step (the optimizer's state is not touched). Returns the checkpoint's tensors
         the model has no place for. Raises FileNotFoundError / SafetensorsError naming the file, and
         ValueError for missing parameters or a shape mismatch (before any partition changes)."""
-        from offload.params.pretrained import load_pretrained
-
-        self._path.abandon()
-        self._store.release_all()
-        return load_pretrained(self.module, self._store, os.fspath(checkpoint_dir), self.config.aio)
+        return load_pretrained_weights(self._ctx, self._path, self.module, checkpoint_dir)
 
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "model.safetensors") -> bool:
         """Write the whole model's weights (in the training dtype: 16-bit under fp16/bf16) to
@@ -475,27 +351,15 @@ class Engine:
         appears whole or not at all. Raises ValueError for a ``save_filename`` with a directory part,
         OSError naming the file when it cannot be written.
         """
-        if not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
-            log.warning("save_16bit_model: nothing saved; set zero_optimization."
-                        "stage3_gather_16bit_weights_on_model_save to true to gather the weights")
-            return False
-        self._settle()
-        checkpoint.save_16bit_model(save_dir, save_filename, rank=self.rank, world_size=self.world_size,
-                                    group=self.group, store=self._store, model=self.module)
-        return True
+        return save_engine_16bit_model(self._ctx, self._path, self.module, rank=self.rank, world_size=self.world_size,
+                                       save_dir=save_dir, save_filename=save_filename)
 
     # ---- full parameters ----------------------------------------------------------------------------
 
     def full_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
         """Yield (name, full tensor) for every parameter, gathered one at a time (a copy each)."""
-        self._settle()
-        for rec in self._store.records:
-            kept = rec.full is not None
-            full = self._store.gather(rec).view(rec.shape).clone()
-            if not kept:
-                self._store.release(rec)
-            for name in rec.names:
-                yield name, full
+        self._path.settle()  # every update handed over has landed
+        return gathered_parameters(self._store)
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """zero_optimization.stage3_gather_16bit_weights_on_model_save: whether `save_16bit_model` writes."""
@@ -529,10 +393,4 @@ class Engine:
         if self.world_size > 1:
             gc.collect()
 
-
-def _close(store: ParamStore, reducer: GradReducer, optimizer: Any) -> None:
-    reducer.remove()
-    if hasattr(optimizer, "close"):
-        optimizer.close()
-    store.close()
 

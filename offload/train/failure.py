@@ -107,6 +107,20 @@ class StepCounters:
     skipped_steps: int = 0
 
 
+class CounterAttribute:
+    """An attribute of an object with ``counters`` (`StepCounters`) that is that counter: ``engine.global_steps``
+    reads and sets ``engine.counters.global_steps``, so that a failed step's rollback restores it."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj.counters, self.name)
+
+    def __set__(self, obj: Any, value: int) -> None:
+        setattr(obj.counters, self.name, value)
+
+
 @dataclass(slots=True)
 class CounterSnapshot:
     """What a step changes besides parameters and optimizer state, taken before it, to undo it."""

@@ -1,6 +1,7 @@
 """Gradients: taken from autograd as each parameter's gradient is final, reduced to the owning rank's
-partition (averaged over ranks), and accumulated in float32 beside the record: in memory, or, when
-the optimizer state is on NVMe, in a gradient swap file (so host memory does not grow with the model).
+partition (averaged over ranks), and accumulated in float32 in the reducer's `GradPartition` of the
+record: in memory, or, when the optimizer state is on NVMe, in a gradient swap file (so host memory does
+not grow with the model), or in the free slot of the partition's own `SlotPair`.
 
 Per parameter and backward, in order:
 1. AccumulateGrad's pre-hook: if the parameter was released, give it a full-shaped zero-stride
@@ -14,6 +15,7 @@ from __future__ import annotations
 import collections
 import functools
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -21,6 +23,22 @@ import torch.distributed as dist
 
 from offload.params.store import ParamRecord, ParamStore
 from offload.storage.swapfile import SwapFile
+from offload.storage.write_queue import WriteQueue
+
+@dataclass(slots=True, eq=False)
+class GradPartition:
+    """One record's gradient partition accumulated for this step (float32, ``partition_numel`` elements)."""
+
+    value: torch.Tensor | None = None
+    """Kept in memory."""
+    offset: int = -1
+    """Byte offset in the gradient swap file (gradients offloaded to NVMe, not in the partition's free slot)."""
+    on_disk: bool = False
+    """Offloaded: the gradient swap file (or the partition's free slot) holds it."""
+    norm: torch.Tensor | None = None
+    """Its L2 norm (float32, inf/nan if any element is), taken as it was reduced: for clipping and the
+    fp16 overflow check."""
+
 
 _WRITES_IN_FLIGHT = 2
 """Offloaded gradient writes in flight at once before backward waits for the oldest."""
@@ -34,6 +52,8 @@ class GradReducer:
                  consumer: Callable[[ParamRecord, torch.Tensor], None] | None = None, norms: bool = False,
                  bucket_elements: int = 0, overlap: bool = True, param_slots: bool = False) -> None:
         self.store, self.world_size, self.rank, self.group = store, world_size, rank, group
+        self.grads = [GradPartition() for _ in store.records]
+        """This step's gradient partition of each record, by record index."""
         self.swap = swap
         self.param_slots = param_slots and swap is not None
         """Offloaded gradients of on-disk fp32 partitions go to the partition's free slot in the parameter
@@ -44,7 +64,7 @@ class GradReducer:
         """Takes each reduced gradient partition of the accumulation's last micro-batch, with the earlier
         ones added, instead of accumulating it (updates during backward)."""
         self.norms = norms
-        """Take each accumulated partition's norm (``rec.grad_norm``) in the last micro-batch, as it is
+        """Take each accumulated partition's norm (`GradPartition.norm`) in the last micro-batch, as it is
         reduced (the step in the next forward validates with them)."""
         self.boundary = True
         """This backward ends a gradient accumulation (`start_backward`)."""
@@ -59,13 +79,14 @@ class GradReducer:
         self._buckets = (_Buckets(self, bucket_elements, overlap=overlap)
                          if world_size > 1 and not self._nccl and bucket_elements > 0 else None)
         """Gradients packed and all-reduced per bucket, asynchronously (gloo); None: one call per gradient."""
-        self._writes: collections.deque = collections.deque()
+        self._writes = WriteQueue()
+        """Offloaded gradient writes in flight, each with its buffer."""
         self._hooks = []
         for rec in store.records:
             if rec.accumulator is None:
                 continue
             if swap is not None and not self._in_param_slot(rec):
-                rec.grad_offset = swap.allocate(rec.partition_numel * 4)
+                self.grads[rec.index].offset = swap.allocate(rec.partition_numel * 4)
             before, after = functools.partial(self._before_accumulate, rec), functools.partial(self._after_accumulate, rec)
             self._hooks.append(rec.accumulator.register_prehook(before))
             self._hooks.append(rec.param.register_post_accumulate_grad_hook(after))
@@ -132,27 +153,28 @@ class GradReducer:
             before, self._taken = self._taken, self._taken + rec.partition_numel
             if before < self._half <= self._taken:
                 self.on_half()
+        grad = self.grads[rec.index]
         if self.consumer is not None and self.boundary:
-            if rec.grad is not None:  # the earlier micro-batches', kept: added as autograd accumulates
-                part, rec.grad = rec.grad.add_(part), None
-            elif rec.grad_on_disk:  # kept in the swap file (sync points: its last write, then the read)
+            if grad.value is not None:  # the earlier micro-batches', kept: added as autograd accumulates
+                part, grad.value = grad.value.add_(part), None
+            elif grad.on_disk:  # kept in the swap file (sync points: its last write, then the read)
                 self.drain()
-                part, rec.grad_on_disk = self.read(rec).add_(part), False
-            rec.grad_norm = torch.linalg.vector_norm(part)
+                part, grad.on_disk = self.read(rec).add_(part), False
+            grad.norm = torch.linalg.vector_norm(part)
             self.consumer(rec, part)
             return
         if self.swap is None:
-            if rec.grad is None:
-                rec.grad = part if part.is_contiguous() else part.contiguous()
+            if grad.value is None:
+                grad.value = part if part.is_contiguous() else part.contiguous()
             else:
-                rec.grad.add_(part)
+                grad.value.add_(part)
             if self.norms and self.boundary:  # one pass, while the gradient is in cache
-                rec.grad_norm = torch.linalg.vector_norm(rec.grad)
+                grad.norm = torch.linalg.vector_norm(grad.value)
             return
         # Offloaded: read-add-write when accumulating, then write behind (bounded writes in flight),
         # always from a page-aligned buffer so that the write goes straight to the disk (O_DIRECT).
         swap, offset = self._location(rec)
-        if rec.grad_on_disk:
+        if grad.on_disk:
             self.drain()  # sync point: this record's previous write must have landed
             buffer = self.read(rec)
             buffer.add_(part)
@@ -160,11 +182,10 @@ class GradReducer:
             buffer = swap.buffer(rec.partition_numel, torch.float32)
             buffer.copy_(part)
         del part
-        rec.grad_norm = torch.linalg.vector_norm(buffer)  # one pass, while the buffer is in cache
-        self._writes.append((swap.write(buffer, offset), buffer))
-        rec.grad_on_disk = True
-        while len(self._writes) > _WRITES_IN_FLIGHT:
-            self._writes.popleft()[0].result()
+        grad.norm = torch.linalg.vector_norm(buffer)  # one pass, while the buffer is in cache
+        self._writes.push(swap.write(buffer, offset), buffer)
+        grad.on_disk = True
+        self._writes.trim(_WRITES_IN_FLIGHT)
 
     def read(self, rec: ParamRecord) -> torch.Tensor:
         """This step's offloaded gradient partition of ``rec`` (float32), read now."""
@@ -177,30 +198,50 @@ class GradReducer:
         swap, offset = self._location(rec)
         return swap.read_new(rec.partition_numel, torch.float32, offset)
 
+    def offloaded_places(self) -> dict[str, int]:
+        """Trainable records by where their offloaded gradient goes: "param_slot", "swap_file" (empty: none offloaded)."""
+        if self.swap is None:
+            return {}
+        trainable = [rec for rec in self.store.records if rec.accumulator is not None]
+        in_slots = sum(self._in_param_slot(rec) for rec in trainable)
+        return {"param_slot": in_slots, "swap_file": len(trainable) - in_slots}
+
     def _in_param_slot(self, rec: ParamRecord) -> bool:
         return self.param_slots and rec.on_disk and rec.partition.dtype.itemsize >= 4
 
     def _location(self, rec: ParamRecord) -> tuple[SwapFile, int]:
         """The swap file and byte offset of ``rec``'s offloaded gradient partition."""
         if not self._in_param_slot(rec):
-            return self.swap, rec.grad_offset
-        if rec.latest != rec.slot:
+            return self.swap, self.grads[rec.index].offset
+        if rec.slots.staged:
             raise RuntimeError(f"internal error: the gradient of {rec.name!r} would overwrite the update of a step "
                                f"not committed yet (the engine waits for the commit before backward)")
-        return self.store.swap, rec.slot_offset(1 - rec.slot)
+        return self.store.swap, rec.slots.spare_offset()
+
+    def global_norm(self) -> float:
+        """The L2 norm of this step's accumulated gradient partitions over all ranks (every rank calls it;
+        sync point: waits for the offloaded writes, raising their error), from each partition's norm
+        taken as it was reduced where there is one."""
+        total = torch.zeros((), dtype=torch.float64)
+        self.drain()
+        for grad in self.grads:
+            if grad.norm is not None:  # taken as it was reduced (offloaded, applied during backward, or kept)
+                total += grad.norm.double() ** 2
+            elif grad.value is not None:
+                total += torch.linalg.vector_norm(grad.value).double() ** 2
+        if self.world_size > 1:
+            dist.all_reduce(total, group=self.group)
+        return float(total.sqrt())
 
     def drain(self) -> None:
-        """Wait for every gradient write in flight (sync point). Raises TensorIOError."""
-        while self._writes:
-            self._writes.popleft()[0].result()
+        """Wait for every gradient write in flight (sync point). Raises the first failure's TensorIOError."""
+        self._writes.drain()
 
     def clear(self) -> None:
         """Forget this step's gradients (after the step, or when it is skipped)."""
         self.drain()
-        for rec in self.store.records:
-            rec.grad = None
-            rec.grad_on_disk = False
-            rec.grad_norm = None
+        for grad in self.grads:
+            grad.value, grad.on_disk, grad.norm = None, False, None
 
     def remove(self) -> None:
         for hook in self._hooks:

@@ -3,7 +3,7 @@
 On the fast paths (docs/engine.md, "Updates during backward" and "The step in the next forward") a
 step's update runs on the optimizer's thread, partition by partition, and the optimizer commits its
 state only once every write of the step has succeeded. `StepRollback` gives the parameters the same
-rule: on-disk partitions are written to their uncommitted slot (`ParamStore.write_update`) and flip
+rule: on-disk partitions are written to their uncommitted slot (`SlottedRegion.stage`) and flip
 with the optimizer's commit (`committed`); in-memory partitions are copied before their update, up
 to ``limit`` elements, and copied back if the step is given up (`aborted`). A step is undone entirely
 unless an in-memory partition beyond the limit was updated before the failure.
@@ -15,7 +15,7 @@ during the next forward. So each copy and counter snapshot carries its step's nu
 
 Threads: `begin_step`, `before_update`, `counted` and `aborted` run on the caller's thread; `committed`
 on whichever thread commits (the optimizer's background thread, usually). Shared fields are touched
-under ``_lock``; the store's slots need no lock (see `ParamStore.commit_slots`).
+under ``_lock``; the store's slots need no lock (see `SlottedRegion.commit`).
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ class StepRollback:
 
     def committed(self) -> None:
         """The optimizer committed its oldest uncommitted step (every write landed): final now."""
-        self._store.commit_slots()
+        if self._store.region is not None:
+            self._store.region.commit()
         with self._lock:
             self._committed += 1
             done = self._committed
@@ -88,7 +89,8 @@ class StepRollback:
     def aborted(self) -> None:
         """The optimizer gave up every uncommitted step (its I/O waited for): on-disk partitions read their
         committed slot again and in-memory ones get their copies back (`take_aborts` says how it went)."""
-        self._store.rollback_slots()
+        if self._store.region is not None:
+            self._store.region.rollback()
         with self._lock:
             copies, uncopied, snapshots = self._copies, self._uncopied, self._snapshots
             self._copies, self._uncopied, self._snapshots = [], [], []

@@ -56,6 +56,9 @@ class EngineStats:
     """Steps whose update ran (or runs) in the next forward."""
     grads_in_param_slots: bool
     """Offloaded gradients of on-disk fp32 partitions go to the partition's free slot, not the gradient swap file."""
+    offloaded_grads: dict[str, int]
+    """Trainable records whose gradient is offloaded, by where it waits for the step: "param_slot" (the
+    partition's free slot) and "swap_file" (the gradient swap file); empty when gradients stay in memory."""
     reduction_buckets: bool
     """Gradients are all-reduced in buckets (gloo, more than one rank) rather than one call per gradient."""
     comm_seconds: float
@@ -81,10 +84,10 @@ def collect_stats(ctx: StepContext, path: UpdatePath) -> EngineStats:
         records={"memory": len(store.records) - on_disk, "nvme": on_disk},
         reads={"demand": store.demand_reads, "prefetch": store.prefetch_reads, "skipped": store.skipped_reads},
         recorded_order=len(store.prefetcher.trace), buffers_held=store.budget.held,
-        buffer_budget=store.budget.buffer_elements, kept_for_next_forward=len(store.keep_next),
+        buffer_budget=store.budget.buffer_elements, kept_for_next_forward=len(ctx.kept.next),
         io_buffers={"held_bytes": pool.held_bytes if pool else 0, "max_bytes": pool.max_bytes if pool else 0,
                     "reused": pool.reused if pool else 0},
         handed_over=counts.handed_over, writes_in_flight=counts.writes_in_flight, uncommitted=counts.uncommitted,
         steps_in_forward=counts.steps_in_forward, grads_in_param_slots=reducer.param_slots,
-        reduction_buckets=reducer.has_buckets, comm_seconds=reducer.comm_seconds,
+        offloaded_grads=reducer.offloaded_places(), reduction_buckets=reducer.has_buckets, comm_seconds=reducer.comm_seconds,
         forwards_under_way=len(store.forwards))

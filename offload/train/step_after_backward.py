@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from offload.config import EngineConfig
-from offload.params import ParamRecord
+from offload.params import ParamRecord, ParamStore
 from offload.train.clip import step_factor
 from offload.train.failure import describe
 from offload.train.update_mode import PathCounts, StepContext, UpdateMode
@@ -39,7 +39,7 @@ class UpdateAfterBackward:
         pass
 
     def before_backward(self, boundary: bool) -> None:
-        self.ctx.store.begin_backward(keep_for_update=False)
+        self.ctx.kept.begin_backward(for_update=False)
 
     def backward_failed(self, error: BaseException, boundary: bool) -> None:
         self.ctx.gradients_lost_in_backward(error)
@@ -62,7 +62,8 @@ class UpdateAfterBackward:
         except BaseException as error:
             ctx.failure.partly_updated(f"step {ctx.counters.global_steps + 1} failed part way ({describe(error)})")
             raise
-        ctx.store.commit_slots()  # every partition's write has landed
+        if ctx.store.region is not None:
+            ctx.store.region.commit()  # every partition's write has landed
         for rec in records:  # kept whole parameters whose partition is not the parameter itself
             ctx.store.refresh(rec)
         return True
@@ -86,21 +87,22 @@ class UpdateAfterBackward:
         ctx.reducer.drain()  # sync point: every offloaded gradient is on disk
         # Offloaded gradients are summarised by their partition's norm: the global norm and the
         # overflow check need nothing else.
-        norms = [torch.linalg.vector_norm(rec.grad) for rec in records if rec.grad is not None]
-        norms += [rec.grad_norm for rec in records if rec.grad_on_disk]
+        grads = [ctx.reducer.grads[rec.index] for rec in records]
+        norms = [torch.linalg.vector_norm(grad.value) for grad in grads if grad.value is not None]
+        norms += [grad.norm for grad in grads if grad.on_disk]
         return step_factor(norms, loss_scaler=ctx.loss_scaler, clipping=ctx.config.gradient_clipping, group=ctx.group)
 
     def _update_in_chunks(self, factor: float) -> None:
         """Phase 3."""
-        store, chunks = self.ctx.store, self.chunks
+        store, grads, chunks = self.ctx.store, self.ctx.reducer.grads, self.chunks
         grad_reads = self._start_chunk(chunks[0]) if chunks else {}
         writing: tuple[list[ParamRecord], list] = ([], [])
         for i, chunk in enumerate(chunks):
             next_reads = self._start_chunk(chunks[i + 1]) if i + 1 < len(chunks) else {}
             # Sync point: this chunk's partitions and gradients have arrived.
-            store.finish_loads(chunk)
+            _finish_loads(chunk)
             for rec in chunk:
-                grad = rec.grad
+                grad = grads[rec.index].value
                 if rec.index in grad_reads:
                     buffer, future = grad_reads[rec.index]
                     future.result()
@@ -110,15 +112,43 @@ class UpdateAfterBackward:
             self.ctx.optimizer.step()
             for rec in chunk:
                 rec.partition.grad = None
-            store.finish_stores(*writing)  # sync point: the previous chunk is on disk
-            writing = (chunk, store.start_stores(chunk))
+            _finish_stores(store, *writing)  # sync point: the previous chunk is on disk
+            writing = (chunk, _start_stores(store, chunk))
             grad_reads = next_reads
-        store.finish_stores(*writing)
+        _finish_stores(store, *writing)
 
     def _start_chunk(self, chunk: list[ParamRecord]) -> dict:
         """Start the reads of a chunk's on-disk partitions and offloaded gradients."""
-        self.ctx.store.start_loads(chunk)
-        return {rec.index: self.ctx.reducer.start_read(rec) for rec in chunk if rec.grad_on_disk}
+        for rec in chunk:
+            if rec.on_disk and rec.read is None and rec.buffer is None:
+                self.ctx.store.start_read(rec)  # counted in the swap budget
+        reducer = self.ctx.reducer
+        return {rec.index: reducer.start_read(rec) for rec in chunk if reducer.grads[rec.index].on_disk}
+
+
+def _finish_loads(chunk: list[ParamRecord]) -> None:
+    """Wait for the reads `_start_chunk` started (sync point); the partitions then hold their values."""
+    for rec in chunk:
+        if rec.on_disk:
+            if rec.read is not None:
+                rec.read.result()
+                rec.read = None
+            rec.partition.data = rec.buffer
+
+
+def _start_stores(store: ParamStore, chunk: list[ParamRecord]) -> list:
+    """Start writing the updated on-disk partitions of ``chunk`` to their uncommitted slots; return the futures."""
+    return [store.region.stage(rec.slots, rec.partition.data) for rec in chunk if rec.on_disk]
+
+
+def _finish_stores(store: ParamStore, chunk: list[ParamRecord], writes: list) -> None:
+    """Wait for `_start_stores`'s writes (sync point: a partition is dropped only once on disk)."""
+    for future in writes:
+        future.result()
+    for rec in chunk:
+        if rec.on_disk:
+            rec.partition.data = store.placeholder(rec.partition.dtype)
+            store.drop_buffer(rec)
 
 
 def step_chunks(records: list[ParamRecord], cfg: EngineConfig) -> list[list[ParamRecord]]:

@@ -3,7 +3,7 @@
 Nothing has to see every gradient first (no clipping, no fp16 overflow check), so:
 
 1. ``before_backward``: at an accumulation boundary the step begins (`StepRollback.begin_step`), and the
-   store keeps the buffer each on-disk trainable partition's gather read (`ParamStore.begin_backward`);
+   store keeps the buffer each on-disk trainable partition's gather read (`KeptBuffers.begin_backward`);
 2. ``gradient_final`` (the reducer's consumer, with the earlier micro-batches' gradients added): the
    partition and its gradient go to the optimizer's thread, an in-memory one directly, an on-disk one
    through `PartitionWriteBack`, which writes it to its uncommitted slot once updated;
@@ -39,7 +39,7 @@ class UpdateDuringBackward(FastPath):
             self.give_up(error, gradients_lost=False)
             raise
         # On-disk partitions updated during backward keep the buffer their backward read (writeback.py).
-        self.ctx.store.begin_backward(keep_for_update=boundary and self.writeback is not None)
+        self.ctx.kept.begin_backward(for_update=boundary and self.writeback is not None)
         if boundary:
             self.rollback.begin_step()
 

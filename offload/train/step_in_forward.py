@@ -48,19 +48,19 @@ class UpdateInNextForward(FastPath):
         self._finish_last_step(commit=True)
         if boundary:  # the next forward's first updates find their partitions
             self.deferred.prepare(self.ctx.store.budget.buffer_elements // 2)
-        self.ctx.store.begin_backward(keep_for_update=False)
+        self.ctx.kept.begin_backward(for_update=False)
 
     def step(self) -> bool:
         ctx = self.ctx
         snapshot = self._snapshot()
-        records = ctx.trainable()
+        taken = [(rec.index, ctx.reducer.grads[rec.index]) for rec in ctx.trainable()]
         try:
             ctx.reducer.drain()  # sync point: every offloaded gradient is on disk
-            factor = step_factor([rec.grad_norm for rec in records if rec.grad_norm is not None],
+            factor = step_factor([grad.norm for _, grad in taken if grad.norm is not None],
                                  loss_scaler=ctx.loss_scaler, clipping=ctx.config.gradient_clipping, group=ctx.group)
             if factor is not None:
-                grads = {rec.index: rec.grad for rec in records if rec.grad is not None}
-                grads.update({rec.index: None for rec in records if rec.grad_on_disk})  # read back in the forward
+                grads = {index: grad.value for index, grad in taken if grad.value is not None}
+                grads.update({index: None for index, grad in taken if grad.on_disk})  # read back in the forward
                 self.rollback.begin_step()
                 self.rollback.counted(snapshot)
                 self.deferred.begin(grads, factor)  # prefetches the forward's first partitions
@@ -72,7 +72,7 @@ class UpdateInNextForward(FastPath):
                 ctx.gradients_lost_before_update(error)
             raise
         if factor is None:  # fp16 overflow: the step is skipped
-            ctx.store.keep_next = set()  # the buffers kept for its updates are prefetched ones now
+            ctx.kept.next = set()  # the buffers kept for its updates are prefetched ones now
             return False
         return True
 

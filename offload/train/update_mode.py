@@ -26,6 +26,7 @@ from offload.config import EngineConfig
 from offload.params import ParamRecord, ParamStore
 from offload.train.failure import CounterSnapshot, FailureState, StepCounters, describe
 from offload.train.grads import GradReducer
+from offload.train.kept_buffers import KeptBuffers
 from offload.train.rollback import StepRollback
 from offload.train.writeback import PartitionWriteBack
 
@@ -84,10 +85,19 @@ class StepContext:
     group: Any
     counters: StepCounters
     failure: FailureState
+    kept: KeptBuffers
+    """The read buffers kept for the step's updates (the store's `BufferKeeper`)."""
 
     def trainable(self) -> list[ParamRecord]:
         """The records the optimizer steps, in order."""
         return [rec for rec in self.store.records if rec.param.requires_grad]
+
+    def close(self) -> None:
+        """Remove the gradient hooks, then the optimizer's and the parameters' swap files (and hooks)."""
+        self.reducer.remove()
+        if hasattr(self.optimizer, "close"):
+            self.optimizer.close()
+        self.store.close()
 
     def gradients_lost_before_update(self, error: BaseException) -> None:
         """A step failed before changing anything: the parameters are whole, its gradients lost."""

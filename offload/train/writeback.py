@@ -1,13 +1,13 @@
 """On-disk partitions updated during backward, written back as soon as the optimizer is done with them.
 
 With parameters on NVMe and the updates running during backward (docs/engine.md), a partition's
-gradient arrives while the buffer its backward read is still in memory (`ParamStore.take_buffer`).
+gradient arrives while the buffer its backward read is still in memory (`KeptBuffers.take`).
 `PartitionWriteBack.hand_over` gives both to `OffloadAdam`, whose background thread updates the
 partition and calls back; the callback starts the write. The buffer is let go, and its elements
 leave the swap budget, once that write has landed (`reap`). Backward is held back while more than
 ``limit`` elements wait for their update or their write.
 
-The update is written to the partition's uncommitted slot (`ParamStore.write_update`): the previous
+The update is written to the partition's uncommitted slot (`SlottedRegion.stage`): the previous
 values stay readable until the optimizer commits the step. The same hand-over serves the step that runs
 during the next forward (`offload.train.deferred`): there a partition handed over with ``hold`` keeps
 its buffer after the write has landed, until the forward has used it (`use`), which saves reading it
@@ -25,23 +25,25 @@ from tensorio import IOFuture
 
 from offload.optim.protocol import StepOptimizer
 from offload.params.store import ParamRecord, ParamStore
+from offload.storage.write_queue import WriteQueue
+from offload.train.kept_buffers import KeptBuffers
 
 
 class PartitionWriteBack:
     """Hands on-disk partitions and their gradients to the optimizer and writes them back when updated."""
 
-    def __init__(self, store: ParamStore, optimizer: StepOptimizer, limit: int) -> None:
-        self._store, self._optimizer, self._limit = store, optimizer, limit
+    def __init__(self, store: ParamStore, kept: KeptBuffers, optimizer: StepOptimizer, limit: int) -> None:
+        self._store, self._kept, self._optimizer, self._limit = store, kept, optimizer, limit
         self._lock = threading.Lock()
         self._held: dict[int, ParamRecord] = {}
         """Records whose buffer was handed over and not yet written back and let go."""
-        self._writes: list[tuple[ParamRecord, IOFuture]] = []
-        """Writes started by the optimizer's thread, not yet reaped (under ``_lock``)."""
+        self._writes = WriteQueue()
+        """Writes started by the optimizer's thread, not yet reaped, each with its record (the first error
+        is kept for `finish`)."""
         self._waiting = 0
         """Elements handed over and not yet updated (under ``_lock``)."""
         self._writing = 0
         """Elements being written (under ``_lock``)."""
-        self._error: BaseException | None = None
         self._updated_recs: set[int] = set()
         """Records handed over whose update has run (under ``_lock``)."""
         self._unused: set[int] = set()
@@ -55,7 +57,7 @@ class PartitionWriteBack:
         much is handed over and not yet written. ``hold``: keep the buffer after its write, until `use`.
         The gradient is passed as it is (fp32 for a 16-bit partition: the optimizer's master copy takes it)."""
         self.reap()
-        rec.partition.data = self._store.take_buffer(rec, observe=not hold)
+        rec.partition.data = self._kept.take(rec, observe=not hold)
         self._held[rec.index] = rec
         if hold:
             self._unused.add(rec.index)
@@ -76,10 +78,10 @@ class PartitionWriteBack:
     def _updated(self, rec: ParamRecord, partition: torch.Tensor) -> IOFuture:
         """The optimizer's thread: ``rec``'s partition is updated; start writing it back. The optimizer
         commits its step only once this write has succeeded."""
-        future = self._store.write_update(rec, partition.data)
+        future = self._store.region.stage(rec.slots, partition.data)
         with self._lock:
             self._updated_recs.add(rec.index)
-            self._writes.append((rec, future))
+            self._writes.push(future, rec)
             self._waiting -= rec.partition_numel
             self._writing += rec.partition_numel
         return future
@@ -87,24 +89,14 @@ class PartitionWriteBack:
     def reap(self) -> None:
         """Let go of the partitions whose write has landed; never waits. A failed write is reported by
         `finish`."""
-        with self._lock:
-            done = [item for item in self._writes if item[1].done()]
-            self._writes = [item for item in self._writes if item not in done]
-        for rec, future in done:
-            self._let_go(rec, future)
+        for rec, error in self._writes.reap():
+            self._let_go(rec, error)
 
     def _wait_oldest_write(self) -> None:
-        with self._lock:
-            if not self._writes:
-                return
-            rec, future = self._writes.pop(0)
-        future.exception()  # sync point
-        self._let_go(rec, future)
+        if self._writes:
+            self._let_go(*self._writes.wait_oldest())  # sync point
 
-    def _let_go(self, rec: ParamRecord, future: IOFuture) -> None:
-        error = future.exception()
-        if error is not None and self._error is None:
-            self._error = error
+    def _let_go(self, rec: ParamRecord, error: BaseException | None) -> None:
         with self._lock:
             self._writing -= rec.partition_numel
         if rec.index in self._unused and error is None:
@@ -119,8 +111,7 @@ class PartitionWriteBack:
 
     def counts(self) -> tuple[int, int]:
         """``(partitions handed over and not let go yet, writes not reaped yet)`` (any thread)."""
-        with self._lock:
-            return len(self._held), len(self._writes)
+        return len(self._held), len(self._writes)
 
     def is_updated(self, rec: ParamRecord) -> bool:
         """Whether the optimizer has updated ``rec`` (any thread)."""
@@ -150,7 +141,7 @@ class PartitionWriteBack:
         """``rec``'s partition is an empty placeholder again and its buffer leaves the budget."""
         rec.partition.grad = None
         rec.partition.data = self._store.placeholder(rec.partition.dtype)
-        self._store.return_buffer(rec)
+        self._kept.give_back(rec)
         del self._held[rec.index]
 
     def finish(self) -> None:
@@ -176,5 +167,4 @@ class PartitionWriteBack:
         with self._lock:
             self._waiting = self._writing = 0
             self._updated_recs.clear()
-        error, self._error = self._error, None
-        return error
+        return self._writes.take_error()

@@ -1,0 +1,68 @@
+"""From ``deepspeed.initialize``'s arguments to an engine: the config resolved, the process group
+started where the launcher asks for one, the engine assembled (`offload.train.assemble`) and the
+DataLoader of ``training_data`` made. `offload.train.engine.initialize` is the documented entry point.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from offload.config import EngineConfig, world_size_from_env
+from offload.device import CpuDevice, check_process_group, start_process_group
+from offload.train.assemble import assemble
+from offload.train.surface import check_distributed_arguments, config_from_arguments
+
+COMPUTE_DEVICE = CpuDevice()
+"""Where the engine computes (forward, backward, the optimizer): the CPU until GPU execution lands."""
+
+
+def engine_from_arguments(*, args: Any, model: nn.Module | None, optimizer: Any, model_parameters: Iterable[Any] | None,
+                          training_data: Any, lr_scheduler: Any, mpu: Any, dist_init_required: bool | None,
+                          collate_fn: Callable | None, config: Mapping[str, Any] | str | os.PathLike | None,
+                          mesh_param: Any, config_params: Mapping[str, Any] | None,
+                          make_engine: Callable[..., Any]) -> tuple[Any, torch.optim.Optimizer, Any, Any]:
+    """`offload.train.engine.initialize`'s work (see its docstring for the arguments and what it raises);
+    ``make_engine`` builds the engine from its assembled parts."""
+    if model is None and isinstance(args, nn.Module):
+        raise ValueError("model: missing; the first positional argument of initialize is args, as in "
+                         "deepspeed.initialize: pass model=...")
+    if model is None:
+        raise ValueError("model: missing; pass model=<the torch.nn.Module to train>")
+    config = config_from_arguments(args, config, config_params)
+    check_distributed_arguments(dist_init_required, mpu, mesh_param, world_size_from_env())
+    if dist_init_required and not (dist.is_available() and dist.is_initialized()):
+        start_process_group(COMPUTE_DEVICE)
+    world_size, rank, group = _process_group()
+    if isinstance(config, EngineConfig):
+        cfg = config
+    elif isinstance(config, Mapping):
+        cfg = EngineConfig.from_dict(config, world_size=world_size)
+    else:
+        cfg = EngineConfig.from_file(config, world_size=world_size)
+    engine = assemble(model, cfg, world_size=world_size, rank=rank, group=group, optimizer=optimizer,
+                      lr_scheduler=lr_scheduler, model_parameters=model_parameters, make_engine=make_engine)
+    loader = None
+    if training_data is not None:
+        loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu,
+                                             collate_fn=collate_fn, shuffle=world_size == 1,
+                                             sampler=None if world_size == 1 else
+                                             torch.utils.data.DistributedSampler(training_data, world_size, rank))
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _process_group() -> tuple[int, int, Any]:
+    """World size and rank; starts the default process group when launched by torchrun. Raises
+    ValueError when a group the caller started cannot carry the engine's collectives."""
+    if dist.is_available() and dist.is_initialized():
+        check_process_group(COMPUTE_DEVICE)
+        return dist.get_world_size(), dist.get_rank(), None
+    world_size = world_size_from_env()
+    if world_size == 1:
+        return 1, 0, None  # no process group needed
+    start_process_group(COMPUTE_DEVICE)
+    return dist.get_world_size(), dist.get_rank(), None
