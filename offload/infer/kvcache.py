@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import tempfile
+import time
 from collections import deque
 
 import torch
@@ -127,18 +129,19 @@ class NvmeKVLayer(CacheLayerMixin):
 class KVRing:
     """The NVMe layers' files, read ahead into ``buffer_count`` locked buffers and written behind.
 
-    ``directory`` is made here and removed by `close`. Buffers are made at the first update, once
+    The files go into a new directory under ``parent``, removed by `close`. Buffers are made at the first update, once
     the batch, heads, head dim and dtype are known (`shape_from`).
     """
 
-    def __init__(self, handle: AioHandle, directory: str, *, max_tokens: int, buffer_count: int = 2,
+    def __init__(self, handle: AioHandle, parent: str, *, max_tokens: int, buffer_count: int = 2,
                  write_behind_bytes: int = 64 << 20) -> None:
+        if not os.path.isdir(parent):
+            raise FileNotFoundError(f"kv_offload.nvme_path: {parent} is not a directory; the KV cache's files go there")
         self.handle = handle
-        self.directory = directory
+        self.directory = tempfile.mkdtemp(prefix="offload-kv-", dir=parent)
         self.max_tokens = max_tokens
         self.buffer_count = buffer_count
         self.write_behind_bytes = write_behind_bytes
-        os.makedirs(directory, exist_ok=False)
         self.layers: list[NvmeKVLayer] = []
         """The NVMe layers in forward order."""
         self.row_shape: tuple[int, ...] | None = None
@@ -193,8 +196,6 @@ class KVRing:
     def acquire(self, layer: NvmeKVLayer) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer``'s buffer with its first ``flushed`` tokens read (waiting for that read). The
         layer held before is done with its buffer (attention has used it), which takes the next read."""
-        import time
-
         if self._held is not None:
             self._free.append(self._held[1])
             self._held = None
@@ -309,7 +310,7 @@ def _wait(futures: list[IOFuture]) -> int:
 
 class OffloadedKVCache(Cache):
     """A transformers `Cache` for ``num_layers`` decoder layers: those in ``nvme_layers`` on NVMe
-    (files under ``directory``, made here and removed by `close`), the others in memory
+    (files in a new directory under ``parent``, removed by `close`), the others in memory
     (`DynamicLayer`). ``max_tokens`` is the longest sequence it will hold (prompt plus new tokens).
 
     Use it as ``model.generate(..., past_key_values=cache)`` and `close` it afterwards (or use it as
@@ -317,12 +318,13 @@ class OffloadedKVCache(Cache):
     reordering or cropping, which raise NotImplementedError naming kv_offload.
     """
 
-    def __init__(self, num_layers: int, nvme_layers: set[int] | list[int], handle: AioHandle, directory: str, *,
-                 max_tokens: int, buffer_count: int = 2) -> None:
-        self.ring = KVRing(handle, os.fspath(directory), max_tokens=max_tokens, buffer_count=buffer_count)
+    def __init__(self, num_layers: int, nvme_layers: set[int] | list[int] | tuple[int, ...], handle: AioHandle,
+                 parent: str | os.PathLike, *, max_tokens: int, buffer_count: int = 2) -> None:
+        self.ring = KVRing(handle, os.fspath(parent), max_tokens=max_tokens, buffer_count=buffer_count)
+        on_nvme = set(nvme_layers)
         layers: list[CacheLayerMixin] = []
         for index in range(num_layers):
-            if index in set(nvme_layers):
+            if index in on_nvme:
                 layer = NvmeKVLayer(self.ring, index)
                 self.ring.add(layer)
                 layers.append(layer)
