@@ -24,7 +24,7 @@ import torch
 
 from tensorio import AioConfig, parse_size
 
-__all__ = ["IGNORED_KEYS", "InferenceConfig", "KVOffload", "WeightQuantization", "parse_dtype"]
+__all__ = ["IGNORED_KEYS", "BlockScheduleConfig", "InferenceConfig", "KVOffload", "WeightQuantization", "parse_dtype"]
 
 #: DeepSpeed keys accepted and without effect in inference (training-only or about the GPU).
 IGNORED_KEYS = {
@@ -195,6 +195,44 @@ class KVOffload:
         return cls(**section)
 
 
+@dataclass(frozen=True, slots=True)
+class BlockScheduleConfig:
+    """``block_schedule``: a batch run through each decoder layer as several micro-batches that share
+    the layer's read (docs/inference.md, "Block schedule")."""
+
+    micro_batch_size: int | None = None
+    """Sequences per micro-batch (lowered to a divisor of the batch); None ("auto"): the largest whose
+    activations fit ``max_activation_bytes``."""
+
+    max_activation_bytes: int = 1 << 30
+    """With "auto": the most one micro-batch's activations may take (bytes, or a size string as
+    "1GiB"); a stated buffer beside the budget."""
+
+    def __post_init__(self) -> None:
+        key = "block_schedule"
+        if self.micro_batch_size == "auto":
+            object.__setattr__(self, "micro_batch_size", None)
+        if self.micro_batch_size is not None:
+            object.__setattr__(self, "micro_batch_size", _int(f"{key}.micro_batch_size", self.micro_batch_size, 1))
+        value = self.max_activation_bytes
+        if isinstance(value, str):
+            try:
+                value = parse_size(value)
+            except ValueError as exc:
+                raise ValueError(f"{key}.max_activation_bytes: {exc}") from None
+        object.__setattr__(self, "max_activation_bytes", _int(f"{key}.max_activation_bytes", value, 1))
+
+    @classmethod
+    def parse(cls, value: Any) -> "BlockScheduleConfig":
+        """From None (the default), a mapping of the fields, or a `BlockScheduleConfig`. Raises
+        ValueError naming the key."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        return cls(**_section(value, "block_schedule", {"micro_batch_size", "max_activation_bytes"}))
+
+
 @dataclass(kw_only=True, slots=True)
 class InferenceConfig:
     """Every setting of `init_inference`, checked; named as DeepSpeed names them where it has them."""
@@ -250,6 +288,10 @@ class InferenceConfig:
     """``kv_offload``: where the KV cache lives; also "auto" / "cpu" / "nvme" or a mapping
     (`KVOffload.parse`). Not a DeepSpeed key (FlexGen's placement)."""
 
+    block_schedule: BlockScheduleConfig = field(default_factory=BlockScheduleConfig)
+    """``block_schedule``: micro-batches sharing each layer's read; a mapping or a
+    `BlockScheduleConfig`. Not a DeepSpeed key (FlexGen's)."""
+
     def __post_init__(self) -> None:
         key = "zero_optimization.offload_param"
         if self.device not in ("nvme", "cpu"):
@@ -278,6 +320,7 @@ class InferenceConfig:
             raise ValueError(f"compute_device: {self.compute_device!r} is not allowed; use \"auto\", \"cpu\" or \"cuda\"")
         self.weight_quantization = WeightQuantization.parse(self.weight_quantization)
         self.kv_offload = KVOffload.parse(self.kv_offload)
+        self.block_schedule = BlockScheduleConfig.parse(self.block_schedule)
 
     def budget_bytes(self, itemsize: int) -> int:
         """``max_in_cpu`` in bytes, for a model whose weights have ``itemsize`` bytes per element."""
@@ -321,12 +364,14 @@ def _section(value: Any, key: str, allowed: set[str]) -> dict[str, Any]:
 def _from_deepspeed(config: Mapping[str, Any]) -> dict[str, Any]:
     """The `InferenceConfig` fields a DeepSpeed-style config sets, its keys checked."""
     top = _section(config, "", {"zero_optimization", "aio", "dtype", "bf16", "bfloat16", "fp16", "weight_quantization",
-                                 "kv_offload"})
+                                 "kv_offload", "block_schedule"})
     values: dict[str, Any] = {}
     if "weight_quantization" in top:
         values["weight_quantization"] = WeightQuantization.parse(top["weight_quantization"])
     if "kv_offload" in top:
         values["kv_offload"] = KVOffload.parse(top["kv_offload"])
+    if "block_schedule" in top:
+        values["block_schedule"] = BlockScheduleConfig.parse(top["block_schedule"])
     zero = _section(top.get("zero_optimization", {}), "zero_optimization",
                     {"offload_param", "stage3_prefetch_bucket_size", "aio"})
     param = _section(zero.get("offload_param", {}), "zero_optimization.offload_param",

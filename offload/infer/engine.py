@@ -24,6 +24,7 @@ from offload.infer.kvcache import OffloadedKVCache
 from offload.infer.plan import BudgetError, KVPlacement, Plan, UnitSize, format_bytes, make_plan, place_kv
 from offload.infer.qcache import PAD_PREFIX, quantized_cache
 from offload.infer.quantize import block_linears, swap_linears
+from offload.infer.schedule import BlockSchedule, micro_batch_size
 from offload.infer.stream import LayerStreamer, ParamRef, ResidentLoad, Unit
 from offload.storage.safetensors_reader import SafetensorsCheckpoint, read_windows, tensor_views, windows_nbytes
 from tensorio import AioHandle, aligned_tensor
@@ -109,6 +110,9 @@ class InferenceEngine:
             for unit in self.units:
                 if unit.streamable:
                     self.streamer.attach(unit)
+            self.schedule = BlockSchedule()
+            """Micro-batches through each decoder layer (`generate` sets them from the plan)."""
+            self.schedule.install(self.module.get_submodule(_blocks(self.module)))
             self._release_hook = self.module.register_forward_hook(lambda *_: self._release_loads())
             """Until the first forward is done (then None), loads hold their streamable units back."""
             self._apply(self.plan)
@@ -141,13 +145,17 @@ class InferenceEngine:
         returns = kwargs.get("num_return_sequences", generation.num_return_sequences) or 1
         plan = self.reserve(batch * max(beams, returns), total)
         cache = None
-        if plan.kv is not None and plan.kv.nvme_layers and kwargs.get("cache", kwargs.get("past_key_values")) is None:
-            cache = self.offloaded_cache(plan.kv, total)
+        placement = plan.kv
+        if ((placement.nvme_layers or placement.micro_batches > 1)
+                and kwargs.get("cache", kwargs.get("past_key_values")) is None):
+            cache = self.offloaded_cache(placement, total)
             kwargs["cache"] = cache
+            self.schedule.micro_batches = placement.micro_batches
         try:
             with self._running():
                 return self.module.generate(inputs, **kwargs)
         finally:
+            self.schedule.micro_batches = 1
             if cache is not None:
                 self.kv_bytes_read += cache.ring.bytes_read
                 self.kv_bytes_written += cache.ring.bytes_written
@@ -163,7 +171,7 @@ class InferenceEngine:
         setting = self.settings.kv_offload
         parent = setting.nvme_path or self.settings.nvme_path or self.checkpoint.directory
         return OffloadedKVCache(placement.layers, placement.nvme_layers, self.handle, parent, max_tokens=max_tokens,
-                                buffer_count=setting.buffer_count)
+                                buffer_count=setting.buffer_count, micro_batches=placement.micro_batches)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """``module(*args, **kwargs)`` with streamed weights, under ``torch.no_grad()``."""
@@ -181,22 +189,25 @@ class InferenceEngine:
         shrinks again). Returns the plan. Raises BudgetError naming the figures when even the weights
         that must stay plus that cache exceed the budget, or the plan exceeds the machine's memory."""
         self._check_open()
-        setting = self.settings.kv_offload
+        setting, schedule = self.settings.kv_offload, self.settings.block_schedule
+        micro = micro_batch_size(batch, lambda size: self.activation_bytes(size, tokens),
+                                 schedule.max_activation_bytes, schedule.micro_batch_size)
         layers = self._text_config().num_hidden_layers
         placement = place_kv(self._sizes(), budget=self._budget(), layers=layers,
                              layer_nbytes=self.kv_bytes(batch, tokens) // layers, device=setting.device,
                              cpu_percent=setting.cpu_percent, buffer_count=setting.buffer_count,
-                             kv_shape=(batch, tokens))
+                             kv_shape=(batch, tokens), micro_batches=batch // micro)
         kv = placement.memory_bytes
         plan = dataclasses.replace(self._make_plan(kv, (batch, tokens), disk=(self.plan.disk_bps, self.plan.disk_source)),
                                    kv=placement)
         total = psutil.virtual_memory().total
-        need = plan.memory_bytes + self.activation_bytes(batch, tokens)
+        activations = self.activation_bytes(micro, tokens)
+        need = plan.memory_bytes + activations
         if need > total:
             raise BudgetError(
                 f"batch {batch} x {tokens} tokens needs {format_bytes(need)} of memory (resident weights "
                 f"{format_bytes(plan.resident_bytes)} + buffers {format_bytes(plan.buffers_bytes)} + KV cache "
-                f"{format_bytes(kv)} + activations {format_bytes(self.activation_bytes(batch, tokens))}), more than this "
+                f"{format_bytes(kv)} + activations {format_bytes(activations)}), more than this "
                 f"machine's {format_bytes(total)}; lower max_in_cpu, the batch size or the number of tokens")
         if plan.resident != self.plan.resident:
             log.info("offload.infer: re-placing for batch %d x %d tokens (KV cache %s)", batch, tokens, format_bytes(kv))

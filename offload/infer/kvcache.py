@@ -8,13 +8,14 @@ tokens of a layer are one contiguous O_DIRECT read and each new token is appende
 A ring of locked buffers (`KVRing`), each one layer's cache at the full length, is read ahead in
 forward order (wrapping to the next step), like the weights' ring: while a layer computes, the next
 NVMe layer's cache is read. A layer's update copies its new keys and values (and the few tokens not
-yet written) after what was read, returns views of the buffer to attention, and writes behind the
+yet written) after what was read, returns them to attention in its layout, and writes behind the
 whole pages that are now complete (from a copy, so that the buffer is free as soon as attention is
 done); the last partial page stays in memory (at most a page's worth of tokens per layer). Every read
 and write goes through tensorio with O_DIRECT; the writes waiting at one time are bounded by
 ``write_behind_bytes``.
 
-Memory: ``buffer_count`` buffers of one layer's cache, plus the tails and the writes in flight.
+Memory: ``buffer_count`` buffers of one layer's cache, attention's copy of one layer's cache, the
+tails and the writes in flight.
 The disk holds the rest, so a cache larger than the host's memory works as long as one layer's fits.
 """
 
@@ -32,7 +33,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from tensorio import DIRECT_ALIGN, AioHandle, IOFuture, aligned_tensor, free_locked_tensor, locked_tensor
 
-__all__ = ["KVRing", "NvmeKVLayer", "OffloadedKVCache"]
+__all__ = ["KVRing", "MicroBatchedLayer", "NvmeKVLayer", "OffloadedKVCache"]
 
 
 class NvmeKVLayer(CacheLayerMixin):
@@ -41,10 +42,10 @@ class NvmeKVLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, ring: "KVRing", index: int) -> None:
+    def __init__(self, ring: "KVRing", index: int, part: int = 0) -> None:
         super().__init__()
         self.ring, self.index = ring, index
-        self.path = os.path.join(ring.directory, f"layer-{index:04d}.kv")
+        self.path = os.path.join(ring.directory, f"layer-{index:04d}-{part:04d}.kv")
         self.length = 0
         """Tokens held: ``flushed`` in the file (written or being written), the rest in ``tail_*``."""
         self.flushed = 0
@@ -61,7 +62,7 @@ class NvmeKVLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``key_states`` / ``value_states`` ([batch, heads, new, head dim]); return every
-        token's keys and values (views into a ring buffer, valid until the next layer's update).
+        token's keys and values ([batch, heads, tokens, head dim], copied out of the ring buffer).
         Raises ValueError when the cache would pass its length, TensorIOError for a failed read or write."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -87,7 +88,12 @@ class NvmeKVLayer(CacheLayerMixin):
             self.flushed = done
         self.tail_keys = keys[done:total].clone() if total > done else None
         self.tail_values = values[done:total].clone() if total > done else None
-        return keys[:total].permute(1, 2, 0, 3), values[:total].permute(1, 2, 0, 3)
+        # Attention's layout, contiguous: torch's CPU attention on the token-major views took 2.5x as long
+        # as on a copy, and the copy costs what transformers' DynamicLayer pays anyway (it concatenates).
+        # The buffer is then free at once, for the next read.
+        out = keys[:total].permute(1, 2, 0, 3).contiguous(), values[:total].permute(1, 2, 0, 3).contiguous()
+        ring.release(self)
+        return out
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -194,9 +200,9 @@ class KVRing:
     # ---- reads ahead ------------------------------------------------------------------------------
 
     def acquire(self, layer: NvmeKVLayer) -> tuple[torch.Tensor, torch.Tensor]:
-        """``layer``'s buffer with its first ``flushed`` tokens read (waiting for that read). The
-        layer held before is done with its buffer (attention has used it), which takes the next read."""
-        if self._held is not None:
+        """``layer``'s buffer with its first ``flushed`` tokens read (waiting for that read), held
+        until `release`."""
+        if self._held is not None:  # an update that raised: its buffer is free again
             self._free.append(self._held[1])
             self._held = None
         if not self._inflight or self._inflight[0][0] is not layer:  # out of the expected order: restart at it
@@ -209,6 +215,13 @@ class KVRing:
         self.wait_seconds += time.perf_counter() - start
         self._held = (held, slot)
         return self._views(slot)
+
+    def release(self, layer: NvmeKVLayer) -> None:
+        """``layer`` is done with its buffer, which takes the next read at once."""
+        if self._held is not None and self._held[0] is layer:
+            self._free.append(self._held[1])
+            self._held = None
+            self._issue()
 
     def _issue(self) -> None:
         """Start reads into the free buffers, in forward order, wrapping around to the next step."""
@@ -308,28 +321,92 @@ def _wait(futures: list[IOFuture]) -> int:
     return nbytes
 
 
+class MicroBatchedLayer(CacheLayerMixin):
+    """One decoder layer's cache under the block schedule: one layer cache per micro-batch, the
+    one updated chosen by the cache's ``micro_batch`` (set by `offload.infer.schedule` before each
+    micro-batch runs through the layer)."""
+
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, cache: "OffloadedKVCache", parts: list[CacheLayerMixin]) -> None:  # noqa: D107
+        self.cache, self.parts = cache, parts
+        self.keys = self.values = None
+
+    @property
+    def is_initialized(self) -> bool:
+        return all(part.is_initialized for part in self.parts)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.parts[self.cache.micro_batch].lazy_initialization(key_states, value_states)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.parts[self.cache.micro_batch].update(key_states, value_states, *args, **kwargs)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.parts[0].get_mask_sizes(query_length)
+
+    def get_seq_length(self) -> int:
+        return self.parts[0].get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        for part in self.parts:
+            part.reset()
+
+    def offload(self) -> None:
+        """Nothing to do: each part is where the plan put it."""
+
+    def prefetch(self) -> None:
+        """Nothing to do: the ring reads ahead by itself."""
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("block schedule: a cache split into micro-batches does not reorder for beam search; "
+                                  "use greedy decoding or sampling, or block_schedule.micro_batch_size equal to the batch")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("block schedule: a cache split into micro-batches cannot be cropped")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("block schedule: a cache split into micro-batches cannot be expanded")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("block schedule: a cache split into micro-batches cannot select sequences")
+
+
 class OffloadedKVCache(Cache):
     """A transformers `Cache` for ``num_layers`` decoder layers: those in ``nvme_layers`` on NVMe
     (files in a new directory under ``parent``, removed by `close`), the others in memory
     (`DynamicLayer`). ``max_tokens`` is the longest sequence it will hold (prompt plus new tokens).
+    With ``micro_batches`` > 1 every layer holds one cache per micro-batch (`MicroBatchedLayer`),
+    read in the block schedule's order (layer by layer, the micro-batches of each in turn).
 
-    Use it as ``model.generate(..., past_key_values=cache)`` and `close` it afterwards (or use it as
-    a context manager). Greedy decoding and sampling work; beam search and assisted decoding need
-    reordering or cropping, which raise NotImplementedError naming kv_offload.
+    Use it as ``model.generate(..., cache=cache)`` and `close` it afterwards (or use it as a context
+    manager). Greedy decoding and sampling work; beam search and assisted decoding need reordering
+    or cropping, which raise NotImplementedError naming kv_offload.
     """
 
     def __init__(self, num_layers: int, nvme_layers: set[int] | list[int] | tuple[int, ...], handle: AioHandle,
-                 parent: str | os.PathLike, *, max_tokens: int, buffer_count: int = 2) -> None:
+                 parent: str | os.PathLike, *, max_tokens: int, buffer_count: int = 2, micro_batches: int = 1) -> None:
         self.ring = KVRing(handle, os.fspath(parent), max_tokens=max_tokens, buffer_count=buffer_count)
+        self.micro_batches = micro_batches
+        self.micro_batch = 0
+        """The micro-batch running now (the block schedule sets it)."""
         on_nvme = set(nvme_layers)
         layers: list[CacheLayerMixin] = []
         for index in range(num_layers):
-            if index in on_nvme:
-                layer = NvmeKVLayer(self.ring, index)
-                self.ring.add(layer)
-                layers.append(layer)
-            else:
-                layers.append(DynamicLayer())
+            parts: list[CacheLayerMixin] = []
+            for part in range(micro_batches):
+                if index in on_nvme:
+                    layer = NvmeKVLayer(self.ring, index, part)
+                    self.ring.add(layer)
+                    parts.append(layer)
+                else:
+                    parts.append(DynamicLayer())
+            layers.append(parts[0] if micro_batches == 1 else MicroBatchedLayer(self, parts))
         super().__init__(layers=layers)
 
     def close(self) -> None:
