@@ -167,3 +167,45 @@ def test_command_line_puts_the_cache_on_nvme(llama):
         ref = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40, do_sample=False,
                              pad_token_id=PAD)
     assert figures["tokens"] == ref[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("kv", ["cpu", "nvme"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_block_schedule_micro_batches_give_the_same_tokens(llama, dtype, kv):
+    """A left-padded batch of 4 through each layer as 2 micro-batches of 2 (and as 4 of 1), the cache
+    in memory or on NVMe: the tokens of the whole batch at once; each layer read once per step."""
+    directory, _ = llama[dtype]
+    with init_inference(directory, disk_gbps=1.0, max_in_cpu=0, kv_offload="cpu") as engine:
+        whole = generate(engine, 4)
+        reads_whole = engine.io_bytes()
+    for size in (2, 1):
+        with init_inference(directory, disk_gbps=1.0, max_in_cpu=0, kv_offload=kv,
+                            block_schedule={"micro_batch_size": size}) as engine:
+            micro = generate(engine, 4)
+            assert engine.plan.kv.micro_batches == 4 // size
+            assert f"block schedule: batch 4 as {4 // size} micro-batches of {size}" in engine.plan.describe()
+            assert engine.io_bytes() == reads_whole  # the weights are read once per step for all micro-batches
+            assert engine.schedule.micro_batches == 1  # back to one after generate
+        assert micro.tolist() == whole.tolist()
+
+
+def test_block_schedule_auto_sizes_micro_batches_to_the_activation_limit(llama):
+    directory, _ = llama[torch.float32]
+    with init_inference(directory, disk_gbps=1.0) as probe:
+        one = probe.activation_bytes(1, 8 + NEW_TOKENS)
+    with init_inference(directory, disk_gbps=1.0, block_schedule={"max_activation_bytes": 2 * one + 1}) as engine:
+        assert engine.reserve(6, 8 + NEW_TOKENS).kv.micro_batches == 3  # 2 sequences fit the limit
+        assert engine.reserve(5, 8 + NEW_TOKENS).kv.micro_batches == 5  # 5 is prime: micro-batches of 1
+        assert engine.reserve(1, 8 + NEW_TOKENS).kv.micro_batches == 1
+    with init_inference(directory, disk_gbps=1.0, block_schedule={"micro_batch_size": 4}) as engine:
+        assert engine.reserve(6, 8 + NEW_TOKENS).kv.micro_batches == 2  # 4 lowered to a divisor of 6: 3
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"micro_batch_size": 0}, r"block_schedule.micro_batch_size: 0 is not allowed"),
+    ({"max_activation_bytes": "lots"}, r"block_schedule.max_activation_bytes: 'lots' is not a size"),
+    ({"micro_batches": 2}, r"block_schedule.micro_batches: unknown key"),
+])
+def test_bad_block_schedule_settings_are_named(value, message):
+    with pytest.raises(ValueError, match=message):
+        InferenceConfig.from_dict({"block_schedule": value})
