@@ -209,3 +209,20 @@ def test_block_schedule_auto_sizes_micro_batches_to_the_activation_limit(llama):
 def test_bad_block_schedule_settings_are_named(value, message):
     with pytest.raises(ValueError, match=message):
         InferenceConfig.from_dict({"block_schedule": value})
+
+
+def test_command_line_runs_the_block_schedule(llama):
+    import io
+
+    from offload.infer.cli import main
+
+    directory, model = llama[torch.float32]
+    out = io.StringIO()
+    figures = main([str(directory), "--prompt-ids", "5,17,99,3", "--max-new-tokens", "6", "--batch-size", "4",
+                    "--micro-batch-size", "2", "--kv-offload", "nvme", "--disk-gbps", "1.0", "--json"], out=out)
+    assert "block schedule: batch 4 as 2 micro-batches of 2" in out.getvalue()
+    prompt = torch.tensor([[5, 17, 99, 3]])
+    with torch.no_grad():
+        ref = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False,
+                             pad_token_id=PAD)
+    assert figures["tokens"] == ref[0, 4:].tolist()

@@ -62,6 +62,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
             values[key] = getattr(args, key)
     if args.quantize is not None:
         values["weight_quantization"] = args.quantize
+    if args.micro_batch_size is not None:
+        values["block_schedule"] = {"micro_batch_size": args.micro_batch_size}
     if args.kv_offload is not None or args.kv_cpu_percent is not None:
         values["kv_offload"] = {"device": args.kv_offload or "nvme"}
         if args.kv_cpu_percent is not None:
@@ -94,6 +96,9 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
                          "its files go under --nvme-path (default: the checkpoint's directory)")
     ap.add_argument("--kv-cpu-percent", type=float,
                     help="with --kv-offload nvme: the share of layers (0-100) whose cache stays in memory")
+    ap.add_argument("--micro-batch-size", type=int,
+                    help="block schedule: run the batch through each layer's one read in micro-batches of this many "
+                         "sequences (default: as large as 1 GiB of activations allows)")
     ap.add_argument("--config", help="DeepSpeed-style JSON config (command-line options override it)")
     ap.add_argument("--disk-gbps", type=float, help="the disk's read speed in GB/s (default: measure it)")
     ap.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
