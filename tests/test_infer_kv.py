@@ -15,17 +15,9 @@ from offload.infer.kvcache import OffloadedKVCache
 from offload.infer.plan import BudgetError, UnitSize, place_kv
 from tensorio import AioHandle
 
-from test_infer_generate import PAD, build_model, prompts, save_checkpoint, scratch_dir
+from test_infer_generate import PAD, build_model, one_thread, prompts, save_checkpoint, scratch_dir  # noqa: F401
 
 NEW_TOKENS = 80  # past a page of tokens for every layer (32 at batch 1 in fp32, 64 in bf16): reads and writes happen
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
