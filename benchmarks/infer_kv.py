@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--new-tokens", type=int, default=12)
-    ap.add_argument("--repeats", type=int, default=2, help="runs of each kind, alternated")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each kind, alternated")
     ap.add_argument("--fio-size", default="2GiB")
     ap.add_argument("--out", help="write every figure to this JSON file")
     ap.add_argument("--child", help=argparse.SUPPRESS)

@@ -36,11 +36,46 @@ from tensorio import DIRECT_ALIGN, AioHandle, IOFuture, aligned_tensor, free_loc
 __all__ = ["KVRing", "MicroBatchedLayer", "NvmeKVLayer", "OffloadedKVCache"]
 
 
-class NvmeKVLayer(CacheLayerMixin):
-    """One decoder layer's keys and values in a file on NVMe; see the module's docstring."""
+class _StreamedLayer(CacheLayerMixin):
+    """What the cache layers here share: read ahead by the ring (offload and prefetch do nothing),
+    no maximum length, and no reordering, cropping or batch surgery (each refused naming ``_what``
+    and ``_instead``)."""
 
     is_sliding = False
     is_croppable = False
+    _what = ""
+    _instead = ""
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def offload(self) -> None:
+        """Nothing to do: the ring reads ahead by itself and writes behind."""
+
+    def prefetch(self) -> None:
+        """Nothing to do: the ring reads ahead by itself."""
+
+    def _refuse(self, what: str) -> NotImplementedError:
+        return NotImplementedError(f"{self._what} {what}; {self._instead}")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise self._refuse("does not reorder for beam search")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise self._refuse("cannot be cropped (assisted decoding)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise self._refuse("cannot be expanded over the batch")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise self._refuse("cannot select sequences of the batch")
+
+
+class NvmeKVLayer(_StreamedLayer):
+    """One decoder layer's keys and values in a file on NVMe; see the module's docstring."""
+
+    _what = "kv_offload: a cache on NVMe"
+    _instead = "use greedy decoding or sampling, or kv_offload.device \"cpu\""
 
     def __init__(self, ring: "KVRing", index: int, part: int = 0) -> None:
         super().__init__()
@@ -101,35 +136,10 @@ class NvmeKVLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         return self.length
 
-    def get_max_length(self) -> int:
-        return -1
-
     def reset(self) -> None:
         self.ring.forget(self)
         self.length = self.flushed = 0
         self.tail_keys = self.tail_values = None
-
-    def offload(self) -> None:
-        """Nothing to do: the layer lives on NVMe already."""
-
-    def prefetch(self) -> None:
-        """Nothing to do: the ring reads ahead by itself."""
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("kv_offload: a cache on NVMe does not reorder for beam search; use greedy decoding or "
-                                  "sampling, or kv_offload.device \"cpu\"")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("kv_offload: a cache on NVMe cannot be cropped (assisted decoding); use "
-                                  "kv_offload.device \"cpu\"")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("kv_offload: a cache on NVMe cannot be expanded over the batch; use "
-                                  "kv_offload.device \"cpu\"")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("kv_offload: a cache on NVMe cannot select sequences of the batch; use "
-                                  "kv_offload.device \"cpu\"")
 
 
 class KVRing:
@@ -321,13 +331,13 @@ def _wait(futures: list[IOFuture]) -> int:
     return nbytes
 
 
-class MicroBatchedLayer(CacheLayerMixin):
+class MicroBatchedLayer(_StreamedLayer):
     """One decoder layer's cache under the block schedule: one layer cache per micro-batch, the
     one updated chosen by the cache's ``micro_batch`` (set by `offload.infer.schedule` before each
     micro-batch runs through the layer)."""
 
-    is_sliding = False
-    is_croppable = False
+    _what = "block schedule: a cache split into micro-batches"
+    _instead = "use greedy decoding or sampling, or block_schedule.micro_batch_size equal to the batch"
 
     def __init__(self, cache: "OffloadedKVCache", parts: list[CacheLayerMixin]) -> None:  # noqa: D107
         self.cache, self.parts = cache, parts
@@ -350,31 +360,9 @@ class MicroBatchedLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         return self.parts[0].get_seq_length()
 
-    def get_max_length(self) -> int:
-        return -1
-
     def reset(self) -> None:
         for part in self.parts:
             part.reset()
-
-    def offload(self) -> None:
-        """Nothing to do: each part is where the plan put it."""
-
-    def prefetch(self) -> None:
-        """Nothing to do: the ring reads ahead by itself."""
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("block schedule: a cache split into micro-batches does not reorder for beam search; "
-                                  "use greedy decoding or sampling, or block_schedule.micro_batch_size equal to the batch")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("block schedule: a cache split into micro-batches cannot be cropped")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("block schedule: a cache split into micro-batches cannot be expanded")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("block schedule: a cache split into micro-batches cannot select sequences")
 
 
 class OffloadedKVCache(Cache):
