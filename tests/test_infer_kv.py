@@ -218,3 +218,29 @@ def test_command_line_runs_the_block_schedule(llama):
         ref = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False,
                              pad_token_id=PAD)
     assert figures["tokens"] == ref[0, 4:].tolist()
+
+
+def test_memory_holds_the_ring_while_the_files_hold_the_cache(llama):
+    """Bounded memory: whatever the number of layers on NVMe, memory holds ``buffer_count`` buffers of
+    one layer's cache (plus partial pages); the files hold every layer's written pages."""
+    _, model = llama[torch.float32]
+    root = scratch_dir("infer-kv-bound-")
+    ids, mask = prompts(4)
+    try:
+        with AioHandle() as handle, OffloadedKVCache(5, range(5), handle, root, max_tokens=8 + NEW_TOKENS) as cache:
+            with torch.no_grad():
+                model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False,
+                               cache=cache)
+            ring = cache.ring
+            layer_bytes = 2 * (8 + NEW_TOKENS) * ring.row_nbytes  # keys and values of one layer at the full length
+            assert len(ring.buffers) == 2 and layer_bytes <= ring.buffer_nbytes < layer_bytes + 2 * 4096
+            files = sorted(os.listdir(ring.directory))
+            assert len(files) == 5
+            flushed = cache.layers[0].flushed
+            assert flushed == (8 + NEW_TOKENS - 1) // ring.page_tokens * ring.page_tokens > 0
+            for name in files:  # each file: the keys' region, then the values' written pages
+                assert os.path.getsize(os.path.join(ring.directory, name)) == ring.region_nbytes + flushed * ring.row_nbytes
+            assert all(layer.length - layer.flushed < ring.page_tokens for layer in cache.layers)
+        assert os.listdir(root) == []
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
