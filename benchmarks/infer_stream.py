@@ -297,6 +297,8 @@ def _load(kind: str, checkpoint: Path, config, args: dict):
         ring = {"buffer_count": args["buffer_count"]} if args["buffer_count"] else {}
         if args.get("quantize"):  # benchmarks/infer_quant.py: the quantized cache, written before the run
             ring.update(weight_quantization=args["quantize"], nvme_path=args["nvme_path"])
+        if args.get("block_schedule"):
+            ring.update(block_schedule=args["block_schedule"])
         return init_inference(checkpoint, max_in_cpu=f"{budget}B", aio=args["aio"], disk_gbps=args["disk_gbps"],  # bytes
                               **ring)
     if kind == "accelerate-dispatch":
@@ -339,6 +341,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--budgets", default="1GiB,8GiB,16GiB", help="our budgets (max_in_cpu) at batch 1")
     ap.add_argument("--big-batch", type=int, default=16)
     ap.add_argument("--big-batch-budget", default="8GiB")
+    ap.add_argument("--big-batch-target", type=float, default=12.0,
+                    help="the big batch's tokens/s against batch 1's that is the target (issue 28: 30 at batch 64)")
+    ap.add_argument("--micro-batch-size", type=int, default=None,
+                    help="the big batch's block schedule: sequences per micro-batch (default: the engine's choice)")
     ap.add_argument("--accelerate", default="dispatch,auto", help="Accelerate runs: dispatch, auto, or none")
     ap.add_argument("--accelerate-budget", default="8GiB", help="max_memory for Accelerate (and our comparison run)")
     ap.add_argument("--prompt-tokens", type=int, default=32)
@@ -401,6 +407,8 @@ def main(argv: list[str] | None = None) -> dict:
         payload = {"kind": kind, "checkpoint": str(checkpoint), "budget": budget, "batch": batch,
                    "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "buffer_count": args.buffer_count,
                    "aio": args.aio, "disk_gbps": fio_bps / 1e9 if fio_bps else None, "offload_folder": str(offload_folder)}
+        if batch > 1 and args.micro_batch_size:
+            payload["block_schedule"] = {"micro_batch_size": args.micro_batch_size}
         available = meminfo("MemAvailable")
         try:
             result = run_config(payload)
@@ -419,7 +427,7 @@ def main(argv: list[str] | None = None) -> dict:
         _print_row(result)
 
     # 4. The targets.
-    targets = _targets(results, fio_bps, budgets, big_budget, args.big_batch, acc_budget)
+    targets = _targets(results, fio_bps, budgets, big_budget, args.big_batch, acc_budget, args.big_batch_target)
     print("targets:")
     for line in targets:
         print("  " + line)
@@ -465,7 +473,7 @@ def _print_row(r: dict) -> None:
 
 
 def _targets(results: list[dict], fio_bps: float | None, budgets: list[int], big_budget: int, big_batch: int,
-             acc_budget: int) -> list[str]:
+             acc_budget: int, big_batch_target: float = 12.0) -> list[str]:
     def find(kind: str, budget: int, batch: int) -> dict | None:
         return next((r for r in measured if r["kind"] == kind and r["budget"] == budget and r["batch"] == batch), None)
 
@@ -507,8 +515,8 @@ def _targets(results: list[dict], fio_bps: float | None, budgets: list[int], big
     small, big = find("ours", big_budget, 1), find("ours", big_budget, big_batch)
     if small and big and small["tokens_per_s"] and big["tokens_per_s"]:
         ratio = big["tokens_per_s"] / small["tokens_per_s"]
-        lines.append(f"batch {big_batch} at {_gib(big_budget)}: {ratio:.1f}x the tokens/s of batch 1; target >= 12x: "
-                     f"{verdict(ratio >= 12)}")
+        lines.append(f"batch {big_batch} at {_gib(big_budget)}: {ratio:.1f}x the tokens/s of batch 1; target >= "
+                     f"{big_batch_target:g}x: {verdict(ratio >= big_batch_target)}")
     return lines
 
 

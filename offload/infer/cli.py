@@ -63,6 +63,12 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
             values[key] = getattr(args, key)
     if args.quantize is not None:
         values["weight_quantization"] = args.quantize
+    if args.micro_batch_size is not None:
+        values["block_schedule"] = {"micro_batch_size": args.micro_batch_size}
+    if args.kv_offload is not None or args.kv_cpu_percent is not None:
+        values["kv_offload"] = {"device": args.kv_offload or "nvme"}
+        if args.kv_cpu_percent is not None:
+            values["kv_offload"]["cpu_percent"] = args.kv_cpu_percent
     return values
 
 
@@ -85,6 +91,15 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
     ap.add_argument("--quantize", choices=("int8", "int4", "none"),
                     help="decoder weights as int8 (per channel) or int4 (group 64), quantized once into a cache "
                          "under --nvme-path (default: the checkpoint's directory)")
+    ap.add_argument("--kv-offload", choices=("auto", "cpu", "nvme"),
+                    help="where the KV cache lives: auto (default: in memory while the budget holds it, the layers "
+                         "beyond it on NVMe), cpu (all in memory), nvme (on NVMe but --kv-cpu-percent of the layers); "
+                         "its files go under --nvme-path (default: the checkpoint's directory)")
+    ap.add_argument("--kv-cpu-percent", type=float,
+                    help="with --kv-offload nvme: the share of layers (0-100) whose cache stays in memory")
+    ap.add_argument("--micro-batch-size", type=int,
+                    help="block schedule: run the batch through each layer's one read in micro-batches of this many "
+                         "sequences (default: as large as 1 GiB of activations allows)")
     ap.add_argument("--config", help="DeepSpeed-style JSON config (command-line options override it)")
     ap.add_argument("--disk-gbps", type=float, help="the disk's read speed in GB/s (default: measure it)")
     ap.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
@@ -161,6 +176,8 @@ def _figures(engine, printer: _Printer, start: float, end: float, read_start: in
         "disk_s_per_forward": plan.disk_seconds_per_forward, "read_wait_s": engine.read_wait_seconds,
         "resident_bytes": plan.resident_bytes, "streamed_bytes": plan.streamed_bytes,
         "quantization": plan.quantization, "unquantized_read_bytes_per_forward": plan.unquantized_read_bytes,
+        "kv_nvme_layers": len(plan.kv.nvme_layers) if plan.kv else 0, "kv_bytes_read": engine.kv_bytes_read,
+        "kv_bytes_written": engine.kv_bytes_written, "kv_read_wait_s": engine.kv_wait_seconds,
     }
 
 

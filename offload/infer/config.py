@@ -24,7 +24,7 @@ import torch
 
 from tensorio import AioConfig, parse_size
 
-__all__ = ["IGNORED_KEYS", "InferenceConfig", "WeightQuantization", "parse_dtype"]
+__all__ = ["IGNORED_KEYS", "BlockScheduleConfig", "InferenceConfig", "KVOffload", "WeightQuantization", "parse_dtype"]
 
 #: DeepSpeed keys accepted and without effect in inference (training-only or about the GPU).
 IGNORED_KEYS = {
@@ -144,6 +144,95 @@ class WeightQuantization:
         return cls(**section)
 
 
+@dataclass(frozen=True, slots=True)
+class KVOffload:
+    """``kv_offload``: where the KV cache lives (docs/inference.md, "KV cache offload"). FlexGen's
+    placement by percentage: ``cpu_percent`` of the decoder layers keep their cache in memory, the
+    others on NVMe, read ahead layer by layer and written behind."""
+
+    device: str = "auto"
+    """"auto": in memory while it fits the budget (beside the weights that must stay), the layers
+    beyond it on NVMe; "cpu": all in memory (counted against the budget, as transformers'
+    DynamicCache); "nvme": ``cpu_percent`` of the layers in memory, the rest on NVMe."""
+
+    cpu_percent: float | None = None
+    """With device "nvme": the share of layers (0 to 100) whose cache stays in memory; None: 0."""
+
+    nvme_path: str | None = None
+    """Directory for the cache's files (removed after each generate call); None:
+    ``offload_param.nvme_path``, else the checkpoint's directory."""
+
+    buffer_count: int = 2
+    """Locked buffers in the cache's read-ahead ring, each one layer's cache at the full length. >= 1;
+    two read the next layer's cache while one computes."""
+
+    def __post_init__(self) -> None:
+        key = "kv_offload"
+        if self.device not in ("auto", "cpu", "nvme"):
+            raise ValueError(f"{key}.device: {self.device!r} is not allowed; use \"auto\", \"cpu\" or \"nvme\"")
+        if self.cpu_percent is not None:
+            if self.device != "nvme":
+                raise ValueError(f"{key}.cpu_percent: only with device \"nvme\" (device {self.device!r} places the "
+                                 f"cache itself); set device \"nvme\" or leave cpu_percent out")
+            if (isinstance(self.cpu_percent, bool) or not isinstance(self.cpu_percent, (int, float))
+                    or not 0 <= self.cpu_percent <= 100):
+                raise ValueError(f"{key}.cpu_percent: {self.cpu_percent!r} is not allowed; use a number from 0 to 100")
+        if self.nvme_path is not None and not (isinstance(self.nvme_path, (str, os.PathLike)) and str(self.nvme_path)):
+            raise ValueError(f"{key}.nvme_path: expected a directory path, got {self.nvme_path!r}")
+        object.__setattr__(self, "buffer_count", _int(f"{key}.buffer_count", self.buffer_count, 1))
+
+    @classmethod
+    def parse(cls, value: Any) -> "KVOffload":
+        """From "auto" / "cpu" / "nvme" (the command's ``--kv-offload``), None (the default), a
+        mapping of the fields, or a `KVOffload`. Raises ValueError naming the key."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            return cls(device=value)
+        section = _section(value, "kv_offload", {"device", "cpu_percent", "nvme_path", "buffer_count"})
+        return cls(**section)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockScheduleConfig:
+    """``block_schedule``: a batch run through each decoder layer as several micro-batches that share
+    the layer's read (docs/inference.md, "Block schedule")."""
+
+    micro_batch_size: int | None = None
+    """Sequences per micro-batch (lowered to a divisor of the batch); None ("auto"): the largest whose
+    activations fit ``max_activation_bytes``."""
+
+    max_activation_bytes: int = 1 << 30
+    """With "auto": the most one micro-batch's activations may take (bytes, or a size string as
+    "1GiB"); a stated buffer beside the budget."""
+
+    def __post_init__(self) -> None:
+        key = "block_schedule"
+        if self.micro_batch_size == "auto":
+            object.__setattr__(self, "micro_batch_size", None)
+        if self.micro_batch_size is not None:
+            object.__setattr__(self, "micro_batch_size", _int(f"{key}.micro_batch_size", self.micro_batch_size, 1))
+        value = self.max_activation_bytes
+        if isinstance(value, str):
+            try:
+                value = parse_size(value)
+            except ValueError as exc:
+                raise ValueError(f"{key}.max_activation_bytes: {exc}") from None
+        object.__setattr__(self, "max_activation_bytes", _int(f"{key}.max_activation_bytes", value, 1))
+
+    @classmethod
+    def parse(cls, value: Any) -> "BlockScheduleConfig":
+        """From None (the default), a mapping of the fields, or a `BlockScheduleConfig`. Raises
+        ValueError naming the key."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        return cls(**_section(value, "block_schedule", {"micro_batch_size", "max_activation_bytes"}))
+
+
 @dataclass(kw_only=True, slots=True)
 class InferenceConfig:
     """Every setting of `init_inference`, checked; named as DeepSpeed names them where it has them."""
@@ -195,6 +284,14 @@ class InferenceConfig:
     into a cache under ``nvme_path`` (the checkpoint's directory without it) and streamed from there;
     None keeps them in the compute dtype. Also "int8" / "int4" (`WeightQuantization.parse`)."""
 
+    kv_offload: KVOffload = field(default_factory=KVOffload)
+    """``kv_offload``: where the KV cache lives; also "auto" / "cpu" / "nvme" or a mapping
+    (`KVOffload.parse`). Not a DeepSpeed key (FlexGen's placement)."""
+
+    block_schedule: BlockScheduleConfig = field(default_factory=BlockScheduleConfig)
+    """``block_schedule``: micro-batches sharing each layer's read; a mapping or a
+    `BlockScheduleConfig`. Not a DeepSpeed key (FlexGen's)."""
+
     def __post_init__(self) -> None:
         key = "zero_optimization.offload_param"
         if self.device not in ("nvme", "cpu"):
@@ -222,6 +319,8 @@ class InferenceConfig:
         if self.compute_device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"compute_device: {self.compute_device!r} is not allowed; use \"auto\", \"cpu\" or \"cuda\"")
         self.weight_quantization = WeightQuantization.parse(self.weight_quantization)
+        self.kv_offload = KVOffload.parse(self.kv_offload)
+        self.block_schedule = BlockScheduleConfig.parse(self.block_schedule)
 
     def budget_bytes(self, itemsize: int) -> int:
         """``max_in_cpu`` in bytes, for a model whose weights have ``itemsize`` bytes per element."""
@@ -264,10 +363,15 @@ def _section(value: Any, key: str, allowed: set[str]) -> dict[str, Any]:
 
 def _from_deepspeed(config: Mapping[str, Any]) -> dict[str, Any]:
     """The `InferenceConfig` fields a DeepSpeed-style config sets, its keys checked."""
-    top = _section(config, "", {"zero_optimization", "aio", "dtype", "bf16", "bfloat16", "fp16", "weight_quantization"})
+    top = _section(config, "", {"zero_optimization", "aio", "dtype", "bf16", "bfloat16", "fp16", "weight_quantization",
+                                 "kv_offload", "block_schedule"})
     values: dict[str, Any] = {}
     if "weight_quantization" in top:
         values["weight_quantization"] = WeightQuantization.parse(top["weight_quantization"])
+    if "kv_offload" in top:
+        values["kv_offload"] = KVOffload.parse(top["kv_offload"])
+    if "block_schedule" in top:
+        values["block_schedule"] = BlockScheduleConfig.parse(top["block_schedule"])
     zero = _section(top.get("zero_optimization", {}), "zero_optimization",
                     {"offload_param", "stage3_prefetch_bucket_size", "aio"})
     param = _section(zero.get("offload_param", {}), "zero_optimization.offload_param",

@@ -20,9 +20,11 @@ from offload.device import Device, device_for
 from offload.infer.config import InferenceConfig
 from offload.infer.convert import converted_copy
 from offload.infer.device_ring import DeviceRing
-from offload.infer.plan import BudgetError, Plan, UnitSize, format_bytes, make_plan
+from offload.infer.kvcache import OffloadedKVCache
+from offload.infer.plan import BudgetError, KVPlacement, Plan, UnitSize, format_bytes, make_plan, place_kv
 from offload.infer.qcache import PAD_PREFIX, quantized_cache
 from offload.infer.quantize import block_linears, swap_linears
+from offload.infer.schedule import BlockSchedule, micro_batch_size
 from offload.infer.stream import LayerStreamer, ParamRef, ResidentLoad, Unit
 from offload.storage.safetensors_reader import SafetensorsCheckpoint, read_windows, tensor_views, windows_nbytes
 from tensorio import AioHandle, aligned_tensor
@@ -76,6 +78,10 @@ class InferenceEngine:
         self._owns_compute = compute is None
         self._closed = False
         self._loads: list[ResidentLoad] = []
+        self.kv_bytes_read = self.kv_bytes_written = 0
+        """Bytes of KV cache read from and written to NVMe by `generate` calls so far."""
+        self.kv_wait_seconds = 0.0
+        """Seconds forwards waited for KV cache reads (the part not hidden behind compute)."""
         self._start = start = time.perf_counter()
         # 1. The reads' handle, and the checkpoint's headers (every file checked before any tensor is read).
         self.handle = AioHandle.from_config(settings.aio)
@@ -104,6 +110,9 @@ class InferenceEngine:
             for unit in self.units:
                 if unit.streamable:
                     self.streamer.attach(unit)
+            self.schedule = BlockSchedule()
+            """Micro-batches through each decoder layer (`generate` sets them from the plan)."""
+            self.schedule.install(self.module.get_submodule(_blocks(self.module)))
             self._release_hook = self.module.register_forward_hook(lambda *_: self._release_loads())
             """Until the first forward is done (then None), loads hold their streamable units back."""
             self._apply(self.plan)
@@ -134,9 +143,35 @@ class InferenceEngine:
         total = prompt + new if new is not None else kwargs.get("max_length", generation.max_length)
         beams = kwargs.get("num_beams", generation.num_beams) or 1
         returns = kwargs.get("num_return_sequences", generation.num_return_sequences) or 1
-        self.reserve(batch * max(beams, returns), total)
-        with self._running():
-            return self.module.generate(inputs, **kwargs)
+        plan = self.reserve(batch * max(beams, returns), total)
+        cache = None
+        placement = plan.kv
+        if ((placement.nvme_layers or placement.micro_batches > 1)
+                and kwargs.get("cache", kwargs.get("past_key_values")) is None):
+            cache = self.offloaded_cache(placement, total)
+            kwargs["cache"] = cache
+            self.schedule.micro_batches = placement.micro_batches
+        try:
+            with self._running():
+                return self.module.generate(inputs, **kwargs)
+        finally:
+            self.schedule.micro_batches = 1
+            if cache is not None:
+                self.kv_bytes_read += cache.ring.bytes_read
+                self.kv_bytes_written += cache.ring.bytes_written
+                self.kv_wait_seconds += cache.ring.wait_seconds
+                cache.close()
+
+    def offloaded_cache(self, placement: KVPlacement, max_tokens: int) -> OffloadedKVCache:
+        """A transformers cache with the layers of ``placement`` on NVMe, for sequences of up to
+        ``max_tokens`` tokens; its files go under ``kv_offload.nvme_path`` (else
+        ``offload_param.nvme_path``, else the checkpoint's directory). The caller closes it (its
+        files are removed then). `generate` makes one itself when the plan puts layers on NVMe."""
+        self._check_open()
+        setting = self.settings.kv_offload
+        parent = setting.nvme_path or self.settings.nvme_path or self.checkpoint.directory
+        return OffloadedKVCache(placement.layers, placement.nvme_layers, self.handle, parent, max_tokens=max_tokens,
+                                buffer_count=setting.buffer_count, micro_batches=placement.micro_batches)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """``module(*args, **kwargs)`` with streamed weights, under ``torch.no_grad()``."""
@@ -154,15 +189,25 @@ class InferenceEngine:
         shrinks again). Returns the plan. Raises BudgetError naming the figures when even the weights
         that must stay plus that cache exceed the budget, or the plan exceeds the machine's memory."""
         self._check_open()
-        kv = self.kv_bytes(batch, tokens)
-        plan = self._make_plan(kv, (batch, tokens), disk=(self.plan.disk_bps, self.plan.disk_source))
+        setting, schedule = self.settings.kv_offload, self.settings.block_schedule
+        micro = micro_batch_size(batch, lambda size: self.activation_bytes(size, tokens),
+                                 schedule.max_activation_bytes, schedule.micro_batch_size)
+        layers = self._text_config().num_hidden_layers
+        placement = place_kv(self._sizes(), budget=self._budget(), layers=layers,
+                             layer_nbytes=self.kv_bytes(batch, tokens) // layers, device=setting.device,
+                             cpu_percent=setting.cpu_percent, buffer_count=setting.buffer_count,
+                             kv_shape=(batch, tokens), micro_batches=batch // micro)
+        kv = placement.memory_bytes
+        plan = dataclasses.replace(self._make_plan(kv, (batch, tokens), disk=(self.plan.disk_bps, self.plan.disk_source)),
+                                   kv=placement)
         total = psutil.virtual_memory().total
-        need = plan.memory_bytes + self.activation_bytes(batch, tokens)
+        activations = self.activation_bytes(micro, tokens)
+        need = plan.memory_bytes + activations
         if need > total:
             raise BudgetError(
                 f"batch {batch} x {tokens} tokens needs {format_bytes(need)} of memory (resident weights "
                 f"{format_bytes(plan.resident_bytes)} + buffers {format_bytes(plan.buffers_bytes)} + KV cache "
-                f"{format_bytes(kv)} + activations {format_bytes(self.activation_bytes(batch, tokens))}), more than this "
+                f"{format_bytes(kv)} + activations {format_bytes(activations)}), more than this "
                 f"machine's {format_bytes(total)}; lower max_in_cpu, the batch size or the number of tokens")
         if plan.resident != self.plan.resident:
             log.info("offload.infer: re-placing for batch %d x %d tokens (KV cache %s)", batch, tokens, format_bytes(kv))
@@ -197,7 +242,7 @@ class InferenceEngine:
 
     def kv_bytes(self, batch: int, tokens: int) -> int:
         """Bytes of the KV cache for ``batch`` sequences of ``tokens`` tokens (keys and values, every layer)."""
-        text = self.module.config.get_text_config() if hasattr(self.module.config, "get_text_config") else self.module.config
+        text = self._text_config()
         heads = text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -207,7 +252,7 @@ class InferenceEngine:
     def activation_bytes(self, batch: int, tokens: int) -> int:
         """An upper estimate of one forward's activations over ``tokens`` tokens: hidden states and the
         MLP's intermediates, attention scores in fp32, and fp32 logits for every position."""
-        text = self.module.config.get_text_config() if hasattr(self.module.config, "get_text_config") else self.module.config
+        text = self._text_config()
         hidden, heads = text.hidden_size, text.num_attention_heads
         inner = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
         itemsize = torch.empty((), dtype=self.dtype).element_size()
@@ -256,6 +301,15 @@ class InferenceEngine:
             self.streamer.reset()  # no read left in flight, no layer left bound: the next call starts clean
             raise
 
+    def _text_config(self) -> Any:
+        config = self.module.config
+        return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+    def _budget(self) -> int | None:
+        """``max_in_cpu`` in bytes; None with device "cpu" (no limit)."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return None if self.settings.device == "cpu" else self.settings.budget_bytes(itemsize)
+
     def _sizes(self) -> list[UnitSize]:
         return [UnitSize(u.name, u.nbytes, u.read_nbytes, u.buffer_nbytes, u.streamable) for u in self.units]
 
@@ -263,7 +317,7 @@ class InferenceEngine:
                    disk: tuple[float | None, str] | None = None) -> Plan:
         settings = self.settings
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        budget = None if settings.device == "cpu" else settings.budget_bytes(itemsize)
+        budget = self._budget()
         buffer_nbytes = None if settings.buffer_size is None else settings.buffer_size * itemsize
         if disk is None:
             disk = (settings.disk_gbps * 1e9, "given") if settings.disk_gbps else (None, "")

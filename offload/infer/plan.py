@@ -15,7 +15,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["BudgetError", "Plan", "UnitSize", "format_bytes", "make_plan"]
+__all__ = ["BudgetError", "KVPlacement", "Plan", "UnitSize", "format_bytes", "make_plan", "place_kv"]
 
 
 class BudgetError(ValueError):
@@ -50,6 +50,83 @@ class UnitSize:
 
 
 @dataclass(frozen=True, slots=True)
+class KVPlacement:
+    """Where each decoder layer's KV cache lives for one batch and length: in memory, or on NVMe
+    read through a ring of ``buffer_count`` buffers of one layer's cache."""
+
+    layers: int
+    layer_nbytes: int
+    """One layer's keys and values at the full length."""
+    nvme_layers: tuple[int, ...] = ()
+    """The layers whose cache is on NVMe, in forward order."""
+    buffer_count: int = 0
+    micro_batches: int = 1
+    """The block schedule's micro-batches: each ring buffer holds one micro-batch's part of a layer."""
+
+    @property
+    def memory_layers(self) -> int:
+        return self.layers - len(self.nvme_layers)
+
+    @property
+    def slot_nbytes(self) -> int:
+        """One ring buffer: a layer's cache for one micro-batch."""
+        return -(-self.layer_nbytes // self.micro_batches)
+
+    @property
+    def ring_bytes(self) -> int:
+        """The read-ahead ring's buffers (0 when no layer is on NVMe)."""
+        return self.buffer_count * self.slot_nbytes if self.nvme_layers else 0
+
+    @property
+    def memory_bytes(self) -> int:
+        """What the cache takes in memory: the layers held there plus the ring."""
+        return self.memory_layers * self.layer_nbytes + self.ring_bytes
+
+    @property
+    def nvme_bytes(self) -> int:
+        """The cache's bytes on NVMe, each read once per step at the full length."""
+        return len(self.nvme_layers) * self.layer_nbytes
+
+
+def place_kv(units: Sequence[UnitSize], *, budget: int | None, layers: int, layer_nbytes: int, device: str,
+             cpu_percent: float | None, buffer_count: int, kv_shape: tuple[int, int] = (0, 0),
+             micro_batches: int = 1) -> KVPlacement:
+    """Place ``layers`` layers' caches of ``layer_nbytes`` each. ``device`` "cpu": all in memory;
+    "nvme": ``cpu_percent`` (None: 0) of the layers in memory, the rest on NVMe; "auto": all in
+    memory when the budget holds them beside the units that must stay (or when there is no budget:
+    None, or 0), else as many layers as fit beside the ring, the rest on NVMe. The layers kept in
+    memory are spread through the forward, so that the reads of the others interleave with compute.
+    With ``micro_batches`` (the block schedule) a ring buffer holds one micro-batch's part of a layer.
+
+    ``kv_shape`` (batch, tokens) is for the message. Raises BudgetError naming the figures when
+    "auto" finds no room even for the ring.
+    """
+    if device == "cpu" or layers == 0:
+        return KVPlacement(layers, layer_nbytes, micro_batches=micro_batches)
+    if device == "nvme":
+        keep = math.floor(layers * (cpu_percent or 0) / 100)
+    else:
+        room = None if not budget else budget - sum(u.nbytes for u in units if not u.streamable)
+        if room is None or layers * layer_nbytes <= room:
+            return KVPlacement(layers, layer_nbytes, micro_batches=micro_batches)
+        ring = KVPlacement(layers, layer_nbytes, (0,), buffer_count, micro_batches).ring_bytes
+        if room < ring:
+            must, total = budget - room, layers * layer_nbytes
+            raise BudgetError(
+                f"zero_optimization.offload_param.max_in_cpu: the budget of {format_bytes(budget)} cannot hold the "
+                f"weights that must stay in memory ({format_bytes(must)}) plus a KV cache of {format_bytes(total)} for "
+                f"batch {kv_shape[0]} x {kv_shape[1]} tokens; raise max_in_cpu to at least "
+                f"{format_bytes(must + total, up=True)} or lower the batch size or the number of tokens (kv_offload would "
+                f"put the cache's layers on NVMe, but even its read-ahead ring of {buffer_count} x "
+                f"{format_bytes(ring // buffer_count, up=True)}, one layer's cache each, needs a budget of "
+                f"{format_bytes(must + ring, up=True)}; kv_offload.buffer_count 1 halves it)")
+        keep = min(layers, (room - ring) // layer_nbytes)
+    memory = set(_spread_order(layers)[:keep])
+    return KVPlacement(layers, layer_nbytes, tuple(i for i in range(layers) if i not in memory), buffer_count,
+                       micro_batches)
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     """What stays in memory, what is streamed, and what it costs per forward."""
 
@@ -74,6 +151,8 @@ class Plan:
     """The decoder layers' weight quantization ("int4 (group 64, asymmetric)"), "" for none."""
     unquantized_read_bytes: int | None = None
     """With ``quantization``: the bytes per forward the same budget would read with unquantized weights."""
+    kv: KVPlacement | None = None
+    """Where the KV cache of ``kv_shape`` lives (None until a batch is known); ``kv_bytes`` is its memory."""
 
     @property
     def streamed(self) -> tuple[UnitSize, ...]:
@@ -136,6 +215,14 @@ class Plan:
         batch, tokens = self.kv_shape
         lines.append(f"  KV cache: {format_bytes(self.kv_bytes)} reserved"
                      + (f" (batch {batch} x {tokens} tokens)" if batch else " (none yet: reserved per generate call)"))
+        kv = self.kv
+        if kv is not None and kv.nvme_layers:
+            lines.append(f"  KV on NVMe: {format_bytes(kv.nvme_bytes)} for {len(kv.nvme_layers)} of {kv.layers} layers "
+                         f"(read each step, written behind), {kv.memory_layers} layers in memory, ring "
+                         f"{kv.buffer_count} x {format_bytes(kv.slot_nbytes)}")
+        if kv is not None and kv.micro_batches > 1:
+            lines.append(f"  block schedule: batch {batch} as {kv.micro_batches} micro-batches of "
+                         f"{batch // kv.micro_batches} through each layer's one read")
         lines.append(f"  memory: {format_bytes(self.memory_bytes)} = resident + buffers + KV cache, activations aside")
         if streamed:
             if self.disk_bps:

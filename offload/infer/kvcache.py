@@ -1,0 +1,408 @@
+"""`OffloadedKVCache`: a transformers `Cache` whose chosen layers keep their keys and values on NVMe.
+
+The other layers keep transformers' own `DynamicLayer` in memory. A layer on NVMe (`NvmeKVLayer`)
+owns one file under the cache's directory, laid out token-major ([tokens, batch, heads, head dim]
+for the keys, then the same for the values, each region page-aligned), so that the first ``n``
+tokens of a layer are one contiguous O_DIRECT read and each new token is appended at the end.
+
+A ring of locked buffers (`KVRing`), each one layer's cache at the full length, is read ahead in
+forward order (wrapping to the next step), like the weights' ring: while a layer computes, the next
+NVMe layer's cache is read. A layer's update copies its new keys and values (and the few tokens not
+yet written) after what was read, returns them to attention in its layout, and writes behind the
+whole pages that are now complete (from a copy, so that the buffer is free as soon as attention is
+done); the last partial page stays in memory (at most a page's worth of tokens per layer). Every read
+and write goes through tensorio with O_DIRECT; the writes waiting at one time are bounded by
+``write_behind_bytes``.
+
+Memory: ``buffer_count`` buffers of one layer's cache, attention's copy of one layer's cache, the
+tails and the writes in flight.
+The disk holds the rest, so a cache larger than the host's memory works as long as one layer's fits.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections import deque
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+
+from tensorio import DIRECT_ALIGN, AioHandle, IOFuture, aligned_tensor, free_locked_tensor, locked_tensor
+
+__all__ = ["KVRing", "MicroBatchedLayer", "NvmeKVLayer", "OffloadedKVCache"]
+
+
+class _StreamedLayer(CacheLayerMixin):
+    """What the cache layers here share: read ahead by the ring (offload and prefetch do nothing),
+    no maximum length, and no reordering, cropping or batch surgery (each refused naming ``_what``
+    and ``_instead``)."""
+
+    is_sliding = False
+    is_croppable = False
+    _what = ""
+    _instead = ""
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def offload(self) -> None:
+        """Nothing to do: the ring reads ahead by itself and writes behind."""
+
+    def prefetch(self) -> None:
+        """Nothing to do: the ring reads ahead by itself."""
+
+    def _refuse(self, what: str) -> NotImplementedError:
+        return NotImplementedError(f"{self._what} {what}; {self._instead}")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise self._refuse("does not reorder for beam search")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise self._refuse("cannot be cropped (assisted decoding)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise self._refuse("cannot be expanded over the batch")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise self._refuse("cannot select sequences of the batch")
+
+
+class NvmeKVLayer(_StreamedLayer):
+    """One decoder layer's keys and values in a file on NVMe; see the module's docstring."""
+
+    _what = "kv_offload: a cache on NVMe"
+    _instead = "use greedy decoding or sampling, or kv_offload.device \"cpu\""
+
+    def __init__(self, ring: "KVRing", index: int, part: int = 0) -> None:
+        super().__init__()
+        self.ring, self.index = ring, index
+        self.path = os.path.join(ring.directory, f"layer-{index:04d}-{part:04d}.kv")
+        self.length = 0
+        """Tokens held: ``flushed`` in the file (written or being written), the rest in ``tail_*``."""
+        self.flushed = 0
+        self.tail_keys: torch.Tensor | None = None
+        self.tail_values: torch.Tensor | None = None
+        self.writes: list[IOFuture] = []
+        """The writes of this layer still in flight (each with its staging copy in the ring's queue)."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.ring.shape_from(key_states)
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``key_states`` / ``value_states`` ([batch, heads, new, head dim]); return every
+        token's keys and values ([batch, heads, tokens, head dim], copied out of the ring buffer).
+        Raises ValueError when the cache would pass its length, TensorIOError for a failed read or write."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        ring = self.ring
+        new = key_states.shape[-2]
+        total = self.length + new
+        if total > ring.max_tokens:
+            raise ValueError(f"kv_offload: layer {self.index}'s cache holds {ring.max_tokens} tokens (the length it was "
+                             f"made for), and {total} are asked for; make the cache for the full length (prompt plus "
+                             f"max_new_tokens)")
+        keys, values = ring.acquire(self)  # [max_tokens, batch, heads, head dim], the first `flushed` tokens read
+        tail = self.length - self.flushed
+        if tail:
+            keys[self.flushed:self.length] = self.tail_keys
+            values[self.flushed:self.length] = self.tail_values
+        keys[self.length:total] = key_states.permute(2, 0, 1, 3)
+        values[self.length:total] = value_states.permute(2, 0, 1, 3)
+        self.length = total
+        # Write behind the whole pages now complete; keep the rest in memory.
+        done = (total // ring.page_tokens) * ring.page_tokens
+        if done > self.flushed:
+            ring.write(self, keys, values, self.flushed, done)
+            self.flushed = done
+        self.tail_keys = keys[done:total].clone() if total > done else None
+        self.tail_values = values[done:total].clone() if total > done else None
+        # Attention's layout, contiguous: torch's CPU attention on the token-major views took 2.5x as long
+        # as on a copy, and the copy costs what transformers' DynamicLayer pays anyway (it concatenates).
+        # The buffer is then free at once, for the next read.
+        out = keys[:total].permute(1, 2, 0, 3).contiguous(), values[:total].permute(1, 2, 0, 3).contiguous()
+        ring.release(self)
+        return out
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def reset(self) -> None:
+        self.ring.forget(self)
+        self.length = self.flushed = 0
+        self.tail_keys = self.tail_values = None
+
+
+class KVRing:
+    """The NVMe layers' files, read ahead into ``buffer_count`` locked buffers and written behind.
+
+    The files go into a new directory under ``parent``, removed by `close`. Buffers are made at the first update, once
+    the batch, heads, head dim and dtype are known (`shape_from`).
+    """
+
+    def __init__(self, handle: AioHandle, parent: str, *, max_tokens: int, buffer_count: int = 2,
+                 write_behind_bytes: int = 64 << 20) -> None:
+        if not os.path.isdir(parent):
+            raise FileNotFoundError(f"kv_offload.nvme_path: {parent} is not a directory; the KV cache's files go there")
+        self.handle = handle
+        self.directory = tempfile.mkdtemp(prefix="offload-kv-", dir=parent)
+        self.max_tokens = max_tokens
+        self.buffer_count = buffer_count
+        self.write_behind_bytes = write_behind_bytes
+        self.layers: list[NvmeKVLayer] = []
+        """The NVMe layers in forward order."""
+        self.row_shape: tuple[int, ...] | None = None
+        self.dtype: torch.dtype | None = None
+        self.row_nbytes = 0
+        self.page_tokens = 1
+        self.region_nbytes = 0
+        self.buffers: list[torch.Tensor] = []
+        self._free: deque[int] = deque()
+        self._inflight: deque[tuple[NvmeKVLayer, int, list[IOFuture]]] = deque()
+        self._held: tuple[NvmeKVLayer, int] | None = None
+        self._next = 0
+        self._writes: deque[tuple[NvmeKVLayer, list[IOFuture], torch.Tensor]] = deque()
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.wait_seconds = 0.0
+
+    def add(self, layer: NvmeKVLayer) -> None:
+        self.layers.append(layer)
+
+    @property
+    def buffer_nbytes(self) -> int:
+        return 2 * self.region_nbytes
+
+    def shape_from(self, key_states: torch.Tensor) -> None:
+        """Fix the token row ([batch, heads, head dim]) and dtype from the first update; make the buffers."""
+        batch, heads, _, head_dim = key_states.shape
+        row = (batch, heads, head_dim)
+        if self.row_shape is not None:
+            if row != self.row_shape or key_states.dtype != self.dtype:
+                raise ValueError(f"kv_offload: a layer's keys are {list(row)} {key_states.dtype} per token, another's "
+                                 f"{list(self.row_shape)} {self.dtype}; the layers of one cache must agree")
+            return
+        self.row_shape, self.dtype = row, key_states.dtype
+        self.row_nbytes = batch * heads * head_dim * key_states.element_size()
+        self.page_tokens = DIRECT_ALIGN // math.gcd(self.row_nbytes, DIRECT_ALIGN)
+        self.region_nbytes = -(-self.max_tokens * self.row_nbytes // DIRECT_ALIGN) * DIRECT_ALIGN
+        self.buffers = [locked_tensor(self.buffer_nbytes, torch.uint8) for _ in range(self.buffer_count)]
+        self._free = deque(range(self.buffer_count))
+
+    def _views(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values regions of buffer ``slot``, as [max_tokens, batch, heads, head dim]."""
+        buffer = self.buffers[slot]
+        shape = (self.max_tokens, *self.row_shape)
+        used = self.max_tokens * self.row_nbytes
+        keys = buffer[:used].view(self.dtype).view(shape)
+        values = buffer[self.region_nbytes:self.region_nbytes + used].view(self.dtype).view(shape)
+        return keys, values
+
+    # ---- reads ahead ------------------------------------------------------------------------------
+
+    def acquire(self, layer: NvmeKVLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s buffer with its first ``flushed`` tokens read (waiting for that read), held
+        until `release`."""
+        if self._held is not None:  # an update that raised: its buffer is free again
+            self._free.append(self._held[1])
+            self._held = None
+        if not self._inflight or self._inflight[0][0] is not layer:  # out of the expected order: restart at it
+            self._drain()
+            self._next = self.layers.index(layer)
+        self._issue()
+        held, slot, futures = self._inflight.popleft()
+        start = time.perf_counter()
+        self.bytes_read += _wait(futures)
+        self.wait_seconds += time.perf_counter() - start
+        self._held = (held, slot)
+        return self._views(slot)
+
+    def release(self, layer: NvmeKVLayer) -> None:
+        """``layer`` is done with its buffer, which takes the next read at once."""
+        if self._held is not None and self._held[0] is layer:
+            self._free.append(self._held[1])
+            self._held = None
+            self._issue()
+
+    def _issue(self) -> None:
+        """Start reads into the free buffers, in forward order, wrapping around to the next step."""
+        while self._free and self.layers and len(self._inflight) < self.buffer_count:
+            layer = self.layers[self._next]
+            if any(entry[0] is layer for entry in self._inflight) or (self._held and self._held[0] is layer):
+                return
+            self._wait_writes(layer)  # its pages must be on the disk before they are read back
+            slot = self._free.popleft()
+            futures = []
+            if layer.flushed:
+                nbytes = layer.flushed * self.row_nbytes
+                region = self.region_nbytes
+                buffer = self.buffers[slot]
+                futures = [self.handle.read(buffer[:nbytes], layer.path, 0),
+                           self.handle.read(buffer[region:region + nbytes], layer.path, region)]
+            self._inflight.append((layer, slot, futures))
+            self._next = (self._next + 1) % len(self.layers)
+
+    def _drain(self) -> None:
+        while self._inflight:
+            _, slot, futures = self._inflight.popleft()
+            try:
+                _wait(futures)
+            finally:
+                self._free.append(slot)
+
+    # ---- writes behind ----------------------------------------------------------------------------
+
+    def write(self, layer: NvmeKVLayer, keys: torch.Tensor, values: torch.Tensor, start: int, end: int) -> None:
+        """Write tokens [start, end) of ``layer`` (whole pages) from a copy; keep at most
+        ``write_behind_bytes`` of copies waiting."""
+        nbytes = (end - start) * self.row_nbytes
+        staging = aligned_tensor(2 * nbytes, torch.uint8)
+        staging[:nbytes].view(self.dtype).view(end - start, *self.row_shape).copy_(keys[start:end])
+        staging[nbytes:].view(self.dtype).view(end - start, *self.row_shape).copy_(values[start:end])
+        offset = start * self.row_nbytes
+        futures = [self.handle.write(staging[:nbytes], layer.path, offset),
+                   self.handle.write(staging[nbytes:], layer.path, self.region_nbytes + offset)]
+        layer.writes.extend(futures)
+        self._writes.append((layer, futures, staging))
+        while sum(entry[2].numel() for entry in self._writes) > self.write_behind_bytes and len(self._writes) > 1:
+            self._finish_write()
+
+    def _finish_write(self) -> None:
+        layer, futures, _ = self._writes.popleft()
+        try:
+            self.bytes_written += _wait(futures)
+        finally:
+            layer.writes = [f for f in layer.writes if f not in futures]
+
+    def _wait_writes(self, layer: NvmeKVLayer) -> None:
+        while layer.writes:
+            self._finish_write()
+
+    def forget(self, layer: NvmeKVLayer) -> None:
+        """``layer`` starts again empty: nothing of it in flight, nothing read ahead for it."""
+        self._drain()
+        self._wait_writes(layer)
+        if self._held is not None and self._held[0] is layer:
+            self._free.append(self._held[1])
+            self._held = None
+
+    # ---- lifetime ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for every read and write, free the buffers and remove the files. Raises the first
+        write's error once all are done."""
+        error = None
+        try:
+            self._drain()
+        except Exception as exc:  # noqa: BLE001 - raised below, after the cleanup
+            error = exc
+        while self._writes:
+            try:
+                self._finish_write()
+            except Exception as exc:  # noqa: BLE001 - raised below
+                error = error or exc
+        for buffer in self.buffers:
+            free_locked_tensor(buffer)
+        self.buffers, self._free, self._held = [], deque(), None
+        shutil.rmtree(self.directory, ignore_errors=True)
+        if error is not None:
+            raise error
+
+
+def _wait(futures: list[IOFuture]) -> int:
+    """Wait for every future; the bytes moved. Raises the first error after all are done."""
+    nbytes, error = 0, None
+    for future in futures:
+        try:
+            nbytes += future.result()
+        except BaseException as exc:  # noqa: BLE001 - raised below, once all are done
+            error = error or exc
+    if error is not None:
+        raise error
+    return nbytes
+
+
+class MicroBatchedLayer(_StreamedLayer):
+    """One decoder layer's cache under the block schedule: one layer cache per micro-batch, the
+    one updated chosen by the cache's ``micro_batch`` (set by `offload.infer.schedule` before each
+    micro-batch runs through the layer)."""
+
+    _what = "block schedule: a cache split into micro-batches"
+    _instead = "use greedy decoding or sampling, or block_schedule.micro_batch_size equal to the batch"
+
+    def __init__(self, cache: "OffloadedKVCache", parts: list[CacheLayerMixin]) -> None:  # noqa: D107
+        self.cache, self.parts = cache, parts
+        self.keys = self.values = None
+
+    @property
+    def is_initialized(self) -> bool:
+        return all(part.is_initialized for part in self.parts)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.parts[self.cache.micro_batch].lazy_initialization(key_states, value_states)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.parts[self.cache.micro_batch].update(key_states, value_states, *args, **kwargs)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.parts[0].get_mask_sizes(query_length)
+
+    def get_seq_length(self) -> int:
+        return self.parts[0].get_seq_length()
+
+    def reset(self) -> None:
+        for part in self.parts:
+            part.reset()
+
+
+class OffloadedKVCache(Cache):
+    """A transformers `Cache` for ``num_layers`` decoder layers: those in ``nvme_layers`` on NVMe
+    (files in a new directory under ``parent``, removed by `close`), the others in memory
+    (`DynamicLayer`). ``max_tokens`` is the longest sequence it will hold (prompt plus new tokens).
+    With ``micro_batches`` > 1 every layer holds one cache per micro-batch (`MicroBatchedLayer`),
+    read in the block schedule's order (layer by layer, the micro-batches of each in turn).
+
+    Use it as ``model.generate(..., cache=cache)`` and `close` it afterwards (or use it as a context
+    manager). Greedy decoding and sampling work; beam search and assisted decoding need reordering
+    or cropping, which raise NotImplementedError naming kv_offload.
+    """
+
+    def __init__(self, num_layers: int, nvme_layers: set[int] | list[int] | tuple[int, ...], handle: AioHandle,
+                 parent: str | os.PathLike, *, max_tokens: int, buffer_count: int = 2, micro_batches: int = 1) -> None:
+        self.ring = KVRing(handle, os.fspath(parent), max_tokens=max_tokens, buffer_count=buffer_count)
+        self.micro_batches = micro_batches
+        self.micro_batch = 0
+        """The micro-batch running now (the block schedule sets it)."""
+        on_nvme = set(nvme_layers)
+        layers: list[CacheLayerMixin] = []
+        for index in range(num_layers):
+            parts: list[CacheLayerMixin] = []
+            for part in range(micro_batches):
+                if index in on_nvme:
+                    layer = NvmeKVLayer(self.ring, index, part)
+                    self.ring.add(layer)
+                    parts.append(layer)
+                else:
+                    parts.append(DynamicLayer())
+            layers.append(parts[0] if micro_batches == 1 else MicroBatchedLayer(self, parts))
+        super().__init__(layers=layers)
+
+    def close(self) -> None:
+        """Wait for reads and writes in flight, free the ring and remove the files."""
+        self.ring.close()
+
+    def __enter__(self) -> "OffloadedKVCache":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,81 @@
+"""The block schedule: a batch goes through each decoder layer as several micro-batches, one after
+the other, while the layer's weights are bound once (FlexGen's zig-zag order over a block of
+micro-batches). The layer is read from the disk once for the whole batch, and the activations and
+the KV cache's read-ahead ring are those of one micro-batch, so the batch is not limited by what one
+forward holds.
+
+`BlockSchedule.install` wraps each decoder layer's ``forward`` (its hooks, which bind and release the
+streamed weights, run once around all the micro-batches); with one micro-batch it calls the layer
+as it is. The micro-batches share the transformers cache, an `OffloadedKVCache` made with as many
+micro-batches, whose ``micro_batch`` it sets before each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from offload.infer.kvcache import OffloadedKVCache
+
+__all__ = ["BlockSchedule", "micro_batch_size"]
+
+
+def micro_batch_size(batch: int, activation_bytes: Callable[[int], int], limit: int, requested: int | None) -> int:
+    """The micro-batch size for ``batch`` sequences: ``requested`` (None: the largest size whose
+    ``activation_bytes(size)`` is within ``limit``), lowered to a divisor of ``batch`` so that the
+    micro-batches are equal. At least 1."""
+    largest = min(batch, requested) if requested else batch
+    if requested is None:
+        while largest > 1 and activation_bytes(largest) > limit:
+            largest -= 1
+    return max(size for size in range(1, largest + 1) if batch % size == 0)
+
+
+class BlockSchedule:
+    """Runs the decoder layers of a model in ``micro_batches`` micro-batches (1: as they are)."""
+
+    def __init__(self) -> None:
+        self.micro_batches = 1
+
+    def install(self, layers: nn.ModuleList) -> None:
+        """Wrap the ``forward`` of each layer in ``layers``."""
+        for layer in layers:
+            layer.forward = self._wrap(layer.forward)
+
+    def _wrap(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def scheduled(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            parts = self.micro_batches
+            if parts == 1:
+                return forward(hidden_states, *args, **kwargs)
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            if not isinstance(cache, OffloadedKVCache) or cache.micro_batches != parts:
+                raise ValueError(f"block schedule: {parts} micro-batches need the engine's OffloadedKVCache made with "
+                                 f"as many (engine.generate makes it); got {type(cache).__name__}")
+            batch = hidden_states.shape[0]
+            size = batch // parts
+            outputs = []
+            for part in range(parts):
+                cache.micro_batch = part
+                lo, hi = part * size, (part + 1) * size
+                outputs.append(forward(_slice(hidden_states, lo, hi, batch), *(_slice(a, lo, hi, batch) for a in args),
+                                       **{k: _slice(v, lo, hi, batch) for k, v in kwargs.items()}))
+            cache.micro_batch = 0
+            if isinstance(outputs[0], tuple):
+                return tuple(torch.cat(group) if isinstance(group[0], torch.Tensor) else group[0]
+                             for group in zip(*outputs))
+            return torch.cat(outputs)
+
+        return scheduled
+
+
+def _slice(value: Any, lo: int, hi: int, batch: int) -> Any:
+    """Rows [lo, hi) of a batch-major tensor (two dimensions or more, the first the batch), in a tuple
+    or list too; anything else (1-D positions, broadcast masks, the cache, flags) as it is."""
+    if isinstance(value, torch.Tensor):
+        return value[lo:hi] if value.dim() >= 2 and value.shape[0] == batch else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_slice(v, lo, hi, batch) for v in value)
+    return value
