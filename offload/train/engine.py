@@ -32,7 +32,8 @@ from offload.train.assemble import assemble
 from offload.train.grads import GradReducer
 from offload.train.plan import TrainingPlan
 from offload.train.stats import EngineStats, collect_stats
-from offload.train.surface import (consolidated_state_dict, refuse_forward_outside, save_pretrained_gathered,
+from offload.train.surface import (consolidated_state_dict, engine_call, refuse_backward_outside,
+                                   refuse_forward_outside, refuse_optimizer_step_outside, save_pretrained_gathered,
                                    step_scheduler)
 from offload.train.timers import PhaseTimers
 from offload.train.update_mode import StepContext, UpdatePath
@@ -157,6 +158,10 @@ class Engine:
         self.forwarding = 0
         """Forwards running through the engine (a forward with gradients of ``module`` alone is refused)."""
         refuse_forward_outside(self)
+        self._calls = 0
+        """The engine's own calls under way (`engine_call`): a backward or an optimizer step outside them is refused."""
+        refuse_backward_outside(self)
+        refuse_optimizer_step_outside(self)
 
     # ---- DeepSpeed's attributes ---------------------------------------------------------------------
 
@@ -192,6 +197,7 @@ class Engine:
         """Run the model's forward pass (parameters are gathered module by module)."""
         return self.forward(*args, **kwargs)
 
+    @engine_call
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward pass (parameters are gathered module by module). After a step whose
         update runs in the next forward, this is it: each gather waits for, and uses, its updated partition.
@@ -208,6 +214,7 @@ class Engine:
         finally:
             self.forwarding -= 1
 
+    @engine_call
     def backward(self, loss: torch.Tensor, release_loss: bool = False, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate ``loss`` (divided by gradient_accumulation_steps unless ``scale_wrt_gas`` is
@@ -250,6 +257,7 @@ class Engine:
         override, which Accelerate sets from its ``sync_gradients``); None: count micro steps again."""
         self._boundary = is_boundary
 
+    @engine_call
     def step(self, lr_kwargs: Mapping[str, Any] | None = None) -> None:
         """End a micro step; at a gradient-accumulation boundary, update the parameters. ``lr_kwargs``
         are passed to the scheduler's ``step`` (as DeepSpeed does).
@@ -285,6 +293,7 @@ class Engine:
     def _check_not_failed(self, what: str) -> None:
         self._failure.check(what)
 
+    @engine_call
     def _settle(self) -> None:
         """Before partitions are read outside the passes (a save, `full_parameters`): see `UpdatePath.settle`."""
         self._path.settle()
