@@ -65,10 +65,11 @@ def loader(n=STEPS * ACCUMULATION):
 def trainer(tmp_path, strategy, **kwargs):
     # use_distributed_sampler=False: Lightning gives a DDP-type strategy (ours, DeepSpeed's) a DistributedSampler,
     # whose order differs from the plain single-device run's
-    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=STEPS,
-                      accumulate_grad_batches=ACCUMULATION, gradient_clip_val=1.0, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                      num_sanity_val_steps=0, use_distributed_sampler=False, **kwargs)
+    options = dict(devices=1, use_distributed_sampler=False)
+    options.update(kwargs)
+    return pl.Trainer(strategy=strategy, accelerator="cpu", max_steps=STEPS, accumulate_grad_batches=ACCUMULATION,
+                      gradient_clip_val=1.0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=tmp_path, num_sanity_val_steps=0, **options)
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +130,21 @@ def test_checkpoint_resumes_identically(disk_dir, tmp_path):
     assert len(ours) == len(theirs) == STEPS * ACCUMULATION // 2
     for i, (a, b) in enumerate(zip(ours, theirs)):
         assert a == pytest.approx(b, rel=1e-5), f"micro batch {i} after the resume"
+
+
+@pytest.mark.multiprocess
+def test_two_processes_match_lightning_ddp(disk_dir):
+    """devices=2, one process per rank started by torchrun (gloo): OffloadStrategy (each rank one
+    partition of every parameter) against Lightning's "ddp", rank by rank: the same losses and learning
+    rates of every micro batch, and the same validation losses."""
+    from tests.torchrun import torchrun
+
+    ours = torchrun("tests.lightning_dist_worker", "offload", str(disk_dir))
+    theirs = torchrun("tests.lightning_dist_worker", "plain", str(disk_dir))
+    for rank in (0, 1):
+        assert ours[rank]["steps"] == theirs[rank]["steps"] > 0
+        assert len(ours[rank]["seen"]) == len(theirs[rank]["seen"]) == 2 * ours[rank]["steps"]
+        for i, (a, b) in enumerate(zip(ours[rank]["seen"], theirs[rank]["seen"])):
+            assert a == pytest.approx(b, rel=1e-5), f"rank {rank}, micro batch {i}"
+        assert ours[rank]["val"] == pytest.approx(theirs[rank]["val"], rel=1e-5)
+    assert ours[0]["seen"] != ours[1]["seen"]  # the ranks saw different batches

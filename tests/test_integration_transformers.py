@@ -2,8 +2,6 @@
 a saved model that reloads, and an exact resume (issue 26's target, on a tiny GPT-2)."""
 
 import math
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +11,8 @@ pytest.importorskip("accelerate")
 
 from offload.integrations.transformers import OffloadTrainer  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.torchrun import torchrun  # noqa: E402
+
 STEPS, ACCUMULATION, MICRO = 20, 2, 2
 SEQ = 16
 
@@ -143,24 +142,11 @@ def test_missing_config_is_refused(tmp_path):
         OffloadTrainer(model=tiny_gpt2(), args=arguments(tmp_path))
 
 
-def _torchrun(kind, out):
-    import json
-    import subprocess
-    import sys
-
-    from benchmarks._common import free_port
-
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), "-m", "tests.trainer_dist_worker", kind, str(out)],
-                          capture_output=True, text=True, env=env, cwd=REPO, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    line = next(line for line in done.stdout.splitlines() if line.startswith("LOGS "))
-    return json.loads(line[5:])
-
-
+@pytest.mark.multiprocess
 def test_two_ranks_through_torchrun_match_plain_trainer(disk_dir):
-    """Two gloo processes: OffloadTrainer (each rank one partition) against plain Trainer's DDP."""
-    ours, theirs = _torchrun("offload", disk_dir), _torchrun("plain", disk_dir)
-    assert_same_logs(ours, theirs)
+    """Two gloo processes: OffloadTrainer (each rank one partition) against plain Trainer's DDP, rank by rank."""
+    ours = torchrun("tests.trainer_dist_worker", "offload", str(disk_dir))
+    theirs = torchrun("tests.trainer_dist_worker", "plain", str(disk_dir))
+    for rank in (0, 1):
+        assert_same_logs(ours[rank], theirs[rank])
     assert (disk_dir / "saved" / "model.safetensors").is_file()
