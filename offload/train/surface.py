@@ -158,16 +158,19 @@ def check_load_arguments(config: Any, *, load_optimizer_states: bool, load_modul
 
 
 def save_pretrained_gathered(engine: Any) -> None:
-    """Make ``engine.module.save_pretrained`` (a transformers model's) write the real weights: called
-    without ``state_dict``, it is given the engine's consolidated one (every rank must call it, as with
+    """Make ``save_pretrained`` of ``engine.module`` and of every submodule that has one (a transformers
+    model inside a LightningModule) write the real weights: called without ``state_dict``, it is given
+    the engine's consolidated one (the submodule's part of it; every rank must call it, as with
     DeepSpeed's). Without this, the partitioned parameters' empty tensors would be written, silently.
     After ``engine.close()`` it raises RuntimeError naming `save_16bit_model`."""
-    module = engine.module
-    original = getattr(module, "save_pretrained", None)
-    if original is None:
-        return
     ref = weakref.ref(engine)
+    for prefix, module in engine.module.named_modules():
+        original = getattr(module, "save_pretrained", None)
+        if callable(original):
+            module.save_pretrained = _gathered_save(ref, original, prefix)
 
+
+def _gathered_save(ref: Any, original: Callable[..., Any], prefix: str) -> Callable[..., Any]:
     @functools.wraps(original)
     def save_pretrained(*args: Any, state_dict: Mapping[str, torch.Tensor] | None = None, **kwargs: Any) -> Any:
         if state_dict is None:
@@ -179,9 +182,12 @@ def save_pretrained_gathered(engine: Any) -> None:
             state_dict = live._zero3_consolidated_16bit_state_dict()
             if live.rank != 0:
                 return None
+            if prefix:  # a submodule's own names
+                state_dict = {name[len(prefix) + 1:]: tensor for name, tensor in state_dict.items()
+                              if name.startswith(prefix + ".")}
         return original(*args, state_dict=state_dict, **kwargs)
 
-    module.save_pretrained = save_pretrained
+    return save_pretrained
 
 
 _ORDER_WARNINGS = r"(Detected call of `lr_scheduler\.step\(\)` before|Seems like `optimizer\.step\(\)` has been overridden)"
