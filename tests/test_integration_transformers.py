@@ -150,3 +150,25 @@ def test_two_ranks_through_torchrun_match_plain_trainer(disk_dir):
     for rank in (0, 1):
         assert_same_logs(ours[rank], theirs[rank])
     assert (disk_dir / "saved" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("given", ["engine", "engine.module"])
+def test_plain_trainer_given_the_engine_is_refused_naming_offload_trainer(disk_dir, tmp_path, given):
+    """The issue's first tries: Trainer(model=engine) failed with "'Engine' object has no attribute 'to'",
+    Trainer(model=engine.module) with the engine's optimizer deep inside a step; both now say to use
+    OffloadTrainer, before any step."""
+    from offload import initialize
+
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3,
+                                    "offload_param": {"device": "nvme", "nvme_path": str(disk_dir), "max_in_cpu": 0},
+                                    "offload_optimizer": {"device": "nvme", "nvme_path": str(disk_dir)}}}
+    engine, optimizer, *_ = initialize(model=tiny_gpt2(), config=config)
+    model = engine if given == "engine" else engine.module
+    with pytest.raises(RuntimeError, match="OffloadTrainer"):
+        trainer = transformers.Trainer(model=model, args=arguments(tmp_path, max_steps=2), train_dataset=Tokens(8),
+                                       optimizers=(optimizer, None))
+        trainer.train()
+    assert engine.global_steps == 0
+    engine.close()

@@ -316,6 +316,14 @@ class Engine:
         self.module.eval()
         return self
 
+    def to(self, *args: Any, **kwargs: Any) -> "Engine":
+        """Refused with a RuntimeError saying what to use: the engine places its partitions itself
+        (``offload_param``), and a trainer that moves the model it is given (``transformers.Trainer(model=
+        engine)``) does not drive the engine's backward and step."""
+        raise RuntimeError("engine.to(...): the engine places its partitions itself (zero_optimization.offload_param); "
+                           "to train it with a trainer use offload.integrations: OffloadTrainer (Hugging Face), "
+                           "OffloadStrategy (Lightning) or OffloadAccelerator (Accelerate)")
+
     def parameters(self, recurse: bool = True) -> Iterable[nn.Parameter]:
         """The model's parameters (DeepSpeed's engine is a module; trainers count and iterate them).
         Between uses their ``.data`` is empty: their shapes are in `records`."""

@@ -215,7 +215,9 @@ def refuse_forward_outside(engine: Any) -> None:
         if torch.is_grad_enabled() and (live is None or not live.forwarding):
             raise RuntimeError("a forward with gradients of engine.module outside the engine: its parameters are "
                                "partitioned, and only the engine's forward lets backward gather them; call "
-                               "engine(...) (and engine.backward(loss)), or run under torch.no_grad() to evaluate")
+                               "engine(...) (and engine.backward(loss)), or run under torch.no_grad() to evaluate; "
+                               "with a trainer, use offload.integrations (OffloadTrainer for Hugging Face's Trainer, "
+                               "OffloadStrategy, OffloadAccelerator)")
 
     engine.module.register_forward_pre_hook(check)
 
