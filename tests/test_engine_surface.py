@@ -223,3 +223,44 @@ def test_a_forward_with_gradients_outside_the_engine_is_refused(disk_dir):
     engine.backward(gpt2_loss(engine, batch))  # and training through the engine goes on
     engine.step()
     engine.close()
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])  # updates during backward / in the next forward
+def test_a_backward_outside_the_engine_is_refused_and_training_goes_on(disk_dir, clip):
+    """loss.backward() instead of engine.backward(loss): with clipping it left the step under way and the
+    next backward failed deep inside ("a step is under way"); now the backward is refused at its first
+    gradient, nothing taken, and training through the engine goes on as if it had not happened."""
+    batches = gpt2_batches(3)
+    expected = dict(_trained(disk_dir, 3, gradient_clipping=clip).full_parameters())
+    engine = _trained(disk_dir, 1, gradient_clipping=clip)
+    loss = gpt2_loss(engine, batches[1])
+    with pytest.raises(RuntimeError, match=r"outside the engine .* call engine\.backward\(loss\)"):
+        loss.backward()
+    del loss
+    for batch in batches[1:]:
+        engine.backward(gpt2_loss(engine, batch))
+        engine.step()
+    for name, full in engine.full_parameters():
+        torch.testing.assert_close(full, expected[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    engine.close()
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_the_engines_optimizer_stepped_directly_is_refused(disk_dir, clip):
+    """A trainer's own optimizer.step() after engine.step() (the engine's optimizer passed to it): with
+    clipping the second step ended the one handed to the next forward, silently changing the parameters.
+    It is refused, saying to call engine.step(); the refused call changes nothing."""
+    batches = gpt2_batches(3)
+    expected = dict(_trained(disk_dir, 3, gradient_clipping=clip).full_parameters())
+    engine = _trained(disk_dir, 1, gradient_clipping=clip)
+    with pytest.raises(RuntimeError, match=r"called directly.*call engine\.step\(\) instead"):
+        engine.optimizer.step()
+    for batch in batches[1:]:
+        engine.backward(gpt2_loss(engine, batch))
+        engine.step()
+        with pytest.raises(RuntimeError, match="called directly"):
+            engine.optimizer.step()
+    for name, full in engine.full_parameters():
+        torch.testing.assert_close(full, expected[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    assert engine.global_steps == 3
+    engine.close()

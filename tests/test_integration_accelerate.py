@@ -108,3 +108,20 @@ def test_save_state_and_load_state_resume(disk_dir, tmp_path, fresh_state):
     for i, (a, b) in enumerate(zip(resumed[0], full[0][half:])):
         assert a == pytest.approx(b, rel=1e-5), f"micro batch {half + i}"
     loader_.engine.close()
+
+
+@pytest.mark.multiprocess
+def test_two_processes_match_plain_accelerate(disk_dir):
+    """Two processes launched as ``accelerate launch --num_processes 2`` does (torchrun, gloo):
+    OffloadAccelerator (each rank one partition of every parameter) against plain Accelerate's DDP,
+    rank by rank: the same losses, learning rates (the schedule stepped once per process) and norms."""
+    from tests.torchrun import torchrun
+
+    ours = torchrun("tests.accelerate_dist_worker", "offload", str(disk_dir))
+    theirs = torchrun("tests.accelerate_dist_worker", "plain", str(disk_dir))
+    for rank in (0, 1):
+        assert len(ours[rank]["seen"]) == STEPS * ACCUMULATION // 2  # each rank half the batches
+        for i, (a, b) in enumerate(zip(ours[rank]["seen"], theirs[rank]["seen"])):
+            assert a == pytest.approx(b, rel=1e-5), f"rank {rank}, micro batch {i}"
+        assert ours[rank]["norms"] == pytest.approx(theirs[rank]["norms"], rel=1e-5)
+    assert ours[0]["seen"] != ours[1]["seen"]  # the ranks saw different batches

@@ -1,6 +1,7 @@
 """OffloadStrategy against Lightning without offload: the same losses and learning rates with
-configure_optimizers' AdamW groups and scheduler, clipping and accumulation; validation; a checkpoint
-at step 5 that resumes identically."""
+configure_optimizers' AdamW groups and scheduler, clipping and accumulation, 20 steps; validation; the
+transformers model saved with save_pretrained reloads to equal logits; a checkpoint at step 10 that
+resumes identically; two processes against Lightning's ddp."""
 
 import os
 
@@ -14,7 +15,7 @@ from offload.integrations.lightning import OffloadStrategy  # noqa: E402
 
 from tests.test_engine import gpt2  # noqa: E402
 
-STEPS, ACCUMULATION = 10, 2
+STEPS, ACCUMULATION = 20, 2
 _LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK")
 
 
@@ -65,10 +66,11 @@ def loader(n=STEPS * ACCUMULATION):
 def trainer(tmp_path, strategy, **kwargs):
     # use_distributed_sampler=False: Lightning gives a DDP-type strategy (ours, DeepSpeed's) a DistributedSampler,
     # whose order differs from the plain single-device run's
-    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=STEPS,
-                      accumulate_grad_batches=ACCUMULATION, gradient_clip_val=1.0, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                      num_sanity_val_steps=0, use_distributed_sampler=False, **kwargs)
+    options = dict(devices=1, use_distributed_sampler=False)
+    options.update(kwargs)
+    return pl.Trainer(strategy=strategy, accelerator="cpu", max_steps=STEPS, accumulate_grad_batches=ACCUMULATION,
+                      gradient_clip_val=1.0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=tmp_path, num_sanity_val_steps=0, **options)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +84,9 @@ def nvme(disk_dir):
     return OffloadStrategy(offload_params="nvme", offload_optimizer="nvme", nvme_path=str(disk_dir))
 
 
-def test_strategy_matches_lightning_and_validates(reference, disk_dir, tmp_path):
+def test_strategy_matches_lightning_validates_and_saves_a_model_that_reloads(reference, disk_dir, tmp_path):
+    import transformers
+
     module = Module()
     run = trainer(tmp_path, nvme(disk_dir), enable_checkpointing=False)
     run.fit(module, loader(), loader(4))
@@ -95,6 +99,13 @@ def test_strategy_matches_lightning_and_validates(reference, disk_dir, tmp_path)
     module.val_losses = []
     run.validate(module, loader(4))
     assert module.val_losses == pytest.approx(reference.val_losses, rel=1e-5)  # the same trained weights
+    # The transformers model inside the LightningModule saves the real (gathered) weights: from_pretrained
+    # reloads them to plain Lightning's logits.
+    module.model.save_pretrained(tmp_path / "saved")
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "saved")
+    ids = next(iter(loader(4)))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, reference.model(ids).logits, rtol=1e-5, atol=1e-5)
     run.strategy.engine.close()
 
 
@@ -109,12 +120,12 @@ def test_registered_names(disk_dir, tmp_path, monkeypatch):
 
 
 def resumed_run(tmp_path, strategy_fn):
-    """Fit with a checkpoint every 5 steps, then fit a new module from the step-5 checkpoint: the
+    """Fit with a checkpoint every 10 steps, then fit a new module from the step-10 checkpoint: the
     resumed run's (loss, lr) per micro batch. Lightning restarts a plain DataLoader's epoch on resume,
     for both runs alike."""
-    checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1)
+    checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=10, save_top_k=-1)
     trainer(tmp_path, strategy_fn(), callbacks=[checkpoints]).fit(Module(), loader())
-    path = tmp_path / "ckpt" / "epoch=0-step=5.ckpt"
+    path = tmp_path / "ckpt" / "epoch=0-step=10.ckpt"
     resumed = Module()
     run = trainer(tmp_path, strategy_fn())
     run.fit(resumed, loader(), ckpt_path=str(path))
@@ -129,3 +140,21 @@ def test_checkpoint_resumes_identically(disk_dir, tmp_path):
     assert len(ours) == len(theirs) == STEPS * ACCUMULATION // 2
     for i, (a, b) in enumerate(zip(ours, theirs)):
         assert a == pytest.approx(b, rel=1e-5), f"micro batch {i} after the resume"
+
+
+@pytest.mark.multiprocess
+def test_two_processes_match_lightning_ddp(disk_dir):
+    """devices=2, one process per rank started by torchrun (gloo): OffloadStrategy (each rank one
+    partition of every parameter) against Lightning's "ddp", rank by rank: the same losses and learning
+    rates of every micro batch, and the same validation losses."""
+    from tests.torchrun import torchrun
+
+    ours = torchrun("tests.lightning_dist_worker", "offload", str(disk_dir))
+    theirs = torchrun("tests.lightning_dist_worker", "plain", str(disk_dir))
+    for rank in (0, 1):
+        assert ours[rank]["steps"] == theirs[rank]["steps"] > 0
+        assert len(ours[rank]["seen"]) == len(theirs[rank]["seen"]) == 2 * ours[rank]["steps"]
+        for i, (a, b) in enumerate(zip(ours[rank]["seen"], theirs[rank]["seen"])):
+            assert a == pytest.approx(b, rel=1e-5), f"rank {rank}, micro batch {i}"
+        assert ours[rank]["val"] == pytest.approx(theirs[rank]["val"], rel=1e-5)
+    assert ours[0]["seen"] != ours[1]["seen"]  # the ranks saw different batches

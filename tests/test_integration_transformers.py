@@ -2,8 +2,6 @@
 a saved model that reloads, and an exact resume (issue 26's target, on a tiny GPT-2)."""
 
 import math
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +11,8 @@ pytest.importorskip("accelerate")
 
 from offload.integrations.transformers import OffloadTrainer  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.torchrun import torchrun  # noqa: E402
+
 STEPS, ACCUMULATION, MICRO = 20, 2, 2
 SEQ = 16
 
@@ -143,24 +142,33 @@ def test_missing_config_is_refused(tmp_path):
         OffloadTrainer(model=tiny_gpt2(), args=arguments(tmp_path))
 
 
-def _torchrun(kind, out):
-    import json
-    import subprocess
-    import sys
-
-    from benchmarks._common import free_port
-
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), "-m", "tests.trainer_dist_worker", kind, str(out)],
-                          capture_output=True, text=True, env=env, cwd=REPO, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    line = next(line for line in done.stdout.splitlines() if line.startswith("LOGS "))
-    return json.loads(line[5:])
-
-
+@pytest.mark.multiprocess
 def test_two_ranks_through_torchrun_match_plain_trainer(disk_dir):
-    """Two gloo processes: OffloadTrainer (each rank one partition) against plain Trainer's DDP."""
-    ours, theirs = _torchrun("offload", disk_dir), _torchrun("plain", disk_dir)
-    assert_same_logs(ours, theirs)
+    """Two gloo processes: OffloadTrainer (each rank one partition) against plain Trainer's DDP, rank by rank."""
+    ours = torchrun("tests.trainer_dist_worker", "offload", str(disk_dir))
+    theirs = torchrun("tests.trainer_dist_worker", "plain", str(disk_dir))
+    for rank in (0, 1):
+        assert_same_logs(ours[rank], theirs[rank])
     assert (disk_dir / "saved" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("given", ["engine", "engine.module"])
+def test_plain_trainer_given_the_engine_is_refused_naming_offload_trainer(disk_dir, tmp_path, given):
+    """The issue's first tries: Trainer(model=engine) failed with "'Engine' object has no attribute 'to'",
+    Trainer(model=engine.module) with the engine's optimizer deep inside a step; both now say to use
+    OffloadTrainer, before any step."""
+    from offload import initialize
+
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3,
+                                    "offload_param": {"device": "nvme", "nvme_path": str(disk_dir), "max_in_cpu": 0},
+                                    "offload_optimizer": {"device": "nvme", "nvme_path": str(disk_dir)}}}
+    engine, optimizer, *_ = initialize(model=tiny_gpt2(), config=config)
+    model = engine if given == "engine" else engine.module
+    with pytest.raises(RuntimeError, match="OffloadTrainer"):
+        trainer = transformers.Trainer(model=model, args=arguments(tmp_path, max_steps=2), train_dataset=Tokens(8),
+                                       optimizers=(optimizer, None))
+        trainer.train()
+    assert engine.global_steps == 0
+    engine.close()

@@ -1,11 +1,11 @@
-"""A worker of tests/test_integration_transformers.py's torchrun test: plain Trainer or OffloadTrainer
-on two ranks; rank 0 prints the per-step (loss, learning rate, grad norm) as JSON."""
+"""A worker of tests/test_integration_transformers.py's two-rank test: plain Trainer or OffloadTrainer
+on each rank of a torchrun launch; each rank reports its per-step (loss, learning rate, grad norm)."""
 
-import json
 import os
 import sys
 
 from tests.test_integration_transformers import Tokens, arguments, logged, nvme_config, tiny_gpt2
+from tests.torchrun import finish, report
 
 
 def main(kind: str, out: str) -> None:
@@ -22,19 +22,9 @@ def main(kind: str, out: str) -> None:
     if kind != "plain":
         trainer.save_model(os.path.join(out, "saved"))
         trainer.engine.close()
-    if int(os.environ["RANK"]) == 0:
-        print("LOGS " + json.dumps(logged(trainer)), flush=True)
-    # End the process group before the interpreter's shutdown frees what its collectives used (gloo's
-    # teardown may otherwise abort: docs/engine.md, engine.close()).
-    import gc
-
-    import torch.distributed as dist
-
+    report(logged(trainer))
     del trainer
-    gc.collect()
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,10 @@
 Accelerate's ``DistributedType`` is closed, so this is an ``Accelerator`` subclass (the pattern of
 optimum-habana's ``GaudiAccelerator``): ``prepare`` hands the model and optimizer to the engine
 and returns Accelerate's own DeepSpeed wrappers around its optimizer and scheduler; the training loop
-stays as it is. One process (``python script.py``); importing this module imports Accelerate.
+stays as it is. One process (``python script.py``) or several (``accelerate launch --num_processes N``,
+``torchrun``): each rank holds one partition of every parameter. As with plain Accelerate, a scheduler
+is stepped once per process at each update unless ``split_batches`` (the batch grows with the ranks).
+Importing this module imports Accelerate.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ class OffloadAccelerator(Accelerator):
             config's ``gradient_clipping`` (the engine clips inside ``backward()``'s step).
         everything else: as for ``accelerate.Accelerator``.
 
-    Raises ValueError when ``offload_config`` is missing or the process is one of several.
+    Raises ValueError when ``offload_config`` is missing.
     """
 
     def __init__(self, *args: Any, offload_config: Mapping[str, Any] | str | os.PathLike | None = None,
@@ -52,9 +55,6 @@ class OffloadAccelerator(Accelerator):
         if offload_config is None:
             raise ValueError("offload_config: missing; pass the DeepSpeed-format config (dict or JSON path)")
         super().__init__(*args, **kwargs)
-        if self.num_processes > 1:
-            raise ValueError(f"OffloadAccelerator runs one process ({self.num_processes} launched); for several "
-                             f"ranks use offload.initialize under torchrun (docs/accelerate.md)")
         self.offload_config = offload_config
         self.engine: Engine | None = None
 
@@ -86,7 +86,9 @@ class OffloadAccelerator(Accelerator):
             if schedulers:
                 if scheduler is None:
                     rebind_scheduler(schedulers[0], client, optimizer)
-                    engine.lr_scheduler = scheduler = schedulers[0]
+                    scheduler = schedulers[0]
+                    steps = 1 if self.split_batches else self.num_processes
+                    engine.lr_scheduler = scheduler if steps == 1 else StepsPerUpdate(scheduler, steps)
                 prepared[id(schedulers[0])] = DeepSpeedSchedulerWrapper(scheduler, wrapped)
         out = tuple(prepared.get(id(a), a) for a in args)
         return out[0] if len(out) == 1 else out
@@ -139,3 +141,30 @@ class OffloadAccelerator(Accelerator):
         path, _ = self.engine.load_checkpoint(input_dir)
         if path is None:
             raise FileNotFoundError(f"{input_dir}: no engine checkpoint ('latest' missing); pass a save_state folder")
+
+
+class StepsPerUpdate:
+    """A scheduler the engine steps ``steps`` times per update, as Accelerate's ``AcceleratedScheduler``
+    steps a scheduler once per process when the batch is not split (a ``OneCycleLR`` no further than its
+    ``total_steps``); its state is the scheduler's."""
+
+    def __init__(self, scheduler: Any, steps: int) -> None:
+        self.scheduler, self.steps = scheduler, steps
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Step the scheduler ``steps`` times."""
+        for _ in range(self.steps):
+            if getattr(self.scheduler, "total_steps", None) is None or self.scheduler._step_count <= self.scheduler.total_steps:
+                self.scheduler.step(*args, **kwargs)
+
+    def get_last_lr(self) -> list[float]:
+        """The scheduler's last learning rates."""
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scheduler's state."""
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load the scheduler's state."""
+        self.scheduler.load_state_dict(state_dict)

@@ -32,3 +32,6 @@ def rebind_scheduler(scheduler: Any, built_on: torch.optim.Optimizer | None, eng
         for theirs, ours in zip(built_on.param_groups, groups):
             ours.update({key: theirs[key] for key in _SCHEDULE_KEYS if key in theirs})
     scheduler.optimizer = engine_optimizer
+    # torch's check that optimizer.step() ran before the first scheduler.step() does not apply: the engine
+    # runs the update itself (during backward, in the next forward or in step()), not always through it.
+    engine_optimizer._opt_called = True

@@ -40,7 +40,8 @@ class Prefetcher:
     """
 
     bucket_elements: int
-    """stage3_prefetch_bucket_size: elements read ahead of use at most; 0 turns prefetching off."""
+    """stage3_prefetch_bucket_size: reads ahead of use start while fewer elements than this are in flight
+    (the one crossing it included, as DeepSpeed's); 0 turns prefetching off."""
     trace: list[int] = field(default_factory=list)
     recording: bool = True
     cursor: int = 0

@@ -280,7 +280,9 @@ class ParamStore:
         self._prefetch()
 
     def _prefetch(self) -> None:
-        """Start reads of upcoming on-disk records while they fit in the bucket and the budget."""
+        """Start reads of upcoming on-disk records while fewer than the bucket's elements are read ahead
+        (as DeepSpeed's coordinator: the read that crosses it starts too, so a bucket smaller than one
+        partition still reads the next one ahead) and while they fit in the budget."""
         ahead = 0
         for index in self.prefetcher.upcoming():
             rec = self.records[index]
@@ -290,7 +292,7 @@ class ParamStore:
                 continue
             if not rec.on_disk:
                 continue
-            if ahead + rec.partition_numel > self.prefetcher.bucket_elements or not self.budget.fits(rec.partition_numel):
+            if ahead >= self.prefetcher.bucket_elements or not self.budget.fits(rec.partition_numel):
                 return  # wait for room: the next gather tries again
             self.start_read(rec)
             self.prefetch_reads += 1

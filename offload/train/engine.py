@@ -33,7 +33,8 @@ from offload.train.save_load import (gathered_parameters, load_engine_checkpoint
                                      save_engine_16bit_model, save_engine_checkpoint)
 from offload.train.setup import engine_from_arguments
 from offload.train.stats import EngineStats, collect_stats
-from offload.train.surface import (consolidated_state_dict, refuse_forward_outside, save_pretrained_gathered,
+from offload.train.surface import (consolidated_state_dict, engine_call, refuse_backward_outside,
+                                   refuse_forward_outside, refuse_optimizer_step_outside, save_pretrained_gathered,
                                    step_scheduler)
 from offload.train.timers import PhaseTimers
 from offload.train.failure import CounterAttribute
@@ -111,6 +112,10 @@ class Engine:
         self.forwarding = 0
         """Forwards running through the engine (a forward with gradients of ``module`` alone is refused)."""
         refuse_forward_outside(self)
+        self._calls = 0
+        """The engine's own calls under way (`engine_call`): a backward or an optimizer step outside them is refused."""
+        refuse_backward_outside(self)
+        refuse_optimizer_step_outside(self)
 
     # ---- DeepSpeed's attributes ---------------------------------------------------------------------
 
@@ -146,6 +151,7 @@ class Engine:
         """Run the model's forward pass (parameters are gathered module by module)."""
         return self.forward(*args, **kwargs)
 
+    @engine_call
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward pass (parameters are gathered module by module). After a step whose
         update runs in the next forward, this is it: each gather waits for, and uses, its updated partition.
@@ -162,6 +168,7 @@ class Engine:
         finally:
             self.forwarding -= 1
 
+    @engine_call
     def backward(self, loss: torch.Tensor, release_loss: bool = False, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate ``loss`` (divided by gradient_accumulation_steps unless ``scale_wrt_gas`` is
@@ -204,6 +211,7 @@ class Engine:
         override, which Accelerate sets from its ``sync_gradients``); None: count micro steps again."""
         self._boundary = is_boundary
 
+    @engine_call
     def step(self, lr_kwargs: Mapping[str, Any] | None = None) -> None:
         """End a micro step; at a gradient-accumulation boundary, update the parameters. ``lr_kwargs``
         are passed to the scheduler's ``step`` (as DeepSpeed does).
@@ -254,6 +262,14 @@ class Engine:
         self.module.eval()
         return self
 
+    def to(self, *args: Any, **kwargs: Any) -> "Engine":
+        """Refused with a RuntimeError saying what to use: the engine places its partitions itself
+        (``offload_param``), and a trainer that moves the model it is given (``transformers.Trainer(model=
+        engine)``) does not drive the engine's backward and step."""
+        raise RuntimeError("engine.to(...): the engine places its partitions itself (zero_optimization.offload_param); "
+                           "to train it with a trainer use offload.integrations: OffloadTrainer (Hugging Face), "
+                           "OffloadStrategy (Lightning) or OffloadAccelerator (Accelerate)")
+
     def parameters(self, recurse: bool = True) -> Iterable[nn.Parameter]:
         """The model's parameters (DeepSpeed's engine is a module; trainers count and iterate them).
         Between uses their ``.data`` is empty: their shapes are in `records`."""
@@ -289,6 +305,7 @@ class Engine:
 
     # ---- checkpoints ------------------------------------------------------------------------------------
 
+    @engine_call  # settles: a pending update may step the optimizer
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
                         client_state: Mapping[str, Any] | None = None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> str:
@@ -340,6 +357,7 @@ class Engine:
         ValueError for missing parameters or a shape mismatch (before any partition changes)."""
         return load_pretrained_weights(self._ctx, self._path, self.module, checkpoint_dir)
 
+    @engine_call  # settles: a pending update may step the optimizer
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "model.safetensors") -> bool:
         """Write the whole model's weights (in the training dtype: 16-bit under fp16/bf16) to
         ``save_dir/save_filename`` as safetensors (format "pt") with the model's config.json, so that
@@ -356,6 +374,7 @@ class Engine:
 
     # ---- full parameters ----------------------------------------------------------------------------
 
+    @engine_call  # settles: a pending update may step the optimizer
     def full_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
         """Yield (name, full tensor) for every parameter, gathered one at a time (a copy each)."""
         self._path.settle()  # every update handed over has landed

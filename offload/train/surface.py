@@ -11,9 +11,10 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import types
 import warnings
 import weakref
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 import torch
 from torch import nn
@@ -21,8 +22,8 @@ from torch import nn
 from offload.params import ParamRecord
 
 __all__ = ["check_distributed_arguments", "check_load_arguments", "config_from_arguments", "consolidated_state_dict",
-           "in_optimizer_order", "optimizer_param_groups", "refuse_forward_outside", "save_pretrained_gathered",
-           "step_scheduler"]
+           "engine_call", "in_optimizer_order", "optimizer_param_groups", "refuse_backward_outside",
+           "refuse_forward_outside", "refuse_optimizer_step_outside", "save_pretrained_gathered", "step_scheduler"]
 
 log = logging.getLogger("offload")
 
@@ -157,16 +158,19 @@ def check_load_arguments(config: Any, *, load_optimizer_states: bool, load_modul
 
 
 def save_pretrained_gathered(engine: Any) -> None:
-    """Make ``engine.module.save_pretrained`` (a transformers model's) write the real weights: called
-    without ``state_dict``, it is given the engine's consolidated one (every rank must call it, as with
+    """Make ``save_pretrained`` of ``engine.module`` and of every submodule that has one (a transformers
+    model inside a LightningModule) write the real weights: called without ``state_dict``, it is given
+    the engine's consolidated one (the submodule's part of it; every rank must call it, as with
     DeepSpeed's). Without this, the partitioned parameters' empty tensors would be written, silently.
     After ``engine.close()`` it raises RuntimeError naming `save_16bit_model`."""
-    module = engine.module
-    original = getattr(module, "save_pretrained", None)
-    if original is None:
-        return
     ref = weakref.ref(engine)
+    for prefix, module in engine.module.named_modules():
+        original = getattr(module, "save_pretrained", None)
+        if callable(original):
+            module.save_pretrained = _gathered_save(ref, original, prefix)
 
+
+def _gathered_save(ref: Any, original: Callable[..., Any], prefix: str) -> Callable[..., Any]:
     @functools.wraps(original)
     def save_pretrained(*args: Any, state_dict: Mapping[str, torch.Tensor] | None = None, **kwargs: Any) -> Any:
         if state_dict is None:
@@ -178,9 +182,12 @@ def save_pretrained_gathered(engine: Any) -> None:
             state_dict = live._zero3_consolidated_16bit_state_dict()
             if live.rank != 0:
                 return None
+            if prefix:  # a submodule's own names
+                state_dict = {name[len(prefix) + 1:]: tensor for name, tensor in state_dict.items()
+                              if name.startswith(prefix + ".")}
         return original(*args, state_dict=state_dict, **kwargs)
 
-    module.save_pretrained = save_pretrained
+    return save_pretrained
 
 
 _ORDER_WARNINGS = r"(Detected call of `lr_scheduler\.step\(\)` before|Seems like `optimizer\.step\(\)` has been overridden)"
@@ -208,6 +215,73 @@ def refuse_forward_outside(engine: Any) -> None:
         if torch.is_grad_enabled() and (live is None or not live.forwarding):
             raise RuntimeError("a forward with gradients of engine.module outside the engine: its parameters are "
                                "partitioned, and only the engine's forward lets backward gather them; call "
-                               "engine(...) (and engine.backward(loss)), or run under torch.no_grad() to evaluate")
+                               "engine(...) (and engine.backward(loss)), or run under torch.no_grad() to evaluate; "
+                               "with a trainer, use offload.integrations (OffloadTrainer for Hugging Face's Trainer, "
+                               "OffloadStrategy, OffloadAccelerator)")
 
     engine.module.register_forward_pre_hook(check)
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def engine_call(method: _Method) -> _Method:
+    """Mark an `Engine` method as one of the engine's own calls (forward, backward, step, a settle):
+    while one runs, gradients may arrive and the engine's optimizer may step (``engine._calls`` counts
+    them; `refuse_backward_outside` and `refuse_optimizer_step_outside` refuse both outside them)."""
+
+    @functools.wraps(method)
+    def call(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        engine._calls += 1
+        try:
+            return method(engine, *args, **kwargs)
+        finally:
+            engine._calls -= 1
+
+    return call  # type: ignore[return-value]
+
+
+def refuse_backward_outside(engine: Any) -> None:
+    """Refuse, with an error saying what to call, a backward of the engine's model that does not go
+    through ``engine.backward`` (``loss.backward()``, or a trainer's own backward): the engine must begin
+    the step its gradients feed (with clipping or fp16 that step would otherwise be left under way, and a
+    later call would fail with "a step is under way"). Raised at the first gradient, before any is taken."""
+    ref = weakref.ref(engine)
+
+    def check(grad_outputs: Any) -> None:
+        live = ref()
+        if live is not None and not live._calls:
+            live._store.end_backward()  # what the backward gathered before reaching this gradient
+            raise RuntimeError("a backward of the engine's model outside the engine (loss.backward(), or a "
+                               "trainer's own backward): call engine.backward(loss), which reduces the gradients "
+                               "to their partitions and runs or hands over the update, then engine.step()")
+
+    for rec in engine.records:
+        if rec.accumulator is not None:
+            rec.accumulator.register_prehook(check)
+
+
+def refuse_optimizer_step_outside(engine: Any) -> None:
+    """Refuse, with an error saying what to call, ``engine.optimizer.step()`` called by anyone but the
+    engine: the engine steps its optimizer in ``engine.step()`` (or hands the update to the next forward),
+    and a second, direct step would end that step early (silently wrong parameters with clipping, or a
+    later "a step is under way"). A trainer that calls ``optimizer.step()`` itself must be given a no-op
+    (Accelerate's ``DeepSpeedOptimizerWrapper``, as `OffloadTrainer` and `OffloadAccelerator` do)."""
+    optimizer = engine.optimizer
+    step = optimizer.step
+    ref = weakref.ref(engine)
+
+    def guarded_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        live = ref()
+        if live is not None and not live._calls and not live.closed:
+            raise RuntimeError("engine.optimizer.step() called directly: the engine steps its optimizer in "
+                               "engine.step() (after engine.backward(loss), at each gradient accumulation boundary); "
+                               "call engine.step() instead, and make a trainer's own optimizer.step() a no-op "
+                               "(accelerate.utils.DeepSpeedOptimizerWrapper)")
+        self._opt_called = True  # what torch's schedulers track (a scheduler rebound onto this optimizer too)
+        return step(*args, **kwargs)
+
+    # Marked as torch's schedulers mark the step they wrap, so that a scheduler moved onto this optimizer
+    # (Lightning, Accelerate) does not warn that the step was overridden.
+    guarded_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = types.MethodType(guarded_step, optimizer)
