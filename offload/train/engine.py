@@ -377,8 +377,12 @@ class Engine:
     @engine_call  # settles: a pending update may step the optimizer
     def full_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
         """Yield (name, full tensor) for every parameter, gathered one at a time (a copy each)."""
-        self._path.settle()  # every update handed over has landed
-        return gathered_parameters(self._store)
+        self._path.settle()  # every update handed over has landed, before the caller iterates
+
+        def gathered(engine: Engine = self) -> Iterable[tuple[str, torch.Tensor]]:
+            yield from gathered_parameters(engine._store)  # holds the engine: its swap files stay open
+
+        return gathered()
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """zero_optimization.stage3_gather_16bit_weights_on_model_save: whether `save_16bit_model` writes."""
