@@ -22,7 +22,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -32,7 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks._common import RssSampler, run_child
-from benchmarks.infer_stream import Spec, _Clock, _files, _gib, meminfo_cached, page_cache_bytes, write_checkpoint
+from benchmarks.infer_stream import (Spec, _Clock, _files, _gib, meminfo_cached, model_parser, page_cache_bytes,
+                                     parse_or_run_child, write_checkpoint)
 from tensorio import parse_size
 
 KINDS = ("memory", "nvme")
@@ -89,24 +89,15 @@ def main(argv: list[str] | None = None) -> dict:
     from offload.infer.convert import drop_page_cache
     from tensorio import AioConfig
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", help="working directory: the checkpoint (written once, reused) and the cache's files")
-    ap.add_argument("--scale", type=float, default=0.1, help="scale of hidden, intermediate and vocab (0.1: hidden 512)")
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--shards", type=int, default=4)
+    ap = model_parser(__doc__, dir_help="working directory: the checkpoint (written once, reused) and the cache's files",
+                      scale=0.1, layers=16, shards=4)  # scale 0.1: hidden 512
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--new-tokens", type=int, default=12)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each kind, alternated")
-    ap.add_argument("--fio-size", default="2GiB")
-    ap.add_argument("--out", help="write every figure to this JSON file")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.child:
-        print(json.dumps(child(json.loads(args.child))))
+    args = parse_or_run_child(ap, argv, child, fio_size="2GiB")
+    if args is None:
         return {}
-    if not args.dir:
-        ap.error("--dir is required")
     directory = Path(args.dir).resolve()
     spec = Spec.scaled(args.scale, args.layers, args.shards)
     aio = InferenceConfig().aio

@@ -23,7 +23,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -33,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks._common import ChildError, RssSampler, run_child
-from benchmarks.infer_stream import Spec, _failure, _files, _gib, meminfo, run_config, write_checkpoint
+from benchmarks.infer_stream import (Spec, _failure, _files, _gib, meminfo, model_parser, parse_or_run_child,
+                                     run_config, write_checkpoint)
 from tensorio import parse_size
 
 VARIANTS = {"bf16": None, "int8": "int8", "int4": "int4"}
@@ -95,26 +95,16 @@ def main(argv: list[str] | None = None) -> dict:
     from offload.infer.config import InferenceConfig
     from tensorio import AioConfig
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", help="working directory: the checkpoint, the quantized caches (written once, reused)")
-    ap.add_argument("--scale", type=float, default=1.0, help="scale hidden, intermediate and vocab (1: the 28.6 GB model)")
-    ap.add_argument("--layers", type=int, default=44)
-    ap.add_argument("--shards", type=int, default=46)
+    ap = model_parser(__doc__, dir_help="working directory: the checkpoint, the quantized caches (written once, reused)")
     ap.add_argument("--budget", default="2GiB", help="max_in_cpu for ours and max_memory for Accelerate")
     ap.add_argument("--accelerate", default="auto", help="\"auto\" (from_pretrained(device_map='auto')) or none")
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--floor-layers", type=int, default=4, help="decoder layers added for the compute floor's slope")
-    ap.add_argument("--fio-size", default="4GiB")
-    ap.add_argument("--out", help="write every figure to this JSON file")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.child:
-        payload = json.loads(args.child)
-        print(json.dumps(quantize_child(payload) if payload["kind"] == "quantize" else floor_child(payload)))
+    args = parse_or_run_child(ap, argv, lambda p: quantize_child(p) if p["kind"] == "quantize" else floor_child(p),
+                              fio_size="4GiB")
+    if args is None:
         return {}
-    if not args.dir:
-        ap.error("--dir is required")
     directory = Path(args.dir).resolve()
     spec = Spec.scaled(args.scale, args.layers, args.shards)
     budget = parse_size(args.budget)

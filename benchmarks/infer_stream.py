@@ -35,6 +35,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -328,16 +329,42 @@ def _gib(nbytes: float) -> str:
     return format_bytes(nbytes)
 
 
+def model_parser(description: str, *, dir_help: str, scale: float = 1.0, layers: int = 44,
+                 shards: int = 46) -> argparse.ArgumentParser:
+    """The argument parser every inference benchmark starts from: its working directory and the shape of
+    the synthetic Llama it writes there (the defaults: the 28.6 GB model)."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", help=dir_help)
+    ap.add_argument("--scale", type=float, default=scale,
+                    help=f"scale hidden, intermediate and vocab (default {scale}; 1: the 28.6 GB model)")
+    ap.add_argument("--layers", type=int, default=layers)
+    ap.add_argument("--shards", type=int, default=shards)
+    return ap
+
+
+def parse_or_run_child(ap: argparse.ArgumentParser, argv: list[str] | None, child: Callable[[dict], dict], *,
+                       fio_size: str) -> argparse.Namespace | None:
+    """Add the arguments every inference benchmark ends with (``--fio-size``, ``--out``, the hidden
+    ``--child``) and parse ``argv``. In a child process: run ``child`` on its JSON payload, print its
+    figures as JSON and return None. Otherwise the arguments; exits with a usage error without ``--dir``."""
+    ap.add_argument("--fio-size", default=fio_size, help="bytes fio reads (its own file, removed afterwards)")
+    ap.add_argument("--out", help="write every figure to this JSON file")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return None
+    if not args.dir:
+        ap.error("--dir is required")
+    return args
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; print the configuration, a table and the targets; return every figure."""
     from offload.infer.config import InferenceConfig
     from tensorio import AioConfig
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", help="checkpoint directory (written once, then reused); on the disk to measure")
-    ap.add_argument("--scale", type=float, default=1.0, help="scale hidden, intermediate and vocab (1: the 28.6 GB model)")
-    ap.add_argument("--layers", type=int, default=44)
-    ap.add_argument("--shards", type=int, default=46)
+    ap = model_parser(__doc__, dir_help="checkpoint directory (written once, then reused); on the disk to measure")
     ap.add_argument("--budgets", default="1GiB,8GiB,16GiB", help="our budgets (max_in_cpu) at batch 1")
     ap.add_argument("--big-batch", type=int, default=16)
     ap.add_argument("--big-batch-budget", default="8GiB")
@@ -351,15 +378,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--buffer-count", type=int, default=None, help="ring buffers (default: the engine's)")
     ap.add_argument("--aio", type=json.loads, help="aio settings as JSON (default: the engine's, 8 MiB pieces, 8 in flight)")
-    ap.add_argument("--fio-size", default="4GiB", help="bytes fio reads (its own file, removed afterwards)")
-    ap.add_argument("--out", help="write every figure to this JSON file")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.child:
-        print(json.dumps(child(json.loads(args.child))))
+    args = parse_or_run_child(ap, argv, child, fio_size="4GiB")
+    if args is None:
         return {}
-    if not args.dir:
-        ap.error("--dir is required")
 
     directory = Path(args.dir).resolve()
     spec = Spec.scaled(args.scale, args.layers, args.shards)

@@ -8,13 +8,12 @@ import shutil
 import pytest
 from test_infer_generate import scratch_dir
 
-from bench.fio import fio_path
 from benchmarks.infer_kv import main
+
+pytestmark = [pytest.mark.bench, pytest.mark.fio]
 
 
 def test_tiny_run_end_to_end(capsys):
-    if fio_path() is None:
-        pytest.skip("fio is not installed")
     root = scratch_dir("infer-kv-bench-")
     try:
         figures = main(["--dir", str(root), "--scale", "0.0125", "--layers", "2", "--shards", "1", "--batch", "1",

@@ -9,13 +9,12 @@ import shutil
 import pytest
 from test_infer_generate import scratch_dir
 
-from bench.fio import fio_path
 from benchmarks.infer_quant import main
+
+pytestmark = [pytest.mark.bench, pytest.mark.fio]
 
 
 def test_tiny_run_end_to_end(capsys):
-    if fio_path() is None:
-        pytest.skip("fio is not installed")
     root = scratch_dir("infer-quant-bench-")
     try:
         figures = main(["--dir", str(root), "--scale", "0.025", "--layers", "4", "--shards", "5", "--budget", "700KiB",

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+pytestmark = pytest.mark.bench
+
 
 def test_trainer_benchmark_tiny(tmp_path, capsys):
     pytest.importorskip("transformers")
