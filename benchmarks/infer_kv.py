@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks._common import RssSampler, run_child
-from benchmarks.infer_stream import (Spec, _Clock, _files, _gib, meminfo_cached, model_parser, page_cache_bytes,
+from benchmarks.infer_stream import (Spec, _Clock, _files, _gib, fio_read_speed, meminfo_cached, model_parser, page_cache_bytes,
                                      parse_or_run_child, write_checkpoint)
-from tensorio import parse_size
 
 KINDS = ("memory", "nvme")
 
@@ -84,10 +82,8 @@ def child(args: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; print the configuration, the runs and the target; return every figure."""
-    from bench.fio import FioError, job_for_config, run_fio
     from offload.infer.config import InferenceConfig
     from offload.infer.convert import drop_page_cache
-    from tensorio import AioConfig
 
     ap = model_parser(__doc__, dir_help="working directory: the checkpoint (written once, reused) and the cache's files",
                       scale=0.1, layers=16, shards=4)  # scale 0.1: hidden 512
@@ -107,16 +103,9 @@ def main(argv: list[str] | None = None) -> dict:
     checkpoint = write_checkpoint(directory / "checkpoint", spec)
     kv_dir = directory / "kv"
     kv_dir.mkdir(exist_ok=True)
-    job = job_for_config(AioConfig.from_dict(aio.to_dict()), directory=directory, rw="read", size=parse_size(args.fio_size))
     runs: dict[str, list[dict]] = {kind: [] for kind in KINDS}
     for _ in range(args.repeats):
-        try:  # the disk's speed swings within minutes: fio beside each pair of runs
-            fio = run_fio(job)
-            fio_bps = fio.bw_bytes
-            print(f"fio: {fio.gb_per_s:.3f} GB/s O_DIRECT sequential read ({' '.join(fio.command[1:])})")
-        except FioError as exc:
-            fio_bps = None
-            print(f"fio: not measured ({exc}); the disk bound is left out")
+        fio_bps = fio_read_speed(aio, directory, args.fio_size)  # the disk's speed swings: beside each pair of runs
         for kind in KINDS:
             for path in _files(checkpoint):
                 drop_page_cache(path)

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks._common import ChildError, RssSampler, run_child
-from benchmarks.infer_stream import (Spec, _failure, _files, _gib, meminfo, model_parser, parse_or_run_child,
+from benchmarks.infer_stream import (Spec, _failure, _files, _gib, fio_read_speed, meminfo, model_parser, parse_or_run_child,
                                      run_config, write_checkpoint)
 from tensorio import parse_size
 
@@ -91,9 +91,7 @@ def floor_child(args: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; print the configuration, the runs and the targets; return every figure."""
-    from bench.fio import FioError, job_for_config, run_fio
     from offload.infer.config import InferenceConfig
-    from tensorio import AioConfig
 
     ap = model_parser(__doc__, dir_help="working directory: the checkpoint, the quantized caches (written once, reused)")
     ap.add_argument("--budget", default="2GiB", help="max_in_cpu for ours and max_memory for Accelerate")
@@ -117,14 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
     checkpoint = write_checkpoint(directory / "checkpoint", spec)
     size = sum(os.path.getsize(f) for f in _files(checkpoint) if f.endswith(".safetensors"))
     print(f"checkpoint: {checkpoint} ({size / 1e9:.2f} GB)")
-    try:
-        fio = run_fio(job_for_config(AioConfig.from_dict(aio.to_dict()), directory=directory, rw="read",
-                                     size=parse_size(args.fio_size)))
-        fio_bps = fio.bw_bytes
-        print(f"fio: {fio.gb_per_s:.3f} GB/s O_DIRECT sequential read ({' '.join(fio.command[1:])})")
-    except FioError as exc:
-        fio_bps = None
-        print(f"fio: not measured ({exc}); the disk-bound targets are skipped")
+    fio_bps = fio_read_speed(aio, directory, args.fio_size)
 
     # 3. The caches, once.
     caches = directory / "quantized"

@@ -35,7 +35,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -342,6 +342,22 @@ def model_parser(description: str, *, dir_help: str, scale: float = 1.0, layers:
     return ap
 
 
+def fio_read_speed(aio: Any, directory: Path, size: str) -> float | None:
+    """fio's O_DIRECT sequential read of ``size`` bytes in ``directory`` with ``aio``'s settings, in bytes
+    per second (printed with fio's command line); None, saying why, where fio cannot run."""
+    from bench.fio import FioError, job_for_config, run_fio
+    from tensorio import AioConfig
+
+    try:
+        fio = run_fio(job_for_config(AioConfig.from_dict(aio.to_dict()), directory=directory, rw="read",
+                                     size=parse_size(size)))
+    except FioError as exc:
+        print(f"fio: not measured ({exc}); the disk-bound figures are left out")
+        return None
+    print(f"fio: {fio.gb_per_s:.3f} GB/s O_DIRECT sequential read ({' '.join(fio.command[1:])})")
+    return fio.bw_bytes
+
+
 def parse_or_run_child(ap: argparse.ArgumentParser, argv: list[str] | None, child: Callable[[dict], dict], *,
                        fio_size: str) -> argparse.Namespace | None:
     """Add the arguments every inference benchmark ends with (``--fio-size``, ``--out``, the hidden
@@ -404,17 +420,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"ready in {time.perf_counter() - start:.1f} s)")
 
     # 2. fio's O_DIRECT read speed on the same disk, with our aio settings.
-    from bench.fio import FioError, job_for_config, run_fio
 
-    try:
-        job = job_for_config(aio, directory=directory, rw="read",
-                             size=parse_size(args.fio_size))
-        fio = run_fio(job)
-        fio_bps = fio.bw_bytes
-        print(f"fio: {fio.gb_per_s:.3f} GB/s O_DIRECT sequential read ({' '.join(fio.command[1:])})")
-    except FioError as exc:
-        fio_bps = None
-        print(f"fio: not measured ({exc}); the disk-bound targets are skipped")
+    fio_bps = fio_read_speed(aio, directory, args.fio_size)
 
     # 3. Each configuration in its own process, the checkpoint cold.
     runs = [("ours", b, 1) for b in budgets] + [("ours", big_budget, args.big_batch)]
