@@ -33,11 +33,9 @@ from offload.train.save_load import (gathered_parameters, load_engine_checkpoint
                                      save_engine_16bit_model, save_engine_checkpoint)
 from offload.train.setup import engine_from_arguments
 from offload.train.stats import EngineStats, collect_stats
-from offload.train.surface import (consolidated_state_dict, engine_call, refuse_backward_outside,
-                                   refuse_forward_outside, refuse_optimizer_step_outside, save_pretrained_gathered,
-                                   step_scheduler)
-from offload.train.timers import PhaseTimers
 from offload.train.failure import CounterAttribute
+from offload.train.surface import consolidated_state_dict, engine_call, guard_misuse, step_scheduler
+from offload.train.timers import PhaseTimers
 from offload.train.update_mode import StepContext, UpdatePath
 
 __all__ = ["Engine", "initialize"]
@@ -108,14 +106,7 @@ class Engine:
         self._norm = GlobalGradNorm(ctx, path)
         ctx.optimizer.overflow = False  # DeepSpeed's ZeRO optimizers' flag: whether the last step was skipped
         self._finalizer = weakref.finalize(self, ctx.close)
-        save_pretrained_gathered(self)  # engine.module.save_pretrained() writes the real weights
-        self.forwarding = 0
-        """Forwards running through the engine (a forward with gradients of ``module`` alone is refused)."""
-        refuse_forward_outside(self)
-        self._calls = 0
-        """The engine's own calls under way (`engine_call`): a backward or an optimizer step outside them is refused."""
-        refuse_backward_outside(self)
-        refuse_optimizer_step_outside(self)
+        guard_misuse(self)  # save_pretrained writes the real weights; calls around the engine are refused
 
     # ---- DeepSpeed's attributes ---------------------------------------------------------------------
 

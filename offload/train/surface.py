@@ -22,7 +22,7 @@ from torch import nn
 from offload.params import ParamRecord
 
 __all__ = ["check_distributed_arguments", "check_load_arguments", "config_from_arguments", "consolidated_state_dict",
-           "engine_call", "in_optimizer_order", "optimizer_param_groups", "refuse_backward_outside",
+           "engine_call", "guard_misuse", "in_optimizer_order", "optimizer_param_groups", "refuse_backward_outside",
            "refuse_forward_outside", "refuse_optimizer_step_outside", "save_pretrained_gathered", "step_scheduler"]
 
 log = logging.getLogger("offload")
@@ -285,3 +285,17 @@ def refuse_optimizer_step_outside(engine: Any) -> None:
     # (Lightning, Accelerate) does not warn that the step was overridden.
     guarded_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = types.MethodType(guarded_step, optimizer)
+
+
+def guard_misuse(engine: Any) -> None:
+    """Make misuse of a new engine a clear error or the right result: ``save_pretrained`` writes the
+    gathered weights (`save_pretrained_gathered`); a forward with gradients, a backward and an optimizer
+    step outside the engine are refused (`refuse_forward_outside`, `refuse_backward_outside`,
+    `refuse_optimizer_step_outside`). Starts the counters they read: ``engine.forwarding`` (forwards
+    running through the engine) and ``engine._calls`` (the engine's own calls under way, `engine_call`)."""
+    engine.forwarding = 0
+    engine._calls = 0
+    save_pretrained_gathered(engine)
+    refuse_forward_outside(engine)
+    refuse_backward_outside(engine)
+    refuse_optimizer_step_outside(engine)
