@@ -1,8 +1,8 @@
 """`WriteQueue`: the writes a writer has in flight, oldest first, with the first error kept.
 
 Every writer of the swap files (partition placement, gradient offload, the partition write-back of
-the fast paths, the optimizer state's swapper) starts writes that must land before their memory is reused and before the step that made them may
-commit. The queue holds each write's future with what must stay alive until it lands (its buffer,
+the fast paths, the optimizer state's swapper) starts writes that must land before their memory is
+reused and before the step that made them may commit. The queue holds each write's future with what must stay alive until it lands (its buffer,
 or the record that owns it), and keeps the rule every writer needs:
 
 - `push` never waits; `trim` bounds the writes in flight by waiting for the oldest, and raises an error
