@@ -101,7 +101,7 @@ def _cpu_seconds() -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; print a table and return the figures (written to ``--out`` too)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", required=True, help="swap directory on the disk under test")
     parser.add_argument("--model-config", default="{}", help="GPT2Config keyword arguments as JSON (default: GPT-2 small)")
     parser.add_argument("--batch", type=int, default=4)
