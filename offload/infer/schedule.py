@@ -57,12 +57,15 @@ class BlockSchedule:
             batch = hidden_states.shape[0]
             size = batch // parts
             outputs = []
-            for part in range(parts):
-                cache.micro_batch = part
-                lo, hi = part * size, (part + 1) * size
-                outputs.append(forward(_slice(hidden_states, lo, hi, batch), *(_slice(a, lo, hi, batch) for a in args),
-                                       **{k: _slice(v, lo, hi, batch) for k, v in kwargs.items()}))
-            cache.micro_batch = 0
+            try:
+                for part in range(parts):
+                    cache.micro_batch = part
+                    lo, hi = part * size, (part + 1) * size
+                    outputs.append(forward(_slice(hidden_states, lo, hi, batch),
+                                           *(_slice(a, lo, hi, batch) for a in args),
+                                           **{k: _slice(v, lo, hi, batch) for k, v in kwargs.items()}))
+            finally:
+                cache.micro_batch = 0  # a failed micro-batch leaves the cache addressing the first, as after a pass
             if isinstance(outputs[0], tuple):
                 return tuple(torch.cat(group) if isinstance(group[0], torch.Tensor) else group[0]
                              for group in zip(*outputs))
