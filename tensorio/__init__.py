@@ -8,12 +8,13 @@ from ._config import AioConfig
 from ._errors import TensorIOError
 from ._fs import DIRECT_ALIGN, filesystem_type, probe_direct
 from ._handle import AioHandle
-from ._pool import BufferPool
+from ._pool import BufferPool, storage_references
 from ._request import IOFuture
 from ._units import format_size, parse_size
 from ._uring import probe_io_uring
 
 __all__ = [
+    "storage_references",
     "DIRECT_ALIGN",
     "AioConfig",
     "AioHandle",

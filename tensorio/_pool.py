@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+from typing import Callable
 
 import torch
 
@@ -20,6 +21,13 @@ from ._buffers import aligned_tensor
 
 _PAGE = mmap.PAGESIZE
 _use_count = getattr(torch._C, "_storage_Use_Count", None)  # private: a torch without it gets no reuse
+
+
+def storage_references(tensor: torch.Tensor) -> int | None:
+    """How many tensors (``tensor`` and its views, any device) refer to ``tensor``'s storage now; None
+    where torch cannot count them (a private call). Compare with the count taken when only ``tensor``
+    referred to it to learn whether a view is still alive."""
+    return _references(tensor) if _use_count else None
 
 
 def _references(buffer: torch.Tensor) -> int:
@@ -37,17 +45,19 @@ class BufferPool:
     one would pass ``max_bytes``, idle buffers of other sizes are freed first, and if that is not
     enough the buffer is made outside the pool (freed as usual when dropped). Thread-safe. Where
     torch cannot count a storage's references (a private call), every buffer is made outside the
-    pool. Raises ValueError for a negative ``max_bytes``.
+    pool. ``make(nbytes)`` makes each buffer: `aligned_tensor` (the default), or `locked_tensor` for
+    buffers an asynchronous copy to a GPU reads. Raises ValueError for a negative ``max_bytes``.
     """
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, make: Callable[[int], torch.Tensor] = aligned_tensor) -> None:
         if max_bytes < 0:
             raise ValueError(f"BufferPool: max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
+        self._make = make
         self._buffers: dict[int, list[torch.Tensor]] = {}  # whole-page size -> the uint8 buffers made
         self._held = 0
         self._lock = threading.Lock()
-        self._baseline = _references(aligned_tensor(1)) if _use_count else None  # of a buffer nobody else holds
+        self._baseline = _references(make(1)) if _use_count else None  # of a buffer nobody else holds
         self.reused = 0  # buffers handed out again: each is memory not faulted in anew
 
     @property
@@ -63,7 +73,7 @@ class BufferPool:
         if num_elem < 0:
             raise ValueError(f"num_elem must be >= 0, got {num_elem}")
         if self._baseline is None:
-            return aligned_tensor(num_elem, dtype)
+            return self._outside(num_elem, dtype)
         nbytes = num_elem * torch.empty((), dtype=dtype).element_size()
         size = max(-(-nbytes // _PAGE), 1) * _PAGE
         with self._lock:
@@ -71,8 +81,13 @@ class BufferPool:
             if buffer is None:
                 buffer = self._made(size)
         if buffer is None:
-            return aligned_tensor(num_elem, dtype)
+            return self._outside(num_elem, dtype)
         return buffer[:nbytes].view(dtype)
+
+    def _outside(self, num_elem: int, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer made outside the pool (freed as usual when dropped)."""
+        nbytes = num_elem * torch.empty((), dtype=dtype).element_size()
+        return self._make(max(nbytes, 1))[:nbytes].view(dtype)
 
     def _idle(self, size: int) -> torch.Tensor | None:
         for buffer in self._buffers.get(size, ()):
@@ -86,7 +101,7 @@ class BufferPool:
             self._free_idle(self._held + size - self.max_bytes)
             if self._held + size > self.max_bytes:
                 return None
-        buffer = aligned_tensor(size)
+        buffer = self._make(size)
         self._buffers.setdefault(size, []).append(buffer)
         self._held += size
         return buffer

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from tensorio import AioConfig
+from tensorio import AioConfig, parse_size
 
 from offload.config.auto import resolve_auto
 from offload.config.batch import check_batch_sizes, derive_batch_sizes
@@ -29,10 +29,13 @@ from offload.params.partition import partition_numel
 
 __all__ = ["EngineConfig", "check_against_model", "check_nvme_paths", "world_size_from_env"]
 
+COMPUTE_DEVICES = ("auto", "cpu", "cuda")
+"""What ``compute_device`` takes."""
+
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _JSON_KEYS = {
     *_BATCH_KEYS, "gradient_clipping", "fp16", "bf16", "bfloat16", "optimizer", "scheduler", "steps_per_print",
-    "wall_clock_breakdown", "zero_optimization", "aio",
+    "wall_clock_breakdown", "zero_optimization", "aio", "compute_device", "compute_device_budget",
 }
 _ZERO_JSON_KEYS = {f.name for f in fields(ZeroConfig)} | {"aio"}
 
@@ -84,6 +87,16 @@ class EngineConfig(Mapping):
     aio: AioConfig = field(default_factory=AioConfig)
     """NVMe I/O settings (JSON key ``aio`` at the top or inside ``zero_optimization``, not both)."""
 
+    compute_device: str = "auto"
+    """Where forward and backward run: "auto" (CUDA where available, else the CPU), "cpu" or "cuda".
+    The optimizer runs on the CPU either way (docs/gpu.md). Not a DeepSpeed key (DeepSpeed computes on
+    the GPU its launcher assigns)."""
+
+    compute_device_budget: int | None = None
+    """Bytes of device memory the engine's device buffers (gathered parameters, gradient buckets) may
+    hold; an integer or a size string ("6GiB"). None: no budget of our own. Must fit in the device's free
+    memory. Not a DeepSpeed key."""
+
     source: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The DeepSpeed-format dict this was built from ("auto" values resolved): what the mapping reads."""
 
@@ -109,6 +122,16 @@ class EngineConfig(Mapping):
         self.wall_clock_breakdown = boolean("wall_clock_breakdown", self.wall_clock_breakdown)
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("fp16.enabled, bf16.enabled: both are true; enable at most one of them")
+        if self.compute_device not in COMPUTE_DEVICES:
+            raise ValueError(f"compute_device: {self.compute_device!r} is not allowed; use one of "
+                             f"{', '.join(map(repr, COMPUTE_DEVICES))}")
+        if isinstance(self.compute_device_budget, str):
+            try:
+                self.compute_device_budget = parse_size(self.compute_device_budget)
+            except ValueError as exc:
+                raise ValueError(f"compute_device_budget: {exc}") from None
+        if self.compute_device_budget is not None:
+            self.compute_device_budget = integral("compute_device_budget", self.compute_device_budget, minimum=1)
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any], *, world_size: int) -> "EngineConfig":

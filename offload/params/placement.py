@@ -7,6 +7,7 @@ module's parameters as soon as the module is built); `build_records` places a wh
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -38,6 +39,10 @@ class Placement:
     """Attach each parameter's AccumulateGrad node (see `attach_accumulator`); False under
     `offload.zero.Init`, which may place from inside a dispatch mode, below autograd: `initialize`
     attaches them then."""
+    pinned: Callable[[int, torch.dtype], torch.Tensor] | None = None
+    """For compute on a device with its own memory (`offload.device.Device.pinned_empty`): in-memory
+    partitions go into page-locked buffers it makes, which the gathers copy to the device from, and no
+    parameter is kept whole in host memory (the device gathers it around each use). None: the CPU."""
     in_cpu: int = 0
     """Elements of non-persistent partitions kept in memory so far."""
     _writes: WriteQueue = field(default_factory=WriteQueue)
@@ -60,12 +65,14 @@ class Placement:
         start, end = partition_bounds(numel, world_size, rank)
         persistent = numel <= self.persistence_threshold
         to_disk = self.swap is not None and not persistent and self.in_cpu + part > self.max_in_cpu
-        keep_full = persistent or (world_size == 1 and not to_disk)
+        keep_full = (persistent or (world_size == 1 and not to_disk)) and self.pinned is None
         flat = p.data.reshape(-1)
-        if world_size == 1 and not to_disk:
+        if world_size == 1 and not to_disk and self.pinned is None:
             local = flat  # the partition is the parameter itself
         else:  # page-aligned when bound for the disk: O_DIRECT from it, no staging copy
-            local = aligned_tensor(part, p.dtype) if to_disk else torch.zeros(part, dtype=p.dtype)
+            local = (aligned_tensor(part, p.dtype) if to_disk else
+                     self.pinned(part, p.dtype) if self.pinned is not None else torch.zeros(part, dtype=p.dtype))
+            local[max(0, min(end, numel) - start):].zero_()
             local[:max(0, min(end, numel) - start)] = flat[start:min(end, numel)]
         if not to_disk and self.swap is not None and not persistent:
             self.in_cpu += part

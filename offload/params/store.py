@@ -32,6 +32,8 @@ from torch.utils._pytree import tree_flatten
 
 from tensorio import IOFuture
 
+from offload.device import CpuDevice, Device
+from offload.params.device_gather import DeviceGathers
 from offload.params.partition import partition_bounds
 from offload.params.prefetch import Prefetcher, SwapBudget
 from offload.storage.slotted import SlotPair, SlottedRegion
@@ -154,10 +156,17 @@ class ParamStore:
     """The modules whose forward is under way, innermost last (`_ForwardEntry`, `_ForwardExit`)."""
     _detected: dict[int, set[int]] = field(default_factory=dict)
     """Module id -> indices of the records found to be its external parameters (`_ForwardExit`)."""
+    device: Device = field(default_factory=CpuDevice)
+    """Where compute runs. With memory of its own (a GPU), gathers copy partitions onto it (``gathers``)."""
+    gathers: DeviceGathers | None = None
+    """The device side of gather and release where the device's memory is separate; None on the CPU."""
     _hooks: list = field(default_factory=list)
     _serial: int = 0
 
     def __post_init__(self) -> None:
+        if self.device.separate_memory and self.gathers is None:
+            self.gathers = DeviceGathers(self.device, world_size=self.world_size, rank=self.rank, group=self.group,
+                                         ahead_elements=self.prefetcher.bucket_elements)
         self._by_param = {id(rec.param): rec for rec in self.records}
         self.region: SlottedRegion | None = (
             SlottedRegion(self.swap, [rec.slots for rec in self.records if rec.on_disk]) if self.swap is not None else None)
@@ -201,13 +210,21 @@ class ParamStore:
             local = rec.buffer
         else:
             local = rec.partition.data
-        # 2. All-gather the partitions (at world size 1 the partition is the parameter).
-        if self.world_size == 1:
+        # 2. All-gather the partitions (at world size 1 the partition is the parameter); on a device
+        #    with its own memory, copy them there first (`DeviceGathers`) and the next ones ahead.
+        if self.gathers is not None:
+            full = self.gathers.gather(rec, local)
+            self.gathers.copy_ahead(self, self.prefetcher.upcoming())
+            if rec.on_disk and not self._keeps(rec):
+                self.drop_buffer(rec)  # once its copies are done
+        elif self.world_size == 1:
             full = local[:rec.numel]
         else:
             full = torch.empty(rec.partition_numel * self.world_size, dtype=local.dtype)
             chunks = list(full.chunk(self.world_size))
-            dist.all_gather(chunks, local.contiguous(), group=self.group)
+            local = local.contiguous()
+            self.device.check_collective(local, *chunks, op=f"all_gather of {rec.name!r}")
+            dist.all_gather(chunks, local, group=self.group)
             full = full[:rec.numel]
             if not self._keeps(rec):
                 self.drop_buffer(rec)
@@ -243,8 +260,21 @@ class ParamStore:
         self._live.pop(rec.full.untyped_storage().data_ptr(), None)
         rec.full = None
         rec.param.data = self.placeholder_of(rec)
+        if self.gathers is not None:
+            self.gathers.release(rec)
         if not self._keeps(rec):
             self.drop_buffer(rec)
+
+    def host_partition(self, rec: ParamRecord) -> torch.Tensor | None:
+        """``rec``'s partition in host memory when it is there without waiting (in memory, or its read
+        done); None while a read is in flight or not started, or a pending update holds it."""
+        if self.updates is not None:
+            return None
+        if not rec.on_disk:
+            return rec.partition.data
+        if rec.buffer is None or (rec.read is not None and not rec.read.done()):
+            return None
+        return rec.buffer
 
     def _keeps(self, rec: ParamRecord) -> bool:
         return self.keeper is not None and self.keeper.keeps(rec)
@@ -304,6 +334,8 @@ class ParamStore:
             if rec.read is not None:  # never free memory the kernel may still write to
                 rec.read.exception()  # waits; a failed read was raised where it was needed
                 rec.read = None
+            if self.gathers is not None:
+                self.gathers.host_released(rec)  # nor memory a copy to the device still reads
             rec.buffer = None
             self.budget.held -= rec.partition_numel
 
@@ -331,6 +363,8 @@ class ParamStore:
             self.release(rec)
             if not self._keeps(rec):
                 self.drop_buffer(rec)
+        if self.gathers is not None:
+            self.gathers.drop_all()
 
     # ---- the passes ----------------------------------------------------------------------------
 
@@ -426,7 +460,7 @@ class ParamStore:
 
     def pack(self, tensor: torch.Tensor) -> object:
         """Saved-tensor pack hook: a gathered parameter (or a view of it) becomes a token."""
-        if tensor.device.type != "cpu" or tensor.numel() == 0:
+        if tensor.numel() == 0:
             return tensor
         rec = self._live.get(tensor.untyped_storage().data_ptr())
         if rec is None:

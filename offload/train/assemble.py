@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from offload.config import EngineConfig, ZeroConfig, check_against_model, check_nvme_paths
+from offload.device import CpuDevice, Device
 from offload.optim import OffloadAdam
 from offload.params import ParamRecord, ParamStore, Placement, Prefetcher, SwapBudget, build_records
 from offload.params.construct import BUILT, built_store
@@ -44,7 +45,7 @@ from offload.train.plan import training_plan
 from offload.train.surface import in_optimizer_order, optimizer_param_groups
 from offload.train.update_mode import StepContext, UpdateMode, UpdatePath, choose_update_mode, fast_optimizer
 from offload.train.writeback import PartitionWriteBack
-from tensorio import BufferPool
+from tensorio import BufferPool, locked_tensor
 
 __all__ = ["assemble"]
 
@@ -67,9 +68,11 @@ def _warn_no_effect(zero: Any) -> None:
 
 def assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int, group: Any,
              optimizer: Any, lr_scheduler: Any, make_engine: Callable[..., Any],
-             model_parameters: Iterable[Any] | None = None) -> Any:
+             model_parameters: Iterable[Any] | None = None, device: Device | None = None) -> Any:
     """Build the engine (``make_engine(model, ctx, path, world_size=, rank=)``, the `Engine` class) in the
-    order each part needs the one before it (see the module docstring).
+    order each part needs the one before it (see the module docstring). Compute runs on ``device``
+    (default: the CPU); where its memory is separate, partitions rest in page-locked host memory or on
+    NVMe and are gathered onto it (docs/gpu.md).
 
     All or nothing: on any error the model's parameters get their original tensors back, and every
     swap file, hook and thread made so far is removed, before the error propagates.
@@ -81,19 +84,22 @@ def assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int,
         originals = [(p, p.data) for p in model.parameters()]  # references, not copies
         undo.callback(_restore, originals)
         engine = _build(model, cfg, undo, world_size=world_size, rank=rank, group=group, optimizer=optimizer,
-                        lr_scheduler=lr_scheduler, make_engine=make_engine, model_parameters=model_parameters)
+                        lr_scheduler=lr_scheduler, make_engine=make_engine, model_parameters=model_parameters,
+                        device=device or CpuDevice())
         undo.pop_all()  # success: nothing to undo
     dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None
-    if dtype is not None:  # floating buffers follow the parameters, as model.half() would cast them
-        for module in model.modules():
-            for name, buffer in module._buffers.items():
-                if buffer is not None and buffer.is_floating_point():
-                    module._buffers[name] = buffer.to(dtype)
+    target = (device or CpuDevice()).torch_device
+    # Buffers follow the parameters: floating ones cast as model.half() would, all of them where compute runs.
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(dtype=dtype if dtype is not None and buffer.is_floating_point()
+                                                  else buffer.dtype, device=target)
     return engine
 
 
 def _partition(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, world_size: int, rank: int,
-               group: Any) -> tuple[list[ParamRecord], SwapFile | None]:
+               group: Any, device: Device) -> tuple[list[ParamRecord], SwapFile | None]:
     """Step 1 of `_build` for a model built whole: cast, partition, place."""
     zero = cfg.zero_optimization
     offload_param = zero.offload_param
@@ -103,7 +109,11 @@ def _partition(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, 
             p.data = p.data.to(dtype)
     if world_size > 1:  # every rank starts from rank 0's weights
         for p in model.parameters():
-            dist.broadcast(p.data, 0, group=group)
+            sent = device.collective_tensor(p.data)
+            device.check_collective(sent, op="broadcast of the initial weights")
+            dist.broadcast(sent, 0, group=group)
+            if sent is not p.data:
+                p.data.copy_(sent)
     nvme = offload_param.device == "nvme"
     if nvme:
         check_against_model(cfg, {n: p.numel() for n, p in model.named_parameters()
@@ -113,7 +123,8 @@ def _partition(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, 
         swap = SwapFile(offload_param.nvme_path, cfg.aio, kind="params", key="zero_optimization.offload_param.nvme_path")
         undo.callback(swap.close)
     placement = Placement(world_size=world_size, rank=rank, swap=swap, max_in_cpu=offload_param.max_in_cpu if nvme else 0,
-                          persistence_threshold=zero.stage3_param_persistence_threshold)
+                          persistence_threshold=zero.stage3_param_persistence_threshold,
+                          pinned=device.pinned_empty if device.separate_memory else None)
     try:
         return build_records(model, placement), swap
     finally:
@@ -163,7 +174,7 @@ def _restore(originals: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
 
 def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, world_size: int, rank: int,
            group: Any, optimizer: Any, lr_scheduler: Any, make_engine: Callable[..., Any],
-           model_parameters: Iterable[Any] | None) -> Any:
+           model_parameters: Iterable[Any] | None, device: Device) -> Any:
     """`assemble`'s steps; each thing made is registered in ``undo`` for removal on failure."""
     zero = cfg.zero_optimization
     offload_param, offload_opt = zero.offload_param, zero.offload_optimizer
@@ -176,28 +187,38 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
               for p in distinct], world_size=world_size, grads_on_disk=offload_opt.device == "nvme",
         grads_in_param_slots=fast_optimizer(cfg, optimizer) and offload_opt.ratio == 1.0))
     if built is not None:  # built under offload.zero.Init: partitioned and placed already
+        if device.separate_memory:
+            raise ValueError(f"compute_device: {device.name!r}, but the model was built under zero.Init, whose "
+                             f"partitions are not in page-locked memory yet; build it without zero.Init, or "
+                             f"set compute_device \"cpu\"")
         records, swap = _adopt(model, built, cfg, world_size=world_size)
     else:
-        records, swap = _partition(model, cfg, undo, world_size=world_size, rank=rank, group=group)
+        records, swap = _partition(model, cfg, undo, world_size=world_size, rank=rank, group=group, device=device)
     # 2. The store.
     budget = SwapBudget(buffer_elements=offload_param.buffer_count * offload_param.buffer_size,
                         max_live=zero.stage3_max_live_parameters)
     store = ParamStore(records=records, world_size=world_size, rank=rank, swap=swap, budget=budget,
                        prefetcher=Prefetcher(bucket_elements=zero.stage3_prefetch_bucket_size), group=group,
-                       reuse_distance=zero.stage3_max_reuse_distance)
+                       reuse_distance=zero.stage3_max_reuse_distance, device=device)
     # 3. Where the update runs (docs/engine.md): during backward, each reduced gradient goes straight to
     #    the optimizer (earlier micro-batches' partitions kept and added to it); in the next forward, the
     #    gradients are kept, each one's norm taken as it is reduced; after backward, with the optimizer
     #    state on NVMe, the gradient partitions go there too.
     trainable = [rec for rec in records if rec.param.requires_grad]
     mode = choose_update_mode(cfg, optimizer, trainable)
+    if mode is UpdateMode.IN_FORWARD and device.separate_memory:
+        log.info("the update runs after backward, not in the next forward: with compute on the %s device the "
+                 "forward's gathers would copy partitions to it before their updates have run (not done yet)",
+                 device.name)
+        mode = UpdateMode.AFTER_BACKWARD
     fast = mode is not UpdateMode.AFTER_BACKWARD  # the optimizer's thread runs the updates
     sizes = plan_sizes(cfg, trainable, mode, budget)
     grad_swap = (SwapFile(offload_opt.nvme_path, cfg.aio, kind="grads", key="zero_optimization.offload_optimizer.nvme_path")
                  if offload_opt.device == "nvme" and sizes.swap_grads else None)
     if grad_swap is not None:
         undo.callback(grad_swap.close)
-    pool = BufferPool(sizes.pool_bytes)  # the step's I/O buffers, faulted in once
+    # The step's I/O buffers, faulted in once; page-locked where copies to the device read them.
+    pool = BufferPool(sizes.pool_bytes, make=locked_tensor) if device.separate_memory else BufferPool(sizes.pool_bytes)
     for file in (swap, grad_swap):
         if file is not None:
             file.pool = pool

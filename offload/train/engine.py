@@ -23,8 +23,10 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from offload.config import EngineConfig
+from offload.device import Device
 from offload.params import ParamRecord, ParamStore
 from offload.train.grad_norm import GlobalGradNorm
 from offload.train.grads import GradReducer
@@ -48,6 +50,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                distributed_port: int = 29500, mpu: Any = None, dist_init_required: bool | None = None,
                collate_fn: Callable | None = None, config: Mapping[str, Any] | str | os.PathLike | None = None,
                mesh_param: Any = None, config_params: Mapping[str, Any] | None = None,
+               compute_device: Device | str | None = None,
                ) -> tuple["Engine", torch.optim.Optimizer, Any, Any]:
     """Wrap ``model`` in a stage-3 engine, as ``deepspeed.initialize`` does (same arguments, same order).
 
@@ -68,15 +71,21 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
             starts one whenever none exists; False never does.
         config: a DeepSpeed-format dict or JSON path without "auto" values (see `resolve_auto`).
             ``config_params`` is DeepSpeed's older name for it.
+        compute_device: where forward and backward run: None (the config's ``compute_device``,
+            "auto" by default: CUDA where available), "cpu", "cuda", or an `offload.device.Device`
+            (tests pass ``SimulatedDevice``). The optimizer runs on the CPU either way (docs/gpu.md).
 
     Returns ``(engine, optimizer, dataloader or None, lr_scheduler or None)``.
     Raises ValueError for a bad config (naming the key), a missing optimizer, or a parameter the
-    engine cannot partition; FileNotFoundError / PermissionError for a bad ``nvme_path``.
+    engine cannot partition, "cuda" without CUDA (naming ``compute_device``) or a device budget over
+    the device's free memory (``compute_device_budget``, with the figures); FileNotFoundError /
+    PermissionError for a bad ``nvme_path``.
     """
     return engine_from_arguments(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                  training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
                                  dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
-                                 mesh_param=mesh_param, config_params=config_params, make_engine=Engine)
+                                 mesh_param=mesh_param, config_params=config_params, make_engine=Engine,
+                                 compute_device=compute_device)
 
 
 class Engine:
@@ -109,6 +118,14 @@ class Engine:
         guard_misuse(self)  # save_pretrained writes the real weights; calls around the engine are refused
 
     # ---- DeepSpeed's attributes ---------------------------------------------------------------------
+
+    @property
+    def device(self) -> Device:
+        """Where forward and backward run (`offload.device.Device`); the optimizer runs on the CPU."""
+        return self._store.device
+
+    def _to_device(self, value: Any) -> Any:
+        return value.to(self.device.torch_device) if isinstance(value, torch.Tensor) else value
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -150,6 +167,8 @@ class Engine:
         self._path.before_forward()
         self._store.begin_forward()
         self.forwarding += 1
+        if self.device.separate_memory:  # the inputs go where compute runs
+            args, kwargs = tree_map(self._to_device, (args, kwargs))
         try:
             with self.timers.phase("forward"), self._store.saved_tensor_hooks():
                 return self.module(*args, **kwargs)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from offload.params.store import ParamRecord, ParamStore
+from offload.train.device_grads import DeviceGradBuckets
 from offload.storage.swapfile import SwapFile
 from offload.storage.write_queue import WriteQueue
 
@@ -73,11 +74,17 @@ class GradReducer:
         gradients have been taken (most activations are freed by then)."""
         self._taken = 0
         self._half = sum(rec.partition_numel for rec in store.records if rec.accumulator is not None) / 2
-        self._nccl = world_size > 1 and dist.get_backend(group) == "nccl"
         self.comm_seconds = 0.0
         """Seconds backward spent blocked in gradient reductions (a call, or the wait for a bucket's)."""
+        self.device = store.device
+        self.device_buckets: DeviceGradBuckets | None = None
+        """On a device with its own memory: gradients reduced there in buckets and copied to the host
+        (`offload.train.device_grads`), at any world size; the buckets are at most the model's size."""
+        if self.device.separate_memory:
+            needed = sum(rec.partition_numel * world_size for rec in store.records if rec.accumulator is not None)
+            self.device_buckets = DeviceGradBuckets(self, self.device, min(bucket_elements or needed, needed))
         self._buckets = (_Buckets(self, bucket_elements, overlap=overlap)
-                         if world_size > 1 and not self._nccl and bucket_elements > 0 else None)
+                         if world_size > 1 and self.device_buckets is None and bucket_elements > 0 else None)
         """Gradients packed and all-reduced per bucket, asynchronously (gloo); None: one call per gradient."""
         self._writes = WriteQueue()
         """Offloaded gradient writes in flight, each with its buffer."""
@@ -93,12 +100,12 @@ class GradReducer:
 
     @property
     def has_buckets(self) -> bool:
-        """Whether gradients are all-reduced in buckets (gloo, more than one rank)."""
-        return self._buckets is not None
+        """Whether gradients are all-reduced in buckets (more than one rank: over gloo, or on the device)."""
+        return self._buckets is not None or (self.device_buckets is not None and self.world_size > 1)
 
     def _before_accumulate(self, rec: ParamRecord, grads: tuple) -> None:
         if rec.full is None:  # released: a stand-in of the full shape, zero strides, one element
-            rec.param.data = torch.zeros((), dtype=rec.param.dtype).expand(rec.shape)
+            rec.param.data = torch.zeros((), dtype=rec.param.dtype, device=self.device.torch_device).expand(rec.shape)
 
     def _after_accumulate(self, rec: ParamRecord, param: torch.Tensor) -> None:
         grad, param.grad = param.grad, None
@@ -113,6 +120,9 @@ class GradReducer:
         bucket is all-reduced asynchronously while backward goes on (`flush` ends the last one); a
         gradient larger than a bucket is all-reduced alone."""
         flat = grad.reshape(-1)
+        if self.device_buckets is not None:
+            self.device_buckets.add(rec, flat)
+            return
         if self.world_size == 1:
             self._take(rec, flat.float())  # no copy for fp32: autograd handed this tensor over
             return
@@ -122,12 +132,10 @@ class GradReducer:
         padded = torch.zeros(rec.partition_numel * self.world_size, dtype=torch.float32)
         padded[:rec.numel] = flat
         start = time.perf_counter()
-        if self._nccl:
-            part = torch.empty(rec.partition_numel, dtype=torch.float32)
-            dist.reduce_scatter_tensor(part, padded, group=self.group)
-        else:  # gloo's reduce-scatter is slower than its all-reduce: all-reduce, keep this rank's slice
-            dist.all_reduce(padded, group=self.group)
-            part = padded.chunk(self.world_size)[self.rank].clone()  # not a view: the rest is freed
+        # gloo's reduce-scatter is slower than its all-reduce: all-reduce, keep this rank's slice
+        self.device.check_collective(padded, op=f"gradient all_reduce of {rec.name!r}")
+        dist.all_reduce(padded, group=self.group)
+        part = padded.chunk(self.world_size)[self.rank].clone()  # not a view: the rest is freed
         self.comm_seconds += time.perf_counter() - start
         part.div_(self.world_size)
         self._take(rec, part)
@@ -137,11 +145,15 @@ class GradReducer:
         (sync point); every gradient partition of this backward is then taken."""
         if self._buckets is not None:
             self._buckets.flush()
+        if self.device_buckets is not None:
+            self.device_buckets.flush()
 
     def abandon(self) -> None:
         """After a failed backward: wait for the reductions in flight and drop what the buckets hold."""
         if self._buckets is not None:
             self._buckets.abandon()
+        if self.device_buckets is not None:
+            self.device_buckets.abandon()
 
     def start_backward(self, boundary: bool) -> None:
         """A backward begins; ``boundary``: it ends a gradient accumulation."""
@@ -230,6 +242,8 @@ class GradReducer:
             elif grad.value is not None:
                 total += torch.linalg.vector_norm(grad.value).double() ** 2
         if self.world_size > 1:
+            total = self.device.collective_tensor(total)
+            self.device.check_collective(total, op="gradient norm all_reduce")
             dist.all_reduce(total, group=self.group)
         return float(total.sqrt())
 
@@ -248,6 +262,8 @@ class GradReducer:
             hook.remove()
         self._hooks = []
         self.drain()
+        if self.device_buckets is not None:
+            self.device_buckets.close()
         if self.swap is not None:
             self.swap.close()
 
@@ -303,6 +319,7 @@ class _Buckets:
             self._buffer, self._members, self._used = None, [], 0
 
     def _start(self, flat: torch.Tensor, members: list[tuple[ParamRecord, int]]) -> None:
+        self._reducer.device.check_collective(flat, op="gradient bucket all_reduce")
         work = dist.all_reduce(flat, group=self._reducer.group, async_op=True)
         self._in_flight.append((work, flat, members))
         while len(self._in_flight) > (_BUCKETS_IN_FLIGHT if self._overlap else 0):

@@ -13,19 +13,17 @@ import torch.distributed as dist
 from torch import nn
 
 from offload.config import EngineConfig, world_size_from_env
-from offload.device import CpuDevice, check_process_group, start_process_group
+from offload.device import Device, check_process_group, device_for, start_process_group
 from offload.train.assemble import assemble
 from offload.train.surface import check_distributed_arguments, config_from_arguments
-
-COMPUTE_DEVICE = CpuDevice()
-"""Where the engine computes (forward, backward, the optimizer): the CPU until GPU execution lands."""
 
 
 def engine_from_arguments(*, args: Any, model: nn.Module | None, optimizer: Any, model_parameters: Iterable[Any] | None,
                           training_data: Any, lr_scheduler: Any, mpu: Any, dist_init_required: bool | None,
                           collate_fn: Callable | None, config: Mapping[str, Any] | str | os.PathLike | None,
                           mesh_param: Any, config_params: Mapping[str, Any] | None,
-                          make_engine: Callable[..., Any]) -> tuple[Any, torch.optim.Optimizer, Any, Any]:
+                          make_engine: Callable[..., Any], compute_device: Device | str | None = None,
+                          ) -> tuple[Any, torch.optim.Optimizer, Any, Any]:
     """`offload.train.engine.initialize`'s work (see its docstring for the arguments and what it raises);
     ``make_engine`` builds the engine from its assembled parts."""
     if model is None and isinstance(args, nn.Module):
@@ -35,17 +33,23 @@ def engine_from_arguments(*, args: Any, model: nn.Module | None, optimizer: Any,
         raise ValueError("model: missing; pass model=<the torch.nn.Module to train>")
     config = config_from_arguments(args, config, config_params)
     check_distributed_arguments(dist_init_required, mpu, mesh_param, world_size_from_env())
-    if dist_init_required and not (dist.is_available() and dist.is_initialized()):
-        start_process_group(COMPUTE_DEVICE)
-    world_size, rank, group = _process_group()
+    started = dist.is_available() and dist.is_initialized()
+    # The config first (its compute_device says which process group to start), checked against the
+    # world size the group will have.
+    world_size = dist.get_world_size() if started else world_size_from_env()
     if isinstance(config, EngineConfig):
         cfg = config
     elif isinstance(config, Mapping):
         cfg = EngineConfig.from_dict(config, world_size=world_size)
     else:
         cfg = EngineConfig.from_file(config, world_size=world_size)
+    device = compute_device_of(cfg, compute_device)
+    if dist_init_required and not started:
+        start_process_group(device)
+    world_size, rank, group = _process_group(device)
     engine = assemble(model, cfg, world_size=world_size, rank=rank, group=group, optimizer=optimizer,
-                      lr_scheduler=lr_scheduler, model_parameters=model_parameters, make_engine=make_engine)
+                      lr_scheduler=lr_scheduler, model_parameters=model_parameters, make_engine=make_engine,
+                      device=device)
     loader = None
     if training_data is not None:
         loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu,
@@ -55,14 +59,25 @@ def engine_from_arguments(*, args: Any, model: nn.Module | None, optimizer: Any,
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
-def _process_group() -> tuple[int, int, Any]:
+def compute_device_of(cfg: EngineConfig, given: Device | str | None) -> Device:
+    """The `Device` the engine computes on: ``given`` (a Device, as tests pass the simulated one, or a
+    choice overriding the config's), else the config's ``compute_device`` with its budget. Raises
+    ValueError naming ``compute_device`` for "cuda" without CUDA, and ``compute_device_budget`` with the
+    figures for a budget over the device's free memory."""
+    if isinstance(given, Device):
+        return given
+    return device_for(given or cfg.compute_device, setting="compute_device", budget_bytes=cfg.compute_device_budget,
+                      budget_setting="compute_device_budget")
+
+
+def _process_group(device: Device) -> tuple[int, int, Any]:
     """World size and rank; starts the default process group when launched by torchrun. Raises
     ValueError when a group the caller started cannot carry the engine's collectives."""
     if dist.is_available() and dist.is_initialized():
-        check_process_group(COMPUTE_DEVICE)
+        check_process_group(device)
         return dist.get_world_size(), dist.get_rank(), None
     world_size = world_size_from_env()
     if world_size == 1:
         return 1, 0, None  # no process group needed
-    start_process_group(COMPUTE_DEVICE)
+    start_process_group(device)
     return dist.get_world_size(), dist.get_rank(), None

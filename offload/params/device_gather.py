@@ -1,0 +1,166 @@
+"""Gathering parameters onto a compute device with its own memory (a GPU, or the simulated one).
+
+A partition at rest is host memory: a page-locked buffer (``offload_param`` "none" or "cpu") or the
+page-locked buffer an NVMe read filled. Per gathered parameter, in order:
+
+1. copy: a device buffer (`Device.empty`) is filled from the host partition by `Device.to_device` on
+   the side stream "param-copy", which first waits for the compute issued so far (the buffer may reuse
+   memory that compute just let go of);
+2. the compute stream waits for the copy's event (`Stream.wait_event`), never the host;
+3. across ranks, the partitions are all-gathered on the device (`Device.check_collective`);
+4. release: the buffer goes back to the budget (`Device.free`) once the host has seen its copy done
+   and no view of it is left: backward's autograd node holds the view a saved-tensor unpack returned
+   until it has run, after the store has released the parameter (`_sweep`).
+
+While a module computes, the next partitions of the recorded order are copied ahead (step 1 for them,
+``ahead_elements`` at most, whatever host data is there without waiting for a read); a host buffer
+an NVMe read filled goes back to the pool only once every copy from it is done (`host_released`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from tensorio import storage_references
+
+from offload.device import Device, Event
+
+if TYPE_CHECKING:
+    from offload.params.store import ParamRecord, ParamStore
+
+
+@dataclass(slots=True, eq=False)
+class _Copy:
+    """A partition copied to the device: its buffer and the copy's event."""
+
+    buffer: torch.Tensor
+    event: Event | None
+    """The copy into ``buffer``; None for a buffer compute filled (an all-gather's)."""
+    source: torch.Tensor
+    references: int | None = None
+    """The buffer's storage references while only the buffer itself refers to it (see `_sweep`; None:
+    torch cannot count them, and the buffer is freed at the end of the pass)."""
+
+
+class DeviceGathers:
+    """The device side of `ParamStore.gather` and `ParamStore.release` where memory is separate."""
+
+    def __init__(self, device: Device, *, world_size: int, rank: int, group: object,
+                 ahead_elements: int) -> None:
+        self.device, self.world_size, self.rank, self.group = device, world_size, rank, group
+        self.ahead_elements = ahead_elements
+        self.side = device.new_stream("param-copy")
+        self._ahead: dict[int, _Copy] = {}
+        """Record index -> its partition copied ahead of its gather."""
+        self._gathered: dict[int, _Copy] = {}
+        """Record index -> the device buffer its full parameter lives in, while gathered."""
+        self._retired: list[_Copy] = []
+        """Buffers of released parameters that views may still refer to (freed by `_sweep`)."""
+        self._from_host: dict[int, list[Event]] = {}
+        """Record index -> copies that read its host buffer and that the host has not yet seen done."""
+        self.bytes_to_device = 0
+        """Bytes copied host -> device so far."""
+
+    # ---- gather / release ---------------------------------------------------------------------
+
+    def gather(self, rec: ParamRecord, local: torch.Tensor) -> torch.Tensor:
+        """``rec``'s full flat parameter on the device, from its host partition ``local``."""
+        self._sweep()
+        copy = self._ahead.pop(rec.index, None)
+        if copy is not None and copy.source.data_ptr() != local.data_ptr():
+            self._discard(copy)  # copied from a buffer the partition no longer lives in
+            copy = None
+        if copy is None:
+            copy = self._copy(rec, local)
+        # 2. Compute waits for the copy (the host goes on).
+        compute = self.device.compute_stream
+        compute.wait_event(copy.event)
+        if self.world_size == 1:
+            self.device.check_ready(copy.buffer)
+            gathered = copy
+        else:  # 3. all-gather on device tensors
+            full = self.device.empty(rec.partition_numel * self.world_size, rec.partition.dtype,
+                                     name=f"gathered {rec.name}")
+            chunks = list(full.chunk(self.world_size))
+            self.device.check_collective(copy.buffer, *chunks, op=f"all_gather of {rec.name!r}")
+            dist.all_gather(chunks, copy.buffer, group=self.group)
+            self._discard(copy)
+            gathered = _Copy(full, None, local, storage_references(full))
+        self._gathered[rec.index] = gathered
+        return gathered.buffer[:rec.numel]
+
+    def release(self, rec: ParamRecord) -> None:
+        """``rec``'s gathered buffer goes back to the budget once no view of it is left (compute issued
+        so far may still read it: the device orders the buffer's next use after it, see `_copy`)."""
+        gathered = self._gathered.pop(rec.index, None)
+        if gathered is not None:
+            self._retired.append(gathered)
+            self._sweep()
+
+    def _sweep(self) -> None:
+        """Free the retired buffers no view refers to any more."""
+        if self._retired:
+            kept = [copy for copy in self._retired
+                    if copy.references is None or storage_references(copy.buffer) > copy.references]
+            for copy in self._retired:
+                if not any(copy is other for other in kept):
+                    self._discard(copy)
+            self._retired = kept
+
+    def copy_ahead(self, store: "ParamStore", upcoming: list[int]) -> None:
+        """Start copying the partitions of ``upcoming`` (record indices, next first) that are not on the
+        device yet, up to ``ahead_elements``, where their host data is there without waiting."""
+        ahead = sum(copy.buffer.numel() for copy in self._ahead.values())
+        for index in upcoming:
+            if ahead >= self.ahead_elements:
+                return
+            if index in self._ahead or index in self._gathered:
+                continue
+            rec = store.records[index]
+            local = store.host_partition(rec)
+            if local is None:
+                continue  # its read is in flight or not started: the gather copies it
+            self._ahead[index] = self._copy(rec, local)
+            ahead += rec.partition_numel
+
+    def host_released(self, rec: ParamRecord) -> None:
+        """Before ``rec``'s host buffer goes back to the pool: wait for the copies that read it (sync point)."""
+        for event in self._from_host.pop(rec.index, ()):
+            event.synchronize()
+        if rec.buffer is not None:
+            self.device.check_writable(rec.buffer)
+
+    def drop_all(self) -> None:
+        """End of a pass (or an error): every copy ahead and gathered buffer goes (sync point: their copies)."""
+        for copy in [*self._ahead.values(), *self._gathered.values(), *self._retired]:
+            self._discard(copy)
+        self._ahead.clear()
+        self._gathered.clear()
+        self._retired.clear()
+        for events in self._from_host.values():
+            for event in events:
+                event.synchronize()
+        self._from_host.clear()
+
+    # ---- internals -------------------------------------------------------------------------------
+
+    def _copy(self, rec: ParamRecord, local: torch.Tensor) -> _Copy:
+        """1. Copy ``rec``'s host partition into a new device buffer on the side stream."""
+        buffer = self.device.empty(rec.partition_numel, rec.partition.dtype, name=f"partition {rec.name}")
+        # The new buffer may reuse memory compute issued so far still reads (a GPU's allocator hands it
+        # out at once): the copy waits for that compute.
+        self.side.wait_event(self.device.compute_stream.record())
+        source = local[:rec.partition_numel]
+        event = self.device.to_device(buffer, source, stream=self.side)
+        self.bytes_to_device += buffer.numel() * buffer.element_size()
+        self._from_host.setdefault(rec.index, []).append(event)
+        return _Copy(buffer, event, source, storage_references(buffer))
+
+    def _discard(self, copy: _Copy) -> None:
+        if copy.event is not None:  # sync point: no copy may still fill a buffer given back
+            copy.event.synchronize()
+        self.device.free(copy.buffer)
