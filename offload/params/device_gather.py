@@ -64,6 +64,8 @@ class DeviceGathers:
         """Record index -> copies that read its host buffer and that the host has not yet seen done."""
         self.bytes_to_device = 0
         """Bytes copied host -> device so far."""
+        self.copied_ahead = 0
+        """Partitions copied ahead of their gather so far."""
 
     # ---- gather / release ---------------------------------------------------------------------
 
@@ -125,14 +127,16 @@ class DeviceGathers:
             if local is None:
                 continue  # its read is in flight or not started: the gather copies it
             self._ahead[index] = self._copy(rec, local)
+            self.copied_ahead += 1
             ahead += rec.partition_numel
 
-    def host_released(self, rec: ParamRecord) -> None:
-        """Before ``rec``'s host buffer goes back to the pool: wait for the copies that read it (sync point)."""
+    def host_released(self, rec: ParamRecord, host: torch.Tensor | None) -> None:
+        """Before the host writes ``rec``'s host partition ``host`` (an update) or gives its buffer back
+        to the pool: wait for the copies that read it (sync point)."""
         for event in self._from_host.pop(rec.index, ()):
             event.synchronize()
-        if rec.buffer is not None:
-            self.device.check_writable(rec.buffer)
+        if host is not None:
+            self.device.check_writable(host)
 
     def drop_all(self) -> None:
         """End of a pass (or an error): every copy ahead and gathered buffer goes (sync point: their copies)."""

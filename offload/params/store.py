@@ -209,6 +209,8 @@ class ParamStore:
             self.arrive(rec)
             local = rec.buffer
         else:
+            if self.gathers is not None:  # copies ahead follow every record, in memory too
+                self.prefetcher.observe(rec.index)
             local = rec.partition.data
         # 2. All-gather the partitions (at world size 1 the partition is the parameter); on a device
         #    with its own memory, copy them there first (`DeviceGathers`) and the next ones ahead.
@@ -264,6 +266,12 @@ class ParamStore:
             self.gathers.release(rec)
         if not self._keeps(rec):
             self.drop_buffer(rec)
+
+    def before_host_write(self, rec: ParamRecord) -> None:
+        """Before the host updates ``rec``'s partition in place (in memory, or the read buffer a step
+        keeps): wait for the copies to the device that read it (sync point; nothing on the CPU)."""
+        if self.gathers is not None:
+            self.gathers.host_released(rec, rec.buffer if rec.on_disk else rec.partition.data)
 
     def host_partition(self, rec: ParamRecord) -> torch.Tensor | None:
         """``rec``'s partition in host memory when it is there without waiting (in memory, or its read
@@ -335,7 +343,7 @@ class ParamStore:
                 rec.read.exception()  # waits; a failed read was raised where it was needed
                 rec.read = None
             if self.gathers is not None:
-                self.gathers.host_released(rec)  # nor memory a copy to the device still reads
+                self.gathers.host_released(rec, rec.buffer)  # nor memory a copy to the device still reads
             rec.buffer = None
             self.budget.held -= rec.partition_numel
 

@@ -46,6 +46,7 @@ class UpdateDuringBackward(FastPath):
     def gradient_final(self, rec: ParamRecord, grad: torch.Tensor) -> None:
         """Give a reduced gradient partition to the optimizer, which updates it in the background."""
         self.rollback.before_update(rec)
+        self.ctx.store.before_host_write(rec)  # no copy to the device may still read it
         if rec.on_disk:
             self.writeback.hand_over(rec, grad)
             return

@@ -1,0 +1,261 @@
+"""The engine computing on a device with its own memory (docs/gpu.md): on the simulated device (marked
+``simulated``: partitions gathered onto it by copies on a side stream, gradients copied back, every
+copy after a random delay or as late as possible, so a missing wait raises DeviceSyncError) and, where
+CUDA exists, on the GPU (marked ``gpu``). Losses and parameters equal plain PyTorch's within the CPU
+tests' tolerance per dtype."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from offload.device import DeviceSyncError, SimulatedDevice, cuda_available
+from offload.device._base import Event
+from offload.train.engine import initialize
+from test_engine import (FAST_CASES, assert_close, engine_config, gpt2, gpt2_batches, gpt2_loss, mlp, mlp_batches, mlp_loss,
+                         reference, reference_16bit, train)
+
+transformers = pytest.importorskip("transformers")
+
+#: The devices each test runs on: the simulated one on two schedules, and CUDA where there is a GPU.
+DEVICES = [pytest.param("random", marks=pytest.mark.simulated), pytest.param("late", marks=pytest.mark.simulated),
+           pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="no CUDA")])]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    """What ``initialize(compute_device=)`` takes: a SimulatedDevice, or "cuda"."""
+    if request.param == "cuda":
+        yield "cuda"
+        return
+    sim = SimulatedDevice(seed=7, schedule=request.param, max_delay_s=0.0005)
+    yield sim
+    sim.raise_faults()  # a host write that raced a copy, found after the last call
+    sim.close()
+
+
+def on(device) -> torch.device:
+    """Where the plain PyTorch reference computes: the same GPU, or the CPU for the simulated device."""
+    return torch.device("cuda") if device == "cuda" else torch.device("cpu")
+
+
+def to(batches, where: torch.device):
+    return [tuple(t.to(where) for t in b) if isinstance(b, tuple) else b.to(where) for b in batches]
+
+
+def host(params: dict) -> dict:
+    return {name: p.cpu() for name, p in params.items()}
+
+
+def run_reference(build, batches, loss_fn, gas, device, dtype=None, clip=0.0, loss_scale=1.0):
+    where = on(device)
+    model = build().to(where)
+    if dtype is None:
+        losses, params = reference(model, to(batches, where), loss_fn, gas, clip=clip)
+    else:
+        losses, params = reference_16bit(model, to(batches, where), loss_fn, gas, dtype, clip=clip,
+                                         loss_scale=loss_scale)
+    return losses, host(params)
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+@pytest.mark.parametrize("param,opt", [("none", "none"), ("cpu", "none"), ("cpu", "nvme"), ("nvme", "nvme"),
+                                       ("nvme", "none")])
+def test_matches_plain_pytorch_on_the_device(disk_dir, device, param, opt, gas):
+    """fp32, every placement of the partitions and of the optimizer state, with and without accumulation:
+    the losses and parameters of plain PyTorch on the same device (AdamW on the CPU here)."""
+    batches = mlp_batches(6 * gas)
+    ref_losses, ref_params = run_reference(mlp, batches, mlp_loss, gas, device)
+    engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, param, opt, gas, micro=4),
+                            compute_device=device)
+    assert engine.device.separate_memory
+    losses = train(engine, batches, mlp_loss)
+    assert engine.global_steps == 6
+    assert_close(losses, host(dict(engine.full_parameters())), ref_losses, ref_params)
+    if param == "nvme":
+        assert all(p.numel() == 0 for p in engine.module.parameters())  # partitions rest on disk
+    engine.close()
+
+
+@pytest.mark.parametrize("case", ["clipping", "clipping-accumulation", "bf16-clipping", "bf16-accumulation",
+                                  "fp16-clipping-accumulation"])
+def test_16_bit_clipping_and_accumulation_match_the_cpu_on_the_device(disk_dir, device, case):
+    """bf16, fp16 with a loss scale, gradient clipping and accumulation, parameters and optimizer state on
+    NVMe: the CPU engine's results in the same update mode bit for bit on the simulated device (where
+    compute is the CPU's), and plain PyTorch's within the tolerance of the dtype (fp32 master weights
+    for 16-bit). With clipping or fp16 the update runs after backward on the device (not in the next
+    forward): the CPU engine is given the same mode by keeping half the optimizer state in memory."""
+    extra, gas, dtype, scale = FAST_CASES[case]
+    batches = mlp_batches(4 * gas)
+    if dtype is not None:
+        batches = [(x.to(dtype), y.to(dtype)) for x, y in batches]
+    clip = extra.get("gradient_clipping", 0.0)
+    ref_losses, ref_params = run_reference(mlp, batches, mlp_loss, gas, device, dtype, clip=clip, loss_scale=scale)
+    config = engine_config(disk_dir, "nvme", "nvme", gas, micro=4, **extra)
+    if clip or dtype is torch.float16:
+        config["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
+    engine, *_ = initialize(model=mlp(), config=config, compute_device=device)
+    losses = train(engine, batches, mlp_loss)
+    assert engine.global_steps == 4 and engine.skipped_steps == 0
+    params = host(dict(engine.full_parameters()))
+    mode = engine.stats().mode
+    engine.close()
+    tolerance = 1e-5 if dtype is None else 2e-2
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=tolerance, atol=0)
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, rtol=tolerance, atol=1e-7 if dtype is None else 1e-2)
+    if device == "cuda":
+        return
+    cpu, *_ = initialize(model=mlp(), config=config, compute_device="cpu")
+    assert cpu.stats().mode == mode
+    assert train(cpu, batches, mlp_loss) == losses
+    for name, value in cpu.full_parameters():
+        assert torch.equal(value, params[name]), name
+    cpu.close()
+
+
+@pytest.mark.parametrize("param", ["cpu", "nvme"])
+def test_gpt2_matches_plain_pytorch_on_the_device(disk_dir, device, param):
+    """GPT-2 (a tied embedding, attention buffers that move to the device with the model's inputs)."""
+    batches = gpt2_batches(4)
+    build = lambda: gpt2(dropout=0.0)  # noqa: E731 - no dropout: the same numbers on any device
+    ref_losses, ref_params = run_reference(build, batches, gpt2_loss, 1, device)
+    engine, *_ = initialize(model=build(), config=engine_config(disk_dir, param, "nvme", micro=2), compute_device=device)
+    losses = train(engine, batches, gpt2_loss)
+    assert_close(losses, host(dict(engine.full_parameters())), ref_losses, ref_params, rtol=1e-4)
+    engine.close()
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(16, 16)  # so that the checkpointed blocks' inputs require grad
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(3))
+        self.head = nn.Linear(16, 8)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=self.reentrant)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_on_the_device(disk_dir, device, reentrant):
+    """Checkpointed blocks re-run their forward in backward: the re-run gathers onto the device again."""
+    batches = mlp_batches(4)
+    ref_losses, ref_params = run_reference(lambda: _Checkpointed(reentrant), batches, mlp_loss, 1, device)
+    engine, *_ = initialize(model=_Checkpointed(reentrant), config=engine_config(disk_dir, "nvme", "nvme"),
+                            compute_device=device)
+    losses = train(engine, batches, mlp_loss)
+    assert_close(losses, host(dict(engine.full_parameters())), ref_losses, ref_params)
+    engine.close()
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize("param", ["cpu", "nvme"])
+def test_device_memory_does_not_grow_over_many_steps(disk_dir, param):
+    """After every step the device holds the same bytes (the two gradient buckets): gathered buffers and
+    copies ahead are all given back, at the end of each backward at the latest."""
+    device = SimulatedDevice(seed=3, max_delay_s=0.0002)
+    batches = gpt2_batches(30)
+    engine, *_ = initialize(model=gpt2(), config=engine_config(disk_dir, param, "nvme", micro=2), compute_device=device)
+    held = []
+    for batch in batches:
+        loss = gpt2_loss(engine, batch)
+        engine.backward(loss)
+        engine.step()
+        held.append(device.allocated_bytes)
+    assert held[0] > 0 and held == [held[0]] * len(held)
+    gathers = engine._store.gathers
+    assert gathers.bytes_to_device > 0 and engine._reducer.device_buckets.bytes_to_host > 0
+    assert gathers.copied_ahead > 0  # the next modules' partitions were copied while one computed
+    engine.close()
+    assert device.allocated_bytes == 0
+    device.close()
+
+
+@pytest.mark.simulated
+def test_a_device_budget_too_small_for_the_gathers_fails_naming_it(disk_dir):
+    """The buffers a step needs on the device are counted against its budget; over it, the error names
+    the buffer and the setting."""
+    device = SimulatedDevice(budget_bytes=2048, budget_setting="compute_device_budget")
+    engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, "cpu", "none"), compute_device=device)
+    with pytest.raises(MemoryError, match="compute_device_budget"):
+        mlp_loss(engine, mlp_batches(1)[0])
+    device.close()
+
+
+class _NoWait(Event):
+    """An event whose synchronize and query do not wait: the bug of a host that does not wait for a copy."""
+
+    def __init__(self, real: Event) -> None:
+        self.raw = real
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.mark.simulated
+def test_a_gather_that_does_not_wait_for_its_copy_is_caught(disk_dir, monkeypatch):
+    """Compute that skips the wait for a partition's copy reads a buffer the copy has not filled: the
+    simulated device raises, naming the buffer."""
+    device = SimulatedDevice(schedule="late")
+    engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, "cpu", "none"), compute_device=device)
+    monkeypatch.setattr(device.compute_stream, "wait_event", lambda event: None)
+    with pytest.raises(DeviceSyncError, match="partition"):
+        mlp_loss(engine, mlp_batches(1)[0])
+    monkeypatch.undo()
+    device.close()
+
+
+@pytest.mark.simulated
+def test_gradients_read_before_their_copy_to_the_host_are_caught(disk_dir, monkeypatch):
+    """A host that takes a gradient bucket without waiting for its copy from the device reads a buffer
+    the copy has not filled: the simulated device raises."""
+    device = SimulatedDevice(schedule="late")
+    engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, "cpu", "none"), compute_device=device)
+    real = device.to_host
+    monkeypatch.setattr(device, "to_host", lambda dst, src, *, stream: _NoWait(real(dst, src, stream=stream)))
+    loss = mlp_loss(engine, mlp_batches(1)[0])
+    with pytest.raises(DeviceSyncError):
+        engine.backward(loss)
+    monkeypatch.undo()
+    device.close()
+
+
+def test_cuda_without_cuda_is_refused_naming_the_setting_and_writing_nothing(disk_dir):
+    if cuda_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(ValueError, match=r"compute_device: \"cuda\" is asked for but CUDA is not available"):
+        initialize(model=mlp(), config=engine_config(disk_dir, "nvme", "nvme", compute_device="cuda"))
+    assert os.listdir(disk_dir) == []
+
+
+def test_an_unknown_compute_device_and_a_budget_over_free_memory_are_refused(disk_dir):
+    with pytest.raises(ValueError, match="compute_device: 'tpu' is not allowed"):
+        initialize(model=mlp(), config=engine_config(disk_dir, compute_device="tpu"))
+    with pytest.raises(ValueError, match=r"compute_device_budget: .* is more than the cpu device's free memory"):
+        initialize(model=mlp(), config=engine_config(disk_dir, "nvme", "nvme", compute_device="cpu",
+                                                     compute_device_budget="1000TiB"))
+    with pytest.raises(ValueError, match="compute_device_budget"):
+        initialize(model=mlp(), config=engine_config(disk_dir, compute_device_budget="lots"))
+    assert os.listdir(disk_dir) == []
+
+
+def test_the_cpu_device_uses_host_buffers_in_place(disk_dir):
+    """On the CPU nothing is staged: no device gathers, no gradient buckets, partitions kept whole."""
+    engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, "none", "none"), compute_device="cpu")
+    assert not engine.device.separate_memory
+    assert engine._store.gathers is None and engine._reducer.device_buckets is None
+    assert all(rec.keep_full for rec in engine.records)
+    engine.close()
