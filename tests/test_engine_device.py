@@ -259,3 +259,27 @@ def test_the_cpu_device_uses_host_buffers_in_place(disk_dir):
     assert engine._store.gathers is None and engine._reducer.device_buckets is None
     assert all(rec.keep_full for rec in engine.records)
     engine.close()
+
+
+@pytest.mark.simulated
+def test_a_released_parameter_buffer_is_kept_while_a_view_of_it_lives(disk_dir):
+    """Backward's autograd node holds the view an unpack returned until it has run, after the store has
+    released the parameter: its device buffer is given back only once no view is left."""
+    device = SimulatedDevice(seed=1)
+    engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, "cpu", "none"), compute_device=device)
+    store = engine._store
+    first, second = store.records[0], store.records[1]
+    a, b = first.partition_numel * 4, second.partition_numel * 4  # fp32
+    view = store.gather(first).view(first.shape)
+    assert device.allocated_bytes == a
+    store.release(first)
+    store.gather(second)  # a gather frees what no view refers to any more
+    assert device.allocated_bytes == a + b  # the view keeps the first buffer
+    assert not torch.isnan(view).any()
+    del view
+    store.release(second)
+    store.gather(second)
+    assert device.allocated_bytes == b
+    store.release_all()
+    engine.close()
+    device.close()

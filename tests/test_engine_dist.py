@@ -11,6 +11,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from offload.device import SimulatedDevice
 from offload.train.engine import initialize
 
 pytestmark = pytest.mark.multiprocess
@@ -47,14 +48,18 @@ def config(tmp: str, param: str, opt: str, world_size: int, gas: int, clip: floa
 
 
 def run(rank: int, world_size: int, tmp: str, param: str, opt: str, gas: int, clip: float, out: str,
-        bucket: int = 500_000_000, overlap: bool = True) -> None:
-    """Train on this rank's share of each global batch; rank 0 saves losses and full parameters."""
+        bucket: int = 500_000_000, overlap: bool = True, simulated: bool = False) -> None:
+    """Train on this rank's share of each global batch; rank 0 saves losses and full parameters.
+    ``simulated``: compute on the simulated device (all-gathers and reductions of device buffers)."""
     if world_size > 1:
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    engine, *_ = initialize(model=gpt2(), config=config(tmp, param, opt, world_size, gas, clip, bucket, overlap))
+    device = SimulatedDevice(seed=rank, max_delay_s=0.0002) if simulated else "cpu"
+    engine, *_ = initialize(model=gpt2(), config=config(tmp, param, opt, world_size, gas, clip, bucket, overlap),
+                            compute_device=device)
     fast = opt == "nvme"  # the path under test: during backward without clipping, else in the next forward
     stats = engine.stats()
-    assert stats.mode.value == ("after backward" if not fast else "in the next forward" if clip else "during backward")
+    in_forward = "after backward" if simulated else "in the next forward"  # on a device: after backward
+    assert stats.mode.value == ("after backward" if not fast else in_forward if clip else "during backward")
     assert stats.reduction_buckets == (world_size > 1)
     losses = []
     for batch in batches(4 * gas):
@@ -70,7 +75,8 @@ def run(rank: int, world_size: int, tmp: str, param: str, opt: str, gas: int, cl
     # Every rank saves its partitions into one atomic checkpoint; a fresh engine loads them back.
     path = engine.save_checkpoint(os.path.join(tmp, f"ckpt{world_size}"), client_state={"rank0": rank == 0})
     engine.close()
-    fresh, *_ = initialize(model=gpt2(), config=config(tmp, param, opt, world_size, gas, clip, bucket, overlap))
+    fresh, *_ = initialize(model=gpt2(), config=config(tmp, param, opt, world_size, gas, clip, bucket, overlap),
+                           compute_device=device)
     loaded, client = fresh.load_checkpoint(os.path.join(tmp, f"ckpt{world_size}"))
     reloaded = {n: t for n, t in fresh.full_parameters()}
     fresh.close()
@@ -114,5 +120,31 @@ def test_world_size_two_matches_one(disk_dir, param, opt, gas, clip, bucket, ove
     torch.testing.assert_close(torch.tensor(b["losses"]), torch.tensor(a["losses"]), rtol=1e-5, atol=0)
     # Parameters: Adam divides by sqrt(v), so elements with tiny gradients turn the last-bit differences
     # of a different reduction order into differences of about 1e-6 (weights are about 2e-2).
+    for name, ref in a["params"].items():
+        torch.testing.assert_close(b["params"][name], ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize("param,opt,gas,clip,bucket", [("cpu", "nvme", 1, 0.0, 3000), ("nvme", "nvme", 2, 0.5, 500_000_000)],
+                         ids=["updates-in-backward-small-buckets", "params-on-disk-clipping-accumulation"])
+def test_world_size_two_on_the_simulated_device_matches_one_on_the_cpu(disk_dir, param, opt, gas, clip, bucket,
+                                                                        monkeypatch):
+    """Two ranks computing on the simulated device (partitions all-gathered and gradients all-reduced as
+    device buffers, as NCCL needs them) give world size one's results on the CPU."""
+    one, two = str(disk_dir / "one.pt"), str(disk_dir / "two.pt")
+    run(0, 1, str(disk_dir), param, opt, gas, clip, one, bucket)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=run, args=(r, 2, str(disk_dir), param, opt, gas, clip, two, bucket, True, True))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    a, b = torch.load(one), torch.load(two)
+    assert a["steps"] == b["steps"] == 4
+    torch.testing.assert_close(torch.tensor(b["losses"]), torch.tensor(a["losses"]), rtol=1e-5, atol=0)
     for name, ref in a["params"].items():
         torch.testing.assert_close(b["params"][name], ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")

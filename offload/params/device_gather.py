@@ -87,11 +87,12 @@ class DeviceGathers:
         else:  # 3. all-gather on device tensors
             full = self.device.empty(rec.partition_numel * self.world_size, rec.partition.dtype,
                                      name=f"gathered {rec.name}")
+            references = storage_references(full)  # before any view of it exists
             chunks = list(full.chunk(self.world_size))
             self.device.check_collective(copy.buffer, *chunks, op=f"all_gather of {rec.name!r}")
             dist.all_gather(chunks, copy.buffer, group=self.group)
             self._discard(copy)
-            gathered = _Copy(full, None, local, storage_references(full))
+            gathered = _Copy(full, None, local, references)
         self._gathered[rec.index] = gathered
         return gathered.buffer[:rec.numel]
 
@@ -155,6 +156,7 @@ class DeviceGathers:
     def _copy(self, rec: ParamRecord, local: torch.Tensor) -> _Copy:
         """1. Copy ``rec``'s host partition into a new device buffer on the side stream."""
         buffer = self.device.empty(rec.partition_numel, rec.partition.dtype, name=f"partition {rec.name}")
+        references = storage_references(buffer)  # before any view of it exists
         # The new buffer may reuse memory compute issued so far still reads (a GPU's allocator hands it
         # out at once): the copy waits for that compute.
         self.side.wait_event(self.device.compute_stream.record())
@@ -162,7 +164,7 @@ class DeviceGathers:
         event = self.device.to_device(buffer, source, stream=self.side)
         self.bytes_to_device += buffer.numel() * buffer.element_size()
         self._from_host.setdefault(rec.index, []).append(event)
-        return _Copy(buffer, event, source, storage_references(buffer))
+        return _Copy(buffer, event, source, references)
 
     def _discard(self, copy: _Copy) -> None:
         if copy.event is not None:  # sync point: no copy may still fill a buffer given back
