@@ -43,7 +43,13 @@ def _same(written: Any, value: Any) -> bool:
     return written == value and isinstance(written, bool) == isinstance(value, bool)
 
 
+OWN_AUTO_KEYS = ("compute_device",)
+"""Keys whose "auto" is a choice of their own (CUDA where available), left as written."""
+
+
 def _leftover_auto(node: Any, key: str = "") -> str | None:
+    if key in OWN_AUTO_KEYS:
+        return None
     if isinstance(node, dict):
         for name, value in node.items():
             found = _leftover_auto(value, f"{key}.{name}" if key else name)

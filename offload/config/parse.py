@@ -84,15 +84,18 @@ def auto_error(key: str) -> ValueError:
     return ValueError(f'{key}: "auto" is not resolved; call offload.{call} first')
 
 
-def section_values(section: Any, key: str, allowed: Collection[str]) -> dict[str, Any]:
-    """Return a copy of the JSON object at dotted ``key``, refusing keys not in ``allowed`` and "auto" values."""
+def section_values(section: Any, key: str, allowed: Collection[str], *,
+                   auto_is_a_value: Collection[str] = ()) -> dict[str, Any]:
+    """Return a copy of the JSON object at dotted ``key``, refusing keys not in ``allowed`` and "auto" values
+    (except for the keys of ``auto_is_a_value``, whose "auto" is a choice of their own, not DeepSpeed's
+    placeholder)."""
     if not isinstance(section, Mapping):
         raise ValueError(f"{key or 'config'}: expected a JSON object, got {section!r} ({type(section).__name__})")
     for name, value in section.items():
         dotted = f"{key}.{name}" if key else name
         if name not in allowed:
             raise ValueError(f"{dotted}: unknown key; allowed keys are {', '.join(sorted(allowed))}")
-        if isinstance(value, str) and value == AUTO:
+        if isinstance(value, str) and value == AUTO and name not in auto_is_a_value:
             raise auto_error(dotted)
     return dict(section)
 
