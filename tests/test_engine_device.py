@@ -21,8 +21,10 @@ from test_engine import (FAST_CASES, assert_close, engine_config, gpt2, gpt2_bat
 
 transformers = pytest.importorskip("transformers")
 
-#: The devices each test runs on: the simulated one on two schedules, and CUDA where there is a GPU.
-DEVICES = [pytest.param("random", marks=pytest.mark.simulated), pytest.param("late", marks=pytest.mark.simulated),
+#: The devices each test runs on: the simulated one on two schedules (the late one outside the fast tier:
+#: ``pytest -m simulated`` runs both), and CUDA where there is a GPU.
+DEVICES = [pytest.param("random", marks=pytest.mark.simulated),
+           pytest.param("late", marks=[pytest.mark.simulated, pytest.mark.slow]),
            pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="no CUDA")])]
 
 
@@ -252,6 +254,19 @@ def test_an_unknown_compute_device_and_a_budget_over_free_memory_are_refused(dis
     assert os.listdir(disk_dir) == []
 
 
+def test_compute_device_auto_is_a_value_not_a_placeholder(disk_dir):
+    """DeepSpeed's "auto" placeholders are resolved or refused; compute_device's "auto" is its own choice."""
+    from offload import resolve_auto
+    from offload.config import EngineConfig
+
+    raw = resolve_auto({"train_micro_batch_size_per_gpu": "auto", "compute_device": "auto"}, micro_batch_size=2)
+    assert raw["compute_device"] == "auto"
+    assert EngineConfig.from_dict(raw, world_size=1).compute_device == "auto"
+    engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, compute_device="auto"))
+    assert engine.device.name == ("cuda" if cuda_available() else "cpu")
+    engine.close()
+
+
 def test_the_cpu_device_uses_host_buffers_in_place(disk_dir):
     """On the CPU nothing is staged: no device gathers, no gradient buckets, partitions kept whole."""
     engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, "none", "none"), compute_device="cpu")
@@ -283,3 +298,40 @@ def test_a_released_parameter_buffer_is_kept_while_a_view_of_it_lives(disk_dir):
     store.release_all()
     engine.close()
     device.close()
+
+
+@pytest.mark.parametrize("param,opt", [("cpu", "none"), ("nvme", "nvme")])
+def test_checkpoint_resume_on_the_device_is_identical_to_an_uninterrupted_run(disk_dir, tmp_path, device, param, opt):
+    """A checkpoint saved and loaded with compute on the device: the resumed run continues bit for bit."""
+    build = lambda: gpt2(dropout=0.0)  # noqa: E731 (the RNG state is not part of a checkpoint)
+    batches = gpt2_batches(6)
+    config = engine_config(disk_dir, param, opt, micro=2)
+    engine, *_ = initialize(model=build(), config=config, compute_device=device)
+    straight = train(engine, batches, gpt2_loss)
+    expected = dict(engine.full_parameters())
+    engine.close()
+    first, *_ = initialize(model=build(), config=config, compute_device=device)
+    train(first, batches[:3], gpt2_loss)
+    first.save_checkpoint(tmp_path)
+    first.close()
+    second, *_ = initialize(model=build(), config=config, compute_device=device)
+    second.load_checkpoint(tmp_path)
+    assert train(second, batches[3:], gpt2_loss) == straight[3:]
+    resumed = dict(second.full_parameters())
+    assert all(torch.equal(resumed[name], ref) for name, ref in expected.items())
+    assert all(t.device.type == "cpu" for t in resumed.values())  # full_parameters are host copies
+    second.close()
+
+
+def test_save_16bit_model_on_the_device_writes_every_weight(disk_dir, tmp_path, device):
+    from safetensors.torch import load_file
+
+    config = engine_config(disk_dir, "nvme", "nvme", micro=2, bf16={"enabled": True})
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    engine, *_ = initialize(model=gpt2(), config=config, compute_device=device)
+    train(engine, gpt2_batches(2), gpt2_loss)
+    assert engine.save_16bit_model(tmp_path, "model.safetensors")
+    weights, expected = load_file(tmp_path / "model.safetensors"), dict(engine.full_parameters())
+    assert set(weights) == {rec.name for rec in engine.records}
+    assert all(torch.equal(tensor, expected[name]) for name, tensor in weights.items())
+    engine.close()

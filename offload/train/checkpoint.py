@@ -281,7 +281,7 @@ def save_16bit_model(save_dir: str | os.PathLike, save_filename: str, *, rank: i
             kept = rec.full is not None
             full = store.gather(rec)
             if out is not None:
-                out.write(rec.name, full.view(rec.shape))
+                out.write(rec.name, full.view(rec.shape).cpu())  # from the device where compute runs there
             if not kept:
                 store.release(rec)
     if rank == 0:

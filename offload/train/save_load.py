@@ -76,11 +76,12 @@ def load_engine_checkpoint(ctx: StepContext, path: UpdatePath, *, rank: int, wor
 
 
 def gathered_parameters(store: ParamStore) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) for every parameter of ``store``, gathered one at a time (a copy each; a
-    parameter not gathered before is released again). Every rank iterates it (all-gathers)."""
+    """(name, full tensor) for every parameter of ``store``, gathered one at a time (a copy each, in host
+    memory wherever compute runs; a parameter not gathered before is released again). Every rank
+    iterates it (all-gathers)."""
     for rec in store.records:
         kept = rec.full is not None
-        full = store.gather(rec).view(rec.shape).clone()
+        full = store.gather(rec).view(rec.shape).to("cpu", copy=True)
         if not kept:
             store.release(rec)
         for name in rec.names:
