@@ -58,6 +58,8 @@ class DeviceGathers:
         """Record index -> its partition copied ahead of its gather."""
         self._gathered: dict[int, _Copy] = {}
         """Record index -> the device buffer its full parameter lives in, while gathered."""
+        self._resident: dict[int, _Copy] = {}
+        """Record index -> the device buffer its full parameter stays in (``offload_param.device`` "none")."""
         self._retired: list[_Copy] = []
         """Buffers of released parameters that views may still refer to (freed by `_sweep`)."""
         self._from_host: dict[int, list[Event]] = {}
@@ -114,6 +116,26 @@ class DeviceGathers:
                     self._discard(copy)
             self._retired = kept
 
+    def make_resident(self, rec: ParamRecord, local: torch.Tensor) -> torch.Tensor:
+        """Gather ``rec`` onto the device for good (until `refresh_resident` or `close`); its full flat tensor."""
+        full = self.gather(rec, local)
+        self._resident[rec.index] = self._gathered.pop(rec.index)
+        return full
+
+    def refresh_resident(self, rec: ParamRecord, local: torch.Tensor) -> torch.Tensor:
+        """After the host partition ``local`` of a resident ``rec`` changed (an update, a load): gather it
+        again into a new buffer (the old one goes once no view of it is left)."""
+        old = self._resident.pop(rec.index, None)
+        if old is not None:
+            self._retired.append(old)
+        return self.make_resident(rec, local)
+
+    def close(self) -> None:
+        """Give every device buffer back, resident ones included (sync point)."""
+        self._retired.extend(self._resident.values())
+        self._resident.clear()
+        self.drop_all()
+
     def copy_ahead(self, store: "ParamStore", upcoming: list[int]) -> None:
         """Start copying the partitions of ``upcoming`` (record indices, next first) that are not on the
         device yet, up to ``ahead_elements``, where their host data is there without waiting."""
@@ -121,7 +143,7 @@ class DeviceGathers:
         for index in upcoming:
             if ahead >= self.ahead_elements:
                 return
-            if index in self._ahead or index in self._gathered:
+            if index in self._ahead or index in self._gathered or index in self._resident:
                 continue
             rec = store.records[index]
             local = store.host_partition(rec)

@@ -160,6 +160,9 @@ class ParamStore:
     """Where compute runs. With memory of its own (a GPU), gathers copy partitions onto it (``gathers``)."""
     gathers: DeviceGathers | None = None
     """The device side of gather and release where the device's memory is separate; None on the CPU."""
+    resident: bool = False
+    """On a device with its own memory: every parameter stays gathered there (``offload_param.device``
+    "none"), its host partition the optimizer's; `refresh` copies each update to the device."""
     _hooks: list = field(default_factory=list)
     _serial: int = 0
 
@@ -167,6 +170,12 @@ class ParamStore:
         if self.device.separate_memory and self.gathers is None:
             self.gathers = DeviceGathers(self.device, world_size=self.world_size, rank=self.rank, group=self.group,
                                          ahead_elements=self.prefetcher.bucket_elements)
+            if self.resident:
+                for rec in self.records:
+                    if rec.on_disk:
+                        raise RuntimeError(f"internal error: parameter {rec.name!r} is on NVMe in a resident store")
+                    rec.keep_full = True
+                    self._set_resident(rec)
         self._by_param = {id(rec.param): rec for rec in self.records}
         self.region: SlottedRegion | None = (
             SlottedRegion(self.swap, [rec.slots for rec in self.records if rec.on_disk]) if self.swap is not None else None)
@@ -409,7 +418,7 @@ class ParamStore:
         in memory or on NVMe (sync point: waits for the write). Raises TensorIOError."""
         if rec.full is None:
             raise RuntimeError(f"internal error: parameter {rec.name!r} is not gathered")
-        if rec.keep_full and self.world_size == 1:
+        if rec.keep_full and self.world_size == 1 and self.gathers is None:
             return  # the partition is the parameter itself
         start, end = partition_bounds(rec.numel, self.world_size, self.rank)
         values = rec.full[start:min(end, rec.numel)]
@@ -424,9 +433,16 @@ class ParamStore:
             staged[:values.numel()].copy_(values)
         self.write_partition(rec, staged).result()
 
+    def _set_resident(self, rec: ParamRecord) -> None:
+        rec.full = self.gathers.refresh_resident(rec, rec.partition.data)
+        rec.param.data = rec.full.view(rec.shape)
+
     def refresh(self, rec: ParamRecord) -> None:
-        """After ``rec``'s partition changed: regather a kept parameter whose partition is not a view of it."""
-        if rec.keep_full and self.world_size > 1:
+        """After ``rec``'s partition changed: regather a kept parameter whose partition is not a view of it
+        (on a device with its own memory, every kept one: its gathered copy lives there)."""
+        if rec.keep_full and self.gathers is not None:
+            self._set_resident(rec)
+        elif rec.keep_full and self.world_size > 1:
             rec.full = None
             self.gather(rec)
 
@@ -435,8 +451,10 @@ class ParamStore:
         return SwapFile.io_bytes_of(self.swap)
 
     def close(self) -> None:
-        """Remove the hooks and the swap file."""
+        """Remove the hooks and the swap file; give the device buffers back."""
         self.remove_hooks()
+        if self.gathers is not None:
+            self.gathers.close()
         if self.swap is not None:
             self.swap.close()
 

@@ -199,7 +199,8 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
                         max_live=zero.stage3_max_live_parameters)
     store = ParamStore(records=records, world_size=world_size, rank=rank, swap=swap, budget=budget,
                        prefetcher=Prefetcher(bucket_elements=zero.stage3_prefetch_bucket_size), group=group,
-                       reuse_distance=zero.stage3_max_reuse_distance, device=device)
+                       reuse_distance=zero.stage3_max_reuse_distance, device=device,
+                       resident=device.separate_memory and offload_param.device == "none")
     # 3. Where the update runs (docs/engine.md): during backward, each reduced gradient goes straight to
     #    the optimizer (earlier micro-batches' partitions kept and added to it); in the next forward, the
     #    gradients are kept, each one's norm taken as it is reduced; after backward, with the optimizer
