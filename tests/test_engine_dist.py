@@ -103,13 +103,18 @@ def _free_port() -> int:
     ("nvme", "nvme", 2, 0.0, 3000, False), ("nvme", "cpu", 2, 0.5, 3000, True)],
     ids=["step-in-next-forward", "updates-in-backward", "accumulation-small-buckets-no-overlap", "chunked-step"])
 def test_world_size_two_matches_one(disk_dir, param, opt, gas, clip, bucket, overlap, monkeypatch):
+    two_ranks_match_one(disk_dir, monkeypatch, (str(disk_dir), param, opt, gas, clip), (bucket, overlap), simulated=False)
+
+
+def two_ranks_match_one(disk_dir, monkeypatch, setting: tuple, rest: tuple, *, simulated: bool) -> None:
+    """`run` at world size one on the CPU, then at two (on the simulated device where ``simulated``):
+    the same losses, and parameters within Adam's amplification of last-bit differences."""
     one, two = str(disk_dir / "one.pt"), str(disk_dir / "two.pt")
-    run(0, 1, str(disk_dir), param, opt, gas, clip, one, bucket, overlap)
+    run(0, 1, *setting, one, *rest)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=run, args=(r, 2, str(disk_dir), param, opt, gas, clip, two, bucket, overlap))
-             for r in range(2)]
+    procs = [ctx.Process(target=run, args=(r, 2, *setting, two, *rest, simulated)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
@@ -131,20 +136,4 @@ def test_world_size_two_on_the_simulated_device_matches_one_on_the_cpu(disk_dir,
                                                                         monkeypatch):
     """Two ranks computing on the simulated device (partitions all-gathered and gradients all-reduced as
     device buffers, as NCCL needs them) give world size one's results on the CPU."""
-    one, two = str(disk_dir / "one.pt"), str(disk_dir / "two.pt")
-    run(0, 1, str(disk_dir), param, opt, gas, clip, one, bucket)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=run, args=(r, 2, str(disk_dir), param, opt, gas, clip, two, bucket, True, True))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    assert [p.exitcode for p in procs] == [0, 0]
-    a, b = torch.load(one), torch.load(two)
-    assert a["steps"] == b["steps"] == 4
-    torch.testing.assert_close(torch.tensor(b["losses"]), torch.tensor(a["losses"]), rtol=1e-5, atol=0)
-    for name, ref in a["params"].items():
-        torch.testing.assert_close(b["params"][name], ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    two_ranks_match_one(disk_dir, monkeypatch, (str(disk_dir), param, opt, gas, clip), (bucket, True), simulated=True)
