@@ -64,7 +64,7 @@ def run_reference(build, batches, loss_fn, gas, device, dtype=None, clip=0.0, lo
     return losses, host(params)
 
 
-@pytest.mark.parametrize("gas", [1, 2])
+@pytest.mark.parametrize("gas", [1, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("param,opt", [("none", "none"), ("cpu", "none"), ("cpu", "nvme"), ("nvme", "nvme"),
                                        ("nvme", "none")])
 def test_matches_plain_pytorch_on_the_device(disk_dir, device, param, opt, gas):
@@ -86,7 +86,8 @@ def test_matches_plain_pytorch_on_the_device(disk_dir, device, param, opt, gas):
     engine.close()
 
 
-@pytest.mark.parametrize("case", ["clipping", "clipping-accumulation", "bf16-clipping", "bf16-accumulation",
+@pytest.mark.parametrize("case", [pytest.param("clipping", marks=pytest.mark.slow), "clipping-accumulation",
+                                  "bf16-clipping", pytest.param("bf16-accumulation", marks=pytest.mark.slow),
                                   "fp16-clipping-accumulation"])
 def test_16_bit_clipping_and_accumulation_match_the_cpu_on_the_device(disk_dir, device, case):
     """bf16, fp16 with a loss scale, gradient clipping and accumulation, parameters and optimizer state on
@@ -123,7 +124,7 @@ def test_16_bit_clipping_and_accumulation_match_the_cpu_on_the_device(disk_dir, 
     cpu.close()
 
 
-@pytest.mark.parametrize("param", ["cpu", "nvme"])
+@pytest.mark.parametrize("param", ["cpu", pytest.param("nvme", marks=pytest.mark.slow)])
 def test_gpt2_matches_plain_pytorch_on_the_device(disk_dir, device, param):
     """GPT-2 (a tied embedding, attention buffers that move to the device with the model's inputs)."""
     batches = gpt2_batches(4)
@@ -303,7 +304,7 @@ def test_a_released_parameter_buffer_is_kept_while_a_view_of_it_lives(disk_dir):
     device.close()
 
 
-@pytest.mark.parametrize("param,opt", [("cpu", "none"), ("nvme", "nvme")])
+@pytest.mark.parametrize("param,opt", [pytest.param("cpu", "none", marks=pytest.mark.slow), ("nvme", "nvme")])
 def test_checkpoint_resume_on_the_device_is_identical_to_an_uninterrupted_run(disk_dir, tmp_path, device, param, opt):
     """A checkpoint saved and loaded with compute on the device: the resumed run continues bit for bit."""
     build = lambda: gpt2(dropout=0.0)  # noqa: E731 (the RNG state is not part of a checkpoint)

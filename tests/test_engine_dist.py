@@ -84,6 +84,9 @@ def run(rank: int, world_size: int, tmp: str, param: str, opt: str, gas: int, cl
     assert all(torch.equal(reloaded[n], t) for n, t in params.items())
     if rank == 0:
         torch.save({"losses": losses, "params": params, "steps": engine.global_steps}, out)
+    if simulated:
+        device.raise_faults()
+        device.close()  # its copy threads, before the process group goes
     if world_size > 1:
         torch.distributed.destroy_process_group()
 
