@@ -58,8 +58,7 @@ def run(rank: int, world_size: int, tmp: str, param: str, opt: str, gas: int, cl
                             compute_device=device)
     fast = opt == "nvme"  # the path under test: during backward without clipping, else in the next forward
     stats = engine.stats()
-    in_forward = "after backward" if simulated else "in the next forward"  # on a device: after backward
-    assert stats.mode.value == ("after backward" if not fast else in_forward if clip else "during backward")
+    assert stats.mode.value == ("after backward" if not fast else "in the next forward" if clip else "during backward")
     assert stats.reduction_buckets == (world_size > 1)
     losses = []
     for batch in batches(4 * gas):

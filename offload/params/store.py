@@ -284,7 +284,8 @@ class ParamStore:
 
     def host_partition(self, rec: ParamRecord) -> torch.Tensor | None:
         """``rec``'s partition in host memory when it is there without waiting (in memory, or its read
-        done); None while a read is in flight or not started, or a pending update holds it."""
+        done); None while a read is in flight or not started, and with a step whose updates run during
+        the passes (``updates``: nothing tells without waiting whether a partition's update has run)."""
         if self.updates is not None:
             return None
         if not rec.on_disk:

@@ -207,11 +207,6 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
     #    state on NVMe, the gradient partitions go there too.
     trainable = [rec for rec in records if rec.param.requires_grad]
     mode = choose_update_mode(cfg, optimizer, trainable)
-    if mode is UpdateMode.IN_FORWARD and device.separate_memory:
-        log.info("the update runs after backward, not in the next forward: with compute on the %s device the "
-                 "forward's gathers would copy partitions to it before their updates have run (not done yet)",
-                 device.name)
-        mode = UpdateMode.AFTER_BACKWARD
     fast = mode is not UpdateMode.AFTER_BACKWARD  # the optimizer's thread runs the updates
     sizes = plan_sizes(cfg, trainable, mode, budget)
     grad_swap = (SwapFile(offload_opt.nvme_path, cfg.aio, kind="grads", key="zero_optimization.offload_optimizer.nvme_path")
