@@ -120,6 +120,30 @@ def test_16_bit_clipping_and_accumulation_match_plain_pytorch_on_the_device(disk
         assert torch.equal(params[name], ref), name
 
 
+@pytest.mark.parametrize("case", ["clipping-accumulation", "bf16-accumulation"])
+def test_parameters_kept_on_the_device_take_every_update(disk_dir, device, case):
+    """``offload_param.device`` "none": every parameter stays gathered on the device, and each update
+    (in the next forward with clipping, during backward without) is copied there before its next use."""
+    extra, gas, dtype, scale = FAST_CASES[case]
+    batches = mlp_batches(4 * gas)
+    if dtype is not None:
+        batches = [(x.to(dtype), y.to(dtype)) for x, y in batches]
+    clip = extra.get("gradient_clipping", 0.0)
+    ref_losses, ref_params = run_reference(mlp, batches, mlp_loss, gas, device, dtype, clip=clip, loss_scale=scale)
+    engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, "none", "nvme", gas, micro=4, **extra),
+                            compute_device=device)
+    assert engine.stats().mode.value == ("in the next forward" if clip else "during backward")
+    losses = train(engine, batches, mlp_loss)
+    params = host(dict(engine.full_parameters()))
+    engine.close()
+    tolerance = 1e-5 if dtype is None else 2e-2
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=tolerance if device == "cuda" else 0,
+                               atol=0)
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, rtol=tolerance if device == "cuda" else 0,
+                                   atol=1e-7 if device == "cuda" else 0)
+
+
 @pytest.mark.parametrize("param", ["cpu", pytest.param("nvme", marks=pytest.mark.slow)])
 def test_gpt2_matches_plain_pytorch_on_the_device(disk_dir, device, param):
     """GPT-2 (a tied embedding, attention buffers that move to the device with the model's inputs)."""

@@ -438,6 +438,11 @@ class ParamStore:
         rec.full = self.gathers.refresh_resident(rec, rec.partition.data)
         rec.param.data = rec.full.view(rec.shape)
 
+    def kept_elsewhere(self, rec: ParamRecord) -> bool:
+        """Whether ``rec`` is kept gathered in memory apart from its partition (gathered across ranks, or
+        on a device with its own memory): an update of the partition then needs a `refresh`."""
+        return rec.keep_full and (self.world_size > 1 or self.gathers is not None)
+
     def refresh(self, rec: ParamRecord) -> None:
         """After ``rec``'s partition changed: regather a kept parameter whose partition is not a view of it
         (on a device with its own memory, every kept one: its gathered copy lives there)."""

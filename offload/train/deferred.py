@@ -236,8 +236,9 @@ class DeferredStep:
             if grad is None:
                 continue
             self._rollback.before_update(rec)
+            self._store.before_host_write(rec)  # no copy to a device may still read it
             self._handed.add(rec.index)
-            if rec.keep_full and self._store.world_size > 1:
+            if self._store.kept_elsewhere(rec):
                 self._refresh.add(rec.index)
             if rec.on_disk:
                 self._writeback.hand_over(rec, grad, hold=True)  # sync point if its read is in flight
