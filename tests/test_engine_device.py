@@ -359,3 +359,21 @@ def test_save_16bit_model_on_the_device_writes_every_weight(disk_dir, tmp_path, 
     assert set(weights) == {rec.name for rec in engine.records}
     assert all(torch.equal(tensor, expected[name]) for name, tensor in weights.items())
     engine.close()
+
+
+def test_parameters_read_between_backward_and_step_leave_no_stale_copy(disk_dir, device):
+    """Gathers outside the passes (full_parameters between backward and the step after it) copy nothing
+    ahead: the step then updates the partitions, and the next forward copies the updated values."""
+    batches = mlp_batches(4)
+    ref_losses, ref_params = run_reference(mlp, batches, mlp_loss, 1, device)
+    engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, "cpu", "none"), compute_device=device)
+    assert engine.stats().mode.value == "after backward"
+    losses = []
+    for batch in batches:
+        loss = mlp_loss(engine, batch)
+        engine.backward(loss)
+        dict(engine.full_parameters())
+        engine.step()
+        losses.append(loss.item())
+    assert_close(losses, host(dict(engine.full_parameters())), ref_losses, ref_params)
+    engine.close()

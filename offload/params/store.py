@@ -163,6 +163,8 @@ class ParamStore:
     resident: bool = False
     """On a device with its own memory: every parameter stays gathered there (``offload_param.device``
     "none"), its host partition the optimizer's; `refresh` copies each update to the device."""
+    _in_pass: bool = False
+    """Between a forward's start and the release at the end of its backward (`begin_forward`, `release_all`)."""
     _hooks: list = field(default_factory=list)
     _serial: int = 0
 
@@ -225,7 +227,8 @@ class ParamStore:
         #    with its own memory, copy them there first (`DeviceGathers`) and the next ones ahead.
         if self.gathers is not None:
             full = self.gathers.gather(rec, local)
-            self.gathers.copy_ahead(self, self.prefetcher.upcoming())
+            if self._in_pass:  # outside the passes (a save, full_parameters) an update may come first
+                self.gathers.copy_ahead(self, self.prefetcher.upcoming())
             if rec.on_disk and not self._keeps(rec):
                 self.drop_buffer(rec)  # once its copies are done
         elif self.world_size == 1:
@@ -383,12 +386,14 @@ class ParamStore:
                 self.drop_buffer(rec)
         if self.gathers is not None:
             self.gathers.drop_all()
+        self._in_pass = False
 
     # ---- the passes ----------------------------------------------------------------------------
 
     def begin_forward(self) -> None:
         """A forward pass starts: the recorded order is replayed from its start."""
         self.prefetcher.cursor = 0
+        self._in_pass = True
 
     def end_backward(self) -> None:
         """A backward pass ended (or failed): release everything but what the `keeper` keeps past it (sync
