@@ -291,6 +291,21 @@ def test_compute_device_auto_is_a_value_not_a_placeholder(disk_dir):
     engine.close()
 
 
+def test_a_gloo_group_for_compute_on_a_gpu_is_refused_naming_the_fix():
+    from offload.device import CpuDevice
+    from offload.train.setup import check_group_carries
+
+    class NcclDevice(SimulatedDevice):  # a device whose collectives need NCCL, as CUDA's do
+        collective_backend = "nccl"
+    device = NcclDevice()
+    with pytest.raises(ValueError, match=r"uses \"gloo\", but the engine computes on the simulated device.*"
+                                         r"init_process_group\(\"nccl\"\)"):
+        check_group_carries(device, "gloo")
+    check_group_carries(device, "nccl")
+    check_group_carries(CpuDevice(), "gloo")
+    device.close()
+
+
 def test_the_cpu_device_uses_host_buffers_in_place(disk_dir):
     """On the CPU nothing is staged: no device gathers, no gradient buckets, partitions kept whole."""
     engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, "none", "none"), compute_device="cpu")

@@ -70,11 +70,22 @@ def compute_device_of(cfg: EngineConfig, given: Device | str | None) -> Device:
                       budget_setting="compute_device_budget")
 
 
+def check_group_carries(device: Device, backend: str) -> None:
+    """Raise ValueError naming the backend, the device and the fix when a process group the caller started
+    with ``backend`` cannot carry collectives of tensors on ``device`` (gloo for compute on a GPU, whose
+    all-gathers and reduce-scatters take GPU tensors: DeepSpeed needs NCCL there too)."""
+    if backend == "gloo" and device.collective_backend == "nccl":
+        raise ValueError(f"the torch.distributed process group uses \"gloo\", but the engine computes on the "
+                         f"{device.name} device, whose all-gathers and reduce-scatters need \"nccl\"; start the group "
+                         f"with torch.distributed.init_process_group(\"nccl\"), or leave it to the engine")
+
+
 def _process_group(device: Device) -> tuple[int, int, Any]:
     """World size and rank; starts the default process group when launched by torchrun. Raises
     ValueError when a group the caller started cannot carry the engine's collectives."""
     if dist.is_available() and dist.is_initialized():
         check_process_group(device)
+        check_group_carries(device, dist.get_backend())
         return dist.get_world_size(), dist.get_rank(), None
     world_size = world_size_from_env()
     if world_size == 1:
