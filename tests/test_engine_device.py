@@ -146,11 +146,17 @@ def test_parameters_kept_on_the_device_take_every_update(disk_dir, device, case)
 
 @pytest.mark.parametrize("param", ["cpu", pytest.param("nvme", marks=pytest.mark.slow)])
 def test_gpt2_matches_plain_pytorch_on_the_device(disk_dir, device, param):
-    """GPT-2 (a tied embedding, attention buffers that move to the device with the model's inputs)."""
+    """GPT-2 (a tied embedding, attention buffers that move to the device with the model's inputs, layer
+    norms small enough to be persistent: kept on the device, each update copied there)."""
     batches = gpt2_batches(4)
     build = lambda: gpt2(dropout=0.0)  # noqa: E731 - no dropout: the same numbers on any device
     ref_losses, ref_params = run_reference(build, batches, gpt2_loss, 1, device)
-    engine, *_ = initialize(model=build(), config=engine_config(disk_dir, param, "nvme", micro=2), compute_device=device)
+    config = engine_config(disk_dir, param, "nvme", micro=2)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 100
+    engine, *_ = initialize(model=build(), config=config, compute_device=device)
+    kept = [rec for rec in engine.records if rec.keep_full]
+    assert kept and all(rec.numel <= 100 and rec.full is not None for rec in kept)
+    assert any(not rec.keep_full for rec in engine.records)
     losses = train(engine, batches, gpt2_loss)
     assert_close(losses, host(dict(engine.full_parameters())), ref_losses, ref_params, rtol=1e-4)
     engine.close()

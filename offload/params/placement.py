@@ -41,8 +41,9 @@ class Placement:
     attaches them then."""
     pinned: Callable[[int, torch.dtype], torch.Tensor] | None = None
     """For compute on a device with its own memory (`offload.device.Device.pinned_empty`): in-memory
-    partitions go into page-locked buffers it makes, which the gathers copy to the device from, and no
-    parameter is kept whole in host memory (the device gathers it around each use). None: the CPU."""
+    partitions go into page-locked buffers it makes, which the gathers copy to the device from, and only
+    persistent parameters are kept whole (the store keeps them gathered on the device; the others are
+    gathered there around each use). None: the CPU."""
     in_cpu: int = 0
     """Elements of non-persistent partitions kept in memory so far."""
     _writes: WriteQueue = field(default_factory=WriteQueue)
@@ -65,7 +66,8 @@ class Placement:
         start, end = partition_bounds(numel, world_size, rank)
         persistent = numel <= self.persistence_threshold
         to_disk = self.swap is not None and not persistent and self.in_cpu + part > self.max_in_cpu
-        keep_full = (persistent or (world_size == 1 and not to_disk)) and self.pinned is None
+        # With a device of its own memory only persistent parameters stay whole (gathered there by the store).
+        keep_full = persistent or (world_size == 1 and not to_disk and self.pinned is None)
         flat = p.data.reshape(-1)
         if world_size == 1 and not to_disk and self.pinned is None:
             local = flat  # the partition is the parameter itself

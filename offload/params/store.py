@@ -162,7 +162,8 @@ class ParamStore:
     """The device side of gather and release where the device's memory is separate; None on the CPU."""
     resident: bool = False
     """On a device with its own memory: every parameter stays gathered there (``offload_param.device``
-    "none"), its host partition the optimizer's; `refresh` copies each update to the device."""
+    "none"), as persistent ones (``keep_full``) always do, its host partition the optimizer's; `refresh`
+    copies each update to the device."""
     _in_pass: bool = False
     """Between a forward's start and the release at the end of its backward (`begin_forward`, `release_all`)."""
     _hooks: list = field(default_factory=list)
@@ -172,10 +173,10 @@ class ParamStore:
         if self.device.separate_memory and self.gathers is None:
             self.gathers = DeviceGathers(self.device, world_size=self.world_size, rank=self.rank, group=self.group,
                                          ahead_elements=self.prefetcher.bucket_elements)
-            if self.resident:
-                for rec in self.records:
-                    if rec.on_disk:
-                        raise RuntimeError(f"internal error: parameter {rec.name!r} is on NVMe in a resident store")
+            for rec in self.records:  # kept whole: on the device, for good
+                if self.resident and rec.on_disk:
+                    raise RuntimeError(f"internal error: parameter {rec.name!r} is on NVMe in a resident store")
+                if self.resident or rec.keep_full:
                     rec.keep_full = True
                     self._set_resident(rec)
         self._by_param = {id(rec.param): rec for rec in self.records}
