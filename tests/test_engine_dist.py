@@ -3,6 +3,7 @@ and a checkpoint written by both ranks and loaded back."""
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 
@@ -84,8 +85,11 @@ def run(rank: int, world_size: int, tmp: str, param: str, opt: str, gas: int, cl
     if rank == 0:
         torch.save({"losses": losses, "params": params, "steps": engine.global_steps}, out)
     if simulated:
+        device.synchronize()  # nothing left for its copy threads to run at exit
         device.raise_faults()
         device.close()  # its copy threads, before the process group goes
+        del engine, fresh, device
+        gc.collect()  # the device buffers collectives used, freed before gloo's teardown (docs/engine.md)
     if world_size > 1:
         torch.distributed.destroy_process_group()
 

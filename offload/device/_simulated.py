@@ -90,7 +90,8 @@ class _Queue:
         self._demanded = 0
         self.stopped = False
         self._retired = False
-        threading.Thread(target=self._run, name=f"simulated-stream-{name}", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name=f"simulated-stream-{name}", daemon=True)
+        self._thread.start()
 
     def submit(self, op: Callable[[], None]) -> int:
         with self._cond:
@@ -116,6 +117,12 @@ class _Queue:
         with self._cond:
             self.stopped = True
             self._cond.notify_all()
+
+    def join(self) -> None:
+        """Wait for the thread to end (after `stop`): a daemon thread still in a torch call when the
+        interpreter exits can abort the process."""
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
     def retire(self) -> None:
         """End the thread once the work issued has run (its stream is gone; its events may still wait)."""
@@ -409,6 +416,8 @@ class SimulatedDevice(Device):
     def close(self) -> None:
         for queue in self._queues:
             queue.stop()
+        for queue in self._queues:
+            queue.join()
 
     # ---- checks ---------------------------------------------------------------------------------
 

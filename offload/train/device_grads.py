@@ -35,6 +35,9 @@ from offload.params.store import ParamRecord
 if TYPE_CHECKING:
     from offload.train.grads import GradReducer
 
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+"""torch.distributed's reduce-scatter of one flat tensor (its newer name where torch has it)."""
+
 _IN_FLIGHT = 2
 """Bucket copies in flight at once before backward waits for the oldest."""
 
@@ -158,7 +161,7 @@ class DeviceGradBuckets:
         if reducer.world_size > 1:
             device.check_collective(bucket.reduced, bucket.device, op="gradient reduce_scatter")
             start = time.perf_counter()
-            dist.reduce_scatter_tensor(bucket.reduced, bucket.device, group=reducer.group)
+            _reduce_scatter(bucket.reduced, bucket.device, group=reducer.group)
             reducer.comm_seconds += time.perf_counter() - start
         out = bucket.reduced[:bucket.used]
         self._side.wait_event(device.compute_stream.record())
