@@ -94,13 +94,25 @@ def test_16_bit_clipping_and_accumulation_match_plain_pytorch_on_the_device(disk
     NVMe, on the fast paths (the update during backward, or in the next forward with clipping or fp16):
     plain PyTorch's results bit for bit on the simulated device (fp32 master weights for 16-bit), as on
     the CPU; on a GPU within the dtype's tolerance (its kernels round differently from the CPU's)."""
+    fast_path_matches_plain_pytorch(disk_dir, device, case, "nvme")
+
+
+@pytest.mark.parametrize("case", ["clipping-accumulation", "bf16-accumulation"])
+def test_parameters_kept_on_the_device_take_every_update(disk_dir, device, case):
+    """``offload_param.device`` "none": every parameter stays gathered on the device, and each update
+    (in the next forward with clipping, during backward without) is copied there before its next use."""
+    fast_path_matches_plain_pytorch(disk_dir, device, case, "none")
+
+
+def fast_path_matches_plain_pytorch(disk_dir, device, case: str, param: str) -> None:
+    """Train FAST_CASES[case] (optimizer state on NVMe, parameters at ``param``) on ``device``; compare."""
     extra, gas, dtype, scale = FAST_CASES[case]
     batches = mlp_batches(4 * gas)
     if dtype is not None:
         batches = [(x.to(dtype), y.to(dtype)) for x, y in batches]
     clip = extra.get("gradient_clipping", 0.0)
     ref_losses, ref_params = run_reference(mlp, batches, mlp_loss, gas, device, dtype, clip=clip, loss_scale=scale)
-    engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, "nvme", "nvme", gas, micro=4, **extra),
+    engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, param, "nvme", gas, micro=4, **extra),
                             compute_device=device)
     in_forward = bool(clip) or dtype is torch.float16
     assert engine.stats().mode.value == ("in the next forward" if in_forward else "during backward")
@@ -118,30 +130,6 @@ def test_16_bit_clipping_and_accumulation_match_plain_pytorch_on_the_device(disk
     assert losses == ref_losses
     for name, ref in ref_params.items():
         assert torch.equal(params[name], ref), name
-
-
-@pytest.mark.parametrize("case", ["clipping-accumulation", "bf16-accumulation"])
-def test_parameters_kept_on_the_device_take_every_update(disk_dir, device, case):
-    """``offload_param.device`` "none": every parameter stays gathered on the device, and each update
-    (in the next forward with clipping, during backward without) is copied there before its next use."""
-    extra, gas, dtype, scale = FAST_CASES[case]
-    batches = mlp_batches(4 * gas)
-    if dtype is not None:
-        batches = [(x.to(dtype), y.to(dtype)) for x, y in batches]
-    clip = extra.get("gradient_clipping", 0.0)
-    ref_losses, ref_params = run_reference(mlp, batches, mlp_loss, gas, device, dtype, clip=clip, loss_scale=scale)
-    engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, "none", "nvme", gas, micro=4, **extra),
-                            compute_device=device)
-    assert engine.stats().mode.value == ("in the next forward" if clip else "during backward")
-    losses = train(engine, batches, mlp_loss)
-    params = host(dict(engine.full_parameters()))
-    engine.close()
-    tolerance = 1e-5 if dtype is None else 2e-2
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=tolerance if device == "cuda" else 0,
-                               atol=0)
-    for name, ref in ref_params.items():
-        torch.testing.assert_close(params[name], ref, rtol=tolerance if device == "cuda" else 0,
-                                   atol=1e-7 if device == "cuda" else 0)
 
 
 @pytest.mark.parametrize("param", ["cpu", pytest.param("nvme", marks=pytest.mark.slow)])
