@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 import torch
 
+from offload.device import DEVICE_CHOICES
 from tensorio import AioConfig, parse_size
 
 __all__ = ["IGNORED_KEYS", "BlockScheduleConfig", "InferenceConfig", "KVOffload", "MaxMemory", "WeightQuantization",
@@ -339,7 +340,8 @@ class InferenceConfig:
     (`python -m benchmarks.gpu` measures it). Only with a device tier. Not a DeepSpeed key."""
 
     compute_device: str = "auto"
-    """"cpu", "cuda", or "auto" (CUDA when available). Not a DeepSpeed key."""
+    """Where the model computes: one of `offload.device.DEVICE_CHOICES` ("auto": a GPU where one is
+    available, else the CPU; "simulated": the simulated GPU of the tests). Not a DeepSpeed key."""
 
     max_memory: MaxMemory | None = None
     """``max_memory``: the tiers' budgets as Accelerate names them, ``{0: "6GiB", "cpu": "16GiB"}``
@@ -389,8 +391,9 @@ class InferenceConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value) or value <= 0):
                 raise ValueError(f"{name}: {value!r} is not allowed; use GB/s > 0")
-        if self.compute_device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"compute_device: {self.compute_device!r} is not allowed; use \"auto\", \"cpu\" or \"cuda\"")
+        if self.compute_device not in DEVICE_CHOICES:
+            raise ValueError(f"compute_device: {self.compute_device!r} is not allowed; use one of "
+                             f"{', '.join(map(repr, DEVICE_CHOICES))}")
         self.weight_quantization = WeightQuantization.parse(self.weight_quantization)
         self.kv_offload = KVOffload.parse(self.kv_offload)
         self.block_schedule = BlockScheduleConfig.parse(self.block_schedule)
