@@ -238,7 +238,10 @@ class Plan:
             if device.ring_slots:
                 lines.append(f"    copy ring: {device.ring_slots} x {format_bytes(device.slot_nbytes)} (the other units, "
                              f"copied ahead of use on a side stream)")
-            lines.append(f"    KV cache {format_bytes(device.kv_bytes)}, activations {format_bytes(device.activation_bytes)}")
+            batch, tokens = self.kv_shape
+            lines.append(f"    KV cache {format_bytes(device.kv_bytes)}"
+                         + (f" (batch {batch} x {tokens} tokens)" if batch else " (none yet: reserved per generate call)")
+                         + f", activations {format_bytes(device.activation_bytes)}")
         lines.append(f"  resident: {format_bytes(self.resident_bytes)} in {'pinned host ' if device else ''}memory: "
                      f"{_names(resident)}")
         streamed = self.streamed
@@ -257,8 +260,9 @@ class Plan:
                          + (f" ({before / self.read_bytes_per_forward:.2f}x fewer bytes)"
                             if before and self.read_bytes_per_forward else ""))
         batch, tokens = self.kv_shape
-        lines.append(f"  KV cache: {format_bytes(self.kv_bytes)} reserved"
-                     + (f" (batch {batch} x {tokens} tokens)" if batch else " (none yet: reserved per generate call)"))
+        if device is None:
+            lines.append(f"  KV cache: {format_bytes(self.kv_bytes)} reserved"
+                         + (f" (batch {batch} x {tokens} tokens)" if batch else " (none yet: reserved per generate call)"))
         kv = self.kv
         if kv is not None and kv.nvme_layers:
             lines.append(f"  KV on NVMe: {format_bytes(kv.nvme_bytes)} for {len(kv.nvme_layers)} of {kv.layers} layers "
