@@ -129,8 +129,13 @@ class InferenceEngine:
             """Until the first forward is done (then None), loads hold their streamable units back."""
             self._apply(self.plan)
         except BaseException:
+            if hasattr(self, "streamer"):
+                self.streamer.close()  # the device ring's buffers too
             for load in self._loads:
                 load.close()
+            self.compute.synchronize()
+            for unit in getattr(self, "units", ()):
+                self._drop_tiers(unit)  # a caller's device gets back what was taken from it
             self.handle.close()
             if self._owns_compute:
                 self.compute.close()
@@ -359,12 +364,11 @@ class InferenceEngine:
         and ``activations`` with it: default one token's), then the rest between host memory and NVMe."""
         if self._device_budget is not None:
             budget, setting = self._device_budget
-            speed = self.settings.host_to_device_gbps
-            tier = place_device(self._sizes(), budget=budget, setting=setting, ring_slots=self.settings.buffer_count,
+            speed, sizes = self.settings.host_to_device_gbps, self._sizes()
+            tier = place_device(sizes, budget=budget, setting=setting, ring_slots=self.settings.buffer_count,
                                 kv_bytes=kv_bytes, kv_shape=kv_shape,
                                 activation_bytes=self.activation_bytes(1, 1) if activations is None else activations,
                                 host_to_device_bps=speed * 1e9 if speed else None)
-            sizes = self._sizes()
             host = self._host_plan([u for u in sizes if u.name not in tier.resident], 0, kv_shape, disk)
             return dataclasses.replace(host, units=tuple(sizes), resident=host.resident | tier.resident, device=tier)
         return self._host_plan(self._sizes(), kv_bytes, kv_shape, disk)
@@ -473,7 +477,6 @@ class InferenceEngine:
             if unit.loading is not None and any(ref.placeholder is first for ref in unit.params):
                 unit.loading.wait(unit)
 
-
     def _place(self, unit: Unit, host: torch.Tensor) -> torch.Tensor | None:
         """A unit just read into pinned ``host`` memory (`ResidentLoad`): copied into a device buffer of
         its own where the plan keeps it on the device (returned), else kept in host memory (None)."""
@@ -510,8 +513,10 @@ def _compute_device(settings: InferenceConfig) -> Device:
     """The device ``compute_device`` names, with ``max_memory``'s device budget (checked against its
     free memory). Raises ValueError naming the setting."""
     tiers = settings.max_memory
-    if tiers is None or tiers.device_bytes is None:
-        return device_for(settings.compute_device)
+    device = device_for(settings.compute_device)
+    if tiers is None or tiers.device_bytes is None or not device.separate_memory:
+        return device  # a device budget with compute on the CPU is refused by `_device_budget`, naming it
+    device.close()
     return device_for(settings.compute_device, budget_bytes=tiers.device_bytes, budget_setting=tiers.device_key)
 
 
@@ -534,8 +539,6 @@ def _device_budget(compute: Device, settings: InferenceConfig) -> tuple[int, str
         return compute.budget_bytes, compute.budget_setting
     free, _ = compute.memory_info()
     return int(free * 0.9), f"90% of the {compute.name} device's free memory (max_memory[0] unset)"
-
-
 
 
 def _checkpoint_directory(model: Any, checkpoint: Any) -> str:
