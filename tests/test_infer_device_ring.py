@@ -10,6 +10,7 @@ against the budget and are given back. The same runs on CUDA where there is one 
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 
 import pytest
@@ -62,6 +63,17 @@ def tier_settings(directory, batch: int, tiers: str) -> tuple[int, dict]:
     return device, {"max_in_cpu": f"{host}B", "disk_gbps": 1.0, "host_to_device_gbps": 10.0}
 
 
+@contextlib.contextmanager
+def small_device(directory, batch: int, tiers: str, **device_args):
+    """(device, engine): a simulated device of `tier_settings`' budget, and an engine on it; on exit,
+    checks that the engine gave every device buffer back."""
+    budget, settings = tier_settings(directory, batch, tiers)
+    with SimulatedDevice(budget_bytes=budget, budget_setting="max_memory[0]", **device_args) as device:
+        with init_inference(directory, compute_device=device, **settings) as engine:
+            yield device, engine
+        assert device.allocated_bytes == 0  # closing the engine gave every device buffer back
+
+
 def check_tiers(engine, tiers: str) -> None:
     plan = engine.plan
     on_device, layers = plan.device.resident, [u for u in engine.units if u.streamable]
@@ -91,18 +103,15 @@ def generate(engine, batch: int):
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_generation_on_a_small_device_equals_transformers(models, kind, batch, tiers, schedule, seed):
     directory, model = models[kind, torch.float32]
-    budget, settings = tier_settings(directory, batch, tiers)
-    with SimulatedDevice(seed=seed, schedule=schedule, budget_bytes=budget, budget_setting="max_memory[0]") as device:
-        with init_inference(directory, compute_device=device, **settings) as engine:
-            ours = generate(engine, batch)
-            check_tiers(engine, tiers)
-            ring = engine.streamer.stager
-            assert isinstance(ring, DeviceRing) and ring.device is device
-            assert ring.bytes_copied >= NEW_TOKENS * engine.plan.host_to_device_bytes_per_forward
-            assert device.allocated_bytes <= budget
-            ids, mask = prompts(batch)
-            logits = engine(ids, attention_mask=mask).logits  # the model's own forward agrees too
-        assert device.allocated_bytes == 0  # closing the engine gave every device buffer back
+    with small_device(directory, batch, tiers, seed=seed, schedule=schedule) as (device, engine):
+        ours = generate(engine, batch)
+        check_tiers(engine, tiers)
+        ring = engine.streamer.stager
+        assert isinstance(ring, DeviceRing) and ring.device is device
+        assert ring.bytes_copied >= NEW_TOKENS * engine.plan.host_to_device_bytes_per_forward
+        assert device.allocated_bytes <= device.budget_bytes
+        ids, mask = prompts(batch)
+        logits = engine(ids, attention_mask=mask).logits  # the model's own forward agrees too
     assert_same_generation(ours, reference(model, batch, do_sample=False), torch.float32)
     with torch.no_grad():
         expected = model(ids, attention_mask=mask).logits
@@ -113,14 +122,12 @@ def test_generation_on_a_small_device_equals_transformers(models, kind, batch, t
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_bf16_and_sampling_on_a_small_device_equal_transformers(models, kind):
     directory, model = models[kind, torch.bfloat16]
-    budget, settings = tier_settings(directory, 4, "mixed")
     ids, mask = prompts(4)
-    with SimulatedDevice(seed=3, budget_bytes=budget, budget_setting="max_memory[0]") as device:
-        with init_inference(directory, compute_device=device, **settings) as engine:
-            greedy = generate(engine, 4)
-            torch.manual_seed(123)
-            sampled = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD,
-                                      do_sample=True, top_k=20, temperature=0.9)
+    with small_device(directory, 4, "mixed", seed=3) as (_, engine):
+        greedy = generate(engine, 4)
+        torch.manual_seed(123)
+        sampled = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD,
+                                  do_sample=True, top_k=20, temperature=0.9)
     assert_same_generation(greedy, reference(model, 4, do_sample=False), torch.bfloat16)
     torch.manual_seed(123)
     with torch.no_grad():
@@ -213,27 +220,22 @@ def test_a_device_smaller_than_two_ring_slots_names_the_figures(models):
 @pytest.mark.simulated
 def test_a_batch_whose_kv_cache_cannot_fit_the_device_names_it(models):
     directory, _ = models["llama", torch.float32]
-    budget, settings = tier_settings(directory, 1, "streamed")
-    with SimulatedDevice(budget_bytes=budget, budget_setting="max_memory[0]") as device:
-        with init_inference(directory, compute_device=device, **settings) as engine:
-            ids, mask = prompts(4)
-            with pytest.raises(BudgetError, match=r"max_memory\[0\]: .* \+ KV cache .* \(batch 4 x 24 tokens\) .* "
-                                                  r"lower the batch size or the number of tokens"):
-                engine.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD)
-            assert engine.generate(*prompts(1)[:1], attention_mask=prompts(1)[1], max_new_tokens=NEW_TOKENS,
-                                   pad_token_id=PAD).shape == (1, TOKENS)  # the engine still works
-        assert device.allocated_bytes == 0
+    with small_device(directory, 1, "streamed") as (_, engine):
+        ids, mask = prompts(4)
+        with pytest.raises(BudgetError, match=r"max_memory\[0\]: .* \+ KV cache .* \(batch 4 x 24 tokens\) .* "
+                                              r"lower the batch size or the number of tokens"):
+            engine.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD)
+        ids, mask = prompts(1)
+        assert engine.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                               pad_token_id=PAD).shape == (1, TOKENS)  # the engine still works
 
 
 @pytest.mark.simulated
 def test_the_printed_plan_shows_the_tiers_and_the_bytes_per_link(models):
     directory, _ = models["llama", torch.float32]
-    budget, settings = tier_settings(directory, 1, "mixed")
-    with SimulatedDevice(budget_bytes=budget, budget_setting="max_memory[0]") as device:
-        with init_inference(directory, compute_device=device, **settings) as engine:
-            generate(engine, 1)
-            text = str(engine.plan)
-            plan = engine.plan
+    with small_device(directory, 1, "mixed") as (_, engine):
+        generate(engine, 1)
+        text, plan = str(engine.plan), engine.plan
     assert "device: budget" in text and "(max_memory[0])" in text and "copy ring: 2 x" in text
     assert "in pinned host memory" in text and "streamed:" in text
     nvme = plan.read_bytes_per_forward / 1e9
