@@ -11,10 +11,12 @@ against the budget and are given back. The same runs on CUDA where there is one 
 from __future__ import annotations
 
 import contextlib
+import copy
 import shutil
 
 import pytest
 import torch
+import transformers
 from test_infer_generate import (NEW_TOKENS, PAD, assert_same_generation, build_model, one_thread,  # noqa: F401 (autouse)
                                  prompts, reference, save_checkpoint, scratch_dir)
 
@@ -160,6 +162,30 @@ def test_a_longer_generation_moves_layers_off_the_device_for_its_kv_cache(models
         expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS + 16, pad_token_id=PAD,
                                   do_sample=False)
     assert long.tolist() == expected.tolist()
+
+
+@pytest.mark.simulated
+def test_a_meta_model_in_another_dtype_reads_every_unit_from_the_converted_copy(models, tmp_path):
+    """On a device every unit is copied there as read (no conversion on the way), so a compute dtype
+    other than the checkpoint's reads all of them, kept ones included, from the converted copy."""
+    directory, model = models["llama", torch.float32]
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(model.config)
+    budget, settings = tier_settings(directory, 1, "mixed")
+    ids, mask = prompts(1)
+    with SimulatedDevice(seed=5, budget_bytes=budget, budget_setting="max_memory[0]") as device:
+        with pytest.raises(ValueError, match=r"offload_param.nvme_path: dtype torch.bfloat16 differs from the "
+                                             r"checkpoint's \(torch.float32\) and 9 units are copied to the device as read"):
+            init_inference(meta, checkpoint=directory, compute_device=device, dtype="bfloat16", **settings)
+        with init_inference(meta, checkpoint=directory, compute_device=device, dtype="bfloat16",
+                            nvme_path=str(tmp_path), **settings) as engine:
+            assert engine.module is meta and engine.checkpoint.directory.startswith(str(tmp_path))
+            assert engine.plan.device.resident - {"model.embed_tokens", "model.norm"}  # some layer kept on the device
+            ours = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD,
+                                   do_sample=False)
+        assert device.allocated_bytes == 0
+    ref = reference(copy.deepcopy(model).to(torch.bfloat16), 1, do_sample=False).sequences
+    assert ours.tolist() == ref.tolist()
 
 
 class _StageWithoutComputeWait(DeviceRing):

@@ -427,8 +427,9 @@ class InferenceEngine:
             names = [u.name for u in self._read_in_place() if self._needs_conversion(u)]
             raise ValueError(
                 f"zero_optimization.offload_param.nvme_path: dtype {self.dtype} differs from the checkpoint's "
-                f"({self.checkpoint.dominant_dtype()}) and {len(names)} units are streamed ({names[0]}, ...), which are "
-                f"read in place and so must be on the disk in {self.dtype}; set nvme_path to a directory for a "
+                f"({self.checkpoint.dominant_dtype()}) and {len(names)} units are "
+                f"{'copied to the device' if self.compute.separate_memory else 'streamed'} as read ({names[0]}, ...), "
+                f"so they must be on the disk in {self.dtype}; set nvme_path to a directory for a "
                 f"converted copy (written once), or use the checkpoint's dtype, or a budget that holds them")
         directory = converted_copy(self.checkpoint, self.dtype, self.settings.nvme_path, self.handle)
         self.checkpoint = SafetensorsCheckpoint(directory, self.handle)
