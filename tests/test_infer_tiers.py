@@ -185,3 +185,12 @@ def test_the_command_generates_on_the_simulated_device_within_its_budget(llama):
     assert "device: budget 600.0 KiB (max_memory[0])" in text and "streamed:" in text and "per token: nvme->host" in text
     assert "x the tiers' bound of" in text
     assert figures["host_to_device_bytes_per_forward"] > 0 and figures["bound_s_per_token"] > 0
+
+
+def test_inference_never_names_cuda_outside_the_device_seam():
+    """Everything that differs on a GPU goes through offload.device (docs/device.md): offload/infer
+    takes a `Device` and branches on ``separate_memory``, never on CUDA."""
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "offload", "infer")
+    named = [name for name in sorted(os.listdir(root)) if name.endswith(".py")
+             and "cuda" in open(os.path.join(root, name), encoding="utf-8").read().lower()]
+    assert named == []
