@@ -196,3 +196,32 @@ def test_inference_never_names_cuda_outside_the_device_seam():
     named = [name for name in sorted(os.listdir(root)) if name.endswith(".py")
              and "cuda" in open(os.path.join(root, name), encoding="utf-8").read().lower()]
     assert named == []
+
+
+# ---- on a GPU, where there is one -------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not cuda_available(), reason="needs CUDA (pytest -m gpu on a GPU machine)")
+
+
+@pytest.mark.gpu
+@gpu
+def test_a_gpu_budget_over_its_free_memory_names_the_figures(llama):
+    directory, _ = llama
+    with pytest.raises(ValueError, match=r"max_memory\[0\]: .* is more than the cuda device's free memory, .* of .*; "
+                                         r"lower it to at most that"):
+        init_inference(directory, compute_device="cuda", max_memory={0: "100000GiB"})
+
+
+@pytest.mark.gpu
+@gpu
+def test_the_command_generates_on_the_gpu_within_its_budget(llama):
+    directory, model = llama
+    out = io.StringIO()
+    figures = main([str(directory), "--prompt-ids", "5,17,99,3", "--max-new-tokens", "6", "--compute-device", "cuda",
+                    "--max-memory", "0=600KiB,cpu=0", "--disk-gbps", "1", "--host-to-device-gbps", "8"], out=out)
+    prompt = torch.tensor([[5, 17, 99, 3]])
+    with torch.no_grad():
+        expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False,
+                                  pad_token_id=PAD)[0, 4:].tolist()
+    assert figures["tokens"] == expected  # fp32 on a GPU against the CPU: the same greedy tokens at this size
+    assert "device: budget 600.0 KiB (max_memory[0])" in out.getvalue()
