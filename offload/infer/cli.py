@@ -2,6 +2,7 @@
 
     python -m offload.generate CHECKPOINT --prompt "Once upon a time" --max-new-tokens 32 --max-in-cpu 8GiB
     python -m offload.generate CHECKPOINT --prompt-ids 1,450,4996 --batch-size 16 --config ds.json
+    python -m offload.generate CHECKPOINT --prompt "Once upon a time" --max-memory 0=6GiB,cpu=16GiB
 
 Prints the plan, then the tokens as they come (the first sequence's; text where the checkpoint
 directory has a tokenizer), then time to first token, seconds per token, the read speed during
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from offload.cli_errors import add_debug_flag
+from offload.device import DEVICE_CHOICES
 from offload.infer.engine import init_inference
 
 
@@ -54,11 +56,23 @@ class _Printer:
         self.out.flush()
 
 
+def parse_max_memory(text: str) -> dict[str, str]:
+    """``--max-memory 0=6GiB,cpu=16GiB`` as the mapping Accelerate's ``max_memory`` is; the keys and
+    sizes are checked by `InferenceConfig` (which names the key). Raises ValueError for a part without "="."""
+    pairs = [part.strip() for part in text.split(",") if part.strip()]
+    bad = [part for part in pairs if "=" not in part]
+    if bad or not pairs:
+        raise ValueError(f"--max-memory: {bad[0] if bad else text!r} is not KEY=SIZE; write e.g. 0=6GiB,cpu=16GiB")
+    return {key.strip(): size.strip() for key, size in (part.split("=", 1) for part in pairs)}
+
+
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     values: dict[str, Any] = {}
+    if args.max_memory is not None:
+        values["max_memory"] = parse_max_memory(args.max_memory)
     if args.max_in_cpu is not None:
         values["max_in_cpu"] = int(args.max_in_cpu) if args.max_in_cpu.isdigit() else args.max_in_cpu
-    for key in ("buffer_count", "dtype", "disk_gbps", "nvme_path"):
+    for key in ("buffer_count", "dtype", "disk_gbps", "nvme_path", "compute_device", "host_to_device_gbps"):
         if getattr(args, key) is not None:
             values[key] = getattr(args, key)
     if args.quantize is not None:
@@ -84,6 +98,13 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=1, help="the prompt repeated this many times")
     ap.add_argument("--max-in-cpu", help="memory budget: elements, or bytes such as 8GiB")
+    ap.add_argument("--max-memory", help="the tiers' budgets as Accelerate's max_memory: DEVICE=SIZE for the GPU's "
+                                         "(weights kept there, its copy ring, the KV cache, activations), cpu=SIZE for "
+                                         "pinned host memory (as --max-in-cpu), e.g. 0=6GiB,cpu=16GiB")
+    ap.add_argument("--compute-device", choices=DEVICE_CHOICES,
+                    help="where the model computes (default auto: a GPU where one is available)")
+    ap.add_argument("--host-to-device-gbps", type=float,
+                    help="the host-to-device link's speed in GB/s, for the plan's bound (default: unknown)")
     ap.add_argument("--buffer-count", type=int, help="locked buffers in the prefetch ring")
     ap.add_argument("--dtype", help="compute dtype (default: the checkpoint's)")
     ap.add_argument("--nvme-path", help="directory for a converted copy when --dtype differs from the checkpoint's, "
@@ -111,6 +132,11 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if args.batch_size < 1 or args.max_new_tokens < 1:
         ap.error("--batch-size and --max-new-tokens must be at least 1")
+    if args.max_memory is not None:
+        try:
+            parse_max_memory(args.max_memory)
+        except ValueError as exc:
+            ap.error(str(exc))
 
     tokenizer = None
     if args.prompt is not None:
@@ -178,6 +204,9 @@ def _figures(engine, printer: _Printer, start: float, end: float, read_start: in
         "quantization": plan.quantization, "unquantized_read_bytes_per_forward": plan.unquantized_read_bytes,
         "kv_nvme_layers": len(plan.kv.nvme_layers) if plan.kv else 0, "kv_bytes_read": engine.kv_bytes_read,
         "kv_bytes_written": engine.kv_bytes_written, "kv_read_wait_s": engine.kv_wait_seconds,
+        "host_to_device_bytes_per_forward": plan.host_to_device_bytes_per_forward,
+        "device_resident_bytes": plan.device.resident_bytes if plan.device else None,
+        "bound_s_per_token": plan.bound_seconds(),
     }
 
 
@@ -190,6 +219,12 @@ def _report(f: dict, out) -> None:
         return
     print(f"seconds per token: {f['s_per_token']:.4f} ({f['tokens_per_s']:.2f} tokens/s over the batch of {f['batch']})",
           file=out)
+    if f["device_resident_bytes"] is not None:
+        bound = f["bound_s_per_token"]
+        print(f"host->device: {f['host_to_device_bytes_per_forward'] / 1e9:.3f} GB per token; "
+              + (f"{f['s_per_token'] / bound:.2f}x the tiers' bound of {bound:.4f} s per token (the slower link)"
+                 if bound else "nothing crosses a link per token" if bound == 0
+                 else "the tiers' bound is unknown (give --host-to-device-gbps)"), file=out)
     if not f["read_bytes_per_forward"]:
         print("read: nothing streamed (every weight is in memory)", file=out)
         return

@@ -22,9 +22,11 @@ from typing import Any, Mapping
 
 import torch
 
+from offload.device import DEVICE_CHOICES
 from tensorio import AioConfig, parse_size
 
-__all__ = ["IGNORED_KEYS", "BlockScheduleConfig", "InferenceConfig", "KVOffload", "WeightQuantization", "parse_dtype"]
+__all__ = ["IGNORED_KEYS", "BlockScheduleConfig", "InferenceConfig", "KVOffload", "MaxMemory", "WeightQuantization",
+           "parse_dtype"]
 
 #: DeepSpeed keys accepted and without effect in inference (training-only or about the GPU).
 IGNORED_KEYS = {
@@ -233,6 +235,62 @@ class BlockScheduleConfig:
         return cls(**_section(value, "block_schedule", {"micro_batch_size", "max_activation_bytes"}))
 
 
+@dataclass(frozen=True, slots=True)
+class MaxMemory:
+    """``max_memory``: the budgets of the memory tiers, keyed as Accelerate's ``from_pretrained(max_memory=)``:
+    ``{0: "6GiB", "cpu": "16GiB"}`` (in JSON ``{"0": "6GiB", "cpu": "16GiB"}``). A device index (one
+    device per engine) is the compute device's budget: weights kept there, its copy ring, the KV cache
+    and activations; "cpu" is the pinned host tier (the same budget as ``offload_param.max_in_cpu``,
+    give one of the two). The NVMe tier is the checkpoint itself and has no budget here. Sizes are
+    bytes or strings ("6GiB" binary, "6GB" decimal, as Accelerate reads them)."""
+
+    device_index: int | None = None
+    """The device the budget is for (its key), None without one."""
+    device_bytes: int | None = None
+    """The device tier's budget in bytes; None: no device key (compute on the CPU: the host is the device)."""
+    host_bytes: int | None = None
+    """The host tier's budget in bytes ("cpu"); None: ``offload_param.max_in_cpu`` says it."""
+
+    @property
+    def device_key(self) -> str:
+        """How errors name the device budget: ``max_memory[0]``."""
+        return f"max_memory[{self.device_index}]"
+
+    @classmethod
+    def parse(cls, value: Any) -> "MaxMemory | None":
+        """From a mapping (device index as an int or a string of digits, or "cpu", to a size), None, or a
+        `MaxMemory`. Raises ValueError naming the key for an unknown key, a second device or a bad size."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"max_memory: expected a mapping such as {{0: \"6GiB\", \"cpu\": \"16GiB\"}}, got {value!r}")
+        found: dict[str, Any] = {}
+        for key, size in value.items():
+            index = key if isinstance(key, int) and not isinstance(key, bool) else (
+                int(key) if isinstance(key, str) and key.isdigit() else None)
+            if key == "cpu":
+                found["host_bytes"] = _size(f"max_memory[{key!r}]", size)
+            elif index is not None and index >= 0:
+                if "device_index" in found:
+                    raise ValueError(f"max_memory[{key!r}]: a second device (max_memory[{found['device_index']}] is "
+                                     f"given); one engine computes on one device, so give one device index")
+                found.update(device_index=index, device_bytes=_size(f"max_memory[{index}]", size))
+                if found["device_bytes"] == 0:
+                    raise ValueError(f"max_memory[{index}]: 0 bytes leaves no room to compute; give the device's budget")
+            else:
+                raise ValueError(f"max_memory[{key!r}]: unknown key; use a device index (0) for the device's budget and "
+                                 f"\"cpu\" for the host's (the NVMe tier is the checkpoint and has no budget here)")
+        return cls(**found)
+
+
+def _size(key: str, value: Any) -> int:
+    """Bytes of ``value`` (an int or a size string); ValueError naming ``key``."""
+    try:
+        return parse_size(value)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{key}: {exc}") from None
+
+
 @dataclass(kw_only=True, slots=True)
 class InferenceConfig:
     """Every setting of `init_inference`, checked; named as DeepSpeed names them where it has them."""
@@ -241,10 +299,11 @@ class InferenceConfig:
     """``offload_param.device``: "nvme" streams from the checkpoint the weights that do not fit in
     ``max_in_cpu``; "cpu" keeps every weight in memory (still read with O_DIRECT, no streaming)."""
 
-    max_in_cpu: int | str = 1_000_000_000
+    max_in_cpu: int | str | None = None
     """``offload_param.max_in_cpu``: the memory budget for weights kept resident and the KV cache,
-    as elements of the model's dtype (DeepSpeed's unit; 1e9 by default) or as bytes in a string
-    (`tensorio.parse_size`: "8GiB", "8G", "8 GiB" binary, "20GB" decimal)."""
+    as elements of the model's dtype (DeepSpeed's unit) or as bytes in a string
+    (`tensorio.parse_size`: "8GiB", "8G", "8 GiB" binary, "20GB" decimal); None: ``max_memory["cpu"]``,
+    else 1e9 elements (DeepSpeed's default)."""
 
     buffer_count: int = 2
     """``offload_param.buffer_count``: locked buffers in the prefetch ring, each one streamed layer. >= 1.
@@ -276,8 +335,17 @@ class InferenceConfig:
     """The disk's read speed for the plan's figures, in GB/s; None measures a short O_DIRECT read of
     the checkpoint itself (only when something is streamed). Not a DeepSpeed key."""
 
+    host_to_device_gbps: float | None = None
+    """The host-to-device link's speed for the plan's figures (pinned copies), in GB/s; None: unknown
+    (`python -m benchmarks.gpu` measures it). Only with a device tier. Not a DeepSpeed key."""
+
     compute_device: str = "auto"
-    """"cpu", "cuda", or "auto" (CUDA when available). Not a DeepSpeed key."""
+    """Where the model computes: one of `offload.device.DEVICE_CHOICES` ("auto": a GPU where one is
+    available, else the CPU; "simulated": the simulated GPU of the tests). Not a DeepSpeed key."""
+
+    max_memory: MaxMemory | None = None
+    """``max_memory``: the tiers' budgets as Accelerate names them, ``{0: "6GiB", "cpu": "16GiB"}``
+    (`MaxMemory`); a device key needs compute on a device with memory of its own. Not a DeepSpeed key."""
 
     weight_quantization: WeightQuantization | None = None
     """``weight_quantization``: the decoder layers' linear weights as int8 or int4, quantized once
@@ -296,9 +364,14 @@ class InferenceConfig:
         key = "zero_optimization.offload_param"
         if self.device not in ("nvme", "cpu"):
             raise ValueError(f"{key}.device: {self.device!r} is not allowed; use \"nvme\" or \"cpu\"")
+        self.max_memory = MaxMemory.parse(self.max_memory)
+        if self.max_memory is not None and self.max_memory.host_bytes is not None:
+            if self.max_in_cpu is not None:
+                raise ValueError(f"{key}.max_in_cpu, max_memory['cpu']: both set the host's budget; give one")
+            self.max_in_cpu = f"{self.max_memory.host_bytes}B"
         if isinstance(self.max_in_cpu, str):
             _bytes(f"{key}.max_in_cpu", self.max_in_cpu)
-        else:
+        elif self.max_in_cpu is not None:
             self.max_in_cpu = _int(f"{key}.max_in_cpu", self.max_in_cpu, 0)
         self.buffer_count = _int(f"{key}.buffer_count", self.buffer_count, 1)
         if self.buffer_size is not None:
@@ -313,11 +386,14 @@ class InferenceConfig:
             self.aio = AioConfig.from_dict(self.aio)
         if not isinstance(self.aio, AioConfig):
             raise ValueError(f"aio: expected a JSON object or an AioConfig, got {type(self.aio).__name__}")
-        if self.disk_gbps is not None and (isinstance(self.disk_gbps, bool) or not isinstance(self.disk_gbps, (int, float))
-                                           or not math.isfinite(self.disk_gbps) or self.disk_gbps <= 0):
-            raise ValueError(f"disk_gbps: {self.disk_gbps!r} is not allowed; use GB/s > 0")
-        if self.compute_device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"compute_device: {self.compute_device!r} is not allowed; use \"auto\", \"cpu\" or \"cuda\"")
+        for name in ("disk_gbps", "host_to_device_gbps"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"{name}: {value!r} is not allowed; use GB/s > 0")
+        if self.compute_device not in DEVICE_CHOICES:
+            raise ValueError(f"compute_device: {self.compute_device!r} is not allowed; use one of "
+                             f"{', '.join(map(repr, DEVICE_CHOICES))}")
         self.weight_quantization = WeightQuantization.parse(self.weight_quantization)
         self.kv_offload = KVOffload.parse(self.kv_offload)
         self.block_schedule = BlockScheduleConfig.parse(self.block_schedule)
@@ -326,7 +402,7 @@ class InferenceConfig:
         """``max_in_cpu`` in bytes, for a model whose weights have ``itemsize`` bytes per element."""
         if isinstance(self.max_in_cpu, str):
             return _bytes("zero_optimization.offload_param.max_in_cpu", self.max_in_cpu)
-        return self.max_in_cpu * itemsize
+        return (1_000_000_000 if self.max_in_cpu is None else self.max_in_cpu) * itemsize
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any] | str | os.PathLike | None = None, **overrides: Any) -> "InferenceConfig":
@@ -364,7 +440,7 @@ def _section(value: Any, key: str, allowed: set[str]) -> dict[str, Any]:
 def _from_deepspeed(config: Mapping[str, Any]) -> dict[str, Any]:
     """The `InferenceConfig` fields a DeepSpeed-style config sets, its keys checked."""
     top = _section(config, "", {"zero_optimization", "aio", "dtype", "bf16", "bfloat16", "fp16", "weight_quantization",
-                                 "kv_offload", "block_schedule"})
+                                 "kv_offload", "block_schedule", "max_memory", "compute_device"})
     values: dict[str, Any] = {}
     if "weight_quantization" in top:
         values["weight_quantization"] = WeightQuantization.parse(top["weight_quantization"])
@@ -372,6 +448,9 @@ def _from_deepspeed(config: Mapping[str, Any]) -> dict[str, Any]:
         values["kv_offload"] = KVOffload.parse(top["kv_offload"])
     if "block_schedule" in top:
         values["block_schedule"] = BlockScheduleConfig.parse(top["block_schedule"])
+    for key in ("max_memory", "compute_device"):
+        if key in top:
+            values[key] = top[key]
     zero = _section(top.get("zero_optimization", {}), "zero_optimization",
                     {"offload_param", "stage3_prefetch_bucket_size", "aio"})
     param = _section(zero.get("offload_param", {}), "zero_optimization.offload_param",

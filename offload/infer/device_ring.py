@@ -1,18 +1,25 @@
-"""The device path of the layer streamer: streamed layers copied from the locked ring buffers into
-device buffers on a side stream, through the device seam (offload/device; docs/device.md).
+"""The device path of the layer streamer: units the device does not keep copied from pinned host memory
+(a locked ring buffer for a streamed layer, the unit's own pinned buffer for a host-resident one)
+into a ring of device buffers on a side stream, ahead of use, through the device seam
+(offload/device; docs/device.md).
 
-Used where the compute device has memory of its own (CUDA; the simulated device in tests). The
-streamer calls ``stage`` when a layer's read has completed and ``release`` when its forward is done:
+Used where the compute device has memory of its own (a GPU; the simulated device in tests). The
+streamer calls, per unit (any hashable key):
 
-- ``stage``: on the side stream, wait until compute is done with this slot's previous layer, copy
-  the locked host buffer into the slot's device buffer (asynchronous: the host memory is locked),
-  and make the compute stream wait for the copy. Returns the device buffer the layer's views are
-  made in.
-- ``release``: mark where the compute stream is done with the slot, and wait for the copy to have
-  read the host buffer, which the streamer refills with the next read right after.
+- ``prefetch`` once the unit's host bytes are ready and a device buffer is free: on the side stream,
+  wait until compute is done with that buffer's previous unit, then copy (asynchronous: the host
+  memory is locked). The copy overlaps the compute of the units before it.
+- ``stage`` before the unit's forward: prefetch it if that has not happened, make the compute stream
+  wait for the copy, and return the device buffer its views are made in.
+- ``release`` after its forward: mark where compute is done with the buffer, and wait for the copy
+  to have read the host buffer (which the streamer may refill with the next read right after).
+- ``discard`` for a prefetched unit that will not compute (a read that failed, a reset).
 """
 
 from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -21,19 +28,29 @@ from offload.device import Device, Event
 __all__ = ["DeviceRing"]
 
 
-class DeviceRing:
-    """One device buffer per ring buffer, filled from it on a side stream (see the module docstring).
+@dataclass(slots=True)
+class _Copy:
+    slot: int
+    copied: Event
+    in_use: bool = False
 
-    Raises DeviceMemoryError when the buffers exceed the device's budget.
+
+class DeviceRing:
+    """``buffer_count`` device buffers of ``buffer_nbytes``, filled on a side stream (see the module docstring).
+
+    Raises DeviceMemoryError when the buffers exceed the device's budget (nothing is held then).
     """
 
     def __init__(self, device: Device, buffer_count: int, buffer_nbytes: int) -> None:
         self.device = device
         self.buffer_nbytes = buffer_nbytes
         self.stream = device.new_stream("ring-copies")
-        self._copied: list[Event | None] = [None] * buffer_count
-        self._computed: list[Event | None] = [None] * buffer_count
         self.buffers: list[torch.Tensor] = []
+        self._computed: list[Event | None] = [None] * buffer_count
+        self._free: deque[int] = deque(range(buffer_count))
+        self._copies: dict[object, _Copy] = {}
+        self.bytes_copied = 0
+        """Bytes copied to the device so far."""
         try:
             for slot in range(buffer_count):
                 self.buffers.append(device.empty(buffer_nbytes, torch.uint8, name=f"ring[{slot}]"))
@@ -41,22 +58,65 @@ class DeviceRing:
             self.close()
             raise
 
-    def stage(self, slot: int, host: torch.Tensor, nbytes: int) -> torch.Tensor:
-        """Copy ``host[:nbytes]`` into slot ``slot``'s device buffer; return that buffer."""
-        target = self.buffers[slot][:nbytes]
-        if self._computed[slot] is not None:
-            self.stream.wait_event(self._computed[slot])  # the slot's previous layer has finished computing
-        copied = self.device.to_device(target, host[:nbytes], stream=self.stream)
-        self.device.compute_stream.wait_event(copied)  # compute waits for the copy, the host does not
-        self._copied[slot] = copied
-        self.device.check_ready(target)  # the layer's compute reads it next
-        return self.buffers[slot]
+    @property
+    def free_count(self) -> int:
+        """Device buffers that can take a prefetch now."""
+        return len(self._free)
 
-    def release(self, slot: int) -> None:
-        """The layer in slot ``slot`` has computed: its host buffer may take the next read on return."""
-        self._computed[slot] = self.device.compute_stream.record()
-        if self._copied[slot] is not None:
-            self._copied[slot].synchronize()  # the host buffer is about to take the next read
+    def holds(self, key: object) -> bool:
+        """Whether ``key`` has been copied (or its copy issued) into a device buffer."""
+        return key in self._copies
+
+    def prefetch(self, key: object, host: torch.Tensor, nbytes: int) -> bool:
+        """Start copying ``host[:nbytes]`` into a free device buffer for ``key``; False when none is free."""
+        if key in self._copies:
+            return True
+        if not self._free:
+            return False
+        slot = self._free.popleft()
+        if self._computed[slot] is not None:
+            self.stream.wait_event(self._computed[slot])  # compute is done with the buffer's previous unit
+        copied = self.device.to_device(self.buffers[slot][:nbytes], host[:nbytes], stream=self.stream)
+        self._copies[key] = _Copy(slot, copied)
+        self.bytes_copied += nbytes
+        return True
+
+    def stage(self, key: object, host: torch.Tensor, nbytes: int) -> torch.Tensor:
+        """Before ``key``'s forward: its device buffer, with the compute stream ordered after its copy."""
+        if not self.prefetch(key, host, nbytes):
+            for other in [k for k, c in self._copies.items() if not c.in_use]:
+                self.discard(other)  # prefetched ahead of a unit this forward skipped: give them back
+            if not self.prefetch(key, host, nbytes):
+                raise RuntimeError(f"device ring: all {len(self.buffers)} buffers are in use by units still "
+                                   f"computing; raise offload_param.buffer_count")
+        copy = self._copies[key]
+        copy.in_use = True
+        self.device.compute_stream.wait_event(copy.copied)  # compute waits for the copy, the host does not
+        buffer = self.buffers[copy.slot]
+        self.device.check_ready(buffer[:nbytes])  # the unit's compute reads it next
+        return buffer
+
+    def release(self, key: object) -> None:
+        """``key`` has computed: its device buffer takes the next copy, its host buffer the next read."""
+        copy = self._copies.pop(key)
+        self._computed[copy.slot] = self.device.compute_stream.record()
+        copy.copied.synchronize()  # the host buffer may be refilled on return
+        self._free.append(copy.slot)
+
+    def discard(self, key: object) -> None:
+        """Give back ``key``'s device buffer without computing (nothing to do when it holds none)."""
+        copy = self._copies.pop(key, None)
+        if copy is not None:
+            copy.copied.synchronize()  # the copy has read the host buffer, and is done with the device one
+            self._free.append(copy.slot)
+
+    def reset(self) -> None:
+        """Give back every device buffer (after an error or before a change of plan)."""
+        for key, copy in list(self._copies.items()):
+            if copy.in_use:
+                self.release(key)
+            else:
+                self.discard(key)
 
     def check_refill(self, host: torch.Tensor) -> None:
         """Before a read into ring buffer ``host``: raises (simulated device) where a copy still reads it."""
@@ -64,9 +124,8 @@ class DeviceRing:
 
     def close(self) -> None:
         """Wait for the copies, then give the device buffers back."""
-        for copied in self._copied:
-            if copied is not None:
-                copied.synchronize()
+        self.reset()
+        self.device.synchronize()
         for buffer in self.buffers:
             self.device.free(buffer)
         self.buffers = []

@@ -26,6 +26,7 @@ from offload.infer.qcache import PAD_PREFIX, quantized_cache
 from offload.infer.quantize import block_linears, swap_linears
 from offload.infer.schedule import BlockSchedule, micro_batch_size
 from offload.infer.stream import LayerStreamer, ParamRef, ResidentLoad, Unit
+from offload.infer.tiers import place_device
 from offload.storage.safetensors_reader import SafetensorsCheckpoint, read_windows, tensor_views, windows_nbytes
 from tensorio import AioHandle, aligned_tensor
 
@@ -52,11 +53,14 @@ def init_inference(model: str | os.PathLike | nn.Module, config: Mapping[str, An
     checkpoint is ``checkpoint=DIR`` or the directory in ``model.config._name_or_path``).
     ``config``: a DeepSpeed-style dict or JSON path (``zero_optimization.offload_param`` with
     ``device``, ``max_in_cpu`` (elements, or bytes as "8GiB"), ``buffer_count``, ``buffer_size``,
-    ``nvme_path``; ``stage3_prefetch_bucket_size``; ``aio``; ``dtype``). ``overrides``: the same
-    settings by their `InferenceConfig` field names, plus ``checkpoint``; ``compute_device`` may also
-    be an `offload.device.Device` (a `SimulatedDevice` in tests), which the caller closes.
+    ``nvme_path``; ``stage3_prefetch_bucket_size``; ``aio``; ``dtype``; ``max_memory`` as
+    Accelerate's, ``{0: "6GiB", "cpu": "16GiB"}``: the device's and the pinned host's budgets).
+    ``overrides``: the same settings by their `InferenceConfig` field names, plus ``checkpoint``;
+    ``compute_device`` may also be an `offload.device.Device` (a `SimulatedDevice` in tests, its
+    ``budget_bytes`` the device tier's budget), which the caller closes.
 
-    Raises ValueError naming the key for a bad setting; FileNotFoundError / SafetensorsError naming
+    Raises ValueError naming the key for a bad setting (``compute_device`` asking for a device that
+    is not there, ``max_memory[0]`` over the device's free memory or without a device); FileNotFoundError / SafetensorsError naming
     the file for a missing, truncated or invalid checkpoint file; CheckpointMismatchError naming the
     tensor for a missing or unexpected tensor or a shape mismatch; BudgetError with the figures when
     the budget, the buffers or the machine cannot hold the plan.
@@ -73,9 +77,17 @@ class InferenceEngine:
     def __init__(self, model: str | os.PathLike | nn.Module, settings: InferenceConfig, *,
                  checkpoint: str | os.PathLike | None = None, compute: Device | None = None) -> None:
         self.settings = settings
-        self.compute = compute or device_for(settings.compute_device)
+        self.compute = compute or _compute_device(settings)
         """Where the model computes (offload/device); ``device`` is its torch device."""
         self._owns_compute = compute is None
+        try:
+            self._device_budget = _device_budget(self.compute, settings)
+        except BaseException:
+            if self._owns_compute:
+                self.compute.close()
+            raise
+        """The device tier's (budget bytes, setting) where compute has memory of its own, else None."""
+        self._copies = self.compute.new_stream("resident-copies")
         self._closed = False
         self._loads: list[ResidentLoad] = []
         self.kv_bytes_read = self.kv_bytes_written = 0
@@ -101,7 +113,7 @@ class InferenceEngine:
                 self._quantize(directory)
             # 4. The placement; streamed tensors must be on the disk in the compute dtype.
             self.plan = self._make_plan(kv_bytes=0, kv_shape=(0, 0))
-            if any(self._needs_conversion(u) for u in self.units if u.name not in self.plan.resident):
+            if any(self._needs_conversion(u) for u in self._read_in_place()):
                 self._use_converted_copy()
             if self.plan.streamed and settings.disk_gbps is None:
                 self.plan = self._make_plan(0, (0, 0), disk=_measure_disk(self.handle, self.checkpoint))
@@ -117,8 +129,13 @@ class InferenceEngine:
             """Until the first forward is done (then None), loads hold their streamable units back."""
             self._apply(self.plan)
         except BaseException:
+            if hasattr(self, "streamer"):
+                self.streamer.close()  # the device ring's buffers too
             for load in self._loads:
                 load.close()
+            self.compute.synchronize()
+            for unit in getattr(self, "units", ()):
+                self._drop_tiers(unit)  # a caller's device gets back what was taken from it
             self.handle.close()
             if self._owns_compute:
                 self.compute.close()
@@ -136,6 +153,7 @@ class InferenceEngine:
 
         Raises BudgetError with the figures when the batch and length do not fit.
         """
+        inputs, kwargs = self._on_device(inputs), {k: self._on_device(v) for k, v in kwargs.items()}
         ids = inputs if inputs is not None else kwargs.get("input_ids")
         batch, prompt = (ids.shape[0], ids.shape[-1]) if ids is not None else (1, 0)
         generation = kwargs.get("generation_config") or self.module.generation_config
@@ -175,6 +193,7 @@ class InferenceEngine:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """``module(*args, **kwargs)`` with streamed weights, under ``torch.no_grad()``."""
+        args, kwargs = tuple(self._on_device(a) for a in args), {k: self._on_device(v) for k, v in kwargs.items()}
         ids = args[0] if args else kwargs.get("input_ids")
         if ids is not None:
             cache = kwargs.get("past_key_values", kwargs.get("cache"))
@@ -193,6 +212,8 @@ class InferenceEngine:
         micro = micro_batch_size(batch, lambda size: self.activation_bytes(size, tokens),
                                  schedule.max_activation_bytes, schedule.micro_batch_size)
         layers = self._text_config().num_hidden_layers
+        if self._device_budget is not None:
+            return self._reserve_on_device(batch, tokens, micro)
         placement = place_kv(self._sizes(), budget=self._budget(), layers=layers,
                              layer_nbytes=self.kv_bytes(batch, tokens) // layers, device=setting.device,
                              cpu_percent=setting.cpu_percent, buffer_count=setting.buffer_count,
@@ -211,6 +232,27 @@ class InferenceEngine:
                 f"machine's {format_bytes(total)}; lower max_in_cpu, the batch size or the number of tokens")
         if plan.resident != self.plan.resident:
             log.info("offload.infer: re-placing for batch %d x %d tokens (KV cache %s)", batch, tokens, format_bytes(kv))
+            self._apply(plan)
+        self.plan = plan
+        return plan
+
+    def _reserve_on_device(self, batch: int, tokens: int, micro: int) -> Plan:
+        """`reserve` where compute has memory of its own: the KV cache and the activations on the device."""
+        if self.settings.kv_offload.device == "nvme":
+            raise ValueError("kv_offload.device: \"nvme\" with compute on a device of its own is not done yet; the "
+                             "KV cache is kept in device memory (max_memory[0]); leave kv_offload out")
+        layers = self._text_config().num_hidden_layers
+        kv = self.kv_bytes(batch, tokens)
+        plan = self._make_plan(kv, (batch, tokens), disk=(self.plan.disk_bps, self.plan.disk_source),
+                               activations=self.activation_bytes(micro, tokens))
+        plan = dataclasses.replace(plan, kv=KVPlacement(layers, kv // layers, micro_batches=batch // micro))
+        total = psutil.virtual_memory().total
+        if plan.memory_bytes > total:
+            raise BudgetError(f"the plan keeps {format_bytes(plan.memory_bytes)} in host memory, more than this machine's "
+                              f"{format_bytes(total)}; lower max_in_cpu (max_memory['cpu'])")
+        if plan.resident != self.plan.resident or plan.device.resident != self.plan.device.resident:
+            log.info("offload.infer: re-placing for batch %d x %d tokens (KV cache %s on the device)", batch, tokens,
+                     format_bytes(kv))
             self._apply(plan)
         self.plan = plan
         return plan
@@ -267,6 +309,9 @@ class InferenceEngine:
             self.streamer.close()  # first: it gives back the units it has lent from a load
             for load in self._loads:
                 load.close()
+            self.compute.synchronize()  # nothing computes on the device buffers given back next
+            for unit in self.units:
+                self._drop_tiers(unit)
             self.handle.close()
             if self._owns_compute:
                 self.compute.close()
@@ -314,14 +359,29 @@ class InferenceEngine:
         return [UnitSize(u.name, u.nbytes, u.read_nbytes, u.buffer_nbytes, u.streamable) for u in self.units]
 
     def _make_plan(self, kv_bytes: int, kv_shape: tuple[int, int],
-                   disk: tuple[float | None, str] | None = None) -> Plan:
+                   disk: tuple[float | None, str] | None = None, activations: int | None = None) -> Plan:
+        """The placement; where compute has memory of its own, first what the device keeps (the KV cache
+        and ``activations`` with it: default one token's), then the rest between host memory and NVMe."""
+        if self._device_budget is not None:
+            budget, setting = self._device_budget
+            speed, sizes = self.settings.host_to_device_gbps, self._sizes()
+            tier = place_device(sizes, budget=budget, setting=setting, ring_slots=self.settings.buffer_count,
+                                kv_bytes=kv_bytes, kv_shape=kv_shape,
+                                activation_bytes=self.activation_bytes(1, 1) if activations is None else activations,
+                                host_to_device_bps=speed * 1e9 if speed else None)
+            host = self._host_plan([u for u in sizes if u.name not in tier.resident], 0, kv_shape, disk)
+            return dataclasses.replace(host, units=tuple(sizes), resident=host.resident | tier.resident, device=tier)
+        return self._host_plan(self._sizes(), kv_bytes, kv_shape, disk)
+
+    def _host_plan(self, sizes: list[UnitSize], kv_bytes: int, kv_shape: tuple[int, int],
+                   disk: tuple[float | None, str] | None) -> Plan:
         settings = self.settings
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         budget = self._budget()
         buffer_nbytes = None if settings.buffer_size is None else settings.buffer_size * itemsize
         if disk is None:
             disk = (settings.disk_gbps * 1e9, "given") if settings.disk_gbps else (None, "")
-        plan = make_plan(self._sizes(), budget=budget, buffer_count=settings.buffer_count, buffer_nbytes=buffer_nbytes,
+        plan = make_plan(sizes, budget=budget, buffer_count=settings.buffer_count, buffer_nbytes=buffer_nbytes,
                          kv_bytes=kv_bytes, kv_shape=kv_shape, disk_bps=disk[0], disk_source=disk[1])
         if self._unquantized_sizes is not None:  # the same placement's bytes without quantization, for comparison
             before = make_plan(self._unquantized_sizes, budget=budget, buffer_count=settings.buffer_count,
@@ -342,10 +402,10 @@ class InferenceEngine:
         """Swap the decoder layers' linear layers for packed ones (`QuantLinear`) and read every weight
         from the quantized cache (written once under ``nvme_path``, else in the checkpoint's directory)."""
         spec = self.settings.weight_quantization
-        if self.device.type != "cpu":
-            raise ValueError(f"weight_quantization: the packed kernels run on the CPU here; compute_device "
-                             f"{self.device.type!r} does not take quantized layers yet (leave weight_quantization out, "
-                             f"or set compute_device \"cpu\")")
+        if self.compute.separate_memory:
+            raise ValueError(f"weight_quantization: the packed kernels run on the CPU here; compute on the "
+                             f"{self.compute.name} device does not take quantized layers yet (leave weight_quantization "
+                             f"out, or set compute_device \"cpu\")")
         targets = {path: self.module.get_submodule(path) for path in block_linears(self.module, _blocks(self.module), spec)}
         if not targets:
             raise ValueError(f"weight_quantization: {type(self.module).__name__} has no nn.Linear in its decoder layers "
@@ -364,11 +424,12 @@ class InferenceEngine:
     def _use_converted_copy(self) -> None:
         """Streamed tensors in another dtype than they compute in: read them from a converted copy."""
         if self.settings.nvme_path is None:
-            names = [u.name for u in self.units if u.name not in self.plan.resident and self._needs_conversion(u)]
+            names = [u.name for u in self._read_in_place() if self._needs_conversion(u)]
             raise ValueError(
                 f"zero_optimization.offload_param.nvme_path: dtype {self.dtype} differs from the checkpoint's "
-                f"({self.checkpoint.dominant_dtype()}) and {len(names)} units are streamed ({names[0]}, ...), which are "
-                f"read in place and so must be on the disk in {self.dtype}; set nvme_path to a directory for a "
+                f"({self.checkpoint.dominant_dtype()}) and {len(names)} units are "
+                f"{'copied to the device' if self.compute.separate_memory else 'streamed'} as read ({names[0]}, ...), "
+                f"so they must be on the disk in {self.dtype}; set nvme_path to a directory for a "
                 f"converted copy (written once), or use the checkpoint's dtype, or a budget that holds them")
         directory = converted_copy(self.checkpoint, self.dtype, self.settings.nvme_path, self.handle)
         self.checkpoint = SafetensorsCheckpoint(directory, self.handle)
@@ -380,27 +441,35 @@ class InferenceEngine:
         """Make the model match ``plan``: drop demoted units, start reading promoted ones (in the
         background), re-aim the streamer (its ring is made in the background too)."""
         self.streamer.reset()
+        self.compute.synchronize()  # nothing computes on a device buffer given back below
+        self._placing = plan.device
+        """The device tier the loads place their units by (`_place`)."""
+        on_device = plan.device.resident if plan.device is not None else frozenset()
         for unit in self.units:  # 1. demote first, so that memory is freed before more is taken
             if unit.name not in plan.resident and unit.loading is not None:
                 unit.loading.drop(unit)
-            elif unit.name not in plan.resident and unit.state == "resident":
+            elif (unit.name not in plan.resident and unit.state in ("resident", "host")
+                  or unit.state == "host" and unit.name in on_device
+                  or unit.device_buffer is not None and unit.name not in on_device):  # to another tier: read again
                 unit.unbind()
+                self._drop_tiers(unit)
                 unit.state = "on disk"
         # 2. Then start reading what becomes resident. With a ring, the forwards read the layers the load
         # has not taken on yet through it, from the first, while the load takes them on from the last.
-        promoted = [u for u in self.units if u.state not in ("resident", "loading") and u.name in plan.resident]
+        promoted = [u for u in self.units if u.state not in ("resident", "loading", "host") and u.name in plan.resident]
         streamed = [u for u in self.units if u.name not in plan.resident]
         if streamed:
             promoted = [u for u in promoted if not u.streamable] + [u for u in reversed(promoted) if u.streamable]
         if promoted:  # before the first forward is done, with a ring, it holds reads back (`ResidentLoad`)
-            self._loads.append(ResidentLoad(self.handle, promoted, device=self.device,
+            self._loads.append(ResidentLoad(self.handle, promoted, place=self._place if plan.device else None,
                                             held=bool(streamed) and self._release_hook is not None))
-        ring = self.streamer.stager  # the device's copies of the ring buffers, where it has memory of its own
-        if ring is not None and (not streamed or ring.buffer_nbytes != plan.buffer_nbytes):
+        ring = self.streamer.stager  # the device's ring, where it has memory of its own
+        slots, slot_nbytes = (plan.device.ring_slots, plan.device.slot_nbytes) if plan.device else (0, 0)
+        if ring is not None and (len(ring.buffers), ring.buffer_nbytes) != (slots, slot_nbytes):
             ring.close()
             self.streamer.stager = ring = None
-        if streamed and ring is None and self.compute.separate_memory:
-            self.streamer.stager = DeviceRing(self.compute, self.settings.buffer_count, plan.buffer_nbytes)
+        if slots and ring is None:
+            self.streamer.stager = DeviceRing(self.compute, slots, slot_nbytes)
         self.streamer.set_units([u for u in self.units if u.streamable], plan.buffer_nbytes if streamed else 0,
                                 self._lookahead_units(plan))
         # 3. transformers takes the model's device and dtype from its first parameter: bind it now.
@@ -409,8 +478,68 @@ class InferenceEngine:
             if unit.loading is not None and any(ref.placeholder is first for ref in unit.params):
                 unit.loading.wait(unit)
 
+    def _place(self, unit: Unit, host: torch.Tensor) -> torch.Tensor | None:
+        """A unit just read into pinned ``host`` memory (`ResidentLoad`): copied into a device buffer of
+        its own where the plan keeps it on the device (returned), else kept in host memory (None)."""
+        if unit.name not in self._placing.resident:
+            unit.host_buffer = host
+            return None
+        buffer = self.compute.empty(unit.buffer_nbytes, torch.uint8, name=unit.name)
+        copied = self.compute.to_device(buffer, host, stream=self._copies)
+        self.compute.compute_stream.wait_event(copied)
+        copied.synchronize()  # the host buffer goes on return
+        self.compute.check_ready(buffer)
+        unit.device_buffer = buffer
+        return buffer
+
+    def _drop_tiers(self, unit: Unit) -> None:
+        """Give back what ``unit`` holds in device or pinned host memory (the device synchronized)."""
+        if unit.device_buffer is not None:
+            self.compute.free(unit.device_buffer)
+        unit.device_buffer = unit.host_buffer = None
+
+    def _read_in_place(self) -> list[Unit]:
+        """The units whose bytes are used as read (no conversion): the streamed ones, and on a device all."""
+        return [u for u in self.units if u.name not in self.plan.resident or self.compute.separate_memory]
+
+    def _on_device(self, value: Any) -> Any:
+        """A tensor argument moved to where compute runs (itself where it is there)."""
+        return value.to(self.device) if isinstance(value, torch.Tensor) else value
+
 
 # ---- building the engine: the skeleton, the units, the buffers, the disk ---------------------------
+
+
+def _compute_device(settings: InferenceConfig) -> Device:
+    """The device ``compute_device`` names, with ``max_memory``'s device budget (checked against its
+    free memory). Raises ValueError naming the setting."""
+    tiers = settings.max_memory
+    device = device_for(settings.compute_device)
+    if tiers is None or tiers.device_bytes is None or not device.separate_memory:
+        return device  # a device budget with compute on the CPU is refused by `_device_budget`, naming it
+    device.close()
+    return device_for(settings.compute_device, budget_bytes=tiers.device_bytes, budget_setting=tiers.device_key)
+
+
+def _device_budget(compute: Device, settings: InferenceConfig) -> tuple[int, str] | None:
+    """(bytes, setting) of the device tier where ``compute`` has memory of its own: its budget, else
+    90% of its free memory (Accelerate's headroom); None on the CPU, whose device tier is the host.
+    Raises ValueError naming ``max_memory[i]`` where it cannot apply."""
+    tiers = settings.max_memory
+    given = tiers.device_bytes if tiers is not None else None
+    if not compute.separate_memory:
+        if given is not None:
+            raise ValueError(f"{tiers.device_key}: a device budget, but compute is on the {compute.name} device, whose "
+                             f"memory is the host's; leave {tiers.device_key} out (max_memory['cpu'] or max_in_cpu is the "
+                             f"budget), or compute on a GPU (compute_device)")
+        return None
+    if given is not None and compute.budget_bytes != given:
+        raise ValueError(f"{tiers.device_key}: {given} bytes, but the device passed as compute_device has a budget of "
+                         f"{compute.budget_bytes} bytes; give the budget once (to the device, or as {tiers.device_key})")
+    if compute.budget_bytes is not None:
+        return compute.budget_bytes, compute.budget_setting
+    free, _ = compute.memory_info()
+    return int(free * 0.9), f"90% of the {compute.name} device's free memory (max_memory[0] unset)"
 
 
 def _checkpoint_directory(model: Any, checkpoint: Any) -> str:

@@ -14,6 +14,10 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from offload.infer.tiers import DeviceTier
 
 __all__ = ["BudgetError", "KVPlacement", "Plan", "UnitSize", "format_bytes", "make_plan", "place_kv"]
 
@@ -153,6 +157,9 @@ class Plan:
     """With ``quantization``: the bytes per forward the same budget would read with unquantized weights."""
     kv: KVPlacement | None = None
     """Where the KV cache of ``kv_shape`` lives (None until a batch is known); ``kv_bytes`` is its memory."""
+    device: DeviceTier | None = None
+    """Where compute has memory of its own (a GPU): what it keeps (offload/infer/tiers.py); the units in
+    ``resident`` but not in ``device.resident`` are kept in pinned host memory. None: the host is the device."""
 
     @property
     def streamed(self) -> tuple[UnitSize, ...]:
@@ -161,7 +168,31 @@ class Plan:
 
     @property
     def resident_bytes(self) -> int:
-        return sum(u.nbytes for u in self.units if u.name in self.resident)
+        """Weight bytes kept in host memory (those the device keeps aside)."""
+        on_device = self.device.resident if self.device is not None else frozenset()
+        return sum(u.nbytes for u in self.units if u.name in self.resident and u.name not in on_device)
+
+    @property
+    def host_to_device_bytes_per_forward(self) -> int:
+        """Bytes copied from host to device per forward (per token): every unit the device does not keep."""
+        if self.device is None:
+            return 0
+        return sum(u.buffer_nbytes for u in self.units if u.name not in self.device.resident)
+
+    def link_seconds(self) -> dict[str, float | None]:
+        """Per forward (per token), each link's time at its speed (None where the speed is unknown):
+        "nvme->host" (the streamed reads), and with a device "host->device" (its copies)."""
+        links: dict[str, float | None] = {"nvme->host": self.disk_seconds_per_forward if self.streamed else 0.0}
+        if self.device is not None:
+            speed, nbytes = self.device.host_to_device_bps, self.host_to_device_bytes_per_forward
+            links["host->device"] = nbytes / speed if speed else (0.0 if not nbytes else None)
+        return links
+
+    def bound_seconds(self, compute_seconds: float | None = None) -> float | None:
+        """The time per token the links and compute allow, all overlapped: the max over the links (and
+        ``compute_seconds`` where given). None while a link's speed is unknown."""
+        times = list(self.link_seconds().values()) + ([compute_seconds] if compute_seconds is not None else [])
+        return None if any(t is None for t in times) else max(times)
 
     @property
     def streamed_bytes(self) -> int:
@@ -195,8 +226,24 @@ class Plan:
         budget = ("no limit (device cpu)" if self.budget < 0 else
                   "0: everything streamable is streamed, only what must stay is in memory" if self.budget == 0
                   else format_bytes(self.budget))
-        lines = [f"placement: budget {budget} for resident weights and the KV cache",
-                 f"  resident: {format_bytes(self.resident_bytes)} in memory: {_names(resident)}"]
+        lines = [f"placement: budget {budget} for resident weights and the KV cache"]
+        device = self.device
+        if device is not None:
+            on_device = [u for u in resident if u.name in device.resident]
+            resident = [u for u in resident if u.name not in device.resident]
+            lines[0] = f"placement: host budget {budget} for weights kept in pinned memory"
+            lines.append(f"  device: budget {format_bytes(device.budget)} ({device.setting}), "
+                         f"{format_bytes(device.used_bytes)} reserved")
+            lines.append(f"    kept there: {format_bytes(device.resident_bytes)}: {_names(on_device)}")
+            if device.ring_slots:
+                lines.append(f"    copy ring: {device.ring_slots} x {format_bytes(device.slot_nbytes)} (the other units, "
+                             f"copied ahead of use on a side stream)")
+            batch, tokens = self.kv_shape
+            lines.append(f"    KV cache {format_bytes(device.kv_bytes)}"
+                         + (f" (batch {batch} x {tokens} tokens)" if batch else " (none yet: reserved per generate call)")
+                         + f", activations {format_bytes(device.activation_bytes)}")
+        lines.append(f"  resident: {format_bytes(self.resident_bytes)} in {'pinned host ' if device else ''}memory: "
+                     f"{_names(resident)}")
         streamed = self.streamed
         if streamed:
             lines.append(f"  streamed: {format_bytes(self.streamed_bytes)} per forward from the checkpoint "
@@ -213,8 +260,9 @@ class Plan:
                          + (f" ({before / self.read_bytes_per_forward:.2f}x fewer bytes)"
                             if before and self.read_bytes_per_forward else ""))
         batch, tokens = self.kv_shape
-        lines.append(f"  KV cache: {format_bytes(self.kv_bytes)} reserved"
-                     + (f" (batch {batch} x {tokens} tokens)" if batch else " (none yet: reserved per generate call)"))
+        if device is None:
+            lines.append(f"  KV cache: {format_bytes(self.kv_bytes)} reserved"
+                         + (f" (batch {batch} x {tokens} tokens)" if batch else " (none yet: reserved per generate call)"))
         kv = self.kv
         if kv is not None and kv.nvme_layers:
             lines.append(f"  KV on NVMe: {format_bytes(kv.nvme_bytes)} for {len(kv.nvme_layers)} of {kv.layers} layers "
@@ -230,7 +278,20 @@ class Plan:
                              f"{self.disk_seconds_per_forward:.3f} s per forward to read the streamed weights")
             else:
                 lines.append("  disk: speed unknown")
+        if device is not None:
+            lines.append(self._describe_links())
         return "\n".join(lines)
+
+    def _describe_links(self) -> str:
+        """Per token: the bytes over each link, their time at its speed, and the bound."""
+        nbytes = {"nvme->host": self.read_bytes_per_forward, "host->device": self.host_to_device_bytes_per_forward}
+        seconds = self.link_seconds()
+        parts = [f"{link} {format_bytes(nbytes[link])}" + (f" ({t:.4f} s)" if t is not None else " (speed unknown)")
+                 for link, t in seconds.items()]
+        bound = self.bound_seconds()
+        return (f"  per token: {', '.join(parts)}; bound "
+                + (f"{bound:.4f} s (the slower link; compute overlaps, so it adds only where it is slower)"
+                   if bound is not None else "unknown until every link's speed is (disk_gbps, host_to_device_gbps)"))
 
     def __str__(self) -> str:
         return self.describe()

@@ -4,7 +4,10 @@ current one computes, and the hooks that swap a layer's parameters to views into
 One record per unit (`Unit`): its module, its parameters' owners, its windows in the checkpoint and
 its state: "resident" (its own memory, never streamed), "on disk", "in flight" (a read into a ring
 buffer is under way), "in use" (its parameters are views into that buffer). Outside its forward a
-streamed unit's parameters are meta placeholders, so the model never holds it.
+streamed unit's parameters are meta placeholders, so the model never holds it. Where the compute
+device has memory of its own, a unit is "resident" in device memory, or "host" (kept in pinned host
+memory and copied to the device ring for each forward: "staged" while it computes there), or streamed
+from the disk through the locked ring and then the device ring (offload/infer/device_ring.py).
 
 Reads are issued in forward order and wrap around to the next forward, so the disk reads the first
 layers of the next token while the last ones of this token compute. A buffer is reused as soon as
@@ -17,6 +20,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -64,7 +68,8 @@ class Unit:
     """Its weights' bytes in memory."""
     streamable: bool
     state: str = "on disk"
-    """"resident", "loading" (becoming resident), "on disk", "in flight" or "in use"."""
+    """"resident", "loading" (becoming resident), "on disk", "in flight", "in use", or with a device
+    tier "host" (kept in pinned host memory, ``host_buffer``) and "staged" (that copied to the device ring)."""
     slot: int | None = None
     """The ring buffer it is read into (in flight or in use)."""
     futures: list[IOFuture] = field(default_factory=list)
@@ -76,6 +81,10 @@ class Unit:
     claimed: bool = False
     """Loading, but lent to the ring for a forward because its load had not taken it on yet (set
     and cleared by the load, under its lock)."""
+    host_buffer: torch.Tensor | None = None
+    """State "host": its windows in pinned host memory, copied to the device for each forward."""
+    device_buffer: torch.Tensor | None = None
+    """Resident on a device with memory of its own: the device buffer its parameters are views of."""
 
     @property
     def read_nbytes(self) -> int:
@@ -96,7 +105,8 @@ class LayerStreamer:
     ``attach(unit)`` installs the hooks once per streamable unit; whether it streams is decided by
     ``set_units`` (the streamed units in forward order), which can change between calls. ``stager``
     (a `DeviceRing`, where the compute device has memory of its own) copies a buffer to the device
-    before the layer computes; None computes on the CPU, in the ring buffer itself.
+    before the layer computes, and the next units' ahead of use while it does; None computes on the
+    CPU, in the ring buffer itself.
     """
 
     def __init__(self, handle: AioHandle, *, buffer_count: int, stager: DeviceRing | None = None) -> None:
@@ -137,7 +147,7 @@ class LayerStreamer:
         self._allocate(buffer_nbytes)
         self.units = list(units)
         for unit in self.units:
-            if unit.state not in ("resident", "loading"):
+            if unit.state not in ("resident", "loading", "host"):
                 unit.state = "on disk"
                 unit.unbind()
         self._free = deque(range(len(self.buffers)))
@@ -182,10 +192,17 @@ class LayerStreamer:
             while unit.state == "loading" and not self._free and self._allocating:
                 self._collect(block=True)  # the ring is still being made: its next buffer comes sooner than
                 self._issue()              # the load's fresh memory would (both are faulted in from nothing)
-            if unit.state == "loading":
+            if unit.state == "loading" and self.stager is None:
                 return  # its load's hook waits for it
-        if unit.state == "in use":  # re-entered (a module called twice in one forward)
+            if unit.state == "loading":  # on a device: kept there ("resident") or in pinned host memory ("host")
+                unit.loading.wait(unit)
+                if unit.state == "resident":
+                    return
+        if unit.state in ("in use", "staged"):  # re-entered (a module called twice in one forward)
             unit.users += 1
+            return
+        if unit.state == "host":  # copied to the device ring (ahead of use, where the ring had room)
+            self._bind(unit, self.stager.stage(unit, unit.host_buffer, unit.buffer_nbytes), "staged")
             return
         # 1. Its read must be under way. Out of the expected order, restart the ring at it.
         if unit.state == "on disk":
@@ -207,22 +224,49 @@ class LayerStreamer:
         # 3. Bind its parameters to views into its buffer (on a device: copied there first, on a side stream).
         buffer = self.buffers[unit.slot]
         if self.stager is not None:
-            buffer = self.stager.stage(unit.slot, buffer, unit.buffer_nbytes)
+            buffer = self.stager.stage(unit, buffer, unit.buffer_nbytes)
+        self._bind(unit, buffer, "in use")
+
+    def _bind(self, unit: Unit, buffer: torch.Tensor, state: str) -> None:
+        """Bind ``unit``'s parameters to views into ``buffer``; on a device, start the next copies."""
         views = tensor_views(unit.windows, buffer)
         for ref in unit.params:
             ref.bind(views[ref.tensor])
-        unit.state, unit.users = "in use", 1
+        unit.state, unit.users = state, 1
+        if self.stager is not None:
+            self._prefetch_after(unit)
+
+    def _prefetch_after(self, unit: Unit) -> None:
+        """Copy the units after ``unit`` whose host bytes are ready to free device ring buffers, in
+        forward order (wrapping around), so that the copies overlap this unit's compute. Stops at the
+        first unit whose read has not finished."""
+        start = self.units.index(unit)
+        for step in range(1, len(self.units)):
+            if not self.stager.free_count:
+                return
+            after = self.units[(start + step) % len(self.units)]
+            if after.state == "resident":
+                continue
+            if after.state == "host":
+                self.stager.prefetch(after, after.host_buffer, after.buffer_nbytes)
+            elif after.state == "in flight" and all(future.done() for future in after.futures):
+                self.stager.prefetch(after, self.buffers[after.slot], after.buffer_nbytes)  # a failed read raises at
+            else:                                                                       # acquire, and is discarded
+                return
 
     def release(self, unit: Unit) -> None:
         """After ``unit``'s forward: back to placeholders; its buffer takes the next read at once."""
-        if unit.state != "in use":
+        if unit.state not in ("in use", "staged"):
             return
         unit.users -= 1
         if unit.users:
             return
         unit.unbind()
         if self.stager is not None:
-            self.stager.release(unit.slot)
+            self.stager.release(unit)
+        if unit.state == "staged":
+            unit.state = "host"
+            return
         self._give_back(unit)
         self._issue()
 
@@ -252,6 +296,8 @@ class LayerStreamer:
 
     def _give_back(self, unit: Unit) -> None:
         """``unit``'s ring buffer is free again: a streamed unit goes back on disk, a claimed one to its load."""
+        if self.stager is not None:
+            self.stager.discard(unit)  # a copy to the device prefetched from it is done reading it
         self._free.append(unit.slot)
         unit.slot, unit.users = None, 0
         if unit.claimed:
@@ -285,13 +331,16 @@ class LayerStreamer:
 
     def reset(self) -> None:
         """After an error or before a change of plan: no read in flight, every streamed unit back on disk."""
+        if self.stager is not None:
+            self.stager.reset()  # first: no copy to the device still reads a host buffer given back below
         self._drain()
         for unit in self.units:
-            if unit.state == "in use":
+            if unit.state in ("in use", "staged"):
                 unit.unbind()
-                if self.stager is not None:
-                    self.stager.release(unit.slot)
-                self._give_back(unit)
+                if unit.state == "staged":
+                    unit.state = "host"
+                else:
+                    self._give_back(unit)
         self._next = 0
 
     def _free_buffers(self) -> None:
@@ -338,18 +387,23 @@ class ResidentLoad:
     being replaced, a moment short of memory) costs nothing for good.
     """
 
-    def __init__(self, handle: AioHandle, units: list[Unit], *, device: torch.device | None = None,
+    def __init__(self, handle: AioHandle, units: list[Unit], *,
+                 place: Callable[[Unit, torch.Tensor], torch.Tensor | None] | None = None,
                  ahead_bytes: int = 1 << 30, held: bool = False) -> None:
         self.handle = handle
         self.units = list(units)
-        self.device = device
+        self.place = place
+        """Where compute has memory of its own: given a unit and its pinned host buffer (read), returns
+        the device buffer its parameters are views of, or None to keep it in pinned host memory
+        ("host"). None: parameters are views into the host buffer."""
         self.ahead_bytes = ahead_bytes
         self.nbytes = 0
         """Bytes read by the units bound so far."""
         self.finished_at: float | None = None
         """``time.perf_counter()`` when the last read finished, a forward's read again included (None
         until then)."""
-        self._buffers = [aligned_tensor(unit.buffer_nbytes, torch.uint8) for unit in self.units]
+        # With ``place``, pinned (locked) buffers, made by the thread unit by unit (they are copied to the device).
+        self._buffers = [None if place else aligned_tensor(unit.buffer_nbytes, torch.uint8) for unit in self.units]
         self._issued: list[Future] = [Future() for _ in self.units]
         """Per unit: its read futures once they are started, or why they were not."""
         self._index = {id(unit): i for i, unit in enumerate(self.units)}
@@ -389,8 +443,9 @@ class ResidentLoad:
                 except (OSError, AttributeError):  # not Linux, or not allowed: the load simply competes
                     pass
             try:
-                unit, buffer = self.units[i], self._buffers[i]
-                prefault(buffer)
+                unit, buffer = self.units[i], self._buffer(i)
+                if self.place is None:
+                    prefault(buffer)
                 while in_flight and sum(self.units[j].read_nbytes for j in in_flight) + unit.read_nbytes > self.ahead_bytes:
                     self._reads_done(in_flight.popleft())  # finished, either way: its errors are for `wait`
                 self._issued[i].set_result(read_windows(self.handle, unit.windows, buffer))
@@ -400,6 +455,12 @@ class ResidentLoad:
         for i in in_flight:
             self._reads_done(i)
         self._finished()
+
+    def _buffer(self, i: int) -> torch.Tensor:
+        """Unit ``i``'s host buffer, made now where it is pinned (`locked_tensor` faults it in)."""
+        if self._buffers[i] is None:
+            self._buffers[i] = locked_tensor(self.units[i].buffer_nbytes, torch.uint8)
+        return self._buffers[i]
 
     def _finished(self) -> None:
         """Note that reads have just finished (the last note is `finished_at`)."""
@@ -445,7 +506,7 @@ class ResidentLoad:
         """Read unit ``i`` once more, in the caller's thread (its load failed): as `_reads_done`."""
         issued: Future = Future()
         try:
-            issued.set_result(read_windows(self.handle, self.units[i].windows, self._buffers[i]))
+            issued.set_result(read_windows(self.handle, self.units[i].windows, self._buffer(i)))
         except BaseException as exc:  # noqa: BLE001 - kept for the next try, like the thread's
             issued.set_exception(exc)
         self._issued[i] = issued
@@ -507,14 +568,18 @@ class ResidentLoad:
             nbytes, error = self._read_again(i)
         if error is not None:
             raise error
-        views = tensor_views(unit.windows, self._buffers[i])
+        buffer = self._buffers[i] if self.place is None else self.place(unit, self._buffers[i])
+        self.nbytes += nbytes
+        if buffer is None:  # kept in pinned host memory, copied to the device for each forward
+            self._let_go(i, "host")
+            return
+        views = tensor_views(unit.windows, buffer)
         for ref in unit.params:
             value = views[ref.tensor]
-            if value.dtype != ref.placeholder.dtype or (self.device is not None and self.device.type != "cpu"):
-                value = value.to(device=self.device or "cpu", dtype=ref.placeholder.dtype)
+            if value.dtype != ref.placeholder.dtype:  # on the CPU only: a device's units are read in its dtype
+                value = value.to(dtype=ref.placeholder.dtype)
             ref.bind(value)
         self._let_go(i, "resident")
-        self.nbytes += nbytes
 
     def wait_all(self) -> None:
         """Wait for every unit and bind it. Raises the first error once every started read has

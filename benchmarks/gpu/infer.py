@@ -1,0 +1,209 @@
+"""Benchmark: generation on a GPU budget smaller than the model (GPU, pinned host and NVMe tiers),
+seconds per token against the tiers' bound, beside Accelerate with the same ``max_memory``.
+
+    python -m benchmarks.gpu infer --dir /nvme/bench-gpu                       # a GPU machine
+    python -m benchmarks.gpu infer --dir /tmp/x --device simulated --scale 0.025 --layers 4 --shards 2 \\
+        --gpu-budget 1536KiB --host-budget 512KiB --fio-size 16MiB --new-tokens 3   # the smoke test's size
+
+1. Writes, once, the random-weight bf16 Llama of benchmarks/infer_stream.py (``--scale 0.5``, 44
+   layers: about 7 GB; reused by later runs).
+2. Measures fio's O_DIRECT read speed on the same disk, and the host-to-device speed of a plain
+   pinned copy through the device seam (the link's ceiling).
+3. Runs, each in a fresh process: ours with ``max_memory={0: GPU budget, "cpu": host budget}`` (the
+   plan printed: what the GPU keeps, what pinned host memory keeps, what streams, the bytes per
+   token over each link), and Accelerate's ``from_pretrained(device_map="auto", max_memory=same)``
+   with disk offload. Each reports seconds per token (the median of the decode steps), time to
+   first token and peak RSS; ours also the tiers' bound: max(NVMe bytes / fio, host-to-device
+   bytes / the pinned copy's speed) per token.
+4. Prints the targets: s/token <= 1.15x the bound; >= 2x Accelerate's tokens/s.
+
+Refuses to run without a GPU: nothing here fakes GPU figures. ``--device simulated`` runs our path on
+the simulated device (offload/device) at a tiny size, as a smoke test; its times are not GPU figures
+and no target is judged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks._common import ChildError, RssSampler, run_child
+from benchmarks.infer_stream import (Spec, _Clock, _files, _gib, fio_read_speed, model_parser, parse_or_run_child,
+                                     write_checkpoint)
+from tensorio import parse_size
+
+TARGET_BOUND = 1.15
+TARGET_ACCELERATE = 2.0
+
+
+def copy_speed(device, nbytes: int, repeats: int = 5) -> float:
+    """Bytes per second of a plain pinned host-to-device copy of ``nbytes`` on ``device`` (the median
+    of ``repeats``, after one warm-up): the host-to-device link's speed as the engine can use it."""
+    host = device.pinned_empty(nbytes)
+    target = device.empty(nbytes, name="copy-speed probe")
+    stream = device.new_stream("copy-speed")
+    try:
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            device.to_device(target, host, stream=stream).synchronize()
+            times.append(time.perf_counter() - start)
+        return nbytes / float(np.median(times[1:]))
+    finally:
+        device.synchronize()
+        device.free(target)
+        device.free_pinned(host)
+
+
+def child(args: dict) -> dict:
+    """One configuration in this process: ``args["kind"]`` "ours" or "accelerate"."""
+    import torch
+    import transformers
+
+    checkpoint = Path(args["checkpoint"])
+    config = transformers.AutoConfig.from_pretrained(checkpoint)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, config.vocab_size, (args["batch"], args["prompt_tokens"]), generator=generator)
+    max_memory = {0: args["gpu_budget"], "cpu": args["host_budget"]}
+    clock = _Clock()
+    with RssSampler() as rss:
+        start = time.perf_counter()
+        if args["kind"] == "ours":
+            from offload.infer import init_inference
+
+            model = init_inference(checkpoint, compute_device=args["device"], max_memory=max_memory,
+                                   disk_gbps=args["disk_gbps"], host_to_device_gbps=args["h2d_bps"] / 1e9)
+        else:
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                checkpoint, device_map="auto", max_memory=max_memory, offload_folder=args["offload_folder"],
+                dtype=torch.bfloat16)
+            ids = ids.to(model.device)
+        load_s = time.perf_counter() - start
+        begin = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args["new_tokens"], do_sample=False,
+                       pad_token_id=0, streamer=clock)
+    steps = np.diff(np.array(clock.times))
+    s_per_token = float(np.median(steps)) if len(steps) else None
+    figures = dict(kind=args["kind"], load_s=load_s, first_token_s=clock.times[0] - begin, s_per_token=s_per_token,
+                   tokens_per_s=args["batch"] / s_per_token if s_per_token else None, peak_rss=rss.peak)
+    if args["kind"] == "ours":
+        plan = model.plan
+        figures.update(plan=plan.describe(), bound_s=plan.bound_seconds(), links_s=plan.link_seconds(),
+                       nvme_bytes_per_token=plan.read_bytes_per_forward,
+                       h2d_bytes_per_token=plan.host_to_device_bytes_per_forward,
+                       device_reserved_bytes=plan.device.used_bytes, device_budget=plan.device.budget,
+                       device_buffers_bytes=model.compute.allocated_bytes, read_wait_s=model.read_wait_seconds)
+        model.close()
+    return figures
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark (see the module docstring); return every figure. Exits saying why without a GPU."""
+    from offload.device import cuda_available, device_for
+    from offload.infer.config import InferenceConfig
+
+    ap = model_parser(__doc__, dir_help="working directory on the NVMe disk (checkpoint written once, then reused)",
+                      scale=0.5, layers=44, shards=16)
+    ap.add_argument("--device", choices=("cuda", "simulated"), default="cuda",
+                    help="cuda (default; refused without one), or simulated: the smoke test, no GPU figures")
+    ap.add_argument("--gpu-budget", default="2GiB", help="max_memory[0]: the GPU's budget, smaller than the model")
+    ap.add_argument("--host-budget", default="3GiB", help="max_memory['cpu']: pinned host memory for weights")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--copy-size", default="256MiB", help="bytes of the pinned host-to-device copy measured")
+    ap.add_argument("--accelerate", action=argparse.BooleanOptionalAction, default=True,
+                    help="run Accelerate beside ours (GPU only)")
+    args = parse_or_run_child(ap, argv, child, fio_size="1GiB")
+    if args is None:
+        return {}
+    if args.device == "cuda" and not cuda_available():
+        import torch
+
+        raise SystemExit(f"benchmarks.gpu infer: needs a GPU, and CUDA is not available here (torch {torch.__version__}, "
+                         f"{'a CPU build' if torch.version.cuda is None else 'no GPU visible'}); nothing was measured. "
+                         f"--device simulated runs the same path on the simulated device as a smoke test (no GPU figures)")
+    simulated = args.device == "simulated"
+    directory = Path(args.dir).resolve()
+    spec = Spec.scaled(args.scale, args.layers, args.shards)
+    gpu, host = parse_size(args.gpu_budget), parse_size(args.host_budget)
+    print(f"configuration: {spec}, bf16; batch {args.batch}, prompt {args.prompt_tokens} tokens, {args.new_tokens} new; "
+          f"max_memory {{0: {_gib(gpu)}, 'cpu': {_gib(host)}}} on the {args.device} device")
+
+    # 1. The checkpoint, once.
+    checkpoint = write_checkpoint(directory / "checkpoint", spec)
+    size = sum(os.path.getsize(f) for f in _files(checkpoint) if f.endswith(".safetensors"))
+    print(f"checkpoint: {checkpoint} ({size / 1e9:.3f} GB; the GPU budget is {gpu / size:.0%} of it)")
+
+    # 2. The links' speeds: fio on the disk, a plain pinned copy to the device.
+    fio_bps = fio_read_speed(InferenceConfig().aio, directory, args.fio_size)
+    with device_for(args.device) as device:
+        h2d_bps = copy_speed(device, min(parse_size(args.copy_size), gpu // 2))
+    print(f"host->device: {h2d_bps / 1e9:.2f} GB/s, a plain pinned copy of {_gib(min(parse_size(args.copy_size), gpu // 2))}"
+          + (" (simulated device: not a GPU figure)" if simulated else ""))
+
+    # 3. Each configuration in its own process.
+    payload = {"checkpoint": str(checkpoint), "device": args.device, "gpu_budget": gpu, "host_budget": host,
+               "batch": args.batch, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+               "disk_gbps": fio_bps / 1e9 if fio_bps else None, "h2d_bps": h2d_bps,
+               "offload_folder": str(directory / "accelerate-offload")}
+    kinds = ["ours"] + (["accelerate"] if args.accelerate and not simulated else [])
+    runs = {}
+    for kind in kinds:
+        try:
+            runs[kind] = run_child("benchmarks.gpu.infer", ["--child", json.dumps({**payload, "kind": kind})])
+        except ChildError as exc:
+            runs[kind] = {"kind": kind, "error": str(exc)}
+        result = runs[kind]
+        if "plan" in result:
+            print(result["plan"])
+        if "error" in result:
+            print(f"{kind}: failed: {result['error']}")
+        else:
+            print(f"{kind}: {result['s_per_token']:.4f} s/token ({result['tokens_per_s']:.2f} tokens/s), first token "
+                  f"{result['first_token_s']:.3f} s, load {result['load_s']:.2f} s, peak RSS {_gib(result['peak_rss'])}")
+
+    # 4. The targets.
+    targets = _targets(runs, simulated)
+    print("targets:")
+    for line in targets:
+        print("  " + line)
+    figures = {"spec": asdict(spec), "checkpoint_bytes": size, "fio_bps": fio_bps, "h2d_bps": h2d_bps,
+               "device": args.device, "runs": runs, "targets": targets}
+    if args.out:
+        Path(args.out).write_text(json.dumps(figures, indent=1))
+    return figures
+
+
+def _targets(runs: dict, simulated: bool) -> list[str]:
+    ours = runs.get("ours", {})
+    if "error" in ours or not ours.get("s_per_token"):
+        return ["not judged: our run gave no seconds per token"]
+    bound = ours["bound_s"]
+    lines = []
+    if simulated:
+        lines.append("not judged: the simulated device's times are not GPU figures")
+    if bound:
+        ratio = ours["s_per_token"] / bound
+        lines.append(f"s/token {ours['s_per_token']:.4f} = {ratio:.2f}x the tiers' bound {bound:.4f} (target <= "
+                     f"{TARGET_BOUND}x): " + ("-" if simulated else "met" if ratio <= TARGET_BOUND else "NOT met"))
+    else:
+        lines.append("the tiers' bound is unknown (fio did not run)")
+    accelerate = runs.get("accelerate")
+    if accelerate and accelerate.get("tokens_per_s"):
+        ratio = ours["tokens_per_s"] / accelerate["tokens_per_s"]
+        lines.append(f"tokens/s {ratio:.2f}x Accelerate's (target >= {TARGET_ACCELERATE}x): "
+                     + ("met" if ratio >= TARGET_ACCELERATE else "NOT met"))
+    elif not simulated:
+        lines.append("Accelerate: not run" + (f" ({accelerate['error']})" if accelerate else ""))
+    return lines
+
+
+if __name__ == "__main__":
+    main()
