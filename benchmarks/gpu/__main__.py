@@ -17,15 +17,8 @@ PARTS = ("infer", "train")
 
 
 def _part(name: str):
-    """The module of part ``name``; exits with a clear message where it is not on this branch."""
-    try:
-        return importlib.import_module(f"benchmarks.gpu.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"benchmarks.gpu.{name}":
-            raise  # the part is there, something it imports is not: its own error says what
-        raise SystemExit(f"python -m benchmarks.gpu {name}: benchmarks/gpu/{name}.py is not in this checkout "
-                         f"(the {'training' if name == 'train' else 'generation'} part of issue 25); run the other "
-                         f"part: python -m benchmarks.gpu {'infer' if name == 'train' else 'train'}") from None
+    """The module of part ``name``."""
+    return importlib.import_module(f"benchmarks.gpu.{name}")
 
 
 def main(argv: list[str] | None = None) -> dict:
