@@ -11,7 +11,8 @@ that its peak RSS is its own: ``--warmup`` steps, then ``--steps`` timed steps (
 the offload / plain ratio within each repeat (project target <= 1.3, with less peak RSS). Peak RSS is
 the kernel's high-water mark over the timed steps; CPU per step (user + system, all threads) is
 printed beside the time, since it is what other processes on a shared machine disturb least, and so
-is the engine's own forward / backward / step time per timed step (``wall_clock_breakdown``). The
+is the engine's own forward / backward / step time per timed step (``wall_clock_breakdown``), and the
+1-minute load average after each run. The
 offload config is the Hugging Face "auto" one with ``max_in_cpu`` 0 and a swap budget of two buffers
 of the largest parameter.
 """
@@ -90,7 +91,8 @@ def _child(args: dict) -> None:
     times = [b - a for a, b in zip(ends[args["warmup"] - 1:], ends[args["warmup"]:])]
     result = {"mode": args["mode"], "step_s": statistics.median(times), "times": times,
               "cpu_per_step": (cpu[-1] - cpu[args["warmup"] - 1]) / args["steps"],
-              "peak_rss": _high_water_mark() if peak.get("reset") else None}
+              "peak_rss": _high_water_mark() if peak.get("reset") else None,
+              "load_average": os.getloadavg()[0]}
     if args["mode"] == "offload":
         result["io_bytes"] = trainer.engine.io_bytes()
         result["reads"] = trainer.engine.stats().reads
@@ -146,6 +148,9 @@ def main(argv: list[str] | None = None) -> dict:
               for name in runs["offload"][0]["engine_phases_per_step"]}
     result["offload"]["engine_phases_per_step"] = phases
     print("offload: the engine's time per step: " + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in phases.items()))
+    loads = [r["load_average"] for mode in MODES for r in runs[mode]]
+    print(f"1-minute load average after each run: {min(loads):.2f} to {max(loads):.2f} "
+          f"(this machine's cores: {os.cpu_count()}; other processes' work changes both modes' times)")
     print(f"offload / plain Trainer: {result['ratio']['median']:.2f}x (per repeat: "
           f"{', '.join(f'{r:.2f}' for r in ratios)}; target <= 1.3); CPU per step "
           f"{result['offload']['cpu_per_step'] / result['trainer']['cpu_per_step']:.2f}x")
