@@ -10,7 +10,9 @@ that its peak RSS is its own: ``--warmup`` steps, then ``--steps`` timed steps (
 ``on_step_end`` callbacks). ``--repeats N`` runs both N times, interleaved, and reports the medians and
 the offload / plain ratio within each repeat (project target <= 1.3, with less peak RSS). Peak RSS is
 the kernel's high-water mark over the timed steps; CPU per step (user + system, all threads) is
-printed beside the time, since it is what other processes on a shared machine disturb least. The
+printed beside the time, since it is what other processes on a shared machine disturb least, and so
+is the engine's own forward / backward / step time per timed step (``wall_clock_breakdown``), and the
+1-minute load average after each run. The
 offload config is the Hugging Face "auto" one with ``max_in_cpu`` 0 and a swap budget of two buffers
 of the largest parameter.
 """
@@ -53,6 +55,7 @@ def _child(args: dict) -> None:
     ends: list[float] = []
     cpu: list[float] = []
     peak: dict[str, int] = {}
+    phases_at_warmup: dict[str, float] = {}
 
     class Clock(transformers.TrainerCallback):
         def on_step_end(self, *_: object, **__: object) -> None:
@@ -60,6 +63,8 @@ def _child(args: dict) -> None:
             cpu.append(_cpu_seconds())
             if len(ends) == args["warmup"]:
                 peak["reset"] = _reset_high_water_mark()
+                if args["mode"] == "offload":
+                    phases_at_warmup.update(trainer.engine.timers.totals)
 
     training = transformers.TrainingArguments(
         output_dir=args["out"], max_steps=total, per_device_train_batch_size=args["batch"],
@@ -73,8 +78,9 @@ def _child(args: dict) -> None:
         # The swap budget of engine_step's runs: two buffers of the largest parameter (DeepSpeed's default,
         # 5 x 1e8 elements, would let GPT-2 small's parameters all stay gathered in memory).
         largest = max(p.numel() for p in model.parameters())
+        # wall_clock_breakdown: the engine's forward / backward / step seconds per timed step (never printed).
         config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                  "gradient_clipping": "auto",
+                  "gradient_clipping": "auto", "wall_clock_breakdown": True, "steps_per_print": 1 << 30,
                   "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": "auto",
                                         "stage3_prefetch_bucket_size": "auto", "reduce_bucket_size": "auto",
                                         "offload_param": {"device": "nvme", "nvme_path": args["dir"], "max_in_cpu": 0,
@@ -85,10 +91,13 @@ def _child(args: dict) -> None:
     times = [b - a for a, b in zip(ends[args["warmup"] - 1:], ends[args["warmup"]:])]
     result = {"mode": args["mode"], "step_s": statistics.median(times), "times": times,
               "cpu_per_step": (cpu[-1] - cpu[args["warmup"] - 1]) / args["steps"],
-              "peak_rss": _high_water_mark() if peak.get("reset") else None}
+              "peak_rss": _high_water_mark() if peak.get("reset") else None,
+              "load_average": os.getloadavg()[0]}
     if args["mode"] == "offload":
         result["io_bytes"] = trainer.engine.io_bytes()
         result["reads"] = trainer.engine.stats().reads
+        result["engine_phases_per_step"] = {name: (seconds - phases_at_warmup.get(name, 0.0)) / args["steps"]
+                                            for name, seconds in trainer.engine.timers.totals.items()}
         trainer.engine.close()
     print(json.dumps(result))
 
@@ -135,6 +144,13 @@ def main(argv: list[str] | None = None) -> dict:
     for mode in MODES:
         print(f"{mode:8s} step {result[mode]['step_s']:.2f} s   CPU {result[mode]['cpu_per_step']:.2f} s/step   "
               f"peak RSS {result[mode]['peak_rss'] / 1e9:.2f} GB")
+    phases = {name: statistics.median(r["engine_phases_per_step"][name] for r in runs["offload"])
+              for name in runs["offload"][0]["engine_phases_per_step"]}
+    result["offload"]["engine_phases_per_step"] = phases
+    print("offload: the engine's time per step: " + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in phases.items()))
+    loads = [r["load_average"] for mode in MODES for r in runs[mode]]
+    print(f"1-minute load average after each run: {min(loads):.2f} to {max(loads):.2f} "
+          f"(this machine's cores: {os.cpu_count()}; other processes' work changes both modes' times)")
     print(f"offload / plain Trainer: {result['ratio']['median']:.2f}x (per repeat: "
           f"{', '.join(f'{r:.2f}' for r in ratios)}; target <= 1.3); CPU per step "
           f"{result['offload']['cpu_per_step'] / result['trainer']['cpu_per_step']:.2f}x")

@@ -1,6 +1,6 @@
 """A worker of tests/test_integration_accelerate.py's two-rank test: the loop of Accelerate's docs with
-plain ``Accelerator`` (DDP) or `OffloadAccelerator` on each rank of a torchrun launch (as ``accelerate
-launch --num_processes 2`` starts it); each rank reports its (loss, lr) per micro batch and grad norms."""
+plain ``Accelerator`` (DDP) or `OffloadAccelerator` on each rank of an ``accelerate launch --multi_gpu
+--num_processes 2`` launch; each rank reports its (loss, lr) per micro batch and grad norms."""
 
 import sys
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from offload.train.engine import initialize
+from offload.train.update_mode import UpdateMode
 
 from tests.test_engine import LR, WD, engine_config, gpt2, gpt2_batches, gpt2_loss, mlp, mlp_batches, mlp_loss
 
@@ -260,6 +261,31 @@ def test_the_engines_optimizer_stepped_directly_is_refused(disk_dir, clip):
         engine.step()
         with pytest.raises(RuntimeError, match="called directly"):
             engine.optimizer.step()
+    for name, full in engine.full_parameters():
+        torch.testing.assert_close(full, expected[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    assert engine.global_steps == 3
+    engine.close()
+
+
+def test_a_second_backward_before_step_is_refused_when_updates_run_in_backward(disk_dir):
+    """Two engine.backward() calls without engine.step() between them, updates during backward (no
+    clipping): the second used to fail deep in the optimizer ("got a second gradient in one backward ...
+    reentrant activation-checkpoint segments"). It is refused naming what happened and what to call, the
+    refused call changes nothing, and training goes on as if it had not happened."""
+    batches = gpt2_batches(3)
+    expected = dict(_trained(disk_dir, 3).full_parameters())
+    engine = _trained(disk_dir, 1)
+    assert engine.stats().mode is UpdateMode.IN_BACKWARD
+    engine.backward(gpt2_loss(engine, batches[1]))
+    loss = gpt2_loss(engine, batches[1])
+    with pytest.raises(RuntimeError, match=r"engine\.backward\(\) was called twice without engine\.step\(\).*"
+                                           r"call engine\.step\(\) after each engine\.backward\(\).*"
+                                           r"gradient_accumulation_steps"):
+        engine.backward(loss)
+    del loss
+    engine.step()
+    engine.backward(gpt2_loss(engine, batches[2]))
+    engine.step()
     for name, full in engine.full_parameters():
         torch.testing.assert_close(full, expected[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
     assert engine.global_steps == 3

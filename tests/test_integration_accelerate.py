@@ -112,13 +112,13 @@ def test_save_state_and_load_state_resume(disk_dir, tmp_path, fresh_state):
 
 @pytest.mark.multiprocess
 def test_two_processes_match_plain_accelerate(disk_dir):
-    """Two processes launched as ``accelerate launch --num_processes 2`` does (torchrun, gloo):
+    """Two processes started by ``accelerate launch --multi_gpu --num_processes 2`` (gloo on the CPU):
     OffloadAccelerator (each rank one partition of every parameter) against plain Accelerate's DDP,
     rank by rank: the same losses, learning rates (the schedule stepped once per process) and norms."""
-    from tests.torchrun import torchrun
+    from tests.torchrun import accelerate_launch
 
-    ours = torchrun("tests.accelerate_dist_worker", "offload", str(disk_dir))
-    theirs = torchrun("tests.accelerate_dist_worker", "plain", str(disk_dir))
+    ours = accelerate_launch("tests.accelerate_dist_worker", "offload", str(disk_dir))
+    theirs = accelerate_launch("tests.accelerate_dist_worker", "plain", str(disk_dir))
     for rank in (0, 1):
         assert len(ours[rank]["seen"]) == STEPS * ACCUMULATION // 2  # each rank half the batches
         for i, (a, b) in enumerate(zip(ours[rank]["seen"], theirs[rank]["seen"])):
