@@ -386,3 +386,25 @@ def test_parameters_read_between_backward_and_step_leave_no_stale_copy(disk_dir,
         losses.append(loss.item())
     assert_close(losses, host(dict(engine.full_parameters())), ref_losses, ref_params)
     engine.close()
+
+
+@pytest.mark.simulated
+def test_wall_clock_breakdown_waits_for_the_device_before_each_clock_read(disk_dir, monkeypatch):
+    """With ``wall_clock_breakdown`` a phase's time includes the device work it queued: the timers
+    synchronize the device before reading the clock (on the CPU there is nothing to wait for)."""
+    sim = SimulatedDevice(seed=3, max_delay_s=0.0005)
+    waits = []
+    real = sim.synchronize
+    monkeypatch.setattr(sim, "synchronize", lambda: (waits.append(1), real())[1])
+    try:
+        engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, wall_clock_breakdown=True),
+                                compute_device=sim)
+        before = len(waits)
+        train(engine, mlp_batches(1), mlp_loss)
+        assert len(waits) > before
+        engine.close()
+    finally:
+        sim.close()
+    cpu, *_ = initialize(model=mlp(), config=engine_config(disk_dir, wall_clock_breakdown=True), compute_device="cpu")
+    assert cpu.timers._synchronize is None
+    cpu.close()

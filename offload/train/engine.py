@@ -109,7 +109,10 @@ class Engine:
         self._store: ParamStore = ctx.store
         self._reducer: GradReducer = ctx.reducer
         self._failure = ctx.failure
-        self.timers = PhaseTimers.from_config(self.config, log=log.info if rank == 0 else (lambda line: None))
+        device = ctx.store.device
+        self.timers = PhaseTimers.from_config(  # a phase's time includes the device work it queued
+            self.config, log=log.info if rank == 0 else (lambda line: None),
+            synchronize=device.synchronize if device.separate_memory else None)
         self._boundary: bool | None = None
         """`set_gradient_accumulation_boundary`'s override (None: count micro steps)."""
         self._norm = GlobalGradNorm(ctx, path)

@@ -29,7 +29,7 @@ class PhaseTimers:
         enabled: when False, ``phase`` does nothing and ``step_done`` never logs (no clock reads).
         steps_per_print: log the mean time per step of each phase over the last this many steps.
         log: called with each summary line (for example a rank-0 logger's ``info``).
-        synchronize: called before each clock read, for example ``torch.cuda.synchronize`` so that
+        synchronize: called before each clock read, for example the compute device's ``synchronize`` so that
             queued device work is counted in the phase that queued it; None for host-only work.
         clock: seconds from a monotonic clock.
 
