@@ -14,10 +14,12 @@
    bf16, int8 and int4 at ``--budget`` (batch 1), and Accelerate's
    ``from_pretrained(device_map="auto")`` with the same ``max_memory`` and disk offload (the child of
    benchmarks/infer_stream.py: seconds per token is the median of the decode steps).
-5. The compute floor of each: a model of the same shape with 2 and with 2 + ``--floor-layers``
+5. KL(bf16 || int8) and KL(bf16 || int4) of the next-token distributions at the prompt's positions
+   (one more forward of the prompt in each of our runs, after its figures are taken), and top-1 agreement.
+6. The compute floor of each: a model of the same shape with 2 and with 2 + ``--floor-layers``
    decoder layers, all in memory (quantized alike), its decode steps timed (median); the floor is
    the smaller model's step plus the per-layer difference times the other layers.
-6. The targets: int8 >= 1.8x and int4 >= 3x bf16's tokens/s; each <= 1.15 x max(bytes streamed per
+7. The targets: int8 >= 1.8x and int4 >= 3x bf16's tokens/s; each <= 1.15 x max(bytes streamed per
    token / fio, its compute floor); int4 >= 6x Accelerate's tokens/s; page-cache growth < 256 MB.
 """
 
@@ -142,6 +144,8 @@ def main(argv: list[str] | None = None) -> dict:
                    "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "buffer_count": None,
                    "aio": aio.to_dict(), "disk_gbps": fio_bps / 1e9 if fio_bps else None,
                    "offload_folder": str(offload_folder), "quantize": VARIANTS[name], "nvme_path": str(caches)}
+        if kind == "ours":
+            payload["log_probs_path"] = str(directory / f"log-probs-{name}.npy")
         available = meminfo("MemAvailable")
         try:
             result = run_config(payload)
@@ -153,7 +157,13 @@ def main(argv: list[str] | None = None) -> dict:
             print(result["plan"])
         _print_row(result)
 
-    # 5. The compute floors.
+    # 5. The next-token distributions of the prompt against bf16's.
+    divergence = _divergence({name: directory / f"log-probs-{name}.npy" for name in VARIANTS})
+    for name, d in divergence.items():
+        print(f"{name} against bf16, the prompt's {d['positions']} next-token distributions: KL(bf16 || {name}) mean "
+              f"{d['kl_mean']:.5f} nats, max {d['kl_max']:.5f}; top-1 agreement {d['top1_agreement']:.0%}")
+
+    # 6. The compute floors.
     floors = {}
     for name, q in VARIANTS.items():
         steps = {}
@@ -170,9 +180,27 @@ def main(argv: list[str] | None = None) -> dict:
     print("targets:\n  " + "\n  ".join(targets))
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     figures = {"spec": asdict(spec), "checkpoint_bytes": size, "fio_bps": fio_bps, "budget": budget,
-               "quantized": quantized, "runs": results, "floors": floors, "targets": targets}
+               "quantized": quantized, "runs": results, "divergence": divergence, "floors": floors, "targets": targets}
     if args.out:
         Path(args.out).write_text(json.dumps(figures, indent=1))
+    return figures
+
+
+def _divergence(paths: dict[str, Path]) -> dict[str, dict]:
+    """KL(bf16 || each quantized variant) of the next-token distributions the runs saved (log-probabilities,
+    [prompt positions, vocab]): mean and max over the positions in nats, and how often the top token agrees.
+    Variants whose run saved nothing are left out."""
+    if not paths["bf16"].is_file():
+        return {}
+    reference = np.load(paths["bf16"], allow_pickle=False).astype(np.float64)
+    figures = {}
+    for name, path in paths.items():
+        if name == "bf16" or not path.is_file():
+            continue
+        ours = np.load(path, allow_pickle=False).astype(np.float64)
+        kl = (np.exp(reference) * (reference - ours)).sum(axis=-1)
+        figures[name] = {"positions": int(kl.size), "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+                         "top1_agreement": float((reference.argmax(-1) == ours.argmax(-1)).mean())}
     return figures
 
 

@@ -261,9 +261,10 @@ def child(args: dict) -> dict:
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args["new_tokens"], do_sample=False,
                        pad_token_id=0, streamer=clock)
         if args["kind"] == "ours":
-            # The first forward on its own: one more first token, every weight loaded, the same plan.
+            # The first forward on its own: one more first token, every weight loaded, the same plan (batch 1
+            # only: the time-to-first-token target is batch 1's, and a big batch's prefill takes minutes).
             full_load_s = model.wait_loaded()
-            loaded_first_token_s = _first_token_seconds(model, ids, args["new_tokens"])
+            loaded_first_token_s = _first_token_seconds(model, ids, args["new_tokens"]) if args["batch"] == 1 else None
     steps = np.diff(np.array(clock.times))
     s_per_token = float(np.median(steps)) if len(steps) else None
     figures = dict(
@@ -282,6 +283,8 @@ def child(args: dict) -> dict:
                        activation_bytes=model.activation_bytes(args["batch"], args["prompt_tokens"] + args["new_tokens"]),
                        io_bytes=model.io_bytes(), plan=plan.describe(), quantization=plan.quantization,
                        unquantized_read_bytes_per_forward=plan.unquantized_read_bytes)
+        if args.get("log_probs_path"):  # benchmarks/infer_quant.py: the prompt's next-token distributions, for KL
+            np.save(args["log_probs_path"], torch.log_softmax(model(ids).logits[0].float(), dim=-1).numpy())
         model.close()
     return figures
 
@@ -443,7 +446,7 @@ def main(argv: list[str] | None = None) -> dict:
         except ChildError as exc:  # one configuration failing (the OOM killer, on a shared machine) loses only its row
             result = {"kind": kind, "budget": budget, "batch": batch, "error": _failure(exc)}
         result["mem_available_before"] = available
-        if kind == "ours" and "error" not in result:  # the first forward alone, for the time-to-first-token target
+        if kind == "ours" and batch == 1 and "error" not in result:  # the first forward alone, for the TTFT target
             _make_cold(checkpoint, offload_folder)
             try:
                 result.update(run_config({**payload, "first_forward_only": True}))
