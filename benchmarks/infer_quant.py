@@ -34,8 +34,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks._common import ChildError, RssSampler, run_child
-from benchmarks.infer_stream import (Spec, _failure, _files, _gib, fio_read_speed, meminfo, model_parser, parse_or_run_child,
-                                     run_config, write_checkpoint)
+from benchmarks.infer_stream import (Spec, _failure, _files, _gib, child, compute_floor, describe_floor, fio_read_speed,
+                                     meminfo, model_parser, parse_or_run_child, run_config, write_checkpoint)
 from tensorio import parse_size
 
 VARIANTS = {"bf16": None, "int8": "int8", "int4": "int4"}
@@ -58,36 +58,6 @@ def quantize_child(args: dict) -> dict:
     return {"seconds": seconds, "peak_rss": rss.peak, "cache_bytes": size, "cache": directory}
 
 
-def floor_child(args: dict) -> dict:
-    """Seconds per decode step of the model in memory, ``args["layers"]`` decoder layers, quantized as asked."""
-    import torch
-    import transformers
-
-    from benchmarks.infer_stream import _Clock
-    from offload.infer.config import WeightQuantization
-    from offload.infer.quantize import QuantLinear, block_linears, quantize_weight
-
-    config = Spec(**args["spec"]).config()
-    config.num_hidden_layers = args["layers"]
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    spec = WeightQuantization.parse(args["quantize"])
-    if spec is not None:
-        for path in list(block_linears(model, "model.layers", spec)):
-            linear = model.get_submodule(path)
-            layer = QuantLinear(linear.in_features, linear.out_features, spec, torch.bfloat16, bias=False, device="cpu")
-            for name, value in quantize_weight(linear.weight.data, spec, torch.bfloat16).items():
-                getattr(layer, name).data = value
-            parent, _, attr = path.rpartition(".")
-            setattr(model.get_submodule(parent), attr, layer)
-    ids = torch.randint(3, config.vocab_size, (1, args["prompt_tokens"]), generator=torch.Generator().manual_seed(0))
-    clock = _Clock()
-    with torch.no_grad():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args["new_tokens"], do_sample=False,
-                       pad_token_id=0, streamer=clock)
-    return {"s_per_step": float(np.median(np.diff(clock.times)))}
-
-
 # ---- the run --------------------------------------------------------------------------------------
 
 
@@ -101,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--floor-layers", type=int, default=4, help="decoder layers added for the compute floor's slope")
-    args = parse_or_run_child(ap, argv, lambda p: quantize_child(p) if p["kind"] == "quantize" else floor_child(p),
+    args = parse_or_run_child(ap, argv, lambda p: quantize_child(p) if p["kind"] == "quantize" else child(p),
                               fio_size="4GiB")
     if args is None:
         return {}
@@ -166,15 +136,9 @@ def main(argv: list[str] | None = None) -> dict:
     # 6. The compute floors.
     floors = {}
     for name, q in VARIANTS.items():
-        steps = {}
-        for layers in (2, 2 + args.floor_layers):
-            payload = {"kind": "floor", "spec": asdict(spec), "layers": layers, "quantize": q,
-                       "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens}
-            steps[layers] = run_child("benchmarks.infer_quant", ["--child", json.dumps(payload)])["s_per_step"]
-        per_layer = max(0.0, (steps[2 + args.floor_layers] - steps[2]) / args.floor_layers)
-        floors[name] = {"steps": steps, "per_layer_s": per_layer, "floor_s": steps[2] + per_layer * (spec.layers - 2)}
-        print(f"compute floor, {name}: {floors[name]['floor_s']:.3f} s per token ({steps[2]:.3f} s with 2 layers, "
-              f"{per_layer:.4f} s per layer more, {spec.layers} layers; weights in memory)")
+        floors[name] = compute_floor(spec, quantize=q, batch=1, prompt_tokens=args.prompt_tokens,
+                                     new_tokens=args.new_tokens, floor_layers=args.floor_layers)
+        print(f"compute floor, {name}: {describe_floor(floors[name], spec.layers)}")
 
     targets = _targets(results, floors, fio_bps)
     print("targets:\n  " + "\n  ".join(targets))
