@@ -136,10 +136,13 @@ def test_quantized_cache_in_memory_supports_beam_search(llama, one_thread):
 def test_beam_search_with_the_cache_on_nvme_is_refused_naming_the_way_out(llama):
     directory, _ = llama
     ids, mask = prompts(1)
+    forwards = []
     with init_inference(directory, disk_gbps=1.0, kv_offload="nvme") as engine:
+        engine.module.register_forward_pre_hook(lambda *_: forwards.append(1))
         with pytest.raises(NotImplementedError, match=r"kv_offload: a cache on NVMe does not reorder for beam search; "
                                                       r"use greedy decoding or sampling, or kv_offload.device \"cpu\""):
             engine.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=PAD, num_beams=2, do_sample=False)
+    assert forwards == []  # refused before the prompt's forward, not after it
 
 
 @pytest.mark.parametrize("value, message", [

@@ -20,7 +20,7 @@ from offload.device import Device, device_for
 from offload.infer.config import InferenceConfig
 from offload.infer.convert import converted_copy
 from offload.infer.device_ring import DeviceRing
-from offload.infer.kvcache import OffloadedKVCache
+from offload.infer.kvcache import MicroBatchedLayer, NvmeKVLayer, OffloadedKVCache
 from offload.infer.kvquant import KVCodec
 from offload.infer.plan import BudgetError, KVPlacement, Plan, UnitSize, format_bytes, make_plan, place_kv
 from offload.infer.qcache import PAD_PREFIX, quantized_cache
@@ -147,6 +147,8 @@ class InferenceEngine:
         plan = self.reserve(batch * max(beams, returns), total)
         cache = None
         placement = plan.kv
+        if beams > 1 and (placement.nvme_layers or placement.micro_batches > 1):  # refused before the prefill's minutes
+            raise (NvmeKVLayer if placement.nvme_layers else MicroBatchedLayer).beam_search_refusal()
         if ((placement.nvme_layers or placement.micro_batches > 1 or self.settings.kv_offload.quantization)
                 and kwargs.get("cache", kwargs.get("past_key_values")) is None):
             cache = self.offloaded_cache(placement, total)

@@ -57,11 +57,18 @@ class _StreamedLayer(CacheLayerMixin):
     def prefetch(self) -> None:
         """Nothing to do: the ring reads ahead by itself."""
 
-    def _refuse(self, what: str) -> NotImplementedError:
-        return NotImplementedError(f"{self._what} {what}; {self._instead}")
+    @classmethod
+    def _refuse(cls, what: str) -> NotImplementedError:
+        return NotImplementedError(f"{cls._what} {what}; {cls._instead}")
+
+    @classmethod
+    def beam_search_refusal(cls) -> NotImplementedError:
+        """The error for beam search (or several returned sequences) over such a layer, raised by
+        `reorder_cache` and, before any forward, by the engine's ``generate``."""
+        return cls._refuse("does not reorder for beam search")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise self._refuse("does not reorder for beam search")
+        raise self.beam_search_refusal()
 
     def crop(self, tokens_to_remove: int) -> None:
         raise self._refuse("cannot be cropped (assisted decoding)")
