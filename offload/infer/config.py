@@ -121,12 +121,8 @@ class WeightQuantization:
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, str):
-            choices = {"int8": 8, "int4": 4}
-            if value.lower() == "none":
-                return None
-            if value.lower() not in choices:
-                raise ValueError(f"weight_quantization: {value!r} is not allowed; use \"int8\", \"int4\" or \"none\"")
-            return cls(num_bits=choices[value.lower()])
+            bits = _bits_named(value, "weight_quantization")
+            return None if bits is None else cls(num_bits=bits)
         section = _section(value, "weight_quantization", {"quantized_initialization", "num_bits", "group_size",
                                                           "group_dim", "symmetric", "enabled"})
         if "quantized_initialization" in section:
@@ -244,12 +240,8 @@ class KVQuantization:
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, str):
-            choices = {"int8": 8, "int4": 4}
-            if value.lower() == "none":
-                return None
-            if value.lower() not in choices:
-                raise ValueError(f"kv_offload.quantization: {value!r} is not allowed; use \"int8\", \"int4\" or \"none\"")
-            return cls(num_bits=choices[value.lower()])
+            bits = _bits_named(value, "kv_offload.quantization")
+            return None if bits is None else cls(num_bits=bits)
         section = _section(value, "kv_offload.quantization", {"num_bits", "group_size", "symmetric", "enabled"})
         if section.pop("enabled", True) is False:
             return None
@@ -411,6 +403,14 @@ class InferenceConfig:
                 raise ValueError(f"{name}: unknown setting; allowed are {', '.join(sorted(known))}")
             values[name] = value
         return cls(**values)
+
+
+def _bits_named(value: str, key: str) -> int | None:
+    """The bits of "int8" / "int4"; None for "none". Raises ValueError naming ``key`` for anything else."""
+    choices = {"int8": 8, "int4": 4, "none": None}
+    if value.lower() not in choices:
+        raise ValueError(f"{key}: {value!r} is not allowed; use \"int8\", \"int4\" or \"none\"")
+    return choices[value.lower()]
 
 
 def _section(value: Any, key: str, allowed: set[str]) -> dict[str, Any]:
