@@ -15,6 +15,8 @@ NVMe layers of `offload.infer.kvcache` store the same bytes in their files.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.ao.quantization.fx._decomposed  # noqa: F401 - registers torch.ops.quantized_decomposed
 from transformers.cache_utils import DynamicLayer
@@ -100,9 +102,10 @@ class KVCodec:
 class QuantizedLayer(DynamicLayer):
     """transformers' `DynamicLayer` storing its keys and values through ``codec`` ([batch, heads,
     tokens, bytes] uint8): each update appends the new tokens quantized and returns every token
-    dequantized. Reordering (beam search), cropping and batch selection work as in `DynamicLayer`."""
+    dequantized. Reordering (beam search), cropping and batch selection work as in `DynamicLayer`.
+    ``codec_for`` makes the codec from the first keys (their head dimension and dtype)."""
 
-    def __init__(self, codec_for) -> None:
+    def __init__(self, codec_for: Callable[[torch.Tensor], KVCodec]) -> None:
         super().__init__()
         self._codec_for = codec_for
         self.codec: KVCodec | None = None
