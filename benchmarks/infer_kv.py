@@ -12,7 +12,8 @@
 3. Alternately, each in a fresh process with every file dropped from the page cache first:
    "memory": every weight and the whole cache in memory (the compute floor of a decode step);
    "nvme": every decoder layer and the head streamed (``max_in_cpu`` 0) and the whole cache on
-   NVMe (``kv_offload`` device "nvme"), read ahead and written behind.
+   NVMe (``kv_offload`` device "nvme"), read ahead and written behind. ``--kv-quantize int8|int4``:
+   the cache quantized in both (``kv_offload.quantization``).
 4. The target: the nvme run's decode step (median over its steps) <= 1.15x max(the memory run's
    step, (weight bytes + cache bytes read per step) / fio), each pair against the fio run beside it,
    the median over ``--repeats``; page-cache growth
@@ -49,8 +50,10 @@ def child(args: dict) -> dict:
 
     checkpoint = Path(args["checkpoint"])
     files = _files(checkpoint)
-    settings = ({"max_in_cpu": "64GiB", "kv_offload": "cpu"} if args["kind"] == "memory" else
-                {"max_in_cpu": 0, "kv_offload": {"device": "nvme", "nvme_path": args["kv_dir"]}})
+    quantization = args.get("kv_quantize")
+    settings = ({"max_in_cpu": "64GiB", "kv_offload": {"device": "cpu", "quantization": quantization}}
+                if args["kind"] == "memory" else
+                {"max_in_cpu": 0, "kv_offload": {"device": "nvme", "nvme_path": args["kv_dir"], "quantization": quantization}})
     process = psutil.Process()
     baseline = process.memory_info().rss
     cached0, resident0 = meminfo_cached(), page_cache_bytes(files)
@@ -91,6 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--new-tokens", type=int, default=12)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each kind, alternated")
+    ap.add_argument("--kv-quantize", choices=("int8", "int4"), help="the cache quantized (both kinds alike)")
     args = parse_or_run_child(ap, argv, child, fio_size="2GiB")
     if args is None:
         return {}
@@ -98,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     spec = Spec.scaled(args.scale, args.layers, args.shards)
     aio = InferenceConfig().aio
     print(f"configuration: {spec}, bf16; batch {args.batch}, prompt {args.prompt_tokens} tokens, {args.new_tokens} new; "
-          f"aio {aio.to_dict()}")
+          f"cache {args.kv_quantize or 'bf16'}; aio {aio.to_dict()}")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
     checkpoint = write_checkpoint(directory / "checkpoint", spec)
     kv_dir = directory / "kv"
@@ -111,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
                 drop_page_cache(path)
             payload = {"kind": kind, "checkpoint": str(checkpoint), "kv_dir": str(kv_dir), "batch": args.batch,
                        "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-                       "disk_gbps": fio_bps / 1e9 if fio_bps else 1.0}
+                       "disk_gbps": fio_bps / 1e9 if fio_bps else 1.0, "kv_quantize": args.kv_quantize}
             r = run_child("benchmarks.infer_kv", ["--child", json.dumps(payload)])
             r["fio_bps"] = fio_bps
             runs[kind].append(r)
@@ -126,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
     for line in figures["lines"]:
         print(line)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    figures.update(spec=asdict(spec), batch=args.batch, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
+    figures.update(spec=asdict(spec), kv_quantize=args.kv_quantize, batch=args.batch, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                    runs=runs)
     if args.out:
         Path(args.out).write_text(json.dumps(figures, indent=1))

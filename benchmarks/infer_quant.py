@@ -14,10 +14,12 @@
    bf16, int8 and int4 at ``--budget`` (batch 1), and Accelerate's
    ``from_pretrained(device_map="auto")`` with the same ``max_memory`` and disk offload (the child of
    benchmarks/infer_stream.py: seconds per token is the median of the decode steps).
-5. The compute floor of each: a model of the same shape with 2 and with 2 + ``--floor-layers``
+5. KL(bf16 || int8) and KL(bf16 || int4) of the next-token distributions at the prompt's positions
+   (one more forward of the prompt in each of our runs, after its figures are taken), and top-1 agreement.
+6. The compute floor of each: a model of the same shape with 2 and with 2 + ``--floor-layers``
    decoder layers, all in memory (quantized alike), its decode steps timed (median); the floor is
    the smaller model's step plus the per-layer difference times the other layers.
-6. The targets: int8 >= 1.8x and int4 >= 3x bf16's tokens/s; each <= 1.15 x max(bytes streamed per
+7. The targets: int8 >= 1.8x and int4 >= 3x bf16's tokens/s; each <= 1.15 x max(bytes streamed per
    token / fio, its compute floor); int4 >= 6x Accelerate's tokens/s; page-cache growth < 256 MB.
 """
 
@@ -32,8 +34,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks._common import ChildError, RssSampler, run_child
-from benchmarks.infer_stream import (Spec, _failure, _files, _gib, fio_read_speed, meminfo, model_parser, parse_or_run_child,
-                                     run_config, write_checkpoint)
+from benchmarks.infer_stream import (Spec, _failure, _files, _gib, child, compute_floor, describe_floor, fio_read_speed,
+                                     meminfo, model_parser, parse_or_run_child, run_config, write_checkpoint)
 from tensorio import parse_size
 
 VARIANTS = {"bf16": None, "int8": "int8", "int4": "int4"}
@@ -56,36 +58,6 @@ def quantize_child(args: dict) -> dict:
     return {"seconds": seconds, "peak_rss": rss.peak, "cache_bytes": size, "cache": directory}
 
 
-def floor_child(args: dict) -> dict:
-    """Seconds per decode step of the model in memory, ``args["layers"]`` decoder layers, quantized as asked."""
-    import torch
-    import transformers
-
-    from benchmarks.infer_stream import _Clock
-    from offload.infer.config import WeightQuantization
-    from offload.infer.quantize import QuantLinear, block_linears, quantize_weight
-
-    config = Spec(**args["spec"]).config()
-    config.num_hidden_layers = args["layers"]
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    spec = WeightQuantization.parse(args["quantize"])
-    if spec is not None:
-        for path in list(block_linears(model, "model.layers", spec)):
-            linear = model.get_submodule(path)
-            layer = QuantLinear(linear.in_features, linear.out_features, spec, torch.bfloat16, bias=False, device="cpu")
-            for name, value in quantize_weight(linear.weight.data, spec, torch.bfloat16).items():
-                getattr(layer, name).data = value
-            parent, _, attr = path.rpartition(".")
-            setattr(model.get_submodule(parent), attr, layer)
-    ids = torch.randint(3, config.vocab_size, (1, args["prompt_tokens"]), generator=torch.Generator().manual_seed(0))
-    clock = _Clock()
-    with torch.no_grad():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args["new_tokens"], do_sample=False,
-                       pad_token_id=0, streamer=clock)
-    return {"s_per_step": float(np.median(np.diff(clock.times)))}
-
-
 # ---- the run --------------------------------------------------------------------------------------
 
 
@@ -99,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--floor-layers", type=int, default=4, help="decoder layers added for the compute floor's slope")
-    args = parse_or_run_child(ap, argv, lambda p: quantize_child(p) if p["kind"] == "quantize" else floor_child(p),
+    args = parse_or_run_child(ap, argv, lambda p: quantize_child(p) if p["kind"] == "quantize" else child(p),
                               fio_size="4GiB")
     if args is None:
         return {}
@@ -142,6 +114,8 @@ def main(argv: list[str] | None = None) -> dict:
                    "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "buffer_count": None,
                    "aio": aio.to_dict(), "disk_gbps": fio_bps / 1e9 if fio_bps else None,
                    "offload_folder": str(offload_folder), "quantize": VARIANTS[name], "nvme_path": str(caches)}
+        if kind == "ours":
+            payload["log_probs_path"] = str(directory / f"log-probs-{name}.npy")
         available = meminfo("MemAvailable")
         try:
             result = run_config(payload)
@@ -153,26 +127,44 @@ def main(argv: list[str] | None = None) -> dict:
             print(result["plan"])
         _print_row(result)
 
-    # 5. The compute floors.
+    # 5. The next-token distributions of the prompt against bf16's.
+    divergence = _divergence({name: directory / f"log-probs-{name}.npy" for name in VARIANTS})
+    for name, d in divergence.items():
+        print(f"{name} against bf16, the prompt's {d['positions']} next-token distributions: KL(bf16 || {name}) mean "
+              f"{d['kl_mean']:.5f} nats, max {d['kl_max']:.5f}; top-1 agreement {d['top1_agreement']:.0%}")
+
+    # 6. The compute floors.
     floors = {}
     for name, q in VARIANTS.items():
-        steps = {}
-        for layers in (2, 2 + args.floor_layers):
-            payload = {"kind": "floor", "spec": asdict(spec), "layers": layers, "quantize": q,
-                       "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens}
-            steps[layers] = run_child("benchmarks.infer_quant", ["--child", json.dumps(payload)])["s_per_step"]
-        per_layer = max(0.0, (steps[2 + args.floor_layers] - steps[2]) / args.floor_layers)
-        floors[name] = {"steps": steps, "per_layer_s": per_layer, "floor_s": steps[2] + per_layer * (spec.layers - 2)}
-        print(f"compute floor, {name}: {floors[name]['floor_s']:.3f} s per token ({steps[2]:.3f} s with 2 layers, "
-              f"{per_layer:.4f} s per layer more, {spec.layers} layers; weights in memory)")
+        floors[name] = compute_floor(spec, quantize=q, batch=1, prompt_tokens=args.prompt_tokens,
+                                     new_tokens=args.new_tokens, floor_layers=args.floor_layers)
+        print(f"compute floor, {name}: {describe_floor(floors[name], spec.layers)}")
 
     targets = _targets(results, floors, fio_bps)
     print("targets:\n  " + "\n  ".join(targets))
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     figures = {"spec": asdict(spec), "checkpoint_bytes": size, "fio_bps": fio_bps, "budget": budget,
-               "quantized": quantized, "runs": results, "floors": floors, "targets": targets}
+               "quantized": quantized, "runs": results, "divergence": divergence, "floors": floors, "targets": targets}
     if args.out:
         Path(args.out).write_text(json.dumps(figures, indent=1))
+    return figures
+
+
+def _divergence(paths: dict[str, Path]) -> dict[str, dict]:
+    """KL(bf16 || each quantized variant) of the next-token distributions the runs saved (log-probabilities,
+    [prompt positions, vocab]): mean and max over the positions in nats, and how often the top token agrees.
+    Variants whose run saved nothing are left out."""
+    if not paths["bf16"].is_file():
+        return {}
+    reference = np.load(paths["bf16"], allow_pickle=False).astype(np.float64)
+    figures = {}
+    for name, path in paths.items():
+        if name == "bf16" or not path.is_file():
+            continue
+        ours = np.load(path, allow_pickle=False).astype(np.float64)
+        kl = (np.exp(reference) * (reference - ours)).sum(axis=-1)
+        figures[name] = {"positions": int(kl.size), "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+                         "top1_agreement": float((reference.argmax(-1) == ours.argmax(-1)).mean())}
     return figures
 
 

@@ -17,7 +17,9 @@
    (median of the decode steps), peak RSS (the kernel's high-water mark from after the warm-up: `RssSampler`
    with ``kernel_peak``), page-cache growth (/proc/meminfo Cached, and the checkpoint's own pages by
    mincore) and bytes read.
-4. Prints a table, then the targets: batch-1 s/token <= 1.1 x (bytes streamed per token / fio);
+4. Times the big batch's compute floor: a model of the same shape with 2 and with 2 + ``--floor-layers``
+   decoder layers in memory, its decode steps at the big batch (median), extrapolated to every layer.
+5. Prints a table, then the targets: batch-1 s/token <= 1.1 x (bytes streamed per token / fio);
    at the Accelerate budget >= 1.6x load_checkpoint_and_dispatch's and >= 1.2x from_pretrained's
    tokens/s; page-cache growth < 256 MB; batch 16 >= 12x the tokens/s of batch 1; time to first
    token <= 1.2 x (resident bytes / fio) + the first forward, the latter timed in a process of its
@@ -223,7 +225,10 @@ def _first_token_seconds(model, ids, new_tokens: int) -> float:
 
 
 def child(args: dict) -> dict:
-    """Run one configuration (``args["kind"]``: "ours", "accelerate-dispatch" or "accelerate-auto")."""
+    """Run one configuration (``args["kind"]``: "ours", "accelerate-dispatch" or "accelerate-auto"), or
+    time the compute floor ("floor": `floor_child`)."""
+    if args["kind"] == "floor":
+        return floor_child(args)
     import psutil
     import torch
     import transformers
@@ -261,9 +266,10 @@ def child(args: dict) -> dict:
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args["new_tokens"], do_sample=False,
                        pad_token_id=0, streamer=clock)
         if args["kind"] == "ours":
-            # The first forward on its own: one more first token, every weight loaded, the same plan.
+            # The first forward on its own: one more first token, every weight loaded, the same plan (batch 1
+            # only: the time-to-first-token target is batch 1's, and a big batch's prefill takes minutes).
             full_load_s = model.wait_loaded()
-            loaded_first_token_s = _first_token_seconds(model, ids, args["new_tokens"])
+            loaded_first_token_s = _first_token_seconds(model, ids, args["new_tokens"]) if args["batch"] == 1 else None
     steps = np.diff(np.array(clock.times))
     s_per_token = float(np.median(steps)) if len(steps) else None
     figures = dict(
@@ -282,8 +288,61 @@ def child(args: dict) -> dict:
                        activation_bytes=model.activation_bytes(args["batch"], args["prompt_tokens"] + args["new_tokens"]),
                        io_bytes=model.io_bytes(), plan=plan.describe(), quantization=plan.quantization,
                        unquantized_read_bytes_per_forward=plan.unquantized_read_bytes)
+        if args.get("log_probs_path"):  # benchmarks/infer_quant.py: the prompt's next-token distributions, for KL
+            np.save(args["log_probs_path"], torch.log_softmax(model(ids).logits[0].float(), dim=-1).numpy())
         model.close()
     return figures
+
+
+def floor_child(args: dict) -> dict:
+    """Seconds per decode step of the model in memory, ``args["layers"]`` decoder layers, quantized as
+    asked, at batch ``args["batch"]``."""
+    import torch
+    import transformers
+
+    from offload.infer.config import WeightQuantization
+    from offload.infer.quantize import QuantLinear, block_linears, quantize_weight
+
+    config = Spec(**args["spec"]).config()
+    config.num_hidden_layers = args["layers"]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    spec = WeightQuantization.parse(args["quantize"])
+    if spec is not None:
+        for path in list(block_linears(model, "model.layers", spec)):
+            linear = model.get_submodule(path)
+            layer = QuantLinear(linear.in_features, linear.out_features, spec, torch.bfloat16, bias=False, device="cpu")
+            for name, value in quantize_weight(linear.weight.data, spec, torch.bfloat16).items():
+                getattr(layer, name).data = value
+            parent, _, attr = path.rpartition(".")
+            setattr(model.get_submodule(parent), attr, layer)
+    ids = torch.randint(3, config.vocab_size, (args["batch"], args["prompt_tokens"]), generator=torch.Generator().manual_seed(0))
+    clock = _Clock()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args["new_tokens"], do_sample=False,
+                       pad_token_id=0, streamer=clock)
+    return {"s_per_step": float(np.median(np.diff(clock.times)))}
+
+
+def compute_floor(spec: Spec, *, quantize: str | None, batch: int, prompt_tokens: int, new_tokens: int,
+                  floor_layers: int) -> dict:
+    """The compute floor of a decode step of ``spec`` (all weights in memory), each in a child process: the
+    step of a model with 2 and with 2 + ``floor_layers`` decoder layers timed (median), the floor the
+    first plus the per-layer difference times the other layers. Raises ChildError where a child fails."""
+    steps = {}
+    for layers in (2, 2 + floor_layers):
+        payload = {"kind": "floor", "spec": asdict(spec), "layers": layers, "quantize": quantize, "batch": batch,
+                   "prompt_tokens": prompt_tokens, "new_tokens": new_tokens}
+        steps[layers] = run_child("benchmarks.infer_stream", ["--child", json.dumps(payload)])["s_per_step"]
+    per_layer = max(0.0, (steps[2 + floor_layers] - steps[2]) / floor_layers)
+    return {"batch": batch, "steps": steps, "per_layer_s": per_layer, "floor_s": steps[2] + per_layer * (spec.layers - 2)}
+
+
+def describe_floor(floor: dict, layers: int) -> str:
+    """One line of `compute_floor`'s figures."""
+    two, *_ = floor["steps"].values()
+    return (f"{floor['floor_s']:.3f} s per step at batch {floor['batch']} ({two:.3f} s with 2 layers, "
+            f"{floor['per_layer_s']:.4f} s per layer more, {layers} layers; weights in memory)")
 
 
 def _load(kind: str, checkpoint: Path, config, args: dict):
@@ -386,6 +445,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--big-batch-budget", default="8GiB")
     ap.add_argument("--big-batch-target", type=float, default=12.0,
                     help="the big batch's tokens/s against batch 1's that is the target (issue 28: 30 at batch 64)")
+    ap.add_argument("--floor-layers", type=int, default=4,
+                    help="the big batch's compute floor: decoder layers added to a 2-layer in-memory model for the "
+                         "slope (0: not measured)")
     ap.add_argument("--micro-batch-size", type=int, default=None,
                     help="the big batch's block schedule: sequences per micro-batch (default: the engine's choice)")
     ap.add_argument("--accelerate", default="dispatch,auto", help="Accelerate runs: dispatch, auto, or none")
@@ -443,7 +505,7 @@ def main(argv: list[str] | None = None) -> dict:
         except ChildError as exc:  # one configuration failing (the OOM killer, on a shared machine) loses only its row
             result = {"kind": kind, "budget": budget, "batch": batch, "error": _failure(exc)}
         result["mem_available_before"] = available
-        if kind == "ours" and "error" not in result:  # the first forward alone, for the time-to-first-token target
+        if kind == "ours" and batch == 1 and "error" not in result:  # the first forward alone, for the TTFT target
             _make_cold(checkpoint, offload_folder)
             try:
                 result.update(run_config({**payload, "first_forward_only": True}))
@@ -454,14 +516,22 @@ def main(argv: list[str] | None = None) -> dict:
             print(result["plan"])
         _print_row(result)
 
-    # 4. The targets.
-    targets = _targets(results, fio_bps, budgets, big_budget, args.big_batch, acc_budget, args.big_batch_target)
+    # 4. The big batch's compute floor (every weight in memory), beside its step.
+    floor = None
+    if args.floor_layers and args.big_batch > 1:
+        floor = compute_floor(spec, quantize=None, batch=args.big_batch, prompt_tokens=args.prompt_tokens,
+                              new_tokens=args.new_tokens, floor_layers=args.floor_layers)
+        print(f"compute floor: {describe_floor(floor, spec.layers)}")
+
+    # 5. The targets.
+    targets = _targets(results, fio_bps, budgets, big_budget, args.big_batch, acc_budget, args.big_batch_target, floor)
     print("targets:")
     for line in targets:
         print("  " + line)
     load_after = os.getloadavg()
     print(f"load average after: {' '.join(f'{x:.2f}' for x in load_after)}")
-    figures = {"spec": asdict(spec), "checkpoint_bytes": size, "fio_bps": fio_bps, "runs": results, "targets": targets,
+    figures = {"spec": asdict(spec), "checkpoint_bytes": size, "fio_bps": fio_bps, "runs": results, "floor": floor,
+               "targets": targets,
                "load_average": {"before": load_before, "after": load_after}}
     if args.out:
         Path(args.out).write_text(json.dumps(figures, indent=1))
@@ -501,7 +571,7 @@ def _print_row(r: dict) -> None:
 
 
 def _targets(results: list[dict], fio_bps: float | None, budgets: list[int], big_budget: int, big_batch: int,
-             acc_budget: int, big_batch_target: float = 12.0) -> list[str]:
+             acc_budget: int, big_batch_target: float = 12.0, floor: dict | None = None) -> list[str]:
     def find(kind: str, budget: int, batch: int) -> dict | None:
         return next((r for r in measured if r["kind"] == kind and r["budget"] == budget and r["batch"] == batch), None)
 
@@ -545,6 +615,12 @@ def _targets(results: list[dict], fio_bps: float | None, budgets: list[int], big
         ratio = big["tokens_per_s"] / small["tokens_per_s"]
         lines.append(f"batch {big_batch} at {_gib(big_budget)}: {ratio:.1f}x the tokens/s of batch 1; target >= "
                      f"{big_batch_target:g}x: {verdict(ratio >= big_batch_target)}")
+        if floor:
+            disk = big["read_bytes_per_forward"] / fio_bps if fio_bps else 0.0
+            bound = max(floor["floor_s"], disk)
+            lines.append(f"batch {big_batch}: {big['s_per_token']:.3f} s/step = {big['s_per_token'] / bound:.2f}x max(compute "
+                         f"floor {floor['floor_s']:.3f} s, disk {disk:.3f} s); at that bound batch {big_batch} would be "
+                         f"{big_batch / bound / small['tokens_per_s']:.1f}x batch 1's tokens/s")
     return lines
 
 

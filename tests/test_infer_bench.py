@@ -24,7 +24,7 @@ def test_tiny_run_end_to_end(capsys):
         figures = main(["--dir", str(root), "--scale", "0.025", "--layers", "4", "--shards", "5", "--budgets", "700KiB",
                         "--big-batch", "4", "--big-batch-budget", "700KiB", "--accelerate", accelerate,
                         "--accelerate-budget", "700KiB", "--fio-size", "16MiB", "--prompt-tokens", "8",
-                        "--new-tokens", "3", "--out", str(root / "figures.json")])
+                        "--new-tokens", "3", "--floor-layers", "1", "--out", str(root / "figures.json")])
     finally:
         shutil.rmtree(root, ignore_errors=True)
     printed = capsys.readouterr().out
@@ -41,6 +41,8 @@ def test_tiny_run_end_to_end(capsys):
     assert any(line.startswith("time to first token at") for line in figures["targets"])
     assert any(line.startswith("page cache, ours") for line in figures["targets"])
     assert ours["checkpoint_cache_growth"] < 64e6
+    assert figures["floor"]["batch"] == 4 and figures["floor"]["floor_s"] > 0  # the big batch's compute floor
+    assert any("x max(compute floor" in line for line in figures["targets"])
 
 
 def test_written_checkpoint_loads_in_transformers(tmp_path):

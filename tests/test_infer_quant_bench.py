@@ -33,3 +33,7 @@ def test_tiny_run_end_to_end(capsys):
     assert all(figures["floors"][name]["floor_s"] > 0 for name in runs)
     assert "quantized: int4 (group 64, asymmetric)" in printed and "targets:" in printed
     assert any("x bf16's tokens/s" in line for line in figures["targets"])
+    divergence = figures["divergence"]  # the prompt's 8 next-token distributions, each variant against bf16
+    assert set(divergence) == {"int8", "int4"}
+    assert all(d["positions"] == 8 and 0 <= d["kl_mean"] <= d["kl_max"] for d in divergence.values())
+    assert "KL(bf16 || int4)" in printed

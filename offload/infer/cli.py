@@ -79,10 +79,12 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         values["weight_quantization"] = args.quantize
     if args.micro_batch_size is not None:
         values["block_schedule"] = {"micro_batch_size": args.micro_batch_size}
-    if args.kv_offload is not None or args.kv_cpu_percent is not None:
-        values["kv_offload"] = {"device": args.kv_offload or "nvme"}
+    if args.kv_offload is not None or args.kv_cpu_percent is not None or args.kv_quantize is not None:
+        values["kv_offload"] = {"device": args.kv_offload or ("nvme" if args.kv_cpu_percent is not None else "auto")}
         if args.kv_cpu_percent is not None:
             values["kv_offload"]["cpu_percent"] = args.kv_cpu_percent
+        if args.kv_quantize is not None:
+            values["kv_offload"]["quantization"] = args.kv_quantize
     return values
 
 
@@ -118,6 +120,9 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
                          "its files go under --nvme-path (default: the checkpoint's directory)")
     ap.add_argument("--kv-cpu-percent", type=float,
                     help="with --kv-offload nvme: the share of layers (0-100) whose cache stays in memory")
+    ap.add_argument("--kv-quantize", choices=("int8", "int4", "none"),
+                    help="the KV cache's keys and values stored as int8 or int4 (group 64 along the head dimension, "
+                         "asymmetric), in memory and on NVMe alike")
     ap.add_argument("--micro-batch-size", type=int,
                     help="block schedule: run the batch through each layer's one read in micro-batches of this many "
                          "sequences (default: as large as 1 GiB of activations allows)")

@@ -25,7 +25,8 @@ import torch
 from offload.device import DEVICE_CHOICES
 from tensorio import AioConfig, parse_size
 
-__all__ = ["IGNORED_KEYS", "BlockScheduleConfig", "InferenceConfig", "KVOffload", "MaxMemory", "WeightQuantization",
+__all__ = ["IGNORED_KEYS", "BlockScheduleConfig", "InferenceConfig", "KVOffload", "KVQuantization", "MaxMemory",
+           "WeightQuantization",
            "parse_dtype"]
 
 #: DeepSpeed keys accepted and without effect in inference (training-only or about the GPU).
@@ -122,12 +123,8 @@ class WeightQuantization:
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, str):
-            choices = {"int8": 8, "int4": 4}
-            if value.lower() == "none":
-                return None
-            if value.lower() not in choices:
-                raise ValueError(f"weight_quantization: {value!r} is not allowed; use \"int8\", \"int4\" or \"none\"")
-            return cls(num_bits=choices[value.lower()])
+            bits = _bits_named(value, "weight_quantization")
+            return None if bits is None else cls(num_bits=bits)
         section = _section(value, "weight_quantization", {"quantized_initialization", "num_bits", "group_size",
                                                           "group_dim", "symmetric", "enabled"})
         if "quantized_initialization" in section:
@@ -168,8 +165,13 @@ class KVOffload:
     """Locked buffers in the cache's read-ahead ring, each one layer's cache at the full length. >= 1;
     two read the next layer's cache while one computes."""
 
+    quantization: "KVQuantization | None" = None
+    """Keys and values stored as 8- or 4-bit integers, in memory and on NVMe alike (FlexGen's
+    ``compress_cache``); also "int8" / "int4" or a mapping (`KVQuantization.parse`). None: the compute dtype."""
+
     def __post_init__(self) -> None:
         key = "kv_offload"
+        object.__setattr__(self, "quantization", KVQuantization.parse(self.quantization))
         if self.device not in ("auto", "cpu", "nvme"):
             raise ValueError(f"{key}.device: {self.device!r} is not allowed; use \"auto\", \"cpu\" or \"nvme\"")
         if self.cpu_percent is not None:
@@ -193,7 +195,60 @@ class KVOffload:
             return value
         if isinstance(value, str):
             return cls(device=value)
-        section = _section(value, "kv_offload", {"device", "cpu_percent", "nvme_path", "buffer_count"})
+        section = _section(value, "kv_offload", {"device", "cpu_percent", "nvme_path", "buffer_count", "quantization"})
+        return cls(**section)
+
+
+@dataclass(frozen=True, slots=True)
+class KVQuantization:
+    """``kv_offload.quantization``: the KV cache's keys and values quantized when stored and
+    dequantized when read (docs/inference.md, "KV cache offload"), in groups of ``group_size`` along
+    the head dimension, each token and head apart: FlexGen's cache compression (4 bits, group 64
+    along the head dimension, asymmetric), with its keys ``num_bits``, ``group_size``, ``symmetric``."""
+
+    num_bits: int = 4
+    """8 or 4 bits per value."""
+
+    group_size: int | None = None
+    """Values per group (one scale, and one minimum when asymmetric, in fp32): a power of two from 16
+    up, dividing the model's head dimension (checked when the cache is planned). None: 64 (FlexGen's),
+    or the head dimension where that is smaller."""
+
+    symmetric: bool = False
+    """Symmetric ranges (a scale per group) or asymmetric (scale and minimum: FlexGen's default)."""
+
+    def __post_init__(self) -> None:
+        key = "kv_offload.quantization"
+        if self.num_bits not in (4, 8) or isinstance(self.num_bits, bool):
+            raise ValueError(f"{key}.num_bits: {self.num_bits!r} is not allowed; use 8 or 4")
+        if self.group_size is not None:
+            group = _int(f"{key}.group_size", self.group_size, 16)
+            if group & (group - 1):
+                raise ValueError(f"{key}.group_size: {group!r} is not allowed; use a power of two from 16 up (64: "
+                                 f"FlexGen's)")
+            object.__setattr__(self, "group_size", group)
+        if not isinstance(self.symmetric, bool):
+            raise ValueError(f"{key}.symmetric: expected true or false, got {self.symmetric!r}")
+
+    @property
+    def name(self) -> str:
+        """ "int4 (group 64, asymmetric)"."""
+        return f"int{self.num_bits} (group {self.group_size or 64}, {'symmetric' if self.symmetric else 'asymmetric'})"
+
+    @classmethod
+    def parse(cls, value: Any) -> "KVQuantization | None":
+        """From "int8" / "int4" (the command's ``--kv-quantize``), "none" / None (not quantized), a
+        mapping of the fields, or a `KVQuantization`. Raises ValueError naming the key."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            bits = _bits_named(value, "kv_offload.quantization")
+            return None if bits is None else cls(num_bits=bits)
+        section = _section(value, "kv_offload.quantization", {"num_bits", "group_size", "symmetric", "enabled"})
+        if section.pop("enabled", True) is False:
+            return None
+        if "num_bits" not in section:
+            raise ValueError("kv_offload.quantization.num_bits: missing; use 8 or 4")
         return cls(**section)
 
 
@@ -424,6 +479,14 @@ class InferenceConfig:
                 raise ValueError(f"{name}: unknown setting; allowed are {', '.join(sorted(known))}")
             values[name] = value
         return cls(**values)
+
+
+def _bits_named(value: str, key: str) -> int | None:
+    """The bits of "int8" / "int4"; None for "none". Raises ValueError naming ``key`` for anything else."""
+    choices = {"int8": 8, "int4": 4, "none": None}
+    if value.lower() not in choices:
+        raise ValueError(f"{key}: {value!r} is not allowed; use \"int8\", \"int4\" or \"none\"")
+    return choices[value.lower()]
 
 
 def _section(value: Any, key: str, allowed: set[str]) -> dict[str, Any]:

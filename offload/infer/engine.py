@@ -20,7 +20,8 @@ from offload.device import Device, device_for
 from offload.infer.config import InferenceConfig
 from offload.infer.convert import converted_copy
 from offload.infer.device_ring import DeviceRing
-from offload.infer.kvcache import OffloadedKVCache
+from offload.infer.kvcache import MicroBatchedLayer, NvmeKVLayer, OffloadedKVCache
+from offload.infer.kvquant import KVCodec
 from offload.infer.plan import BudgetError, KVPlacement, Plan, UnitSize, format_bytes, make_plan, place_kv
 from offload.infer.qcache import PAD_PREFIX, quantized_cache
 from offload.infer.quantize import block_linears, swap_linears
@@ -164,7 +165,9 @@ class InferenceEngine:
         plan = self.reserve(batch * max(beams, returns), total)
         cache = None
         placement = plan.kv
-        if ((placement.nvme_layers or placement.micro_batches > 1)
+        if beams > 1 and (placement.nvme_layers or placement.micro_batches > 1):  # refused before the prefill's minutes
+            raise (NvmeKVLayer if placement.nvme_layers else MicroBatchedLayer).beam_search_refusal()
+        if ((placement.nvme_layers or placement.micro_batches > 1 or self.settings.kv_offload.quantization)
                 and kwargs.get("cache", kwargs.get("past_key_values")) is None):
             cache = self.offloaded_cache(placement, total)
             kwargs["cache"] = cache
@@ -189,7 +192,8 @@ class InferenceEngine:
         setting = self.settings.kv_offload
         parent = setting.nvme_path or self.settings.nvme_path or self.checkpoint.directory
         return OffloadedKVCache(placement.layers, placement.nvme_layers, self.handle, parent, max_tokens=max_tokens,
-                                buffer_count=setting.buffer_count, micro_batches=placement.micro_batches)
+                                buffer_count=setting.buffer_count, micro_batches=placement.micro_batches,
+                                quantization=setting.quantization)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """``module(*args, **kwargs)`` with streamed weights, under ``torch.no_grad()``."""
@@ -283,13 +287,15 @@ class InferenceEngine:
         return self.streamer.wait_seconds
 
     def kv_bytes(self, batch: int, tokens: int) -> int:
-        """Bytes of the KV cache for ``batch`` sequences of ``tokens`` tokens (keys and values, every layer)."""
+        """Bytes of the KV cache for ``batch`` sequences of ``tokens`` tokens (keys and values, every layer),
+        quantized as ``kv_offload.quantization`` asks. Raises ValueError naming its group size where that
+        does not divide the head dimension."""
         text = self._text_config()
         heads = text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * text.num_hidden_layers * batch * tokens * kv_heads * head_dim * itemsize
+        row = KVCodec(self.settings.kv_offload.quantization, head_dim, self.dtype).nbytes
+        return 2 * text.num_hidden_layers * batch * tokens * kv_heads * row
 
     def activation_bytes(self, batch: int, tokens: int) -> int:
         """An upper estimate of one forward's activations over ``tokens`` tokens: hidden states and the

@@ -31,6 +31,8 @@ from collections import deque
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
+from offload.infer.config import KVQuantization
+from offload.infer.kvquant import KVCodec, QuantizedLayer
 from tensorio import DIRECT_ALIGN, AioHandle, IOFuture, aligned_tensor, free_locked_tensor, locked_tensor
 
 __all__ = ["KVRing", "MicroBatchedLayer", "NvmeKVLayer", "OffloadedKVCache"]
@@ -55,11 +57,18 @@ class _StreamedLayer(CacheLayerMixin):
     def prefetch(self) -> None:
         """Nothing to do: the ring reads ahead by itself."""
 
-    def _refuse(self, what: str) -> NotImplementedError:
-        return NotImplementedError(f"{self._what} {what}; {self._instead}")
+    @classmethod
+    def _refuse(cls, what: str) -> NotImplementedError:
+        return NotImplementedError(f"{cls._what} {what}; {cls._instead}")
+
+    @classmethod
+    def beam_search_refusal(cls) -> NotImplementedError:
+        """The error for beam search (or several returned sequences) over such a layer, raised by
+        `reorder_cache` and, before any forward, by the engine's ``generate``."""
+        return cls._refuse("does not reorder for beam search")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise self._refuse("does not reorder for beam search")
+        raise self.beam_search_refusal()
 
     def crop(self, tokens_to_remove: int) -> None:
         raise self._refuse("cannot be cropped (assisted decoding)")
@@ -108,13 +117,13 @@ class NvmeKVLayer(_StreamedLayer):
             raise ValueError(f"kv_offload: layer {self.index}'s cache holds {ring.max_tokens} tokens (the length it was "
                              f"made for), and {total} are asked for; make the cache for the full length (prompt plus "
                              f"max_new_tokens)")
-        keys, values = ring.acquire(self)  # [max_tokens, batch, heads, head dim], the first `flushed` tokens read
+        keys, values = ring.acquire(self)  # [max_tokens, batch, heads, row], the first `flushed` tokens read
         tail = self.length - self.flushed
         if tail:
             keys[self.flushed:self.length] = self.tail_keys
             values[self.flushed:self.length] = self.tail_values
-        keys[self.length:total] = key_states.permute(2, 0, 1, 3)
-        values[self.length:total] = value_states.permute(2, 0, 1, 3)
+        keys[self.length:total] = ring.codec.encode(key_states.permute(2, 0, 1, 3))
+        values[self.length:total] = ring.codec.encode(value_states.permute(2, 0, 1, 3))
         self.length = total
         # Write behind the whole pages now complete; keep the rest in memory.
         done = (total // ring.page_tokens) * ring.page_tokens
@@ -126,7 +135,8 @@ class NvmeKVLayer(_StreamedLayer):
         # Attention's layout, contiguous: torch's CPU attention on the token-major views took 2.5x as long
         # as on a copy, and the copy costs what transformers' DynamicLayer pays anyway (it concatenates).
         # The buffer is then free at once, for the next read.
-        out = keys[:total].permute(1, 2, 0, 3).contiguous(), values[:total].permute(1, 2, 0, 3).contiguous()
+        out = (ring.codec.decode(keys[:total]).permute(1, 2, 0, 3).contiguous(),
+               ring.codec.decode(values[:total]).permute(1, 2, 0, 3).contiguous())
         ring.release(self)
         return out
 
@@ -146,11 +156,12 @@ class KVRing:
     """The NVMe layers' files, read ahead into ``buffer_count`` locked buffers and written behind.
 
     The files go into a new directory under ``parent``, removed by `close`. Buffers are made at the first update, once
-    the batch, heads, head dim and dtype are known (`shape_from`).
+    the batch, heads, head dim and dtype are known (`shape_from`). With ``quantization`` the files and
+    buffers hold each token's keys and values as `KVCodec` bytes (each head's row [bytes] instead of [head dim]).
     """
 
     def __init__(self, handle: AioHandle, parent: str, *, max_tokens: int, buffer_count: int = 2,
-                 write_behind_bytes: int = 64 << 20) -> None:
+                 write_behind_bytes: int = 64 << 20, quantization: KVQuantization | None = None) -> None:
         if not os.path.isdir(parent):
             raise FileNotFoundError(f"kv_offload.nvme_path: {parent} is not a directory; the KV cache's files go there")
         self.handle = handle
@@ -158,6 +169,9 @@ class KVRing:
         self.max_tokens = max_tokens
         self.buffer_count = buffer_count
         self.write_behind_bytes = write_behind_bytes
+        self.quantization = quantization
+        self.codec: KVCodec | None = None
+        """How a row is stored (made by `shape_from`)."""
         self.layers: list[NvmeKVLayer] = []
         """The NVMe layers in forward order."""
         self.row_shape: tuple[int, ...] | None = None
@@ -192,19 +206,21 @@ class KVRing:
                                  f"{list(self.row_shape)} {self.dtype}; the layers of one cache must agree")
             return
         self.row_shape, self.dtype = row, key_states.dtype
-        self.row_nbytes = batch * heads * head_dim * key_states.element_size()
+        self.codec = KVCodec(self.quantization, head_dim, key_states.dtype)
+        self.row_nbytes = batch * heads * self.codec.nbytes
         self.page_tokens = DIRECT_ALIGN // math.gcd(self.row_nbytes, DIRECT_ALIGN)
         self.region_nbytes = -(-self.max_tokens * self.row_nbytes // DIRECT_ALIGN) * DIRECT_ALIGN
         self.buffers = [locked_tensor(self.buffer_nbytes, torch.uint8) for _ in range(self.buffer_count)]
         self._free = deque(range(self.buffer_count))
 
     def _views(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values regions of buffer ``slot``, as [max_tokens, batch, heads, head dim]."""
+        """The keys and values regions of buffer ``slot``, as [max_tokens, batch, heads, row] (row: the
+        head dimension, or the codec's bytes)."""
         buffer = self.buffers[slot]
-        shape = (self.max_tokens, *self.row_shape)
+        shape = (self.max_tokens, *self.row_shape[:2], self.codec.row_width)
         used = self.max_tokens * self.row_nbytes
-        keys = buffer[:used].view(self.dtype).view(shape)
-        values = buffer[self.region_nbytes:self.region_nbytes + used].view(self.dtype).view(shape)
+        keys = buffer[:used].view(self.codec.stored_dtype).view(shape)
+        values = buffer[self.region_nbytes:self.region_nbytes + used].view(self.codec.stored_dtype).view(shape)
         return keys, values
 
     # ---- reads ahead ------------------------------------------------------------------------------
@@ -266,8 +282,8 @@ class KVRing:
         ``write_behind_bytes`` of copies waiting."""
         nbytes = (end - start) * self.row_nbytes
         staging = aligned_tensor(2 * nbytes, torch.uint8)
-        staging[:nbytes].view(self.dtype).view(end - start, *self.row_shape).copy_(keys[start:end])
-        staging[nbytes:].view(self.dtype).view(end - start, *self.row_shape).copy_(values[start:end])
+        staging[:nbytes].view(keys.dtype).view(keys[start:end].shape).copy_(keys[start:end])
+        staging[nbytes:].view(values.dtype).view(values[start:end].shape).copy_(values[start:end])
         offset = start * self.row_nbytes
         futures = [self.handle.write(staging[:nbytes], layer.path, offset),
                    self.handle.write(staging[nbytes:], layer.path, self.region_nbytes + offset)]
@@ -373,13 +389,17 @@ class OffloadedKVCache(Cache):
     read in the block schedule's order (layer by layer, the micro-batches of each in turn).
 
     Use it as ``model.generate(..., cache=cache)`` and `close` it afterwards (or use it as a context
-    manager). Greedy decoding and sampling work; beam search and assisted decoding need reordering
-    or cropping, which raise NotImplementedError naming kv_offload.
+    manager). With ``quantization`` every layer stores its keys and values as `KVCodec` bytes, those in
+    memory as `QuantizedLayer`. Greedy decoding and sampling work; beam search and assisted decoding
+    need reordering or cropping, which layers on NVMe or in micro-batches refuse (NotImplementedError
+    naming kv_offload or block_schedule); layers in memory do them.
     """
 
     def __init__(self, num_layers: int, nvme_layers: set[int] | list[int] | tuple[int, ...], handle: AioHandle,
-                 parent: str | os.PathLike, *, max_tokens: int, buffer_count: int = 2, micro_batches: int = 1) -> None:
-        self.ring = KVRing(handle, os.fspath(parent), max_tokens=max_tokens, buffer_count=buffer_count)
+                 parent: str | os.PathLike, *, max_tokens: int, buffer_count: int = 2, micro_batches: int = 1,
+                 quantization: KVQuantization | None = None) -> None:
+        self.ring = KVRing(handle, os.fspath(parent), max_tokens=max_tokens, buffer_count=buffer_count,
+                           quantization=quantization)
         self.micro_batches = micro_batches
         self.micro_batch = 0
         """The micro-batch running now (the block schedule sets it)."""
@@ -393,9 +413,13 @@ class OffloadedKVCache(Cache):
                     self.ring.add(layer)
                     parts.append(layer)
                 else:
-                    parts.append(DynamicLayer())
+                    parts.append(DynamicLayer() if quantization is None else QuantizedLayer(self._codec_for))
             layers.append(parts[0] if micro_batches == 1 else MicroBatchedLayer(self, parts))
         super().__init__(layers=layers)
+
+    def _codec_for(self, key_states: torch.Tensor) -> KVCodec:
+        """The codec of a layer in memory whose first keys are ``key_states`` [batch, heads, tokens, head dim]."""
+        return KVCodec(self.ring.quantization, key_states.shape[-1], key_states.dtype)
 
     def close(self) -> None:
         """Wait for reads and writes in flight, free the ring and remove the files."""
