@@ -26,8 +26,7 @@ from offload.device import DEVICE_CHOICES
 from tensorio import AioConfig, parse_size
 
 __all__ = ["IGNORED_KEYS", "BlockScheduleConfig", "InferenceConfig", "KVOffload", "KVQuantization", "MaxMemory",
-           "WeightQuantization",
-           "parse_dtype"]
+           "WeightQuantization", "parse_dtype"]
 
 #: DeepSpeed keys accepted and without effect in inference (training-only or about the GPU).
 IGNORED_KEYS = {
