@@ -15,6 +15,7 @@ import transformers
 from torch import nn
 
 from offload import zero
+from offload.device import DeviceSyncError, SimulatedDevice
 from offload.train.engine import initialize
 from test_engine import LR, WD, engine_config, gpt2, gpt2_batches, gpt2_loss, llama, reference, train
 
@@ -268,3 +269,80 @@ def test_building_under_init_stays_within_one_module_and_the_budget(disk_dir):
     bound = 2 * under["largest"] + (4 << 20) + (24 << 20)
     assert under["growth"] < bound, (under, bound)
     assert whole["growth"] > under["weights"] * 0.9 > under["growth"]
+
+
+# ---- compute on a device with its own memory (the simulated one; docs/gpu.md) ---------------------------------
+
+#: offload_param placements: in page-locked memory, all on NVMe, the first partitions in memory and the rest on
+#: NVMe (max_in_cpu), and "none" (every parameter kept gathered on the device).
+DEVICE_PLACEMENTS = ["cpu", "nvme", pytest.param("nvme-mixed", marks=pytest.mark.slow), "none"]
+
+
+def _device_config(disk_dir, placement: str) -> dict:
+    """engine_config with persistent layer norms (kept on the device) and, for "nvme-mixed", max_in_cpu."""
+    config = engine_config(disk_dir, "nvme" if placement.startswith("nvme") else placement, "nvme", micro=2)
+    zero_config = config["zero_optimization"]
+    zero_config["stage3_param_persistence_threshold"] = 100
+    if placement == "nvme-mixed":
+        zero_config["offload_param"]["max_in_cpu"] = 20000
+    return config
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize("schedule", ["random", pytest.param("late", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("placement", DEVICE_PLACEMENTS)
+def test_init_on_a_device_trains_as_the_plain_model_on_the_cpu(disk_dir, placement, schedule):
+    """A model built under zero.Init, computing on a device with its own memory: its in-memory partitions
+    move to page-locked buffers, persistent parameters stay on the device, NVMe partitions are read into
+    page-locked pool buffers; the losses and parameters equal those of the same model built plainly and
+    trained by the CPU engine (tolerance of the CPU tests above)."""
+    build = lambda: gpt2(dropout=0.0)  # noqa: E731 - no dropout: the same numbers on any device
+    batches = gpt2_batches(4)
+    config = _device_config(disk_dir, placement)
+    cpu_engine, *_ = initialize(model=build(), config=config, compute_device="cpu")
+    ref_losses = train(cpu_engine, batches, gpt2_loss)
+    ref_params = {name: tensor.clone() for name, tensor in cpu_engine.full_parameters()}
+    cpu_engine.close()
+
+    device = SimulatedDevice(seed=11, schedule=schedule, max_delay_s=0.0005)
+    with zero.Init(config_dict_or_path=config):
+        model = build()
+    engine, *_ = initialize(model=model, config=config, compute_device=device)
+    assert engine.device.separate_memory
+    in_memory = [rec for rec in engine.records if not rec.on_disk]
+    assert all(device.is_pinned(rec.partition.data) for rec in in_memory)
+    persistent = [rec for rec in engine.records if rec.numel <= 100]
+    assert persistent and all(rec.keep_full and device.owns(rec.full) for rec in persistent)
+    if placement == "none":
+        assert all(rec.keep_full and device.owns(rec.full) for rec in engine.records)
+    else:  # only persistent parameters are kept whole; the others are gathered onto the device per use
+        assert all(p.numel() == 0 for p, rec in zip(engine.module.parameters(), engine.records) if rec.numel > 100)
+    if placement == "nvme-mixed":
+        assert any(rec.on_disk for rec in engine.records) and any(rec.numel > 100 for rec in in_memory)
+    losses = train(engine, batches, gpt2_loss)
+    params = {name: tensor.cpu() for name, tensor in engine.full_parameters()}
+    engine.close()
+    device.raise_faults()
+    device.close()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    assert params.keys() == ref_params.keys()
+    for name, tensor in params.items():
+        torch.testing.assert_close(tensor, ref_params[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize("placement", ["cpu", "nvme"])
+def test_init_on_a_device_catches_a_gather_that_does_not_wait_for_its_copy(disk_dir, monkeypatch, placement):
+    """A model built under zero.Init, with copies as late as possible: compute that skips the wait for a
+    partition's copy reads a buffer the copy has not filled, and the simulated device raises."""
+    config = _device_config(disk_dir, placement)
+    with zero.Init(config_dict_or_path=config):
+        model = gpt2(dropout=0.0)
+    device = SimulatedDevice(schedule="late")
+    engine, *_ = initialize(model=model, config=config, compute_device=device)
+    monkeypatch.setattr(device.compute_stream, "wait_event", lambda event: None)
+    with pytest.raises(DeviceSyncError, match="partition"):
+        gpt2_loss(engine, gpt2_batches(1)[0])
+    monkeypatch.undo()
+    engine.close()
+    device.close()

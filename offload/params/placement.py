@@ -101,6 +101,24 @@ class Placement:
         self._writes.drain()  # waits for all before raising: never leaves a write behind
 
 
+def pin_partition(rec: ParamRecord, pinned: Callable[[int, torch.dtype], torch.Tensor], *, persistent: bool) -> None:
+    """Move ``rec``'s in-memory partition (placed for the CPU, as `offload.zero.Init` does) into a page-locked
+    buffer made by ``pinned``, as `Placement.place` does for a device with its own memory: only a
+    ``persistent`` parameter stays whole (the store keeps it gathered on the device); another one's
+    ``param.data`` becomes an empty placeholder. The old host memory goes before this returns (where
+    nothing else refers to it), so moving a model's records one by one holds one extra partition at most.
+    An on-disk record is left as it is (NVMe reads fill page-locked pool buffers)."""
+    if rec.on_disk:
+        return
+    local = pinned(rec.partition_numel, rec.partition.dtype)
+    local.copy_(rec.partition.data)
+    rec.partition.data = local
+    rec.keep_full = persistent
+    if not persistent:
+        rec.full = None
+        rec.param.data = torch.empty(0, dtype=rec.param.dtype)
+
+
 def attach_accumulator(rec: ParamRecord) -> None:
     """Hold the parameter's AccumulateGrad node (its gradient hooks hang on it), made while the parameter
     has its full shape, which autograd checks: a zero-stride stand-in gives it that shape for free."""

@@ -27,7 +27,7 @@ from offload.device import CpuDevice, Device
 from offload.optim import OffloadAdam
 from offload.params import ParamRecord, ParamStore, Placement, Prefetcher, SwapBudget, build_records
 from offload.params.construct import BUILT, built_store
-from offload.params.placement import attach_accumulator, parameter_names
+from offload.params.placement import attach_accumulator, parameter_names, pin_partition
 from offload.storage import SwapFile
 from offload.train.checkpoint import sized_partitions
 from offload.train.deferred import DeferredStep
@@ -131,11 +131,13 @@ def _partition(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, 
         placement.finish()  # on an error too: no write is left in flight
 
 
-def _adopt(model: nn.Module, built: ParamStore, cfg: EngineConfig, *, world_size: int
+def _adopt(model: nn.Module, built: ParamStore, cfg: EngineConfig, *, world_size: int, device: Device
            ) -> tuple[list[ParamRecord], SwapFile | None]:
     """Step 1 of `_build` for a model built under `offload.zero.Init`: take its records as they are,
     named and numbered as the model names its parameters (records of parameters the model dropped, such as
-    a weight replaced by a tied one, are left out). Raises ValueError where the config disagrees with the build."""
+    a weight replaced by a tied one, are left out). For a ``device`` with its own memory, the in-memory
+    partitions move into page-locked buffers one by one (`pin_partition`: one extra partition at most).
+    Raises ValueError where the config disagrees with the build."""
     key = "zero_optimization.offload_param.device"
     if (built.swap is not None) != (cfg.zero_optimization.offload_param.device == "nvme"):
         raise ValueError(f"{key}: {cfg.zero_optimization.offload_param.device!r}, but the model was built under "
@@ -154,6 +156,9 @@ def _adopt(model: nn.Module, built: ParamStore, cfg: EngineConfig, *, world_size
         rec = built.record_of(p)
         rec.index, rec.names = index, names[id(p)]
         attach_accumulator(rec)
+        if device.separate_memory:
+            pin_partition(rec, device.pinned_empty,
+                          persistent=rec.numel <= cfg.zero_optimization.stage3_param_persistence_threshold)
         records.append(rec)
     for rec in records:
         if rec.full is None:
@@ -187,11 +192,7 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
               for p in distinct], world_size=world_size, grads_on_disk=offload_opt.device == "nvme",
         grads_in_param_slots=fast_optimizer(cfg, optimizer) and offload_opt.ratio == 1.0))
     if built is not None:  # built under offload.zero.Init: partitioned and placed already
-        if device.separate_memory:
-            raise ValueError(f"compute_device: {device.name!r}, but the model was built under zero.Init, whose "
-                             f"partitions are not in page-locked memory yet; build it without zero.Init, or "
-                             f"set compute_device \"cpu\"")
-        records, swap = _adopt(model, built, cfg, world_size=world_size)
+        records, swap = _adopt(model, built, cfg, world_size=world_size, device=device)
     else:
         records, swap = _partition(model, cfg, undo, world_size=world_size, rank=rank, group=group, device=device)
     # 2. The store.
