@@ -346,3 +346,48 @@ def test_init_on_a_device_catches_a_gather_that_does_not_wait_for_its_copy(disk_
     monkeypatch.undo()
     engine.close()
     device.close()
+
+
+PIN_CHILD = textwrap.dedent("""
+    import json, sys, psutil, threading, torch, transformers
+    from offload import zero
+    from offload.params.construct import built_store
+    from offload.params.placement import pin_partition
+    from tensorio import locked_tensor
+    with zero.Init(config_dict_or_path=json.loads(sys.argv[1])):
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=6, n_embd=512, n_head=8,
+                                                                     vocab_size=8192, n_positions=64))
+    records = built_store(model).records
+    peak = [0]; done = threading.Event()
+    def sample():
+        process = psutil.Process()
+        while not done.wait(0.002):
+            peak[0] = max(peak[0], process.memory_info().rss)
+    base = psutil.Process().memory_info().rss
+    thread = threading.Thread(target=sample, daemon=True); thread.start()
+    try:
+        for rec in records:
+            pin_partition(rec, locked_tensor, persistent=False)
+    finally:
+        done.set(); thread.join()
+    after = psutil.Process().memory_info().rss
+    print(json.dumps({"growth": max(peak[0], after) - base, "after": after - base,
+                      "weights": sum(rec.partition_numel * 4 for rec in records),
+                      "largest": max(rec.partition_numel * 4 for rec in records)}))
+""")
+
+
+@pytest.mark.subprocess
+def test_moving_built_partitions_to_page_locked_memory_holds_one_extra_partition(disk_dir):
+    """What initialize does for a model built under zero.Init (in memory) with compute on a device of its
+    own memory: the partitions move into page-locked buffers one by one, so the peak RSS growth stays under
+    the largest partition plus a fixed allowance (never a second copy of the model), and after the move the
+    weights are held once."""
+    config = engine_config(disk_dir, "cpu", "nvme")
+    out = subprocess.run([sys.executable, "-c", PIN_CHILD, json.dumps(config)], check=True,
+                         capture_output=True, text=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    bound = result["largest"] + (24 << 20)
+    assert result["weights"] > 2 * bound  # a second copy of the model would break the bound
+    assert result["growth"] < bound, (result, bound)
+    assert result["after"] < bound, (result, bound)
