@@ -55,7 +55,8 @@ class Init:
     Host memory holds at most ``offload_param.buffer_size`` elements of parameters (or the largest
     parameter, if larger) besides the one being built; random initialisation draws the same numbers
     in the same order as a plain construction, so the weights are the same. `offload.initialize`
-    takes the model as it is. Raises ValueError for a bad config or argument (naming it),
+    takes the model as it is (with compute on a GPU, moving the in-memory partitions into page-locked
+    buffers one at a time). Raises ValueError for a bad config or argument (naming it),
     FileNotFoundError / PermissionError for a bad ``nvme_path``, TensorIOError for the swap file.
     """
 
