@@ -14,7 +14,6 @@ from test_infer_generate import PAD, assert_same_generation, one_thread, prompts
 
 from offload.device import DeviceSyncError, SimulatedDevice
 from offload.infer import BudgetError, init_inference
-from offload.infer.device_kv import KVStager
 
 
 @contextlib.contextmanager
@@ -54,3 +53,64 @@ def test_a_kv_cache_on_the_host_generates_the_same_tokens(models, tmp_path, kind
         assert device.allocated_bytes <= device.budget_bytes
     assert_same_generation(ours, reference(model, batch, do_sample=False), torch.float32)
     assert not list(tmp_path.iterdir())  # the cache's files are removed
+
+
+def budget_without_the_cache(directory, batch: int) -> tuple[int, dict, dict]:
+    """(device budget, settings, sizes): the device holds what must stay, the activations, the weights'
+    ring and half the KV cache (two layers' worth of the six is what its buffers need), not the cache."""
+    budget, settings = tier_settings(directory, batch, "host")
+    s = sizes(directory, batch)
+    return budget - s["kv"] // 2, settings, s
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_kv_cache_too_large_for_the_device_goes_to_the_host_by_itself(models, tmp_path, batch):
+    directory, model = models["gpt2", torch.float32]
+    budget, settings, s = budget_without_the_cache(directory, batch)
+    settings["kv_offload"] = {"nvme_path": str(tmp_path)}  # device "auto"
+    layer = s["kv"] // 6
+    # Host room for the NVMe ring and the two staging buffers only: the cache goes on to NVMe, bounded by the disk.
+    settings["max_in_cpu"] = f"{4 * layer + layer // 2}B"
+    with engine_on(directory, budget, settings, seed=5) as (device, engine):
+        ours = generate(engine, batch)
+        check_staged(engine, batch)
+        assert engine.plan.kv.nvme_layers == tuple(range(engine.plan.kv.layers))
+        assert device.allocated_bytes <= budget < s["required"] + s["activations"] + s["kv"] + 2 * s["slot"]
+    assert_same_generation(ours, reference(model, batch, do_sample=False), torch.float32)
+
+
+class _Unwaited:
+    """A copy's event whose ``synchronize`` forgets to wait."""
+
+    def __init__(self, event) -> None:
+        self.event = event
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.mark.simulated
+def test_new_keys_read_before_their_copy_to_the_host_is_waited_for_raise(models, monkeypatch):
+    directory, _ = models["llama", torch.float32]
+    budget, settings = tier_settings(directory, 1, "host")
+    settings["kv_offload"] = {"device": "cpu"}
+    with engine_on(directory, budget, settings, seed=1) as (device, engine):
+        to_host = device.to_host
+        monkeypatch.setattr(device, "to_host", lambda dst, src, *, stream: _Unwaited(to_host(dst, src, stream=stream)))
+        with pytest.raises(DeviceSyncError, match=r"read by the host while copy #\d+ from device buffer "
+                                                  r"'kv-new-tokens' may still fill it"):
+            generate(engine, 1)
+
+
+@pytest.mark.simulated
+def test_a_device_that_cannot_hold_even_the_kv_buffers_names_the_figures(models):
+    directory, _ = models["llama", torch.float32]
+    budget, settings, s = budget_without_the_cache(directory, 4)
+    with engine_on(directory, budget - s["kv"] // 2, settings) as (_, engine):
+        ids, mask = prompts(4)
+        with pytest.raises(BudgetError, match=r"max_memory\[0\]: the device budget of .* \+ activations .* \+ KV cache "
+                                              r"buffers 2 x .* \(one layer's cache for batch 4 x 24 tokens; the cache "
+                                              r"itself is on the host\) \+ a copy ring of 2 x .* raise max_memory\[0\] "
+                                              r"to at least"):
+            engine.generate(ids, attention_mask=mask, max_new_tokens=TOKENS - 8, pad_token_id=PAD)

@@ -292,7 +292,9 @@ class InferenceEngine:
         staged = -(-decoded // (layers * parts) // itemsize) * itemsize
         plan = self._make_plan(2 * staged, shape, disk=disk, activations=activations, kv_link_bytes=decoded)
         host_units = [u for u in self._sizes() if u.name not in plan.device.resident]
-        placement = place_kv(host_units, budget=self._budget(), layers=layers, layer_nbytes=kv // layers,
+        budget = self._budget()  # less the pinned staging buffers (None or 0: no limit)
+        budget = max(budget - 2 * staged, 1) if budget else budget
+        placement = place_kv(host_units, budget=budget, layers=layers, layer_nbytes=kv // layers,
                              device=setting.device, cpu_percent=setting.cpu_percent, buffer_count=setting.buffer_count,
                              kv_shape=shape, micro_batches=parts)
         placement = dataclasses.replace(placement, staged_nbytes=staged)
