@@ -9,7 +9,7 @@ import contextlib
 
 import pytest
 import torch
-from test_infer_device_ring import TOKENS, generate, models, sizes, tier_settings  # noqa: F401 (fixture)
+from test_infer_device_ring import TOKENS, generate, gpu, models, sizes, tier_settings  # noqa: F401 (fixture)
 from test_infer_generate import PAD, assert_same_generation, one_thread, prompts, reference  # noqa: F401 (autouse)
 
 from offload.device import DeviceSyncError, SimulatedDevice
@@ -114,3 +114,20 @@ def test_a_device_that_cannot_hold_even_the_kv_buffers_names_the_figures(models)
                                               r"itself is on the host\) \+ a copy ring of 2 x .* raise max_memory\[0\] "
                                               r"to at least"):
             engine.generate(ids, attention_mask=mask, max_new_tokens=TOKENS - 8, pad_token_id=PAD)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("where", ["cpu", "nvme"])
+def test_a_kv_cache_on_the_host_generates_the_gpu_resident_caches_tokens_on_a_gpu(models, tmp_path, where):
+    directory, _ = models["llama", torch.float32]
+    budget, settings = tier_settings(directory, 4, "host")
+    with init_inference(directory, compute_device="cuda", max_memory={0: budget}, **settings) as engine:
+        resident = generate(engine, 4)
+    settings["kv_offload"] = {"device": where, "nvme_path": str(tmp_path)}
+    with init_inference(directory, compute_device="cuda", max_memory={0: budget}, **settings) as engine:
+        staged = generate(engine, 4)
+        check_staged(engine, 4)
+    assert staged.sequences.tolist() == resident.sequences.tolist()
+    for a, b in zip(staged.logits, resident.logits):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
