@@ -28,11 +28,12 @@ def engine_on(directory, budget: int, settings: dict, seed: int = 0):
 def check_staged(engine, batch: int) -> None:
     """The plan keeps the cache on the host and counts its copies to the device per token."""
     plan = engine.plan
-    assert plan.kv.staged_nbytes * plan.kv.layers * plan.kv.micro_batches >= engine.kv_bytes(batch, TOKENS)
-    assert plan.device.kv_link_bytes == engine.kv_bytes(batch, TOKENS)
+    decoded = engine.kv_bytes(batch, TOKENS, quantized=False)  # what the device buffers hold (dequantized)
+    assert plan.kv.staged_nbytes * plan.kv.layers * plan.kv.micro_batches >= decoded
+    assert plan.device.kv_link_bytes == decoded
     assert plan.device.kv_bytes == 2 * plan.kv.staged_nbytes  # the device holds its two buffers, not the cache
     weights = sum(u.buffer_nbytes for u in plan.units if u.name not in plan.device.resident)
-    assert plan.host_to_device_bytes_per_forward == weights + engine.kv_bytes(batch, TOKENS)
+    assert plan.host_to_device_bytes_per_forward == weights + decoded
 
 
 @pytest.mark.simulated
@@ -131,3 +132,18 @@ def test_a_kv_cache_on_the_host_generates_the_gpu_resident_caches_tokens_on_a_gp
     assert staged.sequences.tolist() == resident.sequences.tolist()
     for a, b in zip(staged.logits, resident.logits):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+
+
+@pytest.mark.simulated
+def test_a_quantized_kv_cache_on_the_host_equals_the_cpu_paths(models, tmp_path):
+    directory, _ = models["llama", torch.float32]
+    kv = {"device": "nvme", "nvme_path": str(tmp_path), "quantization": "int8"}
+    with init_inference(directory, device="cpu", disk_gbps=1.0, compute_device="cpu", kv_offload=kv) as engine:
+        on_cpu = generate(engine, 4)
+    budget, settings = tier_settings(directory, 4, "host")
+    settings["kv_offload"] = kv
+    with engine_on(directory, budget, settings, seed=4) as (_, engine):
+        staged = generate(engine, 4)
+        check_staged(engine, 4)  # the device buffers hold the dequantized keys and values
+        assert engine.plan.kv.layer_nbytes < engine.plan.kv.staged_nbytes
+    assert staged.sequences.tolist() == on_cpu.sequences.tolist()
