@@ -248,7 +248,8 @@ def test_a_batch_whose_kv_cache_cannot_fit_the_device_names_it(models):
     directory, _ = models["llama", torch.float32]
     with small_device(directory, 1, "streamed") as (_, engine):
         ids, mask = prompts(4)
-        with pytest.raises(BudgetError, match=r"max_memory\[0\]: .* \+ KV cache .* \(batch 4 x 24 tokens\) .* "
+        with pytest.raises(BudgetError, match=r"max_memory\[0\]: .* \+ KV cache buffers .* \(one layer's cache for "
+                                              r"batch 4 x 24 tokens; the cache itself is on the host\) .* "
                                               r"lower the batch size or the number of tokens"):
             engine.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD)
         ids, mask = prompts(1)

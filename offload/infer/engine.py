@@ -19,6 +19,7 @@ from torch import nn
 from offload.device import Device, device_for
 from offload.infer.config import InferenceConfig
 from offload.infer.convert import converted_copy
+from offload.infer.device_kv import KVStager, StagedKVLayer
 from offload.infer.device_ring import DeviceRing
 from offload.infer.kvcache import MicroBatchedLayer, NvmeKVLayer, OffloadedKVCache
 from offload.infer.kvquant import KVCodec
@@ -167,8 +168,10 @@ class InferenceEngine:
         placement = plan.kv
         if beams > 1 and (placement.nvme_layers or placement.micro_batches > 1):  # refused before the prefill's minutes
             raise (NvmeKVLayer if placement.nvme_layers else MicroBatchedLayer).beam_search_refusal()
-        if ((placement.nvme_layers or placement.micro_batches > 1 or self.settings.kv_offload.quantization)
-                and kwargs.get("cache", kwargs.get("past_key_values")) is None):
+        if beams > 1 and placement.staged_nbytes:
+            raise StagedKVLayer.beam_search_refusal()
+        if ((placement.nvme_layers or placement.micro_batches > 1 or placement.staged_nbytes
+             or self.settings.kv_offload.quantization) and kwargs.get("cache", kwargs.get("past_key_values")) is None):
             cache = self.offloaded_cache(placement, total)
             kwargs["cache"] = cache
             self.schedule.micro_batches = placement.micro_batches
@@ -191,9 +194,15 @@ class InferenceEngine:
         self._check_open()
         setting = self.settings.kv_offload
         parent = setting.nvme_path or self.settings.nvme_path or self.checkpoint.directory
-        return OffloadedKVCache(placement.layers, placement.nvme_layers, self.handle, parent, max_tokens=max_tokens,
-                                buffer_count=setting.buffer_count, micro_batches=placement.micro_batches,
-                                quantization=setting.quantization)
+        stager = KVStager(self.compute, placement.staged_nbytes) if placement.staged_nbytes else None
+        try:
+            return OffloadedKVCache(placement.layers, placement.nvme_layers, self.handle, parent, max_tokens=max_tokens,
+                                    buffer_count=setting.buffer_count, micro_batches=placement.micro_batches,
+                                    quantization=setting.quantization, stager=stager)
+        except BaseException:
+            if stager is not None:
+                stager.close()
+            raise
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """``module(*args, **kwargs)`` with streamed weights, under ``torch.no_grad()``."""
@@ -241,25 +250,57 @@ class InferenceEngine:
         return plan
 
     def _reserve_on_device(self, batch: int, tokens: int, micro: int) -> Plan:
-        """`reserve` where compute has memory of its own: the KV cache and the activations on the device."""
-        if self.settings.kv_offload.device == "nvme":
-            raise ValueError("kv_offload.device: \"nvme\" with compute on a device of its own is not done yet; the "
-                             "KV cache is kept in device memory (max_memory[0]); leave kv_offload out")
+        """`reserve` where compute has memory of its own: the activations on the device, and the KV cache
+        there while the budget holds it (``kv_offload.device`` "auto"); else, or with "cpu" / "nvme", the
+        cache on the host (in memory or on NVMe, as `place_kv` places it there), each layer's copied to
+        the device per token through two device buffers (offload/infer/device_kv.py)."""
+        setting = self.settings.kv_offload
         layers = self._text_config().num_hidden_layers
-        kv = self.kv_bytes(batch, tokens)
-        plan = self._make_plan(kv, (batch, tokens), disk=(self.plan.disk_bps, self.plan.disk_source),
-                               activations=self.activation_bytes(micro, tokens))
-        plan = dataclasses.replace(plan, kv=KVPlacement(layers, kv // layers, micro_batches=batch // micro))
+        kv, shape, parts = self.kv_bytes(batch, tokens), (batch, tokens), batch // micro
+        disk, activations = (self.plan.disk_bps, self.plan.disk_source), self.activation_bytes(micro, tokens)
+        plan = None
+        if setting.device == "auto":
+            try:
+                plan = self._make_plan(kv, shape, disk=disk, activations=activations)
+                plan = dataclasses.replace(plan, kv=KVPlacement(layers, kv // layers, micro_batches=parts))
+            except BudgetError:
+                if not kv:
+                    raise
+                log.info("offload.infer: a KV cache of %s does not fit the device budget; it goes to the host",
+                         format_bytes(kv))
+        if plan is None:
+            plan = self._plan_host_kv(layers, kv, shape, parts, disk, activations)
         total = psutil.virtual_memory().total
         if plan.memory_bytes > total:
             raise BudgetError(f"the plan keeps {format_bytes(plan.memory_bytes)} in host memory, more than this machine's "
                               f"{format_bytes(total)}; lower max_in_cpu (max_memory['cpu'])")
         if plan.resident != self.plan.resident or plan.device.resident != self.plan.device.resident:
-            log.info("offload.infer: re-placing for batch %d x %d tokens (KV cache %s on the device)", batch, tokens,
-                     format_bytes(kv))
+            log.info("offload.infer: re-placing for batch %d x %d tokens (KV cache %s on the %s)", batch, tokens,
+                     format_bytes(kv), "host" if plan.kv.staged_nbytes else "device")
             self._apply(plan)
         self.plan = plan
         return plan
+
+    def _plan_host_kv(self, layers: int, kv: int, shape: tuple[int, int], parts: int,
+                      disk: tuple[float | None, str], activations: int) -> Plan:
+        """The device plan with the KV cache on the host: two device buffers of one layer's cache (one
+        micro-batch's, in the compute dtype) on the device, the cache placed by `place_kv` among the units
+        the device does not keep. Raises BudgetError naming the figures where even that does not fit."""
+        setting = self.settings.kv_offload
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        decoded = self.kv_bytes(shape[0], shape[1], quantized=False)
+        staged = -(-decoded // (layers * parts) // itemsize) * itemsize
+        plan = self._make_plan(2 * staged, shape, disk=disk, activations=activations, kv_link_bytes=decoded)
+        host_units = [u for u in self._sizes() if u.name not in plan.device.resident]
+        budget = self._budget()  # less the pinned staging buffers (None or 0: no limit)
+        budget = max(budget - 2 * staged, 1) if budget else budget
+        placement = place_kv(host_units, budget=budget, layers=layers, layer_nbytes=kv // layers,
+                             device=setting.device, cpu_percent=setting.cpu_percent, buffer_count=setting.buffer_count,
+                             kv_shape=shape, micro_batches=parts)
+        placement = dataclasses.replace(placement, staged_nbytes=staged)
+        plan = self._make_plan(2 * staged, shape, disk=disk, activations=activations, kv_link_bytes=decoded,
+                               host_kv_bytes=placement.memory_bytes)
+        return dataclasses.replace(plan, kv=placement)
 
     # ---- figures ----------------------------------------------------------------------------------
 
@@ -286,15 +327,15 @@ class InferenceEngine:
         """Seconds forwards have waited for streamed reads (the I/O not hidden behind compute)."""
         return self.streamer.wait_seconds
 
-    def kv_bytes(self, batch: int, tokens: int) -> int:
+    def kv_bytes(self, batch: int, tokens: int, *, quantized: bool = True) -> int:
         """Bytes of the KV cache for ``batch`` sequences of ``tokens`` tokens (keys and values, every layer),
-        quantized as ``kv_offload.quantization`` asks. Raises ValueError naming its group size where that
+        quantized as ``kv_offload.quantization`` asks (``quantized`` False: in the compute dtype). Raises ValueError naming its group size where that
         does not divide the head dimension."""
         text = self._text_config()
         heads = text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        row = KVCodec(self.settings.kv_offload.quantization, head_dim, self.dtype).nbytes
+        row = KVCodec(self.settings.kv_offload.quantization if quantized else None, head_dim, self.dtype).nbytes
         return 2 * text.num_hidden_layers * batch * tokens * kv_heads * row
 
     def activation_bytes(self, batch: int, tokens: int) -> int:
@@ -365,17 +406,19 @@ class InferenceEngine:
         return [UnitSize(u.name, u.nbytes, u.read_nbytes, u.buffer_nbytes, u.streamable) for u in self.units]
 
     def _make_plan(self, kv_bytes: int, kv_shape: tuple[int, int],
-                   disk: tuple[float | None, str] | None = None, activations: int | None = None) -> Plan:
-        """The placement; where compute has memory of its own, first what the device keeps (the KV cache
-        and ``activations`` with it: default one token's), then the rest between host memory and NVMe."""
+                   disk: tuple[float | None, str] | None = None, activations: int | None = None,
+                   kv_link_bytes: int = 0, host_kv_bytes: int = 0) -> Plan:
+        """The placement; where compute has memory of its own, first what the device keeps (the KV cache,
+        or with ``kv_link_bytes`` its buffers, and ``activations`` with it: default one token's), then the
+        rest between host memory and NVMe (beside ``host_kv_bytes`` of cache there)."""
         if self._device_budget is not None:
             budget, setting = self._device_budget
             speed, sizes = self.settings.host_to_device_gbps, self._sizes()
             tier = place_device(sizes, budget=budget, setting=setting, ring_slots=self.settings.buffer_count,
                                 kv_bytes=kv_bytes, kv_shape=kv_shape,
                                 activation_bytes=self.activation_bytes(1, 1) if activations is None else activations,
-                                host_to_device_bps=speed * 1e9 if speed else None)
-            host = self._host_plan([u for u in sizes if u.name not in tier.resident], 0, kv_shape, disk)
+                                host_to_device_bps=speed * 1e9 if speed else None, kv_link_bytes=kv_link_bytes)
+            host = self._host_plan([u for u in sizes if u.name not in tier.resident], host_kv_bytes, kv_shape, disk)
             return dataclasses.replace(host, units=tuple(sizes), resident=host.resident | tier.resident, device=tier)
         return self._host_plan(self._sizes(), kv_bytes, kv_shape, disk)
 

@@ -27,6 +27,7 @@ import shutil
 import tempfile
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
@@ -34,6 +35,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from offload.infer.config import KVQuantization
 from offload.infer.kvquant import KVCodec, QuantizedLayer
 from tensorio import DIRECT_ALIGN, AioHandle, IOFuture, aligned_tensor, free_locked_tensor, locked_tensor
+
+if TYPE_CHECKING:
+    from offload.infer.device_kv import KVStager
 
 __all__ = ["KVRing", "MicroBatchedLayer", "NvmeKVLayer", "OffloadedKVCache"]
 
@@ -389,7 +393,8 @@ class OffloadedKVCache(Cache):
     read in the block schedule's order (layer by layer, the micro-batches of each in turn).
 
     Use it as ``model.generate(..., cache=cache)`` and `close` it afterwards (or use it as a context
-    manager). With ``quantization`` every layer stores its keys and values as `KVCodec` bytes, those in
+    manager). With ``stager`` (compute on a device of its own) every layer is a `StagedKVLayer`, copied
+    to the device per update (offload/infer/device_kv.py). With ``quantization`` every layer stores its keys and values as `KVCodec` bytes, those in
     memory as `QuantizedLayer`. Greedy decoding and sampling work; beam search and assisted decoding
     need reordering or cropping, which layers on NVMe or in micro-batches refuse (NotImplementedError
     naming kv_offload or block_schedule); layers in memory do them.
@@ -397,7 +402,10 @@ class OffloadedKVCache(Cache):
 
     def __init__(self, num_layers: int, nvme_layers: set[int] | list[int] | tuple[int, ...], handle: AioHandle,
                  parent: str | os.PathLike, *, max_tokens: int, buffer_count: int = 2, micro_batches: int = 1,
-                 quantization: KVQuantization | None = None) -> None:
+                 quantization: KVQuantization | None = None, stager: "KVStager | None" = None) -> None:
+        from offload.infer.device_kv import StagedKVLayer  # it builds on this module's layers
+
+        self.stager = stager
         self.ring = KVRing(handle, os.fspath(parent), max_tokens=max_tokens, buffer_count=buffer_count,
                            quantization=quantization)
         self.micro_batches = micro_batches
@@ -414,7 +422,8 @@ class OffloadedKVCache(Cache):
                     parts.append(layer)
                 else:
                     parts.append(DynamicLayer() if quantization is None else QuantizedLayer(self._codec_for))
-            layers.append(parts[0] if micro_batches == 1 else MicroBatchedLayer(self, parts))
+            layer = parts[0] if micro_batches == 1 else MicroBatchedLayer(self, parts)
+            layers.append(layer if stager is None else StagedKVLayer(stager, layer))
         super().__init__(layers=layers)
 
     def _codec_for(self, key_states: torch.Tensor) -> KVCodec:
@@ -422,8 +431,12 @@ class OffloadedKVCache(Cache):
         return KVCodec(self.ring.quantization, key_states.shape[-1], key_states.dtype)
 
     def close(self) -> None:
-        """Wait for reads and writes in flight, free the ring and remove the files."""
-        self.ring.close()
+        """Wait for reads and writes in flight, free the rings (the stager's too) and remove the files."""
+        try:
+            if self.stager is not None:
+                self.stager.close()
+        finally:
+            self.ring.close()
 
     def __enter__(self) -> "OffloadedKVCache":
         return self

@@ -66,6 +66,11 @@ class KVPlacement:
     buffer_count: int = 0
     micro_batches: int = 1
     """The block schedule's micro-batches: each ring buffer holds one micro-batch's part of a layer."""
+    staged_nbytes: int = 0
+    """With compute on a device of its own and the cache on the host (offload/infer/device_kv.py): one
+    layer's keys and values for one micro-batch at the full length in the compute dtype, the size of
+    each buffer that carries them to the device (two pinned on the host, two on the device); 0: the
+    cache is not staged (it lives where compute runs)."""
 
     @property
     def memory_layers(self) -> int:
@@ -83,8 +88,8 @@ class KVPlacement:
 
     @property
     def memory_bytes(self) -> int:
-        """What the cache takes in memory: the layers held there plus the ring."""
-        return self.memory_layers * self.layer_nbytes + self.ring_bytes
+        """What the cache takes in host memory: the layers held there, the ring and the pinned staging buffers."""
+        return self.memory_layers * self.layer_nbytes + self.ring_bytes + 2 * self.staged_nbytes
 
     @property
     def nvme_bytes(self) -> int:
@@ -177,7 +182,8 @@ class Plan:
         """Bytes copied from host to device per forward (per token): every unit the device does not keep."""
         if self.device is None:
             return 0
-        return sum(u.buffer_nbytes for u in self.units if u.name not in self.device.resident)
+        return (sum(u.buffer_nbytes for u in self.units if u.name not in self.device.resident)
+                + self.device.kv_link_bytes)
 
     def link_seconds(self) -> dict[str, float | None]:
         """Per forward (per token), each link's time at its speed (None where the speed is unknown):
@@ -239,7 +245,9 @@ class Plan:
                 lines.append(f"    copy ring: {device.ring_slots} x {format_bytes(device.slot_nbytes)} (the other units, "
                              f"copied ahead of use on a side stream)")
             batch, tokens = self.kv_shape
-            lines.append(f"    KV cache {format_bytes(device.kv_bytes)}"
+            where = (f" buffers (the cache on the host: {format_bytes(device.kv_link_bytes)} to the device per token)"
+                     if device.kv_link_bytes else "")
+            lines.append(f"    KV cache{where} {format_bytes(device.kv_bytes)}"
                          + (f" (batch {batch} x {tokens} tokens)" if batch else " (none yet: reserved per generate call)")
                          + f", activations {format_bytes(device.activation_bytes)}")
         lines.append(f"  resident: {format_bytes(self.resident_bytes)} in {'pinned host ' if device else ''}memory: "

@@ -41,6 +41,9 @@ class DeviceTier:
     """Activations reserved on the device (one micro-batch's forward)."""
     host_to_device_bps: float | None = None
     """The host-to-device link's speed in bytes per second (pinned copies), None when unknown."""
+    kv_link_bytes: int = 0
+    """KV cache bytes copied host -> device per token when the cache lives on the host (every layer's
+    keys and values at the full length, the bound); ``kv_bytes`` is then its two device buffers."""
 
     @property
     def ring_bytes(self) -> int:
@@ -54,12 +57,13 @@ class DeviceTier:
 
 def place_device(units: Sequence[UnitSize], *, budget: int, setting: str, ring_slots: int, kv_bytes: int = 0,
                  kv_shape: tuple[int, int] = (0, 0), activation_bytes: int = 0,
-                 host_to_device_bps: float | None = None) -> DeviceTier:
+                 host_to_device_bps: float | None = None, kv_link_bytes: int = 0) -> DeviceTier:
     """Place ``units`` (forward order) on a device of ``budget`` bytes (see the module docstring);
     the units left out go through a ring of ``ring_slots`` device buffers of the largest of them.
 
     Raises BudgetError naming ``setting`` and the figures when the budget cannot hold the units that
-    must stay, the activations, the KV cache of ``kv_shape`` and the ring of the largest unit.
+    must stay, the activations, the KV cache of ``kv_shape`` and the ring of the largest unit. With
+    ``kv_link_bytes`` (the cache on the host) ``kv_bytes`` is the two device buffers that carry it.
     """
     required = [u for u in units if not u.streamable]
     streamable = [u for u in units if u.streamable]
@@ -69,7 +73,10 @@ def place_device(units: Sequence[UnitSize], *, budget: int, setting: str, ring_s
     left = sorted(streamable, key=lambda u: (-u.nbytes, rank[u.name]))
     slot = max((u.buffer_nbytes for u in streamable), default=0)
     if left and fixed + ring_slots * slot > budget and fixed + sum(u.nbytes for u in left) > budget:
-        kv = (f" + KV cache {format_bytes(kv_bytes)} (batch {kv_shape[0]} x {kv_shape[1]} tokens)" if kv_bytes else "")
+        kv = "" if not kv_bytes else (
+            f" + KV cache {format_bytes(kv_bytes)} (batch {kv_shape[0]} x {kv_shape[1]} tokens)" if not kv_link_bytes else
+            f" + KV cache buffers 2 x {format_bytes(kv_bytes // 2, up=True)} (one layer's cache for batch {kv_shape[0]} "
+            f"x {kv_shape[1]} tokens; the cache itself is on the host)")
         raise BudgetError(
             f"{setting}: the device budget of {format_bytes(budget)} cannot hold the units that must stay on the "
             f"device ({format_bytes(must)}: {unit_names(required)}) + activations {format_bytes(activation_bytes)}"
@@ -92,4 +99,4 @@ def place_device(units: Sequence[UnitSize], *, budget: int, setting: str, ring_s
     out = [u for u in streamable if u.name not in resident]
     slot = max((u.buffer_nbytes for u in out), default=0)
     return DeviceTier(budget, setting, frozenset(resident), must + held, ring_slots if out else 0, slot, kv_bytes,
-                      activation_bytes, host_to_device_bps)
+                      activation_bytes, host_to_device_bps, kv_link_bytes)
