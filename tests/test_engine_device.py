@@ -235,6 +235,7 @@ def test_a_gather_that_does_not_wait_for_its_copy_is_caught(disk_dir, monkeypatc
     with pytest.raises(DeviceSyncError, match="partition"):
         mlp_loss(engine, mlp_batches(1)[0])
     monkeypatch.undo()
+    engine.close()  # before the device: the engine's copies in flight end first
     device.close()
 
 
@@ -250,6 +251,7 @@ def test_gradients_read_before_their_copy_to_the_host_are_caught(disk_dir, monke
     with pytest.raises(DeviceSyncError):
         engine.backward(loss)
     monkeypatch.undo()
+    engine.close()
     device.close()
 
 
