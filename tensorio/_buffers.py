@@ -139,13 +139,16 @@ def locked_tensor(num_elem: int, dtype: torch.dtype = torch.uint8) -> torch.Tens
         pass  # the lock faults in what is left and reports its own refusal
     status = _lock(tensor)
     ptr, nbytes = tensor.data_ptr(), tensor.untyped_storage().nbytes()
+    entry = (status, nbytes)
     with _status_lock:
-        _lock_status[ptr] = (status, nbytes)
+        _lock_status[ptr] = entry
     if status.startswith("not locked") and not getattr(locked_tensor, "_warned", False):
         locked_tensor._warned = True  # type: ignore[attr-defined]
         log.warning("tensorio: buffers are %s", status)
-    # Unlock when the memory goes away: the mapping lives exactly as long as the last view.
-    weakref.finalize(region, unlock_at, ptr)
+    # Unlock when the memory goes away: the mapping lives exactly as long as the last view. CPython
+    # unmaps an mmap before it runs its finalizers, with the GIL released, so another thread may have
+    # mapped and registered a new buffer at ``ptr`` by then: the finalizer drops only this entry.
+    weakref.finalize(region, _forget, ptr, entry)
     return tensor
 
 
@@ -163,6 +166,15 @@ def free_locked_tensor(tensor: torch.Tensor) -> None:
     """
     if not unlock_at(tensor.untyped_storage().data_ptr()):
         raise ValueError("free_locked_tensor: this tensor was not made by locked_tensor/new_cpu_locked_tensor")
+
+
+def _forget(ptr: int, entry: tuple[str, int]) -> None:
+    """The finalizer of a `locked_tensor` mapping: drop its entry, unless a newer buffer now holds ``ptr``."""
+    with _status_lock:
+        if _lock_status.get(ptr) is not entry:
+            return
+        del _lock_status[ptr]
+    _unlock(ptr, entry[1], entry[0])
 
 
 def unlock_at(ptr: int) -> bool:

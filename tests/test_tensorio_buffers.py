@@ -106,3 +106,24 @@ def test_a_locked_buffer_can_go_while_its_thread_holds_the_status_lock():
         _buffers._status_lock.release()
         del buffer  # its finalizer runs here
         assert ptr not in _buffers._lock_status
+
+
+def test_a_buffer_mapped_at_a_freed_buffers_address_stays_registered():
+    """CPython unmaps a buffer's memory before its finalizer runs (with the GIL released), so another
+    thread's new locked buffer can take the address first: the old finalizer leaves the new entry."""
+    import gc
+
+    from tensorio import _buffers
+
+    old = tensorio.locked_tensor(4096)
+    ptr, nbytes = old.data_ptr(), old.untyped_storage().nbytes()
+    newer = ("not locked: a buffer registered at this address after the old one was unmapped", nbytes)
+    with _buffers._status_lock:
+        _buffers._lock_status[ptr] = newer  # what the other thread's locked_tensor did
+    del old
+    gc.collect()
+    try:
+        assert _buffers._lock_status.get(ptr) is newer
+    finally:
+        with _buffers._status_lock:
+            _buffers._lock_status.pop(ptr, None)
