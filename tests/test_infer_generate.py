@@ -367,8 +367,10 @@ def test_with_a_ring_the_load_reads_its_layers_only_after_the_first_forward(mode
 
     claim, lent = stream.ResidentLoad.claim, []
     monkeypatch.setattr(stream, "read_windows", recorded)
+    # Once the first forward is done, the ring lends nothing more (asked first: a lend refused after
+    # the real claim would leave the unit claimed and never read).
     monkeypatch.setattr(stream.ResidentLoad, "claim",
-                        lambda load, unit: claim(load, unit) and not (done.is_set() or lent.append(unit.name)))
+                        lambda load, unit: not done.is_set() and claim(load, unit) and not lent.append(unit.name))
     with init_inference(directory, max_in_cpu=f"{required + kv + 2 * layer}B", disk_gbps=1.0) as engine:
         assert sorted(name for name in engine.plan.resident if name.startswith("model.layers.")) == [
             "model.layers.0", "model.layers.2"]
