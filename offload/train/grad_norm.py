@@ -4,7 +4,7 @@ clipping), None before the first step."""
 
 from __future__ import annotations
 
-from offload.train.update_mode import StepContext, UpdatePath
+from offload.train.update_mode import FastPath, StepContext, UpdatePath
 
 
 class GlobalGradNorm:
@@ -29,7 +29,8 @@ class GlobalGradNorm:
         try:
             norm = ctx.reducer.global_norm()
         except BaseException as error:
-            if self._path.counts().uncommitted:  # updates ran during backward: give the step up whole
+            # Updates ran during backward (only a fast path updates before the step): give the step up whole.
+            if isinstance(self._path, FastPath) and self._path.counts().uncommitted:
                 self._path.give_up(error, gradients_lost=True)
             else:  # nothing is updated yet: the parameters are whole
                 ctx.gradients_lost_before_update(error)
