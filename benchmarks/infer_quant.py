@@ -4,6 +4,10 @@
     python -m benchmarks.infer_quant --dir /tmp/x --scale 0.025 --layers 4 --shards 5 --budget 1MiB \\
         --fio-size 16MiB --floor-layers 1                                           # tiny, as the test runs it
 
+The full comparison takes longer than one quiet hold of the machine; ``--variants`` and ``--floors``
+run it in parts (each with its own fio), e.g. ``--variants bf16,int4 --accelerate none --floors none``,
+then ``--variants int4 --floors none`` (int4 beside Accelerate), then ``--variants int8 --accelerate none``.
+
 1. The random-weight Llama of benchmarks/infer_stream.py (hidden 5120, 44 layers, bf16, 28.6 GB),
    written once and reused.
 2. fio's O_DIRECT sequential read speed in the same directory, with our aio settings.
@@ -71,10 +75,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--floor-layers", type=int, default=4, help="decoder layers added for the compute floor's slope")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="which of ours to run, comma-separated (default all: bf16,int8,int4); a part of the comparison")
+    ap.add_argument("--floors", default=None,
+                    help="whose compute floors to measure, comma-separated (default: the variants run; none: skip)")
     args = parse_or_run_child(ap, argv, lambda p: quantize_child(p) if p["kind"] == "quantize" else child(p),
                               fio_size="4GiB")
     if args is None:
         return {}
+    variants = _names(args.variants, "--variants")
+    floor_variants = variants if args.floors is None else [] if args.floors == "none" else _names(args.floors, "--floors")
     directory = Path(args.dir).resolve()
     spec = Spec.scaled(args.scale, args.layers, args.shards)
     budget = parse_size(args.budget)
@@ -93,7 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
     caches = directory / "quantized"
     caches.mkdir(exist_ok=True)
     quantized = {}
-    for name, q in VARIANTS.items():
+    for name in variants:
+        q = VARIANTS[name]
         if q is None:
             continue
         payload = {"kind": "quantize", "checkpoint": str(checkpoint), "quantize": q, "nvme_path": str(caches),
@@ -105,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 4. The runs, each in a fresh process, every file cold.
     offload_folder = directory / "accelerate-offload"
-    runs = [("ours", name) for name in VARIANTS] + [(f"accelerate-{k}", "bf16") for k in args.accelerate.split(",")
+    runs = [("ours", name) for name in variants] + [(f"accelerate-{k}", "bf16") for k in args.accelerate.split(",")
                                                     if k and k != "none"]
     results = []
     for kind, name in runs:
@@ -116,6 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "offload_folder": str(offload_folder), "quantize": VARIANTS[name], "nvme_path": str(caches)}
         if kind == "ours":
             payload["log_probs_path"] = str(directory / f"log-probs-{name}.npy")
+            Path(payload["log_probs_path"]).unlink(missing_ok=True)  # none left from an earlier run is compared
         available = meminfo("MemAvailable")
         try:
             result = run_config(payload)
@@ -128,15 +140,15 @@ def main(argv: list[str] | None = None) -> dict:
         _print_row(result)
 
     # 5. The next-token distributions of the prompt against bf16's.
-    divergence = _divergence({name: directory / f"log-probs-{name}.npy" for name in VARIANTS})
+    divergence = _divergence({name: directory / f"log-probs-{name}.npy" for name in variants})
     for name, d in divergence.items():
         print(f"{name} against bf16, the prompt's {d['positions']} next-token distributions: KL(bf16 || {name}) mean "
               f"{d['kl_mean']:.5f} nats, max {d['kl_max']:.5f}; top-1 agreement {d['top1_agreement']:.0%}")
 
     # 6. The compute floors.
     floors = {}
-    for name, q in VARIANTS.items():
-        floors[name] = compute_floor(spec, quantize=q, batch=1, prompt_tokens=args.prompt_tokens,
+    for name in floor_variants:
+        floors[name] = compute_floor(spec, quantize=VARIANTS[name], batch=1, prompt_tokens=args.prompt_tokens,
                                      new_tokens=args.new_tokens, floor_layers=args.floor_layers)
         print(f"compute floor, {name}: {describe_floor(floors[name], spec.layers)}")
 
@@ -150,11 +162,21 @@ def main(argv: list[str] | None = None) -> dict:
     return figures
 
 
+def _names(value: str, option: str) -> list[str]:
+    """The variants named in ``value`` (comma-separated), in `VARIANTS`' order. Raises SystemExit naming
+    ``option`` and the unknown name."""
+    names = [name for name in value.split(",") if name]
+    unknown = [name for name in names if name not in VARIANTS]
+    if unknown or not names:
+        raise SystemExit(f"{option}: {unknown[0] if unknown else value!r} is not one of {', '.join(VARIANTS)}")
+    return [name for name in VARIANTS if name in names]
+
+
 def _divergence(paths: dict[str, Path]) -> dict[str, dict]:
     """KL(bf16 || each quantized variant) of the next-token distributions the runs saved (log-probabilities,
     [prompt positions, vocab]): mean and max over the positions in nats, and how often the top token agrees.
     Variants whose run saved nothing are left out."""
-    if not paths["bf16"].is_file():
+    if "bf16" not in paths or not paths["bf16"].is_file():
         return {}
     reference = np.load(paths["bf16"], allow_pickle=False).astype(np.float64)
     figures = {}
@@ -203,11 +225,12 @@ def _targets(results: list[dict], floors: dict, fio_bps: float | None) -> list[s
                          f"{bf16['tokens_per_s']:.3f}); target >= {factor}x: {verdict(ratio >= factor)}")
     for name, r in ours.items():
         disk = r["read_bytes_per_forward"] / fio_bps if fio_bps else 0.0
-        floor = floors.get(name, {}).get("floor_s", 0.0)
-        bound = max(disk, floor)
-        which = "compute floor" if floor >= disk else "disk bound"
+        floor = floors[name]["floor_s"] if name in floors else None
+        bound = max(disk, floor or 0.0)
+        which = "compute floor" if floor is not None and floor >= disk else "disk bound"
+        floor_text = f"{floor:.3f} s" if floor is not None else "not measured in this run"
         lines.append(f"{name}: {r['s_per_token']:.3f} s/token = {r['s_per_token'] / bound:.2f}x max(disk "
-                     f"{disk:.3f} s = {r['read_bytes_per_forward'] / 1e9:.2f} GB / fio, compute floor {floor:.3f} s), "
+                     f"{disk:.3f} s = {r['read_bytes_per_forward'] / 1e9:.2f} GB / fio, compute floor {floor_text}), "
                      f"the {which}; target <= 1.15x: {verdict(r['s_per_token'] <= 1.15 * bound)}")
         growth = max(r["cached_growth"], r["checkpoint_cache_growth"])
         lines.append(f"{name}: page cache +{growth / 1e6:.0f} MB; target < 256 MB: {verdict(growth < 256e6)}")

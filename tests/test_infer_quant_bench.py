@@ -37,3 +37,22 @@ def test_tiny_run_end_to_end(capsys):
     assert set(divergence) == {"int8", "int4"}
     assert all(d["positions"] == 8 and 0 <= d["kl_mean"] <= d["kl_max"] for d in divergence.values())
     assert "KL(bf16 || int4)" in printed
+
+
+def test_a_part_runs_only_the_variants_and_floors_asked_for(capsys):
+    root = scratch_dir("infer-quant-bench-")
+    try:
+        stale = root / "log-probs-int8.npy"  # an earlier run's: not compared in this one
+        stale.write_bytes(b"not an array")
+        figures = main(["--dir", str(root), "--scale", "0.025", "--layers", "4", "--shards", "5", "--budget", "700KiB",
+                        "--accelerate", "none", "--fio-size", "16MiB", "--prompt-tokens", "8", "--new-tokens", "3",
+                        "--variants", "int4,bf16", "--floors", "none"])
+        caches = sorted(p.name for p in (root / "quantized").iterdir())
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    assert [c.split("-")[1] for c in caches] == ["int4"]
+    assert [r["variant"] for r in figures["runs"]] == ["bf16", "int4"] and figures["floors"] == {}
+    assert set(figures["divergence"]) == {"int4"}
+    assert any("compute floor not measured in this run" in line for line in figures["targets"])
+    with pytest.raises(SystemExit, match="--variants: 'int3' is not one of bf16, int8, int4"):
+        main(["--dir", str(root), "--variants", "int4,int3"])

@@ -339,32 +339,10 @@ def test_closing_a_held_load_gives_its_units_up(ring):
     assert load.nbytes == 0
 
 
-@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priority on this system")
-def test_the_load_runs_at_the_lowest_cpu_priority(ring, monkeypatch):
-    from offload.infer import stream
-
-    modules, units, streamer, weights = ring
-    streamer.set_units([], 0)
-    inside, go, prefault, seen = threading.Event(), threading.Event(), stream.prefault, []
-
-    def held_fault(buffer):
-        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-        inside.set()
-        assert go.wait(timeout=120)
-        return prefault(buffer)
-
-    monkeypatch.setattr(stream, "prefault", held_fault)
-    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    load = stream.ResidentLoad(streamer.handle, units[:1])
-    assert inside.wait(timeout=120)
-    go.set()
-    load.wait_all()
-    assert seen == [19] and os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller  # the caller keeps its own
-
-
-@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priority on this system")
-def test_a_held_load_keeps_the_callers_priority_until_released(ring, monkeypatch):
-    """While held, the load takes on only what the first forward waits for: that is not background work."""
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="no per-thread priority on this system")
+def test_the_load_keeps_the_callers_cpu_priority_held_and_released(ring, monkeypatch):
+    """A load at a lower priority stalls the forward on a busy machine (the GIL goes to a thread that
+    is rarely scheduled): its fault threads run at the caller's priority, held and released."""
     from offload.infer import stream
 
     modules, units, streamer, weights = ring
@@ -379,5 +357,6 @@ def test_a_held_load_keeps_the_callers_priority_until_released(ring, monkeypatch
     assert torch.equal(modules[0](x), x @ weights["layer0.weight"].T)  # waited for while held
     load.release()
     load.wait_all()
-    assert seen == [caller, 19]
+    assert seen == [caller, caller]
+    assert torch.equal(modules[1](x), x @ weights["layer1.weight"].T)
     load.close()

@@ -16,7 +16,6 @@ its layer's forward has returned.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import deque
@@ -33,7 +32,6 @@ from tensorio import AioHandle, IOFuture, aligned_tensor, free_locked_tensor, lo
 
 __all__ = ["LayerStreamer", "ParamRef", "ResidentLoad", "Unit"]
 
-_LOAD_NICE = 19  # the background load's nice value: it gets the CPU the forward leaves
 
 
 @dataclass(frozen=True, slots=True)
@@ -428,20 +426,16 @@ class ResidentLoad:
         """Fault each buffer in, then start its reads, unit by unit. A unit that fails keeps its error
         for `wait` (which reads it again); the others go on.
 
-        Once not held, the thread (and the fault threads it starts, which inherit it) runs at the
-        lowest CPU priority: faulting fresh memory in is CPU-bound here, and the forward's compute
-        comes first. While held it loads only what the first forward needs before it can go on (the
-        embeddings, a unit it waits for), so it keeps the caller's priority.
+        The thread and the fault threads it starts keep the caller's CPU priority. At a lower one
+        (it ran at nice 19) they stalled the forward whenever other processes kept the cores busy:
+        each of them takes the GIL between its calls, and a thread asking for the GIL makes the
+        forward's thread hand it over and wait until the asker runs, which a niced thread rarely
+        does on a busy machine; a forward also waits for a unit the thread has taken on. Measured
+        with two busy loops beside a streamed int4 decode (docs/benchmarks.md, "Quantized generation"):
+        decode steps of 4-26 s at nice 19 against 2.9 s at the caller's priority.
         """
         in_flight: deque[int] = deque()
-        niced = False
         while (i := self._take()) is not None:
-            if not niced and not self._held:
-                niced = True
-                try:
-                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _LOAD_NICE)
-                except (OSError, AttributeError):  # not Linux, or not allowed: the load simply competes
-                    pass
             try:
                 unit, buffer = self.units[i], self._buffer(i)
                 if self.place is None:
