@@ -19,6 +19,9 @@ Two kinds of check, both raising an error that names the buffer and the bug (doc
   computes on NaN; a copy compares its host source with the snapshot taken when it was issued and
   reports a host write in between (raised by the next call into the device).
 
+Every copy is logged in issue order (``copy_log``: its number, direction, device buffer, stream and
+size), so a test can tell when a copy was issued relative to the compute around it.
+
 Also raised: PinnedMemoryError for an async copy to or from pageable memory, CollectiveDeviceError
 for a collective tensor that is not a device buffer (the device models NCCL), DeviceMemoryError
 over the budget, DeviceSyncError for a buffer used after ``free``.
@@ -41,7 +44,7 @@ from offload.device._base import Device, Event, Stream
 from offload.device._errors import CollectiveDeviceError, DeviceError, DeviceSyncError, describe_bytes
 from tensorio import in_locked_buffer
 
-__all__ = ["SimulatedDevice"]
+__all__ = ["CopyRecord", "SimulatedDevice"]
 
 _COMPUTE = 0  # the compute stream's index in the vector clocks
 _SCHEDULES = ("random", "late")
@@ -239,6 +242,18 @@ class _ComputeStream(Stream):
         return _SimEvent(self._device, None, _COMPUTE, self.clock[_COMPUTE], dict(self.clock))
 
 
+@dataclass(frozen=True, slots=True)
+class CopyRecord:
+    """One copy as issued: ``number`` (1, 2, ... in issue order, as in the errors), ``direction``
+    ("to_device" or "to_host"), the device ``buffer``'s name, the ``stream``'s name and ``nbytes``."""
+
+    number: int
+    direction: str
+    buffer: str
+    stream: str
+    nbytes: int
+
+
 @dataclass(eq=False)
 class _Alloc:
     name: str
@@ -292,10 +307,21 @@ class SimulatedDevice(Device):
         self._queues: list[_Queue] = []
         self._faults: deque[BaseException] = deque()
         self._lock = threading.Lock()
-        self.copies = 0
-        """Copies issued so far."""
+        self.copy_log: list[CopyRecord] = []
+        """Every copy issued so far, in issue order."""
         super().__init__(budget_bytes=budget_bytes, budget_setting=budget_setting)
         self._compute = _ComputeStream(self)
+
+    @property
+    def copies(self) -> int:
+        """Copies issued so far."""
+        return len(self.copy_log)
+
+    def _log(self, direction: str, alloc: "_Alloc", stream: Stream, tensor: torch.Tensor) -> int:
+        number = len(self.copy_log) + 1
+        nbytes = tensor.numel() * tensor.element_size()
+        self.copy_log.append(CopyRecord(number, direction, alloc.name, stream.name, nbytes))
+        return number
 
     # ---- memory ---------------------------------------------------------------------------------
 
@@ -345,8 +371,7 @@ class SimulatedDevice(Device):
         snapshot = src.clone()
         if not any(not read.done for read in alloc.reads):
             _poison(dst)  # the data is not there until the copy runs (unless an earlier copy still reads the old)
-        self.copies += 1
-        number = self.copies
+        number = self._log("to_device", alloc, stream, dst)
         where = self.describe(src)
 
         def copy() -> None:
@@ -369,10 +394,10 @@ class SimulatedDevice(Device):
         alloc = self._live(src, "copied from")
         self._check_ordered(alloc, src, stream, "copied to the host")
         _poison(dst)  # the host's bytes are not there until the copy runs
-        self.copies += 1
+        number = self._log("to_host", alloc, stream, src)
         alloc.reads = [e for e in alloc.reads if not e.done]
         event = stream.submit(lambda: dst.copy_(src))
-        event.number = self.copies
+        event.number = number
         alloc.reads.append(event)
         self._uses.append(_HostUse("fill", *_span(dst), event, alloc.name, dst))
         return event
