@@ -132,6 +132,54 @@ def fast_path_matches_plain_pytorch(disk_dir, device, case: str, param: str) -> 
         assert torch.equal(params[name], ref), name
 
 
+def pending_partition_is_not_copied_ahead(engine) -> None:
+    """Right after a step handed to the next forward: a partition whose update has not run yet offers no
+    host values to copy ahead, even with its read done (they are about to change in place)."""
+    store, step = engine._store, engine._store.updates
+    pending = [rec for rec in engine.records if rec.index in step._pending]
+    assert pending
+    for rec in pending:
+        if rec.read is not None:
+            rec.read.result()  # the read the forward prefetches has landed
+        assert not step.settled(rec) and store.host_partition(rec) is None, rec.name
+
+
+@pytest.mark.parametrize("param", ["cpu", "nvme"])
+def test_the_update_in_the_next_forward_copies_the_next_partitions_ahead(disk_dir, device, param):
+    """With clipping the updates run in the next forward; that forward still copies the next partitions to
+    the device ahead of their gathers (those whose update has run, up to stage3_prefetch_bucket_size), and
+    the results stay plain PyTorch's. Before each forward the test lets the optimizer's thread finish the
+    updates handed over at the step (partitions in memory: all of them), so every copy ahead is allowed; with
+    the partitions on NVMe, a partition whose update is still to come is not copied ahead."""
+    extra, gas, _, _ = FAST_CASES["clipping-accumulation"]
+    batches = mlp_batches(4 * gas)
+    ref_losses, ref_params = run_reference(mlp, batches, mlp_loss, gas, device, clip=extra["gradient_clipping"])
+    config = engine_config(disk_dir, param, "nvme", gas, micro=4, **extra)
+    config["zero_optimization"]["stage3_prefetch_bucket_size"] = 1  # one partition ahead: the bucket is honoured
+    engine, optimizer, *_ = initialize(model=mlp(), config=config, compute_device=device)
+    assert engine.stats().mode.value == "in the next forward"
+    gathers = engine._store.gathers
+    largest = max(rec.partition_numel for rec in engine.records)
+    ahead, losses = [], []
+    for i, batch in enumerate(batches):
+        optimizer.wait_for_updates(lambda: False)
+        before = gathers.copied_ahead
+        loss = mlp_loss(engine, batch)
+        ahead.append(gathers.copied_ahead - before)
+        assert sum(copy.buffer.numel() for copy in gathers._ahead.values()) <= largest
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if param == "nvme" and i % gas == gas - 1:  # a step was handed over: its partitions wait for their reads
+            pending_partition_is_not_copied_ahead(engine)
+    assert engine.stats().steps_in_forward == 4
+    if param == "cpu":  # every forward after the first (which records the order) copies ahead, a step's updates in it
+        assert ahead[0] == 0 and all(n > 0 for n in ahead[1:]), ahead
+    params = host(dict(engine.full_parameters()))
+    engine.close()
+    assert_close(losses, params, ref_losses, ref_params, rtol=1e-5 if device == "cuda" else 0)
+
+
 @pytest.mark.parametrize("param", ["cpu", pytest.param("nvme", marks=pytest.mark.slow)])
 def test_gpt2_matches_plain_pytorch_on_the_device(disk_dir, device, param):
     """GPT-2 (a tied embedding, attention buffers that move to the device with the model's inputs, layer

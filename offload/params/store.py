@@ -103,6 +103,10 @@ class PendingUpdates(Protocol):
     def overwrites(self, rec: ParamRecord) -> bool:
         """Whether ``rec``'s pending update writes every element without reading it (no read needed)."""
 
+    def settled(self, rec: ParamRecord) -> bool:
+        """Whether ``rec``'s values are final for this pass without waiting (no update pending, or it has
+        run): what a copy ahead may read."""
+
 
 @dataclass(slots=True, eq=False)
 class _Saved:
@@ -287,11 +291,14 @@ class ParamStore:
             self.gathers.host_released(rec, rec.buffer if rec.on_disk else rec.partition.data)
 
     def host_partition(self, rec: ParamRecord) -> torch.Tensor | None:
-        """``rec``'s partition in host memory when it is there without waiting (in memory, or its read
-        done); None while a read is in flight or not started, and with a step whose updates run during
-        the passes (``updates``: nothing tells without waiting whether a partition's update has run)."""
+        """``rec``'s partition in host memory when it is there without waiting and final (in memory, or
+        its read done; with a step whose updates run during the passes, ``updates``, its update run,
+        in the buffer the step holds); None while a read is in flight or not started, or an update pending."""
         if self.updates is not None:
-            return None
+            if not self.updates.settled(rec):
+                return None
+            if self.updates.holds(rec):
+                return rec.partition.data  # the updated buffer the step holds
         if not rec.on_disk:
             return rec.partition.data
         if rec.buffer is None or (rec.read is not None and not rec.read.done()):
