@@ -303,6 +303,61 @@ def test_gradients_read_before_their_copy_to_the_host_are_caught(disk_dir, monke
     device.close()
 
 
+class _SeenDone:
+    """A copy's event whose ``query`` answers done without asking the device: the bug of a host that gives
+    a buffer back without its copy's event (``synchronize`` waits as it should)."""
+
+    def __init__(self, real: Event) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+    def query(self) -> bool:
+        return True
+
+
+@pytest.mark.simulated
+def test_the_host_does_not_wait_for_a_copy_to_give_its_nvme_read_buffer_back(disk_dir, monkeypatch):
+    """A forward with the partitions on NVMe: each read buffer goes back to the pool and the budget on its
+    copy's event (done by the time the next reads start), never through the host's wait for the copies
+    that read a partition (`host_released`, for a write in place); the end of backward gives every buffer back."""
+    device = SimulatedDevice(schedule="late")
+    engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, "nvme", "none"), compute_device=device)
+    store = engine._store
+
+    def waits(rec, host):
+        raise AssertionError(f"the host waited for the copies of {rec.name!r} to give its read buffer back")
+
+    for batch in mlp_batches(2):
+        monkeypatch.setattr(store.gathers, "host_released", waits)
+        loss = mlp_loss(engine, batch)
+        assert store.budget.held <= store.budget.buffer_elements
+        monkeypatch.undo()  # the updates during backward write partitions in place: they do wait
+        engine.backward(loss)
+        assert not store.gathers._returning
+        engine.step()
+    engine.close()
+    device.close()
+
+
+@pytest.mark.simulated
+def test_an_nvme_read_buffer_given_back_before_its_copy_is_seen_done_is_caught(disk_dir, monkeypatch):
+    """A host that takes a copy as done without its event (so the pool may refill the buffer while the copy
+    reads it): the simulated device raises, naming the copy and the device buffer."""
+    device = SimulatedDevice(schedule="late")
+    engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, "nvme", "none"), compute_device=device)
+    real = device.to_device
+    monkeypatch.setattr(device, "to_device",
+                        lambda dst, src, *, stream: _SeenDone(real(dst, src, stream=stream)))
+    with pytest.raises(DeviceSyncError, match=r"written by the host while copy #\d+ on stream 'param-copy' may still "
+                                              r"read it into device buffer 'partition"):
+        mlp_loss(engine, mlp_batches(1)[0])
+    monkeypatch.undo()
+    engine.close()
+    device.close()
+
+
 def test_cuda_without_cuda_is_refused_naming_the_setting_and_writing_nothing(disk_dir):
     if cuda_available():
         pytest.skip("CUDA is available here")

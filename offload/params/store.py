@@ -20,6 +20,8 @@ commit rule belong to `offload.train`, which plugs in through two small protocol
 
 from __future__ import annotations
 
+import functools
+
 import itertools
 import weakref
 from dataclasses import dataclass, field
@@ -342,6 +344,8 @@ class ParamStore:
         """Start reads of upcoming on-disk records while fewer than the bucket's elements are read ahead
         (as DeepSpeed's coordinator: the read that crosses it starts too, so a bucket smaller than one
         partition still reads the next one ahead) and while they fit in the budget."""
+        if self.gathers is not None:
+            self.gathers.reap_host()  # read buffers whose copies to the device are done count no more
         ahead = 0
         for index in self.prefetcher.upcoming():
             rec = self.records[index]
@@ -358,15 +362,20 @@ class ParamStore:
             ahead += rec.partition_numel
 
     def drop_buffer(self, rec: ParamRecord) -> None:
-        """Let go of ``rec``'s read buffer (after its read, if one is in flight): its elements leave the budget."""
+        """Let go of ``rec``'s read buffer (after its read, if one is in flight): its elements leave the budget
+        (on a device with its own memory, once the copies that read it are done, without waiting for them)."""
         if rec.buffer is not None:
             if rec.read is not None:  # never free memory the kernel may still write to
                 rec.read.exception()  # waits; a failed read was raised where it was needed
                 rec.read = None
-            if self.gathers is not None:
-                self.gathers.host_released(rec, rec.buffer)  # nor memory a copy to the device still reads
-            rec.buffer = None
-            self.budget.held -= rec.partition_numel
+            buffer, rec.buffer = rec.buffer, None
+            if self.gathers is None:
+                self.budget.held -= rec.partition_numel
+            else:  # nor memory a copy to the device still reads: given back once its copies are done
+                self.gathers.give_back_host(rec, buffer, functools.partial(self._unbudget, rec.partition_numel))
+
+    def _unbudget(self, numel: int) -> None:
+        self.budget.held -= numel
 
     def placeholder(self, dtype: torch.dtype) -> torch.Tensor:
         """The empty tensor that stands in for released parameters and on-disk partitions of ``dtype``."""
