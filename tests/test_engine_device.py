@@ -34,7 +34,8 @@ def device(request):
     if request.param == "cuda":
         yield "cuda"
         return
-    sim = SimulatedDevice(seed=7, schedule=request.param, max_delay_s=0.0005)
+    # register_host: host buffers count as pinned only where registered through the seam, as on CUDA
+    sim = SimulatedDevice(seed=7, schedule=request.param, max_delay_s=0.0005, register_host=True)
     yield sim
     sim.raise_faults()  # a host write that raced a copy, found after the last call
     sim.close()

@@ -22,6 +22,11 @@ Two kinds of check, both raising an error that names the buffer and the bug (doc
 Every copy is logged in issue order (``copy_log``: its number, direction, device buffer, stream and
 size), so a test can tell when a copy was issued relative to the compute around it.
 
+With ``register_host=True`` the device also stands in for CUDA's host registration: it installs its
+own `tensorio.HostRegistration` ("simulated-registered", recorded in ``registered_host``) until
+`close`, and takes as pinned only what that registered (or torch pinned), as `CudaDevice` does, so a
+copy from a locked buffer that did not go through the registration raises PinnedMemoryError.
+
 Also raised: PinnedMemoryError for an async copy to or from pageable memory, CollectiveDeviceError
 for a collective tensor that is not a device buffer (the device models NCCL), DeviceMemoryError
 over the budget, DeviceSyncError for a buffer used after ``free``.
@@ -42,7 +47,7 @@ import torch
 
 from offload.device._base import Device, Event, Stream
 from offload.device._errors import CollectiveDeviceError, DeviceError, DeviceSyncError, describe_bytes
-from tensorio import in_locked_buffer
+from tensorio import HostRegistration, in_locked_buffer, lock_status, set_host_registration
 
 __all__ = ["CopyRecord", "SimulatedDevice"]
 
@@ -285,7 +290,9 @@ class SimulatedDevice(Device):
 
     ``seed`` fixes each side stream's delays; ``schedule`` is "random" (delays up to ``max_delay_s``)
     or "late" (a copy runs only when waited for); ``memory_bytes`` is the simulated device's memory
-    (the budget defaults to all of it). Close it (or use it as a context manager) to stop its threads.
+    (the budget defaults to all of it); ``register_host``: pin host buffers through its own host
+    registration, as CUDA's (see the module docstring). Close it (or use it as a context manager) to
+    stop its threads (and remove its registration).
     """
 
     name = "simulated"
@@ -295,7 +302,7 @@ class SimulatedDevice(Device):
 
     def __init__(self, *, seed: int = 0, schedule: str = "random", max_delay_s: float = 0.002,
                  memory_bytes: int = 1 << 30, budget_bytes: int | None = None,
-                 budget_setting: str = "device budget") -> None:
+                 budget_setting: str = "device budget", register_host: bool = False) -> None:
         if schedule not in _SCHEDULES:
             raise ValueError(f"schedule: {schedule!r} is not allowed; use one of {', '.join(map(repr, _SCHEDULES))}")
         self.memory_bytes = memory_bytes
@@ -311,6 +318,18 @@ class SimulatedDevice(Device):
         """Every copy issued so far, in issue order."""
         super().__init__(budget_bytes=budget_bytes, budget_setting=budget_setting)
         self._compute = _ComputeStream(self)
+        self.registered_host: dict[int, int] = {}
+        """Host buffers its registration pinned and has not unpinned yet: address -> bytes."""
+        self.registration = HostRegistration("simulated-registered", self._register_host,
+                                             self._unregister_host) if register_host else None
+        self._previous_registration = set_host_registration(self.registration) if register_host else None
+
+    def _register_host(self, ptr: int, nbytes: int) -> str | None:
+        self.registered_host[ptr] = nbytes
+        return None
+
+    def _unregister_host(self, ptr: int) -> None:
+        self.registered_host.pop(ptr, None)  # a buffer another simulated device registered: nothing here
 
     @property
     def copies(self) -> int:
@@ -329,7 +348,11 @@ class SimulatedDevice(Device):
         return self.memory_bytes - self.allocated_bytes, self.memory_bytes
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type == "cpu" and not self.owns(tensor) and (in_locked_buffer(tensor) or tensor.is_pinned())
+        if tensor.device.type != "cpu" or self.owns(tensor):
+            return False
+        if self.registration is not None:  # as CudaDevice: registered through the seam, or torch-pinned
+            return tensor.is_pinned() or lock_status(tensor) == self.registration.status
+        return in_locked_buffer(tensor) or tensor.is_pinned()
 
     def owns(self, tensor: torch.Tensor) -> bool:
         return self._alloc_of(tensor) is not None
@@ -443,6 +466,9 @@ class SimulatedDevice(Device):
             queue.stop()
         for queue in self._queues:
             queue.join()
+        if self.registration is not None:
+            set_host_registration(self._previous_registration)
+            self.registration = None
 
     # ---- checks ---------------------------------------------------------------------------------
 
