@@ -1,8 +1,8 @@
 """Host buffers: page-aligned tensors, locked (pinned) where the system allows, and the staging pool.
 
 `locked_tensor` locks with mlock, or with the `HostRegistration` the layer above installed
-(`set_host_registration`: offload.device installs CUDA's host registration where CUDA is available,
-so that a GPU copies from these buffers directly); tensorio itself knows no GPU.
+(`set_host_registration`: offload.device installs a GPU's host registration where there is a GPU, so
+that the GPU copies from these buffers directly); tensorio itself knows no GPU.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 class HostRegistration:
     """How `locked_tensor` pins its buffers instead of mlock (installed with `set_host_registration`).
 
-    ``status``: what `lock_status` says of a buffer it pinned (e.g. "cuda-registered");
+    ``status``: what `lock_status` says of a buffer it pinned (offload.device's GPU registration's);
     ``register(ptr, nbytes)``: pin the bytes, returning None, or the reason it failed (the buffer is then
     "not locked: <reason>"); ``unregister(ptr)``: undo it, when the buffer is freed.
     """
@@ -166,8 +166,8 @@ def _unlock(ptr: int, nbytes: int, status: str) -> None:
 
 
 def locked_tensor(num_elem: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    """A page-aligned tensor locked in RAM: pinned by the installed `HostRegistration` (CUDA's where
-    offload.device found CUDA), else mlock'ed.
+    """A page-aligned tensor locked in RAM: pinned by the installed `HostRegistration` (a GPU's, where
+    offload.device installed one), else mlock'ed.
 
     Where locking is refused (the memlock limit), the tensor is plain aligned memory; the reason is
     logged once and reported by ``lock_status(tensor)``. Release with ``free_locked_tensor``; a
@@ -195,7 +195,7 @@ def locked_tensor(num_elem: int, dtype: torch.dtype = torch.uint8) -> torch.Tens
 
 
 def lock_status(tensor: torch.Tensor) -> str:
-    """How ``tensor``'s memory is locked: the `HostRegistration`'s status (e.g. "cuda-registered"),
+    """How ``tensor``'s memory is locked: the `HostRegistration`'s status,
     "mlocked" or "not locked: <reason>"."""
     with _status_lock:
         entry = _lock_status.get(tensor.untyped_storage().data_ptr())
