@@ -545,11 +545,24 @@ class SimulatedDevice(Device):
         """``tensor`` itself when it is a device buffer, else a copy in a new one (freed when dropped)."""
         if self.owns(tensor):
             return tensor
-        buffer = self.empty(tensor.numel(), tensor.dtype, name="collective")
-        buffer.copy_(tensor.reshape(-1))
-        result = buffer.view(tensor.shape)
-        weakref.finalize(result, self.free, buffer)
+        result = self._collective_buffer(tensor.numel(), tensor.dtype, tensor.shape)
+        result.copy_(tensor)
         return result
+
+    def collective_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A device buffer (freed when dropped) for a collective's result."""
+        return self._collective_buffer(numel, dtype, (numel,))
+
+    def _collective_buffer(self, numel: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        buffer = self.empty(numel, dtype, name="collective")
+        result = buffer.view(shape)
+        weakref.finalize(result, self.free, buffer)  # the caller's tensor: freed with it
+        return result
+
+    def collective_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy of device buffer ``tensor`` (a collective's result), read once it is ready."""
+        self.check_ready(tensor)
+        return tensor.clone()
 
     def check_collective(self, *tensors: torch.Tensor, op: str = "collective") -> None:
         """Raise CollectiveDeviceError for a tensor that is not a device buffer (NCCL's rule), and

@@ -164,6 +164,9 @@ class ParamStore:
     """Module id -> indices of the records found to be its external parameters (`_ForwardExit`)."""
     device: Device = field(default_factory=CpuDevice)
     """Where compute runs. With memory of its own (a GPU), gathers copy partitions onto it (``gathers``)."""
+    collectives: Device | None = None
+    """Where gathers of host partitions (no ``gathers``) run their collectives, by its backend: the
+    compute device for `offload.zero.Init`'s build (NCCL takes GPU tensors only); None: ``device``."""
     gathers: DeviceGathers | None = None
     """The device side of gather and release where the device's memory is separate; None on the CPU."""
     resident: bool = False
@@ -240,13 +243,14 @@ class ParamStore:
                 self.drop_buffer(rec)  # once its copies are done
         elif self.world_size == 1:
             full = local[:rec.numel]
-        else:
-            full = torch.empty(rec.partition_numel * self.world_size, dtype=local.dtype)
+        else:  # host memory, gathered where the collectives' backend needs it
+            collectives = self.collectives or self.device
+            full = collectives.collective_empty(rec.partition_numel * self.world_size, local.dtype)
             chunks = list(full.chunk(self.world_size))
-            local = local.contiguous()
-            self.device.check_collective(local, *chunks, op=f"all_gather of {rec.name!r}")
+            local = collectives.collective_tensor(local.contiguous())
+            collectives.check_collective(local, *chunks, op=f"all_gather of {rec.name!r}")
             dist.all_gather(chunks, local, group=self.group)
-            full = full[:rec.numel]
+            full = collectives.collective_to_host(full)[:rec.numel]
             if not self._keeps(rec):
                 self.drop_buffer(rec)
         rec.full = full
