@@ -21,12 +21,13 @@ import torch.distributed as dist
 from torch import nn
 
 from offload.config import EngineConfig, check_nvme_paths, world_size_from_env
-from offload.device import CpuDevice, start_process_group
+from offload.device import Device, start_process_group
 from offload.params import ParamStore, Placement, Prefetcher, SwapBudget
 from offload.params.construct import BUILT, PartitionedBuild, built_store, discard_build
 from offload.params.pretrained import load_pretrained
-from offload.params.store import EXTERNAL, find_record
+from offload.params.store import EXTERNAL, ParamRecord, find_record
 from offload.storage import SwapFile
+from offload.train.setup import compute_device_of
 
 __all__ = ["GatheredParameters", "Init", "from_pretrained", "register_external_parameter", "unregister_external_parameter"]
 
@@ -51,6 +52,10 @@ class Init:
         remote_device: "nvme" or "cpu" overrides ``offload_param.device`` (None: the config's).
         pin_memory, mem_efficient_linear: accepted as DeepSpeed accepts them; buffers are page-aligned
             and locked where that is possible, and linear layers need no special memory handling here.
+        compute_device: where `offload.initialize` will compute (not DeepSpeed's: None takes the config's
+            ``compute_device``; a `Device`, as tests pass the simulated one, or a choice). With several
+            ranks the process group is started for it (NCCL for CUDA) and the build's gathers run their
+            collectives there, on tensors where its backend needs them.
 
     Host memory holds at most ``offload_param.buffer_size`` elements of parameters (or the largest
     parameter, if larger) besides the one being built; random initialisation draws the same numbers
@@ -63,7 +68,8 @@ class Init:
     def __init__(self, config_dict_or_path: Mapping[str, Any] | str | os.PathLike | None = None, *,
                  config: Mapping[str, Any] | str | os.PathLike | None = None, enabled: bool = True,
                  dtype: torch.dtype | None = None, remote_device: str | None = None, pin_memory: bool = False,
-                 mem_efficient_linear: bool = True, **deepspeed_only: Any) -> None:
+                 mem_efficient_linear: bool = True, compute_device: Device | str | None = None,
+                 **deepspeed_only: Any) -> None:
         for key, value in deepspeed_only.items():
             if key not in _DEEPSPEED_ONLY:
                 raise TypeError(f"zero.Init: unexpected argument {key!r}")
@@ -81,11 +87,14 @@ class Init:
         self._world_size = world_size_from_env() if not (dist.is_available() and dist.is_initialized()) \
             else dist.get_world_size()
         self._rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        if self._world_size > 1 and not (dist.is_available() and dist.is_initialized()):
-            start_process_group(CpuDevice())  # the engine computes on the CPU
-            self._rank = dist.get_rank()
         cfg = (EngineConfig.from_dict(source, world_size=self._world_size) if isinstance(source, Mapping)
                else EngineConfig.from_file(source, world_size=self._world_size))
+        # The build's collectives run where the engine's will: the process group for that compute device
+        # (NCCL for CUDA), their tensors where its backend needs them.
+        self.compute = compute_device_of(cfg, compute_device)
+        if self._world_size > 1 and not (dist.is_available() and dist.is_initialized()):
+            start_process_group(self.compute)
+            self._rank = dist.get_rank()
         if remote_device not in (None, "nvme", "cpu", "none"):
             raise ValueError(f"zero.Init: remote_device={remote_device!r}; use \"nvme\", \"cpu\" or None")
         self.config = cfg
@@ -108,7 +117,8 @@ class Init:
         store = ParamStore(records=[], world_size=self._world_size, rank=self._rank, swap=swap,
                            budget=SwapBudget(buffer_elements=offload_param.buffer_count * offload_param.buffer_size,
                                              max_live=zero.stage3_max_live_parameters),
-                           prefetcher=Prefetcher(bucket_elements=0), shaped_placeholders=True)
+                           prefetcher=Prefetcher(bucket_elements=0), shaped_placeholders=True,
+                           collectives=self.compute)
         self._build = PartitionedBuild(store, placement, limit=offload_param.buffer_size, dtype=self.dtype)
         self._build.__enter__()
         return self
@@ -163,12 +173,22 @@ def GatheredParameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_r
         if modifier_rank is not None:
             for store, rec, _ in gathered:
                 if store.world_size > 1:
-                    dist.broadcast(rec.full, _global_rank(store, modifier_rank), group=store.group)
+                    _broadcast(store, rec, _global_rank(store, modifier_rank))
                 store.write_back(rec)
     finally:
         for store, rec, kept in gathered:
             if not kept:
                 store.release(rec)
+
+
+def _broadcast(store: ParamStore, rec: ParamRecord, source: int) -> None:
+    """Broadcast the gathered ``rec.full`` from global rank ``source``, where the store's collectives run."""
+    collectives = store.collectives or store.device
+    values = collectives.collective_tensor(rec.full)
+    collectives.check_collective(values, op=f"broadcast of {rec.name!r}")
+    dist.broadcast(values, source, group=store.group)
+    if values is not rec.full:
+        rec.full.copy_(collectives.collective_to_host(values))
 
 
 def _global_rank(store: ParamStore, rank: int) -> int:

@@ -3,7 +3,8 @@
 It knows files, buffers and bytes, nothing of models. See docs/tensorio.md.
 """
 
-from ._buffers import aligned_tensor, free_locked_tensor, in_locked_buffer, lock_status, locked_tensor, prefault
+from ._buffers import (HostRegistration, aligned_tensor, free_locked_tensor, in_locked_buffer, lock_status, locked_tensor,
+                       prefault, set_host_registration)
 from ._config import AioConfig
 from ._errors import TensorIOError
 from ._fs import DIRECT_ALIGN, filesystem_type, probe_direct
@@ -19,6 +20,7 @@ __all__ = [
     "AioConfig",
     "AioHandle",
     "BufferPool",
+    "HostRegistration",
     "IOFuture",
     "TensorIOError",
     "aligned_tensor",
@@ -32,4 +34,5 @@ __all__ = [
     "prefault",
     "probe_direct",
     "probe_io_uring",
+    "set_host_registration",
 ]

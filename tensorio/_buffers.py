@@ -1,4 +1,9 @@
-"""Host buffers: page-aligned tensors, locked (pinned) where the system allows, and the staging pool."""
+"""Host buffers: page-aligned tensors, locked (pinned) where the system allows, and the staging pool.
+
+`locked_tensor` locks with mlock, or with the `HostRegistration` the layer above installed
+(`set_host_registration`: offload.device installs a GPU's host registration where there is a GPU, so
+that the GPU copies from these buffers directly); tensorio itself knows no GPU.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,9 @@ import mmap
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -30,7 +37,41 @@ _FAULT_THREADS = 8  # prefault's threads by default: one per core, at most this 
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
-# data_ptr -> (how the buffer is locked: "cuda-registered", "mlocked" or "not locked: <reason>", its bytes).
+
+
+@dataclass(frozen=True, slots=True)
+class HostRegistration:
+    """How `locked_tensor` pins its buffers instead of mlock (installed with `set_host_registration`).
+
+    ``status``: what `lock_status` says of a buffer it pinned (offload.device's GPU registration's);
+    ``register(ptr, nbytes)``: pin the bytes, returning None, or the reason it failed (the buffer is then
+    "not locked: <reason>"); ``unregister(ptr)``: undo it, when the buffer is freed.
+    """
+
+    status: str
+    register: Callable[[int, int], str | None]
+    unregister: Callable[[int], None]
+
+
+_registration: HostRegistration | None = None
+# Every registration installed so far, by status: a buffer is unregistered by the one that registered it.
+_registrations: dict[str, HostRegistration] = {}
+
+
+def set_host_registration(registration: HostRegistration | None) -> HostRegistration | None:
+    """Pin the buffers `locked_tensor` makes from now on with ``registration`` (None: mlock); return the
+    one installed before. Buffers made already stay as they were locked. Raises ValueError for a status
+    that `lock_status` uses for something else ("mlocked", "not locked: ...")."""
+    global _registration
+    if registration is not None:
+        if registration.status == "mlocked" or registration.status.startswith("not locked"):
+            raise ValueError(f"set_host_registration: status {registration.status!r} is taken; name the registration")
+        _registrations[registration.status] = registration
+    previous, _registration = _registration, registration
+    return previous
+
+
+# data_ptr -> (how the buffer is locked: a registration's status, "mlocked" or "not locked: <reason>", its bytes).
 _lock_status: dict[int, tuple[str, int]] = {}
 # Re-entrant: a buffer's last reference can go (and its finalizer, `unlock_at`, run) on a thread that
 # holds the lock, when a garbage collection starts inside a locked section (any allocation may start one).
@@ -104,11 +145,11 @@ def _lock(tensor: torch.Tensor) -> str:
     ptr, nbytes = tensor.data_ptr(), tensor.untyped_storage().nbytes()
     if nbytes == 0:
         return "not locked: empty"
-    if torch.cuda.is_available():  # CUDA path: page-locked and registered for fast H2D/D2H copies.
-        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
-        if int(err) == 0:
-            return "cuda-registered"
-        reason = f"cudaHostRegister failed ({err})"
+    registration = _registration
+    if registration is not None:  # pinned for a device's copies (offload.device installs it)
+        reason = registration.register(ptr, nbytes)
+        if reason is None:
+            return registration.status
     else:
         if _libc.mlock(ptr, nbytes) == 0:
             return "mlocked"
@@ -120,12 +161,13 @@ def _lock(tensor: torch.Tensor) -> str:
 def _unlock(ptr: int, nbytes: int, status: str) -> None:
     if status == "mlocked":
         _libc.munlock(ptr, nbytes)
-    elif status == "cuda-registered":
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+    elif status in _registrations:
+        _registrations[status].unregister(ptr)
 
 
 def locked_tensor(num_elem: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    """A page-aligned tensor locked in RAM: CUDA-registered when CUDA is available, else mlock'ed.
+    """A page-aligned tensor locked in RAM: pinned by the installed `HostRegistration` (a GPU's, where
+    offload.device installed one), else mlock'ed.
 
     Where locking is refused (the memlock limit), the tensor is plain aligned memory; the reason is
     logged once and reported by ``lock_status(tensor)``. Release with ``free_locked_tensor``; a
@@ -153,7 +195,8 @@ def locked_tensor(num_elem: int, dtype: torch.dtype = torch.uint8) -> torch.Tens
 
 
 def lock_status(tensor: torch.Tensor) -> str:
-    """How ``tensor``'s memory is locked: "cuda-registered", "mlocked" or "not locked: <reason>"."""
+    """How ``tensor``'s memory is locked: the `HostRegistration`'s status,
+    "mlocked" or "not locked: <reason>"."""
     with _status_lock:
         entry = _lock_status.get(tensor.untyped_storage().data_ptr())
     return entry[0] if entry else "not locked: not a tensorio locked buffer"

@@ -159,6 +159,35 @@ def test_a_view_into_a_locked_buffer_counts_as_pinned(late):
     late.to_device(buffer, pinned[1000:1100], stream=late.compute_stream)
 
 
+def test_locked_buffers_are_registered_through_the_seam(tmp_path):
+    """tensorio knows no GPU: the device seam installs the host registration (CUDA's where there is a
+    GPU; here the simulated device's), and every tensorio locked buffer made from then on, the device's
+    own and those tensorio makes for its I/O, is pinned through it, as CUDA needs; one made before is not
+    taken as pinned by a device that needs registration. Freeing a buffer unregisters it."""
+    import tensorio
+
+    before = tensorio.locked_tensor(4096)  # mlocked: no registration installed
+    assert not tensorio.lock_status(before).startswith("simulated")
+    with SimulatedDevice(schedule="late", register_host=True) as device:
+        pinned = device.pinned_empty(4096)
+        pool = tensorio.BufferPool(1 << 20, make=tensorio.locked_tensor)  # as an NVMe read pool makes them
+        read_buffer = pool.take(4096, torch.uint8)
+        for host in (pinned, read_buffer):
+            assert tensorio.lock_status(host) == "simulated-registered"
+            assert device.registered_host[host.untyped_storage().data_ptr()] >= 4096
+        buffer = device.empty(4096, name="partition")
+        device.to_device(buffer, pinned, stream=device.new_stream("copies")).synchronize()
+        device.to_device(buffer, read_buffer, stream=device.new_stream("copies")).synchronize()
+        with pytest.raises(PinnedMemoryError, match="asynchronous copy from pageable host memory"):
+            device.to_device(buffer, before, stream=device.new_stream("copies"))  # locked, but not registered
+        address = pinned.data_ptr()
+        device.free_pinned(pinned)
+        assert address not in device.registered_host
+        device.free(buffer)
+    after = tensorio.locked_tensor(4096)  # closing the device removed its registration
+    assert not tensorio.lock_status(after).startswith("simulated")
+
+
 def test_copies_must_go_between_host_and_this_device(late):
     buffer, other = late.empty(8, name="a"), late.empty(8, name="b")
     with pytest.raises(ValueError, match="to_device: the src must be host memory, got device buffer 'b'"):

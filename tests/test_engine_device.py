@@ -34,7 +34,8 @@ def device(request):
     if request.param == "cuda":
         yield "cuda"
         return
-    sim = SimulatedDevice(seed=7, schedule=request.param, max_delay_s=0.0005)
+    # register_host: host buffers count as pinned only where registered through the seam, as on CUDA
+    sim = SimulatedDevice(seed=7, schedule=request.param, max_delay_s=0.0005, register_host=True)
     yield sim
     sim.raise_faults()  # a host write that raced a copy, found after the last call
     sim.close()
@@ -130,6 +131,54 @@ def fast_path_matches_plain_pytorch(disk_dir, device, case: str, param: str) -> 
     assert losses == ref_losses
     for name, ref in ref_params.items():
         assert torch.equal(params[name], ref), name
+
+
+def pending_partition_is_not_copied_ahead(engine) -> None:
+    """Right after a step handed to the next forward: a partition whose update has not run yet offers no
+    host values to copy ahead, even with its read done (they are about to change in place)."""
+    store, step = engine._store, engine._store.updates
+    pending = [rec for rec in engine.records if rec.index in step._pending]
+    assert pending
+    for rec in pending:
+        if rec.read is not None:
+            rec.read.result()  # the read the forward prefetches has landed
+        assert not step.settled(rec) and store.host_partition(rec) is None, rec.name
+
+
+@pytest.mark.parametrize("param", ["cpu", "nvme"])
+def test_the_update_in_the_next_forward_copies_the_next_partitions_ahead(disk_dir, device, param):
+    """With clipping the updates run in the next forward; that forward still copies the next partitions to
+    the device ahead of their gathers (those whose update has run, up to stage3_prefetch_bucket_size), and
+    the results stay plain PyTorch's. Before each forward the test lets the optimizer's thread finish the
+    updates handed over at the step (partitions in memory: all of them), so every copy ahead is allowed; with
+    the partitions on NVMe, a partition whose update is still to come is not copied ahead."""
+    extra, gas, _, _ = FAST_CASES["clipping-accumulation"]
+    batches = mlp_batches(4 * gas)
+    ref_losses, ref_params = run_reference(mlp, batches, mlp_loss, gas, device, clip=extra["gradient_clipping"])
+    config = engine_config(disk_dir, param, "nvme", gas, micro=4, **extra)
+    config["zero_optimization"]["stage3_prefetch_bucket_size"] = 1  # one partition ahead: the bucket is honoured
+    engine, optimizer, *_ = initialize(model=mlp(), config=config, compute_device=device)
+    assert engine.stats().mode.value == "in the next forward"
+    gathers = engine._store.gathers
+    largest = max(rec.partition_numel for rec in engine.records)
+    ahead, losses = [], []
+    for i, batch in enumerate(batches):
+        optimizer.wait_for_updates(lambda: False)
+        before = gathers.copied_ahead
+        loss = mlp_loss(engine, batch)
+        ahead.append(gathers.copied_ahead - before)
+        assert sum(copy.buffer.numel() for copy in gathers._ahead.values()) <= largest
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if param == "nvme" and i % gas == gas - 1:  # a step was handed over: its partitions wait for their reads
+            pending_partition_is_not_copied_ahead(engine)
+    assert engine.stats().steps_in_forward == 4
+    if param == "cpu":  # every forward after the first (which records the order) copies ahead, a step's updates in it
+        assert ahead[0] == 0 and all(n > 0 for n in ahead[1:]), ahead
+    params = host(dict(engine.full_parameters()))
+    engine.close()
+    assert_close(losses, params, ref_losses, ref_params, rtol=1e-5 if device == "cuda" else 0)
 
 
 @pytest.mark.parametrize("param", ["cpu", pytest.param("nvme", marks=pytest.mark.slow)])
@@ -250,6 +299,61 @@ def test_gradients_read_before_their_copy_to_the_host_are_caught(disk_dir, monke
     loss = mlp_loss(engine, mlp_batches(1)[0])
     with pytest.raises(DeviceSyncError):
         engine.backward(loss)
+    monkeypatch.undo()
+    engine.close()
+    device.close()
+
+
+class _SeenDone:
+    """A copy's event whose ``query`` answers done without asking the device: the bug of a host that gives
+    a buffer back without its copy's event (``synchronize`` waits as it should)."""
+
+    def __init__(self, real: Event) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+    def query(self) -> bool:
+        return True
+
+
+@pytest.mark.simulated
+def test_the_host_does_not_wait_for_a_copy_to_give_its_nvme_read_buffer_back(disk_dir, monkeypatch):
+    """A forward with the partitions on NVMe: each read buffer goes back to the pool and the budget on its
+    copy's event (done by the time the next reads start), never through the host's wait for the copies
+    that read a partition (`host_released`, for a write in place); the end of backward gives every buffer back."""
+    device = SimulatedDevice(schedule="late")
+    engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, "nvme", "none"), compute_device=device)
+    store = engine._store
+
+    def waits(rec, host):
+        raise AssertionError(f"the host waited for the copies of {rec.name!r} to give its read buffer back")
+
+    for batch in mlp_batches(2):
+        monkeypatch.setattr(store.gathers, "host_released", waits)
+        loss = mlp_loss(engine, batch)
+        assert store.budget.held <= store.budget.buffer_elements
+        monkeypatch.undo()  # the updates during backward write partitions in place: they do wait
+        engine.backward(loss)
+        assert not store.gathers._returning
+        engine.step()
+    engine.close()
+    device.close()
+
+
+@pytest.mark.simulated
+def test_an_nvme_read_buffer_given_back_before_its_copy_is_seen_done_is_caught(disk_dir, monkeypatch):
+    """A host that takes a copy as done without its event (so the pool may refill the buffer while the copy
+    reads it): the simulated device raises, naming the copy and the device buffer."""
+    device = SimulatedDevice(schedule="late")
+    engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, "nvme", "none"), compute_device=device)
+    real = device.to_device
+    monkeypatch.setattr(device, "to_device",
+                        lambda dst, src, *, stream: _SeenDone(real(dst, src, stream=stream)))
+    with pytest.raises(DeviceSyncError, match=r"written by the host while copy #\d+ on stream 'param-copy' may still "
+                                              r"read it into device buffer 'partition"):
+        mlp_loss(engine, mlp_batches(1)[0])
     monkeypatch.undo()
     engine.close()
     device.close()

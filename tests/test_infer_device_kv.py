@@ -10,7 +10,7 @@ import contextlib
 import pytest
 import torch
 from test_infer_device_ring import TOKENS, generate, gpu, models, sizes, tier_settings  # noqa: F401 (fixture)
-from test_infer_generate import PAD, assert_same_generation, one_thread, prompts, reference  # noqa: F401 (autouse)
+from test_infer_generate import NEW_TOKENS, PAD, assert_same_generation, one_thread, prompts, reference  # noqa: F401 (autouse)
 
 from offload.device import DeviceSyncError, SimulatedDevice
 from offload.infer import BudgetError, init_inference
@@ -19,7 +19,7 @@ from offload.infer import BudgetError, init_inference
 @contextlib.contextmanager
 def engine_on(directory, budget: int, settings: dict, seed: int = 0):
     """(device, engine) on a simulated device of ``budget`` bytes; every device buffer given back on exit."""
-    with SimulatedDevice(budget_bytes=budget, budget_setting="max_memory[0]", seed=seed) as device:
+    with SimulatedDevice(budget_bytes=budget, budget_setting="max_memory[0]", seed=seed, register_host=True) as device:
         with init_inference(directory, compute_device=device, **settings) as engine:
             yield device, engine
         assert device.allocated_bytes == 0
@@ -54,6 +54,50 @@ def test_a_kv_cache_on_the_host_generates_the_same_tokens(models, tmp_path, kind
         assert device.allocated_bytes <= device.budget_bytes
     assert_same_generation(ours, reference(model, batch, do_sample=False), torch.float32)
     assert not list(tmp_path.iterdir())  # the cache's files are removed
+
+
+def attention_modules(engine) -> list:
+    """The decoder layers' attention modules, in forward order (Llama's ``self_attn``, GPT-2's ``attn``)."""
+    return [m for name, m in engine.module.named_modules() if name.endswith((".self_attn", ".attn"))]
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize("where,batch,micro", [("cpu", 1, None), ("nvme", 4, None), ("nvme", 4, 2)])
+def test_each_layers_cache_is_copied_to_the_device_while_the_layer_before_computes(models, tmp_path, where, batch,
+                                                                                    micro):
+    directory, model = models["llama", torch.float32]
+    budget, settings = tier_settings(directory, batch, "host")
+    settings["kv_offload"] = {"device": where, "nvme_path": str(tmp_path)}
+    if micro:
+        settings["block_schedule"] = {"micro_batch_size": micro}  # the parts of a layer in turn, each staged ahead
+    with engine_on(directory, budget, settings, seed=7) as (device, engine):
+        windows: list[list[int]] = []  # per attention call (a layer, or one micro-batch's part): the copy log's
+        hooks = []                     # length when it starts and when it has finished
+        for attention in attention_modules(engine):
+            hooks.append(attention.register_forward_pre_hook(lambda *_: windows.append([len(device.copy_log)])))
+            hooks.append(attention.register_forward_hook(lambda *_: windows[-1].append(len(device.copy_log))))
+        try:
+            ours = generate(engine, batch)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        assert engine.plan.kv.micro_batches == (batch // micro if micro else 1)
+        log = device.copy_log
+    assert_same_generation(ours, reference(model, batch, do_sample=False), torch.float32)
+    parts = 6 * (batch // micro if micro else 1)
+    assert len(windows) == parts * NEW_TOKENS  # a prefill and NEW_TOKENS - 1 steps
+    kv = [[record for record in log[start:end] if record.buffer.startswith("kv[")] for start, end in windows]
+    for i, copies in enumerate(kv):
+        # During its attention a part copies its new keys back, then starts the next part's cache on its way;
+        # its own cache was copied before (the prefill's parts hold no tokens before: nothing to copy there,
+        # until the last part starts the first one's for the next forward).
+        expected = ["to_host", "to_device"] if i >= parts - 1 else ["to_host"]
+        assert [record.direction for record in copies] == expected, (i, copies)
+        assert copies[0].stream == "kv-copies"
+        if i >= parts - 1 and i + 1 < len(kv):
+            # The next part's attention reads (and copies its new keys back from) the buffer filled then.
+            assert kv[i + 1][0].buffer == copies[1].buffer != copies[0].buffer
+            assert copies[1].nbytes > 0
 
 
 def budget_without_the_cache(directory, batch: int) -> tuple[int, dict, dict]:
@@ -100,7 +144,7 @@ def test_new_keys_read_before_their_copy_to_the_host_is_waited_for_raise(models,
         to_host = device.to_host
         monkeypatch.setattr(device, "to_host", lambda dst, src, *, stream: _Unwaited(to_host(dst, src, stream=stream)))
         with pytest.raises(DeviceSyncError, match=r"read by the host while copy #\d+ from device buffer "
-                                                  r"'kv-new-tokens' may still fill it"):
+                                                  r"'kv\[\d\]' may still fill it"):
             generate(engine, 1)
 
 

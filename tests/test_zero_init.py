@@ -391,3 +391,85 @@ def test_moving_built_partitions_to_page_locked_memory_holds_one_extra_partition
     assert result["weights"] > 2 * bound  # a second copy of the model would break the bound
     assert result["growth"] < bound, (result, bound)
     assert result["after"] < bound, (result, bound)
+
+
+# ---- several ranks with compute on a device (the simulated one: its collectives take device buffers, as NCCL's) ----
+
+
+def _build_on_a_rank(rank: int, tmp: str, out: str) -> None:
+    """A rank of a two-rank build under zero.Init for compute on the simulated device, as torchrun
+    launches it (zero.Init starts the process group): a placed weight re-initialised, a bias changed on
+    rank 0 (GatheredParameters with modifier_rank), then one training step of the engine on the device.
+    Rank 0 saves the built weights and the collectives the device checked."""
+    import gc
+    import os
+
+    import torch.distributed as dist
+
+    from test_engine import mlp, mlp_batches, mlp_loss
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    device = SimulatedDevice(seed=rank, max_delay_s=0.0002)
+    checked: list[str] = []
+    check = device.check_collective
+    device.check_collective = lambda *tensors, op="collective": (checked.append(op), check(*tensors, op=op))[1]
+    config = engine_config(tmp, "cpu", "none", micro=2)
+    with zero.Init(config_dict_or_path=config, compute_device=device):
+        model = mlp()
+        nn.init.constant_(model[0].weight, 0.5)  # a re-initialisation touching a placed weight: gathered
+    with zero.GatheredParameters(model[0].bias, modifier_rank=0):
+        if rank == 0:  # changed on rank 0 only: broadcast to the others
+            model[0].bias.data.fill_(0.25)
+    assert dist.get_backend() == device.collective_backend  # started by zero.Init for that compute
+    built = _gathered(model)
+    build_ops = list(checked)
+    engine, *_ = initialize(model=model, config=config, compute_device=device)
+    x, y = mlp_batches(1)[0]
+    loss = mlp_loss(engine, (x.chunk(2)[rank], y.chunk(2)[rank]))  # this rank's share of the batch
+    engine.backward(loss)
+    engine.step()
+    engine.close()
+    if rank == 0:
+        torch.save({"built": built, "checked": build_ops}, out)
+    device.synchronize()
+    device.close()
+    del engine, device
+    gc.collect()  # the collectives' device buffers, freed before gloo's teardown
+    dist.destroy_process_group()
+
+
+@pytest.mark.simulated
+@pytest.mark.multiprocess
+def test_two_ranks_build_under_init_for_compute_on_a_device(disk_dir, tmp_path, monkeypatch):
+    """zero.Init on two ranks for compute on a device with its own memory: it starts the process group
+    for that device (NCCL for CUDA; the simulated device's transport here), its build's all-gathers and
+    broadcasts run on tensors where that backend needs them (the simulated device's check: device
+    buffers, as NCCL), the weights equal the model built whole with the same change, and the engine
+    trains on the group."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from test_engine import mlp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    out = str(tmp_path / "rank0.pt")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_build_on_a_rank, args=(r, str(disk_dir), out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    saved = torch.load(out)
+    expected = mlp()
+    with torch.no_grad():
+        expected[0].weight.fill_(0.5)
+        expected[0].bias.fill_(0.25)
+    for name, tensor in expected.named_parameters():
+        assert torch.equal(saved["built"][name], tensor), name
+    assert {op.split(" of ")[0] for op in saved["checked"]} == {"all_gather", "broadcast"}  # under zero.Init's names

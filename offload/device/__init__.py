@@ -13,11 +13,12 @@ from offload.device._errors import (CollectiveDeviceError, DeviceError, DeviceMe
                                     PinnedMemoryError)
 from offload.device._select import (DEVICE_CHOICES, check_process_group, collective_device, device_for,
                                     process_group_backend, start_process_group)
-from offload.device._simulated import SimulatedDevice
+from offload.device._simulated import CopyRecord, SimulatedDevice
 
 __all__ = [
     "DEVICE_CHOICES",
     "CollectiveDeviceError",
+    "CopyRecord",
     "CpuDevice",
     "CudaDevice",
     "Device",

@@ -240,6 +240,16 @@ class Device(ABC):
         """``tensor`` where this device's collective backend needs it (itself when it is there already)."""
         return tensor if tensor.device == self.collective_device() else tensor.to(self.collective_device())
 
+    def collective_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D tensor of ``numel`` elements (contents undefined) where this device's collectives need
+        it, for a collective's result."""
+        return torch.empty(numel, dtype=dtype, device=self.collective_device())
+
+    def collective_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A collective's result ``tensor`` in host memory (itself where collectives run on the host's);
+        waits for the collective (sync point)."""
+        return tensor.cpu()
+
     def check_collective(self, *tensors: torch.Tensor, op: str = "collective") -> None:
         """Raise CollectiveDeviceError naming the tensor and the fix when one of ``tensors`` does not
         live where ``collective_backend`` needs it."""

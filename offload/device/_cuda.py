@@ -9,14 +9,30 @@ from __future__ import annotations
 import torch
 
 from offload.device._base import Device, Event, Stream
-from tensorio import lock_status
+from tensorio import HostRegistration, lock_status, set_host_registration
 
-__all__ = ["CudaDevice", "cuda_available"]
+__all__ = ["CUDA_HOST_REGISTRATION", "CudaDevice", "cuda_available"]
 
 
 def cuda_available() -> bool:
     """Whether this torch build has CUDA and sees a GPU."""
     return torch.cuda.is_available()
+
+
+def _register(ptr: int, nbytes: int) -> str | None:
+    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    return None if int(err) == 0 else f"cudaHostRegister failed ({err})"
+
+
+def _unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+CUDA_HOST_REGISTRATION = HostRegistration("cuda-registered", _register, _unregister)
+"""tensorio's locked buffers page-locked and registered with CUDA, for asynchronous copies from and to them."""
+
+if cuda_available():  # every tensorio.locked_tensor from here on is registered (tensorio knows no GPU)
+    set_host_registration(CUDA_HOST_REGISTRATION)
 
 
 class _CudaEvent(Event):
@@ -68,7 +84,7 @@ class CudaDevice(Device):
         return torch.cuda.mem_get_info(self.torch_device)
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type == "cpu" and (tensor.is_pinned() or lock_status(tensor) == "cuda-registered")
+        return tensor.device.type == "cpu" and (tensor.is_pinned() or lock_status(tensor) == CUDA_HOST_REGISTRATION.status)
 
     def owns(self, tensor: torch.Tensor) -> bool:
         return tensor.device == self.torch_device

@@ -19,6 +19,14 @@ Two kinds of check, both raising an error that names the buffer and the bug (doc
   computes on NaN; a copy compares its host source with the snapshot taken when it was issued and
   reports a host write in between (raised by the next call into the device).
 
+Every copy is logged in issue order (``copy_log``: its number, direction, device buffer, stream and
+size), so a test can tell when a copy was issued relative to the compute around it.
+
+With ``register_host=True`` the device also stands in for CUDA's host registration: it installs its
+own `tensorio.HostRegistration` ("simulated-registered", recorded in ``registered_host``) until
+`close`, and takes as pinned only what that registered (or torch pinned), as `CudaDevice` does, so a
+copy from a locked buffer that did not go through the registration raises PinnedMemoryError.
+
 Also raised: PinnedMemoryError for an async copy to or from pageable memory, CollectiveDeviceError
 for a collective tensor that is not a device buffer (the device models NCCL), DeviceMemoryError
 over the budget, DeviceSyncError for a buffer used after ``free``.
@@ -39,9 +47,9 @@ import torch
 
 from offload.device._base import Device, Event, Stream
 from offload.device._errors import CollectiveDeviceError, DeviceError, DeviceSyncError, describe_bytes
-from tensorio import in_locked_buffer
+from tensorio import HostRegistration, in_locked_buffer, lock_status, set_host_registration
 
-__all__ = ["SimulatedDevice"]
+__all__ = ["CopyRecord", "SimulatedDevice"]
 
 _COMPUTE = 0  # the compute stream's index in the vector clocks
 _SCHEDULES = ("random", "late")
@@ -239,6 +247,18 @@ class _ComputeStream(Stream):
         return _SimEvent(self._device, None, _COMPUTE, self.clock[_COMPUTE], dict(self.clock))
 
 
+@dataclass(frozen=True, slots=True)
+class CopyRecord:
+    """One copy as issued: ``number`` (1, 2, ... in issue order, as in the errors), ``direction``
+    ("to_device" or "to_host"), the device ``buffer``'s name, the ``stream``'s name and ``nbytes``."""
+
+    number: int
+    direction: str
+    buffer: str
+    stream: str
+    nbytes: int
+
+
 @dataclass(eq=False)
 class _Alloc:
     name: str
@@ -270,7 +290,9 @@ class SimulatedDevice(Device):
 
     ``seed`` fixes each side stream's delays; ``schedule`` is "random" (delays up to ``max_delay_s``)
     or "late" (a copy runs only when waited for); ``memory_bytes`` is the simulated device's memory
-    (the budget defaults to all of it). Close it (or use it as a context manager) to stop its threads.
+    (the budget defaults to all of it); ``register_host``: pin host buffers through its own host
+    registration, as CUDA's (see the module docstring). Close it (or use it as a context manager) to
+    stop its threads (and remove its registration).
     """
 
     name = "simulated"
@@ -280,7 +302,7 @@ class SimulatedDevice(Device):
 
     def __init__(self, *, seed: int = 0, schedule: str = "random", max_delay_s: float = 0.002,
                  memory_bytes: int = 1 << 30, budget_bytes: int | None = None,
-                 budget_setting: str = "device budget") -> None:
+                 budget_setting: str = "device budget", register_host: bool = False) -> None:
         if schedule not in _SCHEDULES:
             raise ValueError(f"schedule: {schedule!r} is not allowed; use one of {', '.join(map(repr, _SCHEDULES))}")
         self.memory_bytes = memory_bytes
@@ -292,10 +314,33 @@ class SimulatedDevice(Device):
         self._queues: list[_Queue] = []
         self._faults: deque[BaseException] = deque()
         self._lock = threading.Lock()
-        self.copies = 0
-        """Copies issued so far."""
+        self.copy_log: list[CopyRecord] = []
+        """Every copy issued so far, in issue order."""
         super().__init__(budget_bytes=budget_bytes, budget_setting=budget_setting)
         self._compute = _ComputeStream(self)
+        self.registered_host: dict[int, int] = {}
+        """Host buffers its registration pinned and has not unpinned yet: address -> bytes."""
+        self.registration = HostRegistration("simulated-registered", self._register_host,
+                                             self._unregister_host) if register_host else None
+        self._previous_registration = set_host_registration(self.registration) if register_host else None
+
+    def _register_host(self, ptr: int, nbytes: int) -> str | None:
+        self.registered_host[ptr] = nbytes
+        return None
+
+    def _unregister_host(self, ptr: int) -> None:
+        self.registered_host.pop(ptr, None)  # a buffer another simulated device registered: nothing here
+
+    @property
+    def copies(self) -> int:
+        """Copies issued so far."""
+        return len(self.copy_log)
+
+    def _log(self, direction: str, alloc: "_Alloc", stream: Stream, tensor: torch.Tensor) -> int:
+        number = len(self.copy_log) + 1
+        nbytes = tensor.numel() * tensor.element_size()
+        self.copy_log.append(CopyRecord(number, direction, alloc.name, stream.name, nbytes))
+        return number
 
     # ---- memory ---------------------------------------------------------------------------------
 
@@ -303,7 +348,11 @@ class SimulatedDevice(Device):
         return self.memory_bytes - self.allocated_bytes, self.memory_bytes
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type == "cpu" and not self.owns(tensor) and (in_locked_buffer(tensor) or tensor.is_pinned())
+        if tensor.device.type != "cpu" or self.owns(tensor):
+            return False
+        if self.registration is not None:  # as CudaDevice: registered through the seam, or torch-pinned
+            return tensor.is_pinned() or lock_status(tensor) == self.registration.status
+        return in_locked_buffer(tensor) or tensor.is_pinned()
 
     def owns(self, tensor: torch.Tensor) -> bool:
         return self._alloc_of(tensor) is not None
@@ -345,8 +394,7 @@ class SimulatedDevice(Device):
         snapshot = src.clone()
         if not any(not read.done for read in alloc.reads):
             _poison(dst)  # the data is not there until the copy runs (unless an earlier copy still reads the old)
-        self.copies += 1
-        number = self.copies
+        number = self._log("to_device", alloc, stream, dst)
         where = self.describe(src)
 
         def copy() -> None:
@@ -369,10 +417,10 @@ class SimulatedDevice(Device):
         alloc = self._live(src, "copied from")
         self._check_ordered(alloc, src, stream, "copied to the host")
         _poison(dst)  # the host's bytes are not there until the copy runs
-        self.copies += 1
+        number = self._log("to_host", alloc, stream, src)
         alloc.reads = [e for e in alloc.reads if not e.done]
         event = stream.submit(lambda: dst.copy_(src))
-        event.number = self.copies
+        event.number = number
         alloc.reads.append(event)
         self._uses.append(_HostUse("fill", *_span(dst), event, alloc.name, dst))
         return event
@@ -418,6 +466,9 @@ class SimulatedDevice(Device):
             queue.stop()
         for queue in self._queues:
             queue.join()
+        if self.registration is not None:
+            set_host_registration(self._previous_registration)
+            self.registration = None
 
     # ---- checks ---------------------------------------------------------------------------------
 
@@ -494,11 +545,24 @@ class SimulatedDevice(Device):
         """``tensor`` itself when it is a device buffer, else a copy in a new one (freed when dropped)."""
         if self.owns(tensor):
             return tensor
-        buffer = self.empty(tensor.numel(), tensor.dtype, name="collective")
-        buffer.copy_(tensor.reshape(-1))
-        result = buffer.view(tensor.shape)
-        weakref.finalize(result, self.free, buffer)
+        result = self._collective_buffer(tensor.numel(), tensor.dtype, tensor.shape)
+        result.copy_(tensor)
         return result
+
+    def collective_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A device buffer (freed when dropped) for a collective's result."""
+        return self._collective_buffer(numel, dtype, (numel,))
+
+    def _collective_buffer(self, numel: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        buffer = self.empty(numel, dtype, name="collective")
+        result = buffer.view(shape)
+        weakref.finalize(result, self.free, buffer)  # the caller's tensor: freed with it
+        return result
+
+    def collective_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy of device buffer ``tensor`` (a collective's result), read once it is ready."""
+        self.check_ready(tensor)
+        return tensor.clone()
 
     def check_collective(self, *tensors: torch.Tensor, op: str = "collective") -> None:
         """Raise CollectiveDeviceError for a tensor that is not a device buffer (NCCL's rule), and

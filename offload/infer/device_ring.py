@@ -36,15 +36,16 @@ class _Copy:
 
 
 class DeviceRing:
-    """``buffer_count`` device buffers of ``buffer_nbytes``, filled on a side stream (see the module docstring).
+    """``buffer_count`` device buffers of ``buffer_nbytes``, filled on a side stream (see the module
+    docstring); ``name`` names the buffers (``name[0]``, ...) and the stream (``name-copies``) in errors.
 
     Raises DeviceMemoryError when the buffers exceed the device's budget (nothing is held then).
     """
 
-    def __init__(self, device: Device, buffer_count: int, buffer_nbytes: int) -> None:
+    def __init__(self, device: Device, buffer_count: int, buffer_nbytes: int, *, name: str = "ring") -> None:
         self.device = device
         self.buffer_nbytes = buffer_nbytes
-        self.stream = device.new_stream("ring-copies")
+        self.stream = device.new_stream(f"{name}-copies")
         self.buffers: list[torch.Tensor] = []
         self._computed: list[Event | None] = [None] * buffer_count
         self._free: deque[int] = deque(range(buffer_count))
@@ -53,7 +54,7 @@ class DeviceRing:
         """Bytes copied to the device so far."""
         try:
             for slot in range(buffer_count):
-                self.buffers.append(device.empty(buffer_nbytes, torch.uint8, name=f"ring[{slot}]"))
+                self.buffers.append(device.empty(buffer_nbytes, torch.uint8, name=f"{name}[{slot}]"))
         except BaseException:
             self.close()
             raise
@@ -76,7 +77,10 @@ class DeviceRing:
         slot = self._free.popleft()
         if self._computed[slot] is not None:
             self.stream.wait_event(self._computed[slot])  # compute is done with the buffer's previous unit
-        copied = self.device.to_device(self.buffers[slot][:nbytes], host[:nbytes], stream=self.stream)
+        if nbytes:
+            copied = self.device.to_device(self.buffers[slot][:nbytes], host[:nbytes], stream=self.stream)
+        else:  # nothing to copy (an empty cache layer): an event after the wait above
+            copied = self.stream.record()
         self._copies[key] = _Copy(slot, copied)
         self.bytes_copied += nbytes
         return True

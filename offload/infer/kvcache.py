@@ -112,6 +112,41 @@ class NvmeKVLayer(_StreamedLayer):
         """Append ``key_states`` / ``value_states`` ([batch, heads, new, head dim]); return every
         token's keys and values ([batch, heads, tokens, head dim], copied out of the ring buffer).
         Raises ValueError when the cache would pass its length, TensorIOError for a failed read or write."""
+        keys, values = self._append(key_states, value_states)
+        # Attention's layout, contiguous: torch's CPU attention on the token-major views took 2.5x as long
+        # as on a copy, and the copy costs what transformers' DynamicLayer pays anyway (it concatenates).
+        # The buffer is then free at once, for the next read.
+        out = (self.ring.codec.decode(keys[:self.length]).permute(1, 2, 0, 3).contiguous(),
+               self.ring.codec.decode(values[:self.length]).permute(1, 2, 0, 3).contiguous())
+        self.ring.release(self)
+        return out
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> None:
+        """`update` without returning the tokens (the device path reads them with `held` before the
+        next update). Raises as `update`."""
+        self._append(key_states, value_states)
+        self.ring.release(self)
+
+    def held(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every token's keys and values as [batch, heads, tokens, head dim] views (of the ring buffer,
+        which stays held for the next `update` or `append`), waiting for the read; None when empty.
+        Raises TensorIOError for a failed read."""
+        if not self.length:
+            return None
+        keys, values = self._acquire()
+        return (self.ring.codec.decode(keys[:self.length]).permute(1, 2, 0, 3),
+                self.ring.codec.decode(values[:self.length]).permute(1, 2, 0, 3))
+
+    def _acquire(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ring buffer with every token held ([max_tokens, batch, heads, row]), held until released."""
+        keys, values = self.ring.acquire(self)  # the first `flushed` tokens read
+        if self.length > self.flushed:
+            keys[self.flushed:self.length] = self.tail_keys
+            values[self.flushed:self.length] = self.tail_values
+        return keys, values
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new tokens to the held ring buffer and write behind the whole pages; the buffer's views."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         ring = self.ring
@@ -121,11 +156,7 @@ class NvmeKVLayer(_StreamedLayer):
             raise ValueError(f"kv_offload: layer {self.index}'s cache holds {ring.max_tokens} tokens (the length it was "
                              f"made for), and {total} are asked for; make the cache for the full length (prompt plus "
                              f"max_new_tokens)")
-        keys, values = ring.acquire(self)  # [max_tokens, batch, heads, row], the first `flushed` tokens read
-        tail = self.length - self.flushed
-        if tail:
-            keys[self.flushed:self.length] = self.tail_keys
-            values[self.flushed:self.length] = self.tail_values
+        keys, values = self._acquire()
         keys[self.length:total] = ring.codec.encode(key_states.permute(2, 0, 1, 3))
         values[self.length:total] = ring.codec.encode(value_states.permute(2, 0, 1, 3))
         self.length = total
@@ -136,13 +167,7 @@ class NvmeKVLayer(_StreamedLayer):
             self.flushed = done
         self.tail_keys = keys[done:total].clone() if total > done else None
         self.tail_values = values[done:total].clone() if total > done else None
-        # Attention's layout, contiguous: torch's CPU attention on the token-major views took 2.5x as long
-        # as on a copy, and the copy costs what transformers' DynamicLayer pays anyway (it concatenates).
-        # The buffer is then free at once, for the next read.
-        out = (ring.codec.decode(keys[:total]).permute(1, 2, 0, 3).contiguous(),
-               ring.codec.decode(values[:total]).permute(1, 2, 0, 3).contiguous())
-        ring.release(self)
-        return out
+        return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -231,7 +256,9 @@ class KVRing:
 
     def acquire(self, layer: NvmeKVLayer) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer``'s buffer with its first ``flushed`` tokens read (waiting for that read), held
-        until `release`."""
+        until `release` (``layer``'s own held buffer again when it is acquired twice)."""
+        if self._held is not None and self._held[0] is layer:  # held ahead of its update (`NvmeKVLayer.held`)
+            return self._views(self._held[1])
         if self._held is not None:  # an update that raised: its buffer is free again
             self._free.append(self._held[1])
             self._held = None
@@ -393,8 +420,8 @@ class OffloadedKVCache(Cache):
     read in the block schedule's order (layer by layer, the micro-batches of each in turn).
 
     Use it as ``model.generate(..., cache=cache)`` and `close` it afterwards (or use it as a context
-    manager). With ``stager`` (compute on a device of its own) every layer is a `StagedKVLayer`, copied
-    to the device per update (offload/infer/device_kv.py). With ``quantization`` every layer stores its keys and values as `KVCodec` bytes, those in
+    manager). With ``stager`` (compute on a device of its own) every layer (each micro-batch's part) is a
+    `StagedKVLayer`, copied to the device one layer ahead of its update (offload/infer/device_kv.py). With ``quantization`` every layer stores its keys and values as `KVCodec` bytes, those in
     memory as `QuantizedLayer`. Greedy decoding and sampling work; beam search and assisted decoding
     need reordering or cropping, which layers on NVMe or in micro-batches refuse (NotImplementedError
     naming kv_offload or block_schedule); layers in memory do them.
@@ -422,8 +449,9 @@ class OffloadedKVCache(Cache):
                     parts.append(layer)
                 else:
                     parts.append(DynamicLayer() if quantization is None else QuantizedLayer(self._codec_for))
-            layer = parts[0] if micro_batches == 1 else MicroBatchedLayer(self, parts)
-            layers.append(layer if stager is None else StagedKVLayer(stager, layer))
+            if stager is not None:  # each part in the order the forward updates them (block schedule: micro-batches in turn)
+                parts = [StagedKVLayer(stager, part) for part in parts]
+            layers.append(parts[0] if micro_batches == 1 else MicroBatchedLayer(self, parts))
         super().__init__(layers=layers)
 
     def _codec_for(self, key_states: torch.Tensor) -> KVCodec:

@@ -122,8 +122,18 @@ class QuantizedLayer(DynamicLayer):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``key_states`` / ``value_states`` ([batch, heads, new, head dim]) quantized; return
         every token's, dequantized."""
+        self.append(key_states, value_states)
+        return self.codec.decode(self.keys), self.codec.decode(self.values)
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> None:
+        """`update` without decoding every token (the device path reads them with `held`)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.keys = torch.cat([self.keys, self.codec.encode(key_states)], dim=-2)
         self.values = torch.cat([self.values, self.codec.encode(value_states)], dim=-2)
+
+    def held(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every token's keys and values, dequantized ([batch, heads, tokens, head dim]); None when empty."""
+        if not self.get_seq_length():
+            return None
         return self.codec.decode(self.keys), self.codec.decode(self.values)

@@ -13,12 +13,16 @@ page-locked buffer an NVMe read filled. Per gathered parameter, in order:
    until it has run, after the store has released the parameter (`_sweep`).
 
 While a module computes, the next partitions of the recorded order are copied ahead (step 1 for them,
-``ahead_elements`` at most, whatever host data is there without waiting for a read); a host buffer
-an NVMe read filled goes back to the pool only once every copy from it is done (`host_released`).
+``ahead_elements`` at most, whatever host data is there without waiting for a read). A host buffer
+an NVMe read filled goes back to the pool and the budget once every copy from it is done, without the
+host waiting for them (`give_back_host`: it is held until the copies' events answer done, polled before
+the next reads start); a host partition about to be written in place first waits for them
+(`host_released`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -64,6 +68,9 @@ class DeviceGathers:
         """Buffers of released parameters that views may still refer to (freed by `_sweep`)."""
         self._from_host: dict[int, list[Event]] = {}
         """Record index -> copies that read its host buffer and that the host has not yet seen done."""
+        self._returning: list[tuple[list[Event], torch.Tensor, Callable[[], None]]] = []
+        """Host buffers given back while copies may still read them: (those copies' events, the buffer,
+        what gives it back), until the events are done."""
         self.bytes_to_device = 0
         """Bytes copied host -> device so far."""
         self.copied_ahead = 0
@@ -154,12 +161,38 @@ class DeviceGathers:
             ahead += rec.partition_numel
 
     def host_released(self, rec: ParamRecord, host: torch.Tensor | None) -> None:
-        """Before the host writes ``rec``'s host partition ``host`` (an update) or gives its buffer back
-        to the pool: wait for the copies that read it (sync point)."""
+        """Before the host writes ``rec``'s host partition ``host`` in place (an update): wait for the
+        copies that read it (sync point)."""
         for event in self._from_host.pop(rec.index, ()):
             event.synchronize()
         if host is not None:
             self.device.check_writable(host)
+
+    def give_back_host(self, rec: ParamRecord, host: torch.Tensor, on_free: Callable[[], None]) -> None:
+        """``rec``'s NVMe read buffer ``host`` is no longer needed: ``on_free()`` (its elements back to the
+        budget) and the last reference to it (back to the pool) once the copies that read it are done,
+        at once where they are; never waits (see `reap_host`)."""
+        self._returning.append((self._from_host.pop(rec.index, []), host, on_free))
+        self.reap_host()
+
+    def reap_host(self) -> None:
+        """Give back the host buffers whose copies' events are done (never waits)."""
+        self._settle_host(wait=False)
+
+    def _settle_host(self, *, wait: bool) -> None:
+        """Give back the host buffers of `give_back_host` whose copies are done (``wait``: all, sync point)."""
+        kept = []
+        for entry in self._returning:
+            events, host, on_free = entry
+            if wait:
+                for event in events:
+                    event.synchronize()
+            elif not all(event.query() for event in events):
+                kept.append(entry)
+                continue
+            self.device.check_writable(host)  # the pool may refill it from here on
+            on_free()
+        self._returning = kept
 
     def drop_all(self) -> None:
         """End of a pass (or an error): every copy ahead and gathered buffer goes (sync point: their copies)."""
@@ -172,6 +205,7 @@ class DeviceGathers:
             for event in events:
                 event.synchronize()
         self._from_host.clear()
+        self._settle_host(wait=True)
 
     # ---- internals -------------------------------------------------------------------------------
 

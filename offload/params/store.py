@@ -20,6 +20,8 @@ commit rule belong to `offload.train`, which plugs in through two small protocol
 
 from __future__ import annotations
 
+import functools
+
 import itertools
 import weakref
 from dataclasses import dataclass, field
@@ -103,6 +105,10 @@ class PendingUpdates(Protocol):
     def overwrites(self, rec: ParamRecord) -> bool:
         """Whether ``rec``'s pending update writes every element without reading it (no read needed)."""
 
+    def settled(self, rec: ParamRecord) -> bool:
+        """Whether ``rec``'s values are final for this pass without waiting (no update pending, or it has
+        run): what a copy ahead may read."""
+
 
 @dataclass(slots=True, eq=False)
 class _Saved:
@@ -158,6 +164,9 @@ class ParamStore:
     """Module id -> indices of the records found to be its external parameters (`_ForwardExit`)."""
     device: Device = field(default_factory=CpuDevice)
     """Where compute runs. With memory of its own (a GPU), gathers copy partitions onto it (``gathers``)."""
+    collectives: Device | None = None
+    """Where gathers of host partitions (no ``gathers``) run their collectives, by its backend: the
+    compute device for `offload.zero.Init`'s build (NCCL takes GPU tensors only); None: ``device``."""
     gathers: DeviceGathers | None = None
     """The device side of gather and release where the device's memory is separate; None on the CPU."""
     resident: bool = False
@@ -234,13 +243,14 @@ class ParamStore:
                 self.drop_buffer(rec)  # once its copies are done
         elif self.world_size == 1:
             full = local[:rec.numel]
-        else:
-            full = torch.empty(rec.partition_numel * self.world_size, dtype=local.dtype)
+        else:  # host memory, gathered where the collectives' backend needs it
+            collectives = self.collectives or self.device
+            full = collectives.collective_empty(rec.partition_numel * self.world_size, local.dtype)
             chunks = list(full.chunk(self.world_size))
-            local = local.contiguous()
-            self.device.check_collective(local, *chunks, op=f"all_gather of {rec.name!r}")
+            local = collectives.collective_tensor(local.contiguous())
+            collectives.check_collective(local, *chunks, op=f"all_gather of {rec.name!r}")
             dist.all_gather(chunks, local, group=self.group)
-            full = full[:rec.numel]
+            full = collectives.collective_to_host(full)[:rec.numel]
             if not self._keeps(rec):
                 self.drop_buffer(rec)
         rec.full = full
@@ -287,11 +297,14 @@ class ParamStore:
             self.gathers.host_released(rec, rec.buffer if rec.on_disk else rec.partition.data)
 
     def host_partition(self, rec: ParamRecord) -> torch.Tensor | None:
-        """``rec``'s partition in host memory when it is there without waiting (in memory, or its read
-        done); None while a read is in flight or not started, and with a step whose updates run during
-        the passes (``updates``: nothing tells without waiting whether a partition's update has run)."""
+        """``rec``'s partition in host memory when it is there without waiting and final (in memory, or
+        its read done; with a step whose updates run during the passes, ``updates``, its update run,
+        in the buffer the step holds); None while a read is in flight or not started, or an update pending."""
         if self.updates is not None:
-            return None
+            if not self.updates.settled(rec):
+                return None
+            if self.updates.holds(rec):
+                return rec.partition.data  # the updated buffer the step holds
         if not rec.on_disk:
             return rec.partition.data
         if rec.buffer is None or (rec.read is not None and not rec.read.done()):
@@ -335,6 +348,8 @@ class ParamStore:
         """Start reads of upcoming on-disk records while fewer than the bucket's elements are read ahead
         (as DeepSpeed's coordinator: the read that crosses it starts too, so a bucket smaller than one
         partition still reads the next one ahead) and while they fit in the budget."""
+        if self.gathers is not None:
+            self.gathers.reap_host()  # read buffers whose copies to the device are done count no more
         ahead = 0
         for index in self.prefetcher.upcoming():
             rec = self.records[index]
@@ -351,15 +366,20 @@ class ParamStore:
             ahead += rec.partition_numel
 
     def drop_buffer(self, rec: ParamRecord) -> None:
-        """Let go of ``rec``'s read buffer (after its read, if one is in flight): its elements leave the budget."""
+        """Let go of ``rec``'s read buffer (after its read, if one is in flight): its elements leave the budget
+        (on a device with its own memory, once the copies that read it are done, without waiting for them)."""
         if rec.buffer is not None:
             if rec.read is not None:  # never free memory the kernel may still write to
                 rec.read.exception()  # waits; a failed read was raised where it was needed
                 rec.read = None
-            if self.gathers is not None:
-                self.gathers.host_released(rec, rec.buffer)  # nor memory a copy to the device still reads
-            rec.buffer = None
-            self.budget.held -= rec.partition_numel
+            buffer, rec.buffer = rec.buffer, None
+            if self.gathers is None:
+                self.budget.held -= rec.partition_numel
+            else:  # nor memory a copy to the device still reads: given back once its copies are done
+                self.gathers.give_back_host(rec, buffer, functools.partial(self._unbudget, rec.partition_numel))
+
+    def _unbudget(self, numel: int) -> None:
+        self.budget.held -= numel
 
     def placeholder(self, dtype: torch.dtype) -> torch.Tensor:
         """The empty tensor that stands in for released parameters and on-disk partitions of ``dtype``."""

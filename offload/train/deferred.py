@@ -142,6 +142,15 @@ class DeferredStep:
         be wasted (16-bit partitions, from their second update on)."""
         return self.active and rec.index in self._pending and self._opt.overwrites(rec.partition)
 
+    def settled(self, rec: ParamRecord) -> bool:
+        """Whether ``rec``'s values are final for the forward without waiting: no update of it in this step,
+        or its update has run (any later write to its host memory waits for the copies that read it)."""
+        if not self.active:
+            return True
+        if rec.index in self._pending:
+            return False
+        return rec.index not in self._handed or self._is_updated(rec)
+
     def holds(self, rec: ParamRecord) -> bool:
         """Whether ``rec``'s values are held by the step (handed over), not by the store."""
         return self._writeback is not None and self._writeback.holds(rec)
