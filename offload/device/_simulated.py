@@ -39,6 +39,7 @@ import torch
 
 from offload.device._base import Device, Event, Stream
 from offload.device._errors import CollectiveDeviceError, DeviceError, DeviceSyncError, describe_bytes
+from offload.device._packed import SimulatedPackedKernels
 from tensorio import in_locked_buffer
 
 __all__ = ["SimulatedDevice"]
@@ -277,6 +278,7 @@ class SimulatedDevice(Device):
     torch_device = torch.device("cpu")
     separate_memory = True
     collective_backend = "gloo"  # the transport; collective tensors must still be device buffers, as NCCL's
+    packed_kernels = SimulatedPackedKernels()  # the CPU's, with the GPU's rule on what it takes
 
     def __init__(self, *, seed: int = 0, schedule: str = "random", max_delay_s: float = 0.002,
                  memory_bytes: int = 1 << 30, budget_bytes: int | None = None,
