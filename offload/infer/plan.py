@@ -309,8 +309,11 @@ class Plan:
 
 
 def _before_after(nbytes: int, before: int | None, what: str) -> str:
-    """ "X read per forward, unquantized Y (Zx fewer bytes)"."""
-    return (f"{format_bytes(nbytes)} {what}" + (f", unquantized {format_bytes(before)}" if before is not None else "")
+    """ "X read per forward, unquantized Y (Zx fewer bytes)"; without ``before``, that the unquantized
+    weights would not fit the budgets."""
+    if before is None:
+        return f"{format_bytes(nbytes)} {what} (unquantized, the weights would not fit these budgets)"
+    return (f"{format_bytes(nbytes)} {what}, unquantized {format_bytes(before)}"
             + (f" ({before / nbytes:.2f}x fewer bytes)" if before and nbytes else ""))
 
 
