@@ -17,13 +17,13 @@ import hashlib
 
 import torch
 
-__all__ = ["CPU_KERNELS", "PackedKernels", "SimulatedPackedKernels", "TINYGEMM_DTYPE", "int4_test_matrix"]
+__all__ = ["CPU_KERNELS", "PackedKernels", "SimulatedPackedKernels", "tinygemm_refusal"]
 
-TINYGEMM_DTYPE = torch.bfloat16
+_TINYGEMM_DTYPE = torch.bfloat16
 """The one activation dtype the CUDA int4 kernel (tinygemm) takes."""
 
 
-def int4_test_matrix() -> torch.Tensor:
+def _int4_test_matrix() -> torch.Tensor:
     """A fixed 64 x 64 matrix of 4-bit values (int32) whose packing fingerprints a layout."""
     return (torch.arange(64 * 64, dtype=torch.int32).reshape(64, 64) * 7) % 16
 
@@ -55,7 +55,7 @@ class PackedKernels:
     def int4_fingerprint(self) -> str:
         """A hash of the int4 packing of a fixed matrix here: a layout may change between torch
         versions and CPUs, so the quantized cache records it and is rewritten where it differs."""
-        packed = self.pack_int4(int4_test_matrix())
+        packed = self.pack_int4(_int4_test_matrix())
         return f"torch {torch.__version__}, int4 pack {hashlib.sha256(packed.numpy().tobytes()).hexdigest()[:16]}"
 
     def int8_mm(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -73,7 +73,7 @@ class PackedKernels:
 
 def tinygemm_refusal(num_bits: int, dtype: torch.dtype, where: str) -> str | None:
     """CUDA's int4 rule (tinygemm computes in bfloat16 only), worded for the ``where`` device."""
-    if num_bits == 4 and dtype != TINYGEMM_DTYPE:
+    if num_bits == 4 and dtype != _TINYGEMM_DTYPE:
         return (f"int4 runs there on torch's tinygemm kernel (_weight_int4pack_mm), which takes bfloat16 activations "
                 f"only, and the compute dtype is {str(dtype).removeprefix('torch.')}{where}; set dtype \"bfloat16\" "
                 f"(or bf16.enabled), or use num_bits 8")
