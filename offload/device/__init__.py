@@ -1,7 +1,8 @@
 """The device seam: everything that differs between computing on the CPU and on a GPU.
 
 Allocation (device buffers against a budget, pinned host buffers), asynchronous copies, streams,
-events, the collective backend and where a collective's tensors live go through a `Device`:
+events, the collective backend, where a collective's tensors live and the packed-int kernels of
+quantized weights go through a `Device`:
 `CpuDevice`, `CudaDevice` (the only code in offload/ that calls torch.cuda), or `SimulatedDevice`,
 which runs the GPU path on the CPU and fails loudly on the GPU-only bugs. See docs/device.md.
 """
@@ -13,9 +14,11 @@ from offload.device._errors import (CollectiveDeviceError, DeviceError, DeviceMe
                                     PinnedMemoryError)
 from offload.device._select import (DEVICE_CHOICES, check_process_group, collective_device, device_for,
                                     process_group_backend, start_process_group)
+from offload.device._packed import CPU_KERNELS, PackedKernels
 from offload.device._simulated import CopyRecord, SimulatedDevice
 
 __all__ = [
+    "CPU_KERNELS",
     "DEVICE_CHOICES",
     "CollectiveDeviceError",
     "CopyRecord",
@@ -26,6 +29,7 @@ __all__ = [
     "DeviceMemoryError",
     "DeviceSyncError",
     "Event",
+    "PackedKernels",
     "PinnedMemoryError",
     "SimulatedDevice",
     "Stream",

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from offload.device._errors import CollectiveDeviceError, DeviceMemoryError, PinnedMemoryError, describe_bytes
+from offload.device._packed import PackedKernels
 from tensorio import free_locked_tensor, locked_tensor
 
 __all__ = ["Device", "Event", "Stream"]
@@ -64,7 +65,8 @@ class Device(ABC):
     - streams: ``compute_stream`` (where the model's kernels run) and ``new_stream`` (side streams);
     - checks: ``check_ready`` before a buffer is read, ``check_writable`` before a host buffer is
       refilled (no-ops on real hardware, enforced by the simulated device);
-    - collectives: ``collective_backend``, ``collective_tensor``, ``check_collective``.
+    - collectives: ``collective_backend``, ``collective_tensor``, ``check_collective``;
+    - quantized weights: ``packed_kernels``.
     """
 
     name: str
@@ -76,6 +78,9 @@ class Device(ABC):
     host buffers are used in place and nothing needs staging)."""
     collective_backend: str
     """The torch.distributed backend for this compute: "nccl" on CUDA, "gloo" otherwise."""
+    packed_kernels: PackedKernels
+    """The int8 / int4 weight-only matrix products this device runs and the int4 layout they take
+    (offload/device/_packed.py)."""
 
     def __init__(self, *, budget_bytes: int | None = None, budget_setting: str = "device budget") -> None:
         self.budget_setting = budget_setting

@@ -6,6 +6,7 @@ import psutil
 import torch
 
 from offload.device._base import Device, Event, Stream
+from offload.device._packed import CPU_KERNELS
 
 __all__ = ["CpuDevice"]
 
@@ -42,6 +43,7 @@ class CpuDevice(Device):
     torch_device = torch.device("cpu")
     separate_memory = False
     collective_backend = "gloo"
+    packed_kernels = CPU_KERNELS
 
     def __init__(self, *, budget_bytes: int | None = None, budget_setting: str = "device budget") -> None:
         super().__init__(budget_bytes=budget_bytes, budget_setting=budget_setting)

@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 
 from offload.device._base import Device, Event, Stream
+from offload.device._packed import PackedKernels, tinygemm_refusal
 from tensorio import HostRegistration, lock_status, set_host_registration
 
-__all__ = ["CUDA_HOST_REGISTRATION", "CudaDevice", "cuda_available"]
+__all__ = ["CUDA_HOST_REGISTRATION", "CudaDevice", "CudaPackedKernels", "cuda_available"]
 
 
 def cuda_available() -> bool:
@@ -79,6 +80,7 @@ class CudaDevice(Device):
         self.torch_device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
         super().__init__(budget_bytes=budget_bytes, budget_setting=budget_setting)
         self._compute = _CudaStream(torch.cuda.current_stream(self.torch_device), "compute")
+        self.packed_kernels = CudaPackedKernels(self.torch_device)
 
     def memory_info(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info(self.torch_device)
@@ -111,3 +113,44 @@ class CudaDevice(Device):
 
     def collective_device(self) -> torch.device:
         return self.torch_device
+
+
+def _inner_k_tiles(in_features: int) -> int:
+    """tinygemm's k-tiles per packed word group: the most of 8, 4, 2 whose 16-value tiles divide the inputs."""
+    return next(tiles for tiles in (8, 4, 2) if in_features % (tiles * 16) == 0)
+
+
+class CudaPackedKernels(PackedKernels):
+    """A CUDA GPU's packed-int kernels: ``torch._weight_int8pack_mm`` (its CUDA kernel) for int8, and
+    tinygemm (``_weight_int4pack_mm`` on ``_convert_weight_to_int4pack``'s tiles: int32
+    [out / 8, in / (k-tiles x 16), 32, k-tiles / 2], as many bytes as the CPU's packing) for int4.
+    int4 weights are packed on this GPU when the quantized cache is written (the tiles are
+    tinygemm's, not the CPU's), then stored, streamed and copied in that layout."""
+
+    name = "cuda"
+    int4_layout = "tinygemm"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def unsupported(self, num_bits: int, dtype: torch.dtype) -> str | None:
+        op = "_weight_int8pack_mm" if num_bits == 8 else "_weight_int4pack_mm"
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", "CUDA"):
+            return f"torch {torch.__version__} has no CUDA kernel for {op}; use a newer torch, or compute_device \"cpu\""
+        if num_bits == 4 and torch.cuda.get_device_capability(self.device) < (8, 0):
+            major, minor = torch.cuda.get_device_capability(self.device)
+            return (f"int4 runs there on torch's tinygemm kernel, which needs compute capability 8.0 (Ampere) or "
+                    f"newer; this GPU has {major}.{minor}: use num_bits 8")
+        return tinygemm_refusal(num_bits, dtype, "")
+
+    def int4_weight(self, out_features: int, in_features: int) -> tuple[torch.dtype, tuple[int, ...]]:
+        tiles = _inner_k_tiles(in_features)
+        return torch.int32, (out_features // 8, in_features // (tiles * 16), 32, tiles // 2)
+
+    def pack_int4(self, q: torch.Tensor) -> torch.Tensor:
+        pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # two values a byte, the even one high
+        return torch._convert_weight_to_int4pack(pairs.to(self.device), _inner_k_tiles(q.shape[1])).cpu()
+
+    def int4_mm(self, x: torch.Tensor, qweight: torch.Tensor, group_size: int,
+                scales_and_zeros: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm(x.contiguous(), qweight, group_size, scales_and_zeros)

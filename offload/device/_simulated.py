@@ -47,6 +47,7 @@ import torch
 
 from offload.device._base import Device, Event, Stream
 from offload.device._errors import CollectiveDeviceError, DeviceError, DeviceSyncError, describe_bytes
+from offload.device._packed import SimulatedPackedKernels
 from tensorio import HostRegistration, in_locked_buffer, lock_status, set_host_registration
 
 __all__ = ["CopyRecord", "SimulatedDevice"]
@@ -299,6 +300,7 @@ class SimulatedDevice(Device):
     torch_device = torch.device("cpu")
     separate_memory = True
     collective_backend = "gloo"  # the transport; collective tensors must still be device buffers, as NCCL's
+    packed_kernels = SimulatedPackedKernels()  # the CPU's, with the GPU's rule on what it takes
 
     def __init__(self, *, seed: int = 0, schedule: str = "random", max_delay_s: float = 0.002,
                  memory_bytes: int = 1 << 30, budget_bytes: int | None = None,

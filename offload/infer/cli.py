@@ -210,6 +210,7 @@ def _figures(engine, printer: _Printer, start: float, end: float, read_start: in
         "kv_nvme_layers": len(plan.kv.nvme_layers) if plan.kv else 0, "kv_bytes_read": engine.kv_bytes_read,
         "kv_bytes_written": engine.kv_bytes_written, "kv_read_wait_s": engine.kv_wait_seconds,
         "host_to_device_bytes_per_forward": plan.host_to_device_bytes_per_forward,
+        "unquantized_host_to_device_bytes_per_forward": plan.unquantized_host_to_device_bytes,
         "device_resident_bytes": plan.device.resident_bytes if plan.device else None,
         "bound_s_per_token": plan.bound_seconds(),
     }

@@ -410,34 +410,45 @@ class InferenceEngine:
                    kv_link_bytes: int = 0, host_kv_bytes: int = 0) -> Plan:
         """The placement; where compute has memory of its own, first what the device keeps (the KV cache,
         or with ``kv_link_bytes`` its buffers, and ``activations`` with it: default one token's), then the
-        rest between host memory and NVMe (beside ``host_kv_bytes`` of cache there)."""
+        rest between host memory and NVMe (beside ``host_kv_bytes`` of cache there). With quantized
+        weights, also the bytes per link of the same budgets' placement of the unquantized weights."""
+        args = (kv_bytes, kv_shape, disk, activations, kv_link_bytes, host_kv_bytes)
+        plan = self._placement(self._sizes(), *args)
+        if self._unquantized_sizes is None:
+            return plan
+        try:
+            before = self._placement(self._unquantized_sizes, *args)
+        except BudgetError:  # the budgets hold the model only quantized: nothing to compare with
+            before = None
+        return dataclasses.replace(
+            plan, quantization=self.settings.weight_quantization.name,
+            unquantized_read_bytes=before.read_bytes_per_forward if before else None,
+            unquantized_host_to_device_bytes=before.host_to_device_bytes_per_forward if before and plan.device else None)
+
+    def _placement(self, sizes: list[UnitSize], kv_bytes: int, kv_shape: tuple[int, int],
+                   disk: tuple[float | None, str] | None, activations: int | None, kv_link_bytes: int,
+                   host_kv_bytes: int) -> Plan:
+        """`_make_plan` for units of ``sizes``."""
         if self._device_budget is not None:
             budget, setting = self._device_budget
-            speed, sizes = self.settings.host_to_device_gbps, self._sizes()
+            speed = self.settings.host_to_device_gbps
             tier = place_device(sizes, budget=budget, setting=setting, ring_slots=self.settings.buffer_count,
                                 kv_bytes=kv_bytes, kv_shape=kv_shape,
                                 activation_bytes=self.activation_bytes(1, 1) if activations is None else activations,
                                 host_to_device_bps=speed * 1e9 if speed else None, kv_link_bytes=kv_link_bytes)
             host = self._host_plan([u for u in sizes if u.name not in tier.resident], host_kv_bytes, kv_shape, disk)
             return dataclasses.replace(host, units=tuple(sizes), resident=host.resident | tier.resident, device=tier)
-        return self._host_plan(self._sizes(), kv_bytes, kv_shape, disk)
+        return self._host_plan(sizes, kv_bytes, kv_shape, disk)
 
     def _host_plan(self, sizes: list[UnitSize], kv_bytes: int, kv_shape: tuple[int, int],
                    disk: tuple[float | None, str] | None) -> Plan:
         settings = self.settings
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        budget = self._budget()
         buffer_nbytes = None if settings.buffer_size is None else settings.buffer_size * itemsize
         if disk is None:
             disk = (settings.disk_gbps * 1e9, "given") if settings.disk_gbps else (None, "")
-        plan = make_plan(sizes, budget=budget, buffer_count=settings.buffer_count, buffer_nbytes=buffer_nbytes,
+        return make_plan(sizes, budget=self._budget(), buffer_count=settings.buffer_count, buffer_nbytes=buffer_nbytes,
                          kv_bytes=kv_bytes, kv_shape=kv_shape, disk_bps=disk[0], disk_source=disk[1])
-        if self._unquantized_sizes is not None:  # the same placement's bytes without quantization, for comparison
-            before = make_plan(self._unquantized_sizes, budget=budget, buffer_count=settings.buffer_count,
-                               kv_bytes=kv_bytes, kv_shape=kv_shape)
-            plan = dataclasses.replace(plan, quantization=settings.weight_quantization.name,
-                                       unquantized_read_bytes=before.read_bytes_per_forward)
-        return plan
 
     def _lookahead_units(self, plan: Plan) -> int | None:
         """Reads in flight that ``stage3_prefetch_bucket_size`` allows (at least one), None for no limit."""
@@ -448,13 +459,14 @@ class InferenceEngine:
         return max(1, bucket * itemsize // plan.buffer_nbytes)
 
     def _quantize(self, directory: str) -> None:
-        """Swap the decoder layers' linear layers for packed ones (`QuantLinear`) and read every weight
-        from the quantized cache (written once under ``nvme_path``, else in the checkpoint's directory)."""
-        spec = self.settings.weight_quantization
-        if self.compute.separate_memory:
-            raise ValueError(f"weight_quantization: the packed kernels run on the CPU here; compute on the "
-                             f"{self.compute.name} device does not take quantized layers yet (leave weight_quantization "
-                             f"out, or set compute_device \"cpu\")")
+        """Swap the decoder layers' linear layers for packed ones (`QuantLinear`, on the compute device's
+        kernels) and read every weight from the quantized cache (written once under ``nvme_path``, else
+        in the checkpoint's directory, in the layout of those kernels). Raises ValueError naming
+        ``weight_quantization`` where the device cannot run it (nothing written then)."""
+        spec, kernels = self.settings.weight_quantization, self.compute.packed_kernels
+        refusal = kernels.unsupported(spec.num_bits, self.dtype)
+        if refusal is not None:
+            raise ValueError(f"weight_quantization: {spec.name} cannot compute on the {self.compute.name} device: {refusal}")
         targets = {path: self.module.get_submodule(path) for path in block_linears(self.module, _blocks(self.module), spec)}
         if not targets:
             raise ValueError(f"weight_quantization: {type(self.module).__name__} has no nn.Linear in its decoder layers "
@@ -462,8 +474,8 @@ class InferenceEngine:
                              f"features a multiple of 16, in features of {spec.group_size}); leave weight_quantization out")
         self._unquantized_sizes = self._sizes()
         cache = quantized_cache(self.checkpoint, self.units, targets, spec, self.dtype,
-                                self.settings.nvme_path or directory, self.handle)
-        swap_linears(self.module, list(targets), spec, self.dtype)
+                                self.settings.nvme_path or directory, self.handle, kernels=kernels)
+        swap_linears(self.module, list(targets), spec, self.dtype, kernels)
         self.checkpoint = SafetensorsCheckpoint(cache, self.handle)
         self.units = _units(self.module, self.checkpoint)
 

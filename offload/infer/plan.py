@@ -160,6 +160,9 @@ class Plan:
     """The decoder layers' weight quantization ("int4 (group 64, asymmetric)"), "" for none."""
     unquantized_read_bytes: int | None = None
     """With ``quantization``: the bytes per forward the same budget would read with unquantized weights."""
+    unquantized_host_to_device_bytes: int | None = None
+    """With ``quantization`` and ``device``: the bytes per forward the same budgets would copy to the
+    device with unquantized weights (None without a device, or where they would not fit)."""
     kv: KVPlacement | None = None
     """Where the KV cache of ``kv_shape`` lives (None until a batch is known); ``kv_bytes`` is its memory."""
     device: DeviceTier | None = None
@@ -261,12 +264,12 @@ class Plan:
         else:
             lines.append("  streamed: nothing (every weight is in memory)")
         if self.quantization:
-            before = self.unquantized_read_bytes
             lines.append(f"  quantized: {self.quantization} linear weights in the decoder layers: "
-                         f"{format_bytes(self.read_bytes_per_forward)} read per forward"
-                         + (f", unquantized {format_bytes(before)}" if before is not None else "")
-                         + (f" ({before / self.read_bytes_per_forward:.2f}x fewer bytes)"
-                            if before and self.read_bytes_per_forward else ""))
+                         + _before_after(self.read_bytes_per_forward, self.unquantized_read_bytes, "read per forward"))
+            if device is not None:
+                lines.append("    and " + _before_after(self.host_to_device_bytes_per_forward,
+                                                      self.unquantized_host_to_device_bytes,
+                                                      "copied host->device per forward (packed)"))
         batch, tokens = self.kv_shape
         if device is None:
             lines.append(f"  KV cache: {format_bytes(self.kv_bytes)} reserved"
@@ -303,6 +306,15 @@ class Plan:
 
     def __str__(self) -> str:
         return self.describe()
+
+
+def _before_after(nbytes: int, before: int | None, what: str) -> str:
+    """ "X read per forward, unquantized Y (Zx fewer bytes)"; without ``before``, that the unquantized
+    weights would not fit the budgets."""
+    if before is None:
+        return f"{format_bytes(nbytes)} {what} (unquantized, the weights would not fit these budgets)"
+    return (f"{format_bytes(nbytes)} {what}, unquantized {format_bytes(before)}"
+            + (f" ({before / nbytes:.2f}x fewer bytes)" if before and nbytes else ""))
 
 
 def _names(units: Sequence[UnitSize]) -> str:

@@ -4,10 +4,13 @@ once to one safetensors file on NVMe and streamed from there.
 Laid out for the layer streamer: the units in forward order, all in one file, each unit starting on
 a page boundary with its tensors back to back (each on a multiple of 64 bytes), so that a layer is
 one aligned O_DIRECT read from its first byte (see docs/inference.md, "Quantized weights"). The tensors that are not
-quantized (embeddings, norms, the head) are stored in the compute dtype. Nothing in it executes code:
+quantized (embeddings, norms, the head) are stored in the compute dtype. int4 weights are packed in
+the layout of the compute device's kernel (``Device.packed_kernels``): a device whose packing is not
+the CPU's has a cache of its own (tagged with the layout), so the bytes streamed and copied to it are
+the ones it computes on. Nothing in it executes code:
 safetensors, plus ``quantized.json``, written last, which records what it was made from: the source
 files' names, sizes and modification times, a hash of their headers, the quantization, the compute
-dtype and the int4 packing of this torch and CPU (`pack_fingerprint`). A cache whose record matches
+dtype and the int4 packing of this torch and device (``PackedKernels.int4_fingerprint``). A cache whose record matches
 is reused; one that does not (a changed checkpoint, another setting) is written again, and the caches
 of older versions of the same checkpoint with the same settings are removed.
 
@@ -27,10 +30,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from offload.device import CPU_KERNELS, PackedKernels
 from offload.infer.config import WeightQuantization
 from offload.infer.convert import drop_page_cache
 from offload.infer.plan import format_bytes
-from offload.infer.quantize import pack_fingerprint, quantize_weight, quantized_layout
+from offload.infer.quantize import quantize_weight, quantized_layout
 from offload.infer.stream import Unit
 from offload.storage.safetensors_reader import SafetensorsCheckpoint, read_windows, tensor_views
 from offload.storage.safetensors_writer import atomic_safetensors
@@ -49,8 +53,9 @@ PAD_PREFIX = "__pad__."
 
 
 def _record(checkpoint: SafetensorsCheckpoint, spec: WeightQuantization, dtype: torch.dtype,
-            targets: Mapping[str, object]) -> dict:
-    """What a cache is made from; equal records mean the cache can be reused."""
+            targets: Mapping[str, object], kernels: PackedKernels) -> dict:
+    """What a cache is made from; equal records mean the cache can be reused. int8 weights are laid
+    out alike for every device, so their record (and cache) is the same on all of them."""
     header = hashlib.sha256()
     for name in sorted(checkpoint.entries):
         e = checkpoint.entries[name]
@@ -62,7 +67,7 @@ def _record(checkpoint: SafetensorsCheckpoint, spec: WeightQuantization, dtype: 
         "headers_sha256": header.hexdigest(),
         "quantization": {"num_bits": spec.num_bits, "group_size": spec.group_size, "symmetric": spec.symmetric},
         "dtype": str(dtype).removeprefix("torch."),
-        "packing": pack_fingerprint(),
+        "packing": (kernels if spec.num_bits == 4 else CPU_KERNELS).int4_fingerprint(),
         "quantized": sorted(targets),
     }
 
@@ -77,12 +82,13 @@ def _read_record(directory: str) -> dict | None:
 
 def quantized_cache(checkpoint: SafetensorsCheckpoint, units: Sequence[Unit], targets: Mapping[str, object],
                     spec: WeightQuantization, dtype: torch.dtype, root: str | os.PathLike, handle: AioHandle,
-                    *, progress: bool = True) -> str:
+                    *, kernels: PackedKernels = CPU_KERNELS, progress: bool = True) -> str:
     """The directory of the quantized cache of ``checkpoint`` under ``root``: written the first time
     (a log line and a progress bar), reused while the checkpoint and the settings are unchanged.
 
     ``units`` are the model's units (forward order) matched to ``checkpoint``; ``targets`` are the
-    linear modules to quantize (path -> module); ``spec`` how; ``dtype`` the compute dtype.
+    linear modules to quantize (path -> module); ``spec`` how; ``dtype`` the compute dtype; ``kernels``
+    the compute device's (int4 is packed in their layout).
 
     Raises FileNotFoundError when ``root`` does not exist, PermissionError naming it when it cannot be
     written, OSError (ENOSPC: the sizes named) from the writes; a failed write leaves no cache that
@@ -92,9 +98,11 @@ def quantized_cache(checkpoint: SafetensorsCheckpoint, units: Sequence[Unit], ta
     if not os.path.isdir(root):
         raise FileNotFoundError(f"zero_optimization.offload_param.nvme_path: {root!r} does not exist; create the "
                                 f"directory (on the NVMe drive) for the quantized cache of the checkpoint")
-    record = _record(checkpoint, spec, dtype, targets)
+    record = _record(checkpoint, spec, dtype, targets, kernels)
     tag = f"int{spec.num_bits}-{'channel' if spec.group_size is None else f'g{spec.group_size}'}-" \
           f"{'sym' if spec.symmetric else 'asym'}-{str(dtype).removeprefix('torch.')}"
+    if spec.num_bits == 4 and kernels.int4_layout != CPU_KERNELS.int4_layout:
+        tag += f"-{kernels.int4_layout}"  # another device's packing: a cache beside the CPU's, not in its place
     key = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
     target = os.path.join(root, f"quantized-{tag}-{key}")
     if _read_record(target) == record:
@@ -102,7 +110,7 @@ def quantized_cache(checkpoint: SafetensorsCheckpoint, units: Sequence[Unit], ta
     if not os.access(root, os.W_OK):
         raise PermissionError(f"zero_optimization.offload_param.nvme_path: {root!r} is not writable; the quantized "
                               f"cache of the checkpoint is written there (set nvme_path to a writable directory)")
-    layout, sources = _layout(units, targets, spec, dtype)
+    layout, sources = _layout(units, targets, spec, dtype, kernels)
     total = sum(torch.empty((), dtype=d).element_size() * _numel(s) for d, s in layout.values())
     free = shutil.disk_usage(root).free
     if total > free:
@@ -124,7 +132,7 @@ def quantized_cache(checkpoint: SafetensorsCheckpoint, units: Sequence[Unit], ta
                 future.result()
             views = tensor_views(unit.windows, buffer)
             for ref in unit.params:
-                for name, value in _converted(sources[id(ref)], views[ref.tensor], spec, dtype):
+                for name, value in _converted(sources[id(ref)], views[ref.tensor], spec, dtype, kernels):
                     out.write(name, value)
             del views, buffer
             bar.update(unit.read_nbytes)
@@ -141,7 +149,8 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def _layout(units: Sequence[Unit], targets: Mapping[str, object], spec: WeightQuantization, dtype: torch.dtype):
+def _layout(units: Sequence[Unit], targets: Mapping[str, object], spec: WeightQuantization, dtype: torch.dtype,
+            kernels: PackedKernels):
     """The cache's tensors in write order (name -> (dtype, shape)), and per parameter (by id of its
     `ParamRef`) how it is written: ("quantize", module path), or ("copy", name, dtype).
 
@@ -169,7 +178,8 @@ def _layout(units: Sequence[Unit], targets: Mapping[str, object], spec: WeightQu
             path = by_module.get(id(module))
             shape = tuple(ref.placeholder.shape)
             if path is not None and attr == "weight":
-                for name, (tensor_dtype, tensor_shape) in quantized_layout(shape[0], shape[1], spec, dtype).items():
+                for name, (tensor_dtype, tensor_shape) in quantized_layout(shape[0], shape[1], spec, dtype,
+                                                                           kernels).items():
                     place(f"{path}.{name}", tensor_dtype, tensor_shape, align)
                     align = _TENSOR_ALIGN
                 sources[id(ref)] = ("quantize", path)
@@ -182,10 +192,11 @@ def _layout(units: Sequence[Unit], targets: Mapping[str, object], spec: WeightQu
     return layout, sources
 
 
-def _converted(source: tuple, value: torch.Tensor, spec: WeightQuantization, dtype: torch.dtype):
+def _converted(source: tuple, value: torch.Tensor, spec: WeightQuantization, dtype: torch.dtype,
+               kernels: PackedKernels):
     """The (name, tensor) pairs one checkpoint tensor becomes in the cache."""
     if source[0] == "quantize":
-        for name, tensor in quantize_weight(value, spec, dtype).items():
+        for name, tensor in quantize_weight(value, spec, dtype, kernels).items():
             yield f"{source[1]}.{name}", tensor
     else:
         yield source[1], value.to(source[2])
