@@ -13,7 +13,18 @@ from offload.optim.threads import limit_this_thread, update_thread_count
 pytestmark = pytest.mark.skipif(not torch._C.has_openmp, reason="torch built without OpenMP")
 
 
-def test_the_worker_uses_half_the_threads_and_the_caller_keeps_its_own():
+@pytest.fixture(params=["torch's default", "set_num_threads"])
+def threads_set(request):
+    """Both ways a process's count comes: torch's default, or set by the user (which torch applies to
+    each new thread at its first kernel)."""
+    before = torch.get_num_threads()
+    if request.param == "set_num_threads":
+        torch.set_num_threads(before)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_the_worker_uses_half_the_threads_and_the_caller_keeps_its_own(threads_set):
     before = torch.get_num_threads()
     worker = BackgroundWorker("test-updates")
     seen = []
@@ -24,7 +35,7 @@ def test_the_worker_uses_half_the_threads_and_the_caller_keeps_its_own():
     assert torch.get_num_threads() == before
 
 
-def test_a_limit_set_in_one_thread_stays_in_it():
+def test_a_limit_set_in_one_thread_stays_in_it(threads_set):
     before = torch.get_num_threads()
     seen = []
 

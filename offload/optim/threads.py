@@ -25,6 +25,9 @@ def limit_this_thread(count: int) -> bool:
     """Let OpenMP regions started from the calling thread use ``count`` threads (OpenMP keeps the
     setting per thread: other threads, the training loop's included, keep theirs). Returns False
     when no OpenMP runtime is loaded (torch built without OpenMP: nothing to limit)."""
+    # torch sets a thread's count once, before its first kernel, from the process-wide setting
+    # (torch.set_num_threads): let it do so now, or it would undo the limit at that first kernel.
+    torch.get_num_threads()
     for name in _RUNTIMES:
         try:
             runtime = ctypes.CDLL(name, mode=os.RTLD_NOLOAD)
