@@ -86,6 +86,7 @@ def _child(args: dict) -> None:
                                         "offload_param": {"device": "nvme", "nvme_path": args["dir"], "max_in_cpu": 0,
                                                           "buffer_count": 2, "buffer_size": largest},
                                         "offload_optimizer": {"device": "nvme", "nvme_path": args["dir"]}}}
+        config = _merged(config, args["override"])
         trainer = OffloadTrainer(offload_config=config, **common)
     trainer.train()
     times = [b - a for a, b in zip(ends[args["warmup"] - 1:], ends[args["warmup"]:])]
@@ -100,6 +101,14 @@ def _child(args: dict) -> None:
                                             for name, seconds in trainer.engine.timers.totals.items()}
         trainer.engine.close()
     print(json.dumps(result))
+
+
+def _merged(base: dict, override: dict) -> dict:
+    """``base`` with ``override``'s keys set, section by section (nested dicts merged, not replaced)."""
+    merged = dict(base)
+    for key, value in override.items():
+        merged[key] = _merged(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+    return merged
 
 
 def _cpu_seconds() -> float:
@@ -120,6 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--override", default="{}",
+                        help="JSON merged into the offload config, section by section (for example '{\"aio\": {\"backend\": \"threads\"}}')")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
@@ -133,6 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
             for mode in MODES:
                 child = dict(mode=mode, model=json.loads(options.model_config), batch=options.batch, seq=options.seq,
                              gas=options.gas, clip=options.clip, warmup=options.warmup, steps=options.steps,
+                             override=json.loads(options.override),
                              dir=scratch, out=os.path.join(scratch, "out"))
                 runs[mode].append(run_child("benchmarks.trainer_hf", ["--dir", scratch, "--child", json.dumps(child)]))
     ratios = [o["step_s"] / t["step_s"] for t, o in zip(runs["trainer"], runs["offload"])]

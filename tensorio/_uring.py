@@ -3,6 +3,9 @@
 Each of ``thread_count`` workers is one thread driving its own ring with ``queue_depth`` slots.
 The worker sleeps in a read of an eventfd that the ring signals on every completion and that
 ``submit`` signals on new work: liburing's own waits hold the GIL, an eventfd read releases it.
+It submits through liburing's C ``io_uring_submit`` called by ctypes (`RingSubmit`), which releases
+the GIL too: the kernel issues the I/O inside that call, and the package's binding of it holds the
+GIL meanwhile, stopping every other Python thread of the process (a training loop's included).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import errno
 import logging
 import os
 import platform
+import sys
 import threading
 
 from ._buffers import aligned_tensor
@@ -62,10 +66,14 @@ def _probe_once() -> tuple[bool, str]:
     except OSError as exc:
         return False, f"io_uring_setup failed ({exc.strerror}); io_uring may be disabled (sysctl or seccomp)"
     try:
+        try:
+            submit = RingSubmit(L, ring)
+        except (AttributeError, OSError, RuntimeError) as exc:
+            return False, f"the installed liburing {L.__version__} is not usable: {exc}"
         sqe = L.io_uring_get_sqe(ring)
         L.io_uring_prep_nop(sqe)
         L.io_uring_sqe_set_data64(sqe, 7)
-        L.io_uring_submit(ring)
+        submit()
         cqe = L.Cqe()
         L.io_uring_wait_cqe(ring, cqe)
         entry = cqe[0]
@@ -114,6 +122,47 @@ class SlotIovec:
         self._entry.iov_len = length
 
 
+# The liburing package holds the GIL in every call, `io_uring_submit` included, in which the kernel
+# issues the I/O (milliseconds for a batch of O_DIRECT pieces). Its extension exports liburing's C
+# functions, and its `Ring` object holds a pointer to the C `struct io_uring` right after the PyObject
+# header; `RingSubmit` calls the C function on that struct through ctypes, which releases the GIL.
+# The pointer is checked before use: the struct must hold the ring's flags, fd, features and
+# registered fd, as the binding reports them, side by side (as liburing's struct io_uring does).
+_STRUCT_SCAN = 512  # bytes of struct io_uring searched for those fields (it is 216 in liburing 2.x)
+
+
+class RingSubmit:
+    """``io_uring_submit`` on a liburing ``Ring`` without holding the GIL: call it to submit every
+    prepared entry; returns how many the kernel took, raises OSError for a failed system call.
+
+    Raises RuntimeError (at construction) when the Ring's layout is not the one tensorio knows, and
+    OSError or AttributeError when the package's extension does not export ``io_uring_submit``.
+    """
+
+    def __init__(self, L, ring) -> None:
+        library = ctypes.CDLL(sys.modules[L.io_uring_submit.__module__].__file__)
+        self._submit = library.io_uring_submit
+        self._submit.argtypes = [ctypes.c_void_p]
+        self._submit.restype = ctypes.c_int
+        self._ring = ring  # the C struct lives as long as this object
+        address = ctypes.c_void_p.from_address(id(ring) + _HEADER).value
+        if not address or ring.ring_fd <= 0:
+            raise RuntimeError("liburing's Ring layout is not the one tensorio knows (no initialised ring)")
+        expected = [value & 0xFFFFFFFF for value in (ring.flags, ring.ring_fd, ring.features, ring.enter_ring_fd)]
+        words = list((ctypes.c_uint32 * (_STRUCT_SCAN // 4)).from_address(address))
+        if sum(words[i:i + 4] == expected for i in range(len(words) - 3)) != 1:
+            raise RuntimeError("liburing's Ring layout is not the one tensorio knows")
+        self._address = address
+
+    def __call__(self) -> int:
+        while True:
+            submitted = self._submit(self._address)
+            if submitted >= 0:
+                return submitted
+            if submitted != -errno.EINTR:
+                raise OSError(-submitted, f"io_uring_submit: {os.strerror(-submitted)}")
+
+
 class UringBackend:
     """Pieces go round-robin to the workers' rings."""
 
@@ -155,6 +204,7 @@ class _Worker(threading.Thread):
         self._align = align
         self._ring = L.Ring()
         L.io_uring_queue_init(max(2, 1 << (self._depth - 1).bit_length()), self._ring)
+        self._submit = RingSubmit(L, self._ring)
         self._wakeup = os.eventfd(0, os.EFD_CLOEXEC)
         L.io_uring_register_eventfd(self._ring, self._wakeup)
         self._incoming: collections.deque[Task] = collections.deque()
@@ -236,7 +286,7 @@ class _Worker(threading.Thread):
                         inflight[slot] = task
                         prepared += self._submit_one()
                     if prepared:
-                        L.io_uring_submit(ring)
+                        self._submit()  # releases the GIL
 
                 if self._stopping and not inflight and not again and not self._incoming:
                     return
@@ -269,6 +319,6 @@ class _Worker(threading.Thread):
     def _submit_one(self) -> int:
         """Count a prepared entry; with single_submit, submit it now with its own system call."""
         if self._single_submit:
-            self._L.io_uring_submit(self._ring)
+            self._submit()
             return 0
         return 1

@@ -19,11 +19,13 @@ import torch
 from offload.optim.kernel import ParamState, StepInputs, check_grads
 from offload.optim.schedule import SwapSchedule, Update
 from offload.optim.subgroups import SubGroupPlan
+from offload.optim.threads import limit_this_thread, update_thread_count
 from offload.optim.transaction import StepTransaction
 
 
 class BackgroundWorker:
-    """Runs submitted calls on one daemon thread, in submission order, under ``torch.no_grad()``.
+    """Runs submitted calls on one daemon thread, in submission order, under ``torch.no_grad()``, its
+    OpenMP kernels on half of torch's threads (`offload.optim.threads`).
 
     Once a call raises, the calls after it are skipped until `join` has reported the error.
     """
@@ -85,6 +87,7 @@ class BackgroundWorker:
         self._error = None
 
     def _loop(self) -> None:
+        limit_this_thread(update_thread_count())
         while (item := self._queue.get()) is not None:
             fn, args = item
             try:
