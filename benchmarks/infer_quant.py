@@ -11,7 +11,7 @@ then ``--variants int4 --floors none`` (int4 beside Accelerate), then ``--varian
 1. The random-weight Llama of benchmarks/infer_stream.py (hidden 5120, 44 layers, bf16, 28.6 GB),
    written once and reused.
 2. fio's O_DIRECT sequential read speed in the same directory, with our aio settings.
-3. The int8 (per channel) and int4 (group 64, asymmetric) caches, written once each under
+3. The int8 (per channel) and int4 (group 64, asymmetric; ``--int4-group``) caches, written once each under
    ``DIR/quantized`` by a process of their own: time, peak RSS (the quantization's memory bound) and
    size. Reused by later runs while the checkpoint is unchanged.
 4. Each configuration in a fresh process, every file dropped from the page cache first: ours in
@@ -77,12 +77,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--floor-layers", type=int, default=4, help="decoder layers added for the compute floor's slope")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help="which of ours to run, comma-separated (default all: bf16,int8,int4); a part of the comparison")
+    ap.add_argument("--int4-group", type=int, default=64, help="the int4 variant's group_size (default 64)")
     ap.add_argument("--floors", default=None,
                     help="whose compute floors to measure, comma-separated (default: the variants run; none: skip)")
     args = parse_or_run_child(ap, argv, lambda p: quantize_child(p) if p["kind"] == "quantize" else child(p),
                               fio_size="4GiB")
     if args is None:
         return {}
+    quantization = dict(VARIANTS, int4=VARIANTS["int4"] if args.int4_group == 64 else
+                        {"num_bits": 4, "group_size": args.int4_group})
     variants = _names(args.variants, "--variants")
     floor_variants = variants if args.floors is None else [] if args.floors == "none" else _names(args.floors, "--floors")
     directory = Path(args.dir).resolve()
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     caches.mkdir(exist_ok=True)
     quantized = {}
     for name in variants:
-        q = VARIANTS[name]
+        q = quantization[name]
         if q is None:
             continue
         payload = {"kind": "quantize", "checkpoint": str(checkpoint), "quantize": q, "nvme_path": str(caches),
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
         payload = {"kind": kind, "checkpoint": str(checkpoint), "budget": budget, "batch": 1,
                    "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "buffer_count": None,
                    "aio": aio.to_dict(), "disk_gbps": fio_bps / 1e9 if fio_bps else None,
-                   "offload_folder": str(offload_folder), "quantize": VARIANTS[name], "nvme_path": str(caches)}
+                   "offload_folder": str(offload_folder), "quantize": quantization[name], "nvme_path": str(caches)}
         if kind == "ours":
             payload["log_probs_path"] = str(directory / f"log-probs-{name}.npy")
             Path(payload["log_probs_path"]).unlink(missing_ok=True)  # none left from an earlier run is compared
@@ -148,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
     # 6. The compute floors.
     floors = {}
     for name in floor_variants:
-        floors[name] = compute_floor(spec, quantize=VARIANTS[name], batch=1, prompt_tokens=args.prompt_tokens,
+        floors[name] = compute_floor(spec, quantize=quantization[name], batch=1, prompt_tokens=args.prompt_tokens,
                                      new_tokens=args.new_tokens, floor_layers=args.floor_layers)
         print(f"compute floor, {name}: {describe_floor(floors[name], spec.layers)}")
 

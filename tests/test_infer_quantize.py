@@ -145,6 +145,18 @@ def test_the_command_takes_quantize(llama):
     assert figures["quantization"] and figures["unquantized_read_bytes_per_forward"] > 1.8 * figures["read_bytes_per_forward"]
 
 
+def test_the_command_takes_an_int4_group_size(llama, capsys):
+    directory, _, root = llama
+    out = io.StringIO()
+    main([str(directory), "--prompt-ids", "5,17,99", "--max-new-tokens", "2", "--quantize", "int4",
+          "--quantize-group-size", "32", "--nvme-path", str(root), "--max-in-cpu", tight_budget(directory),
+          "--disk-gbps", "1.0"], out=out)
+    assert "quantized: int4 (group 32, asymmetric)" in out.getvalue()
+    with pytest.raises(SystemExit):
+        main([str(directory), "--prompt-ids", "5", "--quantize", "int8", "--quantize-group-size", "128"], out=out)
+    assert "--quantize-group-size 128 needs --quantize int4" in capsys.readouterr().err
+
+
 def test_deepspeed_config_and_errors():
     nested = {"weight_quantization": {"quantized_initialization": {"num_bits": 4, "group_size": 128, "group_dim": 1,
                                                                    "symmetric": False}}}

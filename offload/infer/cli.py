@@ -76,7 +76,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         if getattr(args, key) is not None:
             values[key] = getattr(args, key)
     if args.quantize is not None:
-        values["weight_quantization"] = args.quantize
+        values["weight_quantization"] = args.quantize if args.quantize_group_size is None else {
+            "num_bits": 4, "group_size": args.quantize_group_size}
     if args.micro_batch_size is not None:
         values["block_schedule"] = {"micro_batch_size": args.micro_batch_size}
     if args.kv_offload is not None or args.kv_cpu_percent is not None or args.kv_quantize is not None:
@@ -114,6 +115,9 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
     ap.add_argument("--quantize", choices=("int8", "int4", "none"),
                     help="decoder weights as int8 (per channel) or int4 (group 64), quantized once into a cache "
                          "under --nvme-path (default: the checkpoint's directory)")
+    ap.add_argument("--quantize-group-size", type=int,
+                    help="with --quantize int4: weights per scale and zero, 32, 64 (default, ZeRO-Inference's), 128 "
+                         "(GPTQ's and AWQ's: about 6%% fewer bytes per token than 64) or 256")
     ap.add_argument("--kv-offload", choices=("auto", "cpu", "nvme"),
                     help="where the KV cache lives: auto (default: in memory while the budget holds it, the layers "
                          "beyond it on NVMe), cpu (all in memory), nvme (on NVMe but --kv-cpu-percent of the layers); "
@@ -137,6 +141,9 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if args.batch_size < 1 or args.max_new_tokens < 1:
         ap.error("--batch-size and --max-new-tokens must be at least 1")
+    if args.quantize_group_size is not None and args.quantize != "int4":
+        ap.error(f"--quantize-group-size {args.quantize_group_size} needs --quantize int4 (int8 weights get one scale "
+                 f"per output channel)")
     if args.max_memory is not None:
         try:
             parse_max_memory(args.max_memory)
