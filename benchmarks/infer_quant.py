@@ -84,8 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
                               fio_size="4GiB")
     if args is None:
         return {}
-    quantization = dict(VARIANTS, int4=VARIANTS["int4"] if args.int4_group == 64 else
-                        {"num_bits": 4, "group_size": args.int4_group})
+    quantization = dict(VARIANTS, int4={"num_bits": 4, "group_size": args.int4_group})
     variants = _names(args.variants, "--variants")
     floor_variants = variants if args.floors is None else [] if args.floors == "none" else _names(args.floors, "--floors")
     directory = Path(args.dir).resolve()
