@@ -150,6 +150,39 @@ def test_spare_pool_cuts_aligned_regions_all_or_nothing_and_reuses_them():
     assert not pool.lending and pool.cut(1, PAGE) is None
 
 
+def test_memory_kept_for_reads_ahead_is_reused_only_once_nothing_of_it_is_in_use(tmp_path):
+    """`StateSwapper.lend_kept`: the state read ahead between steps lands in the same memory each step
+    (faulted in once), never in memory a region read ahead earlier still holds."""
+    model = _TiedModel()
+    opt = OffloadAdam(model.parameters(), lr=1e-2, nvme_offload_fraction=1.0, nvme_offload_dir=str(tmp_path),
+                      overlap_backward=True, sub_group_size=4096, buffer_count=3)
+    _steps(model, opt, 2)
+    opt.synchronize()
+    swapper = opt._swapper  # internal: the swapper has no public handle
+    first, second = list(swapper.records.values())[:2]
+    capacity = 2 * max(first.plan.state_bytes, second.plan.state_bytes)
+
+    def read_ahead(rec):
+        swapper.lend_kept(rec.plan.state_bytes, capacity)
+        swapper.start_read(rec, spare=True)
+        return [region.clone() for region in swapper.wait_read(rec)], rec.regions[0].data_ptr()
+
+    _, address = read_ahead(first)
+    swapper.evict(first)  # updated and written in a real step: nothing refers to the memory any more
+    swapper.drop_spares()
+    state, again = read_ahead(first)
+    assert again == address and swapper._kept.reused == 1  # internal: the pool's count of buffers reused
+    swapper.drop_spares()  # `first` stays in memory, unused this step: its memory is not lent again
+    _, elsewhere = read_ahead(second)
+    assert not address <= elsewhere < address + capacity
+    assert all(torch.equal(region, kept) for region, kept in zip(first.regions, state))
+    with pytest.raises(ValueError, match="capacity"):
+        swapper.lend_kept(capacity + PAGE, capacity)
+    for rec in (first, second):
+        swapper.evict(rec)
+    opt.close()
+
+
 def test_a_second_gradient_in_one_backward_is_refused(tmp_path):
     """Each parameter is updated once per backward; a second hand-over (a parameter shared by two
     reentrant checkpoint segments gets AccumulateGrad twice) raises instead of updating twice."""

@@ -228,10 +228,11 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def read_ahead(self, nbytes: int) -> None:
         """Between steps (overlap_backward): start reading the state of the offloaded sub-groups that come
-        first in the learnt order into ``nbytes`` of memory allocated for it, so that the next step's first
-        updates find their state in memory (the engine calls it during a backward whose updates run in the
-        next forward). The memory is lent like applied gradients' and goes back once those sub-groups are
-        written. Never waits; does nothing without overlap_backward or while a step is under way."""
+        first in the learnt order into at most ``nbytes`` of memory kept for it across steps, so that the next
+        step's first updates find their state in memory (the engine calls it during a backward whose updates
+        run in the next forward). The memory is lent like applied gradients' and is free again once those
+        sub-groups are written. Never waits; does nothing without overlap_backward or while a step is under
+        way."""
         if self._background is None or self._background.in_backward or nbytes <= 0:
             return
         self._background.worker.submit(self._background.in_worker, self._read_ahead, int(nbytes))

@@ -17,8 +17,6 @@ from typing import Callable
 
 import torch
 
-from tensorio import aligned_tensor
-
 from offload.optim.subgroups import SubGroupPlan
 from offload.optim.swapper import StateSwapper, SwapRecord, Where
 
@@ -109,8 +107,8 @@ class SwapSchedule:
                 swapper.start_read(rec, spare=True)
 
     def read_ahead(self, nbytes: int) -> None:
-        """Between steps: read the state of the first sub-groups of the learnt order into ``nbytes`` of new
-        memory, lent to the swapper like applied gradients' (`OffloadAdam.read_ahead`)."""
+        """Between steps: read the state of the first sub-groups of the learnt order into at most ``nbytes``
+        of the memory the swapper keeps for it (`StateSwapper.lend_kept`; `OffloadAdam.read_ahead`)."""
         records = self.swapper.records
         chosen, total = [], 0
         for index in self.order:
@@ -123,7 +121,7 @@ class SwapSchedule:
             total += rec.plan.state_bytes
         if not chosen:
             return
-        self.swapper.add_spare(aligned_tensor(total // 4, torch.float32))
+        self.swapper.lend_kept(total, nbytes)
         for rec in chosen:
             if not self.swapper.fits_in_spares(rec):
                 break  # not lent: beyond the spare limit

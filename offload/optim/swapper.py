@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 
-from tensorio import IOFuture, TensorIOError, aligned_tensor, locked_tensor
+from tensorio import BufferPool, IOFuture, TensorIOError, aligned_tensor, locked_tensor
 
 from offload.config.swap import SwapConfig
 from offload.optim.spare import SparePool
 from offload.optim.subgroups import SubGroupPlan
 from offload.storage.slotted import SlotPair, SlottedRegion
-from offload.storage.swapfile import SwapFile
+from offload.storage.swapfile import PAGE, SwapFile
 from offload.storage.write_queue import WriteQueue
 
 
@@ -59,7 +59,8 @@ class StateSwapper:
     """Moves the state of offloaded sub-groups between the swap file and ``buffer_count`` buffers.
 
     Host memory held: ``buffer_count`` buffers of the largest offloaded sub-group's state, whatever
-    the number of sub-groups, plus the spare memory the caller lends (`add_spare`, at most
+    the number of sub-groups, the memory kept for reads ahead between steps (`lend_kept`, at most the
+    largest size asked for), plus the spare memory the caller lends (`add_spare`, at most
     ``spare_limit`` bytes until `drop_spares`; None: no limit). Raises
     FileNotFoundError / PermissionError / TensorIOError at construction when the swap file cannot
     be created in ``directory``.
@@ -79,6 +80,7 @@ class StateSwapper:
         self._by_address: dict[int, torch.Tensor] = {}
         self._writes = WriteQueue()  # each sub-group's state write in flight, oldest first
         self._spares = SparePool(spare_limit)  # memory lent by the caller (applied gradients)
+        self._kept: BufferPool | None = None  # `lend_kept`'s memory, faulted in once
         self._smallest_region = min((4 * p.region for p in plans if p.offloaded), default=0)
         self.buffer_bytes = 0
         self.wait_seconds = 0.0
@@ -123,6 +125,21 @@ class StateSwapper:
         applied) for state read ahead. Its page-aligned part is cut into regions as needed; the memory
         is given back when `drop_spares` has been called and the last region cut from it is written."""
         self._spares.lend(tensor, self._smallest_region)
+
+    def lend_kept(self, nbytes: int, capacity: int) -> None:
+        """Lend ``nbytes`` of memory this swapper keeps across steps, as `add_spare` lends a gradient's: one
+        buffer of ``capacity`` bytes (the most any call asks for), reused while no region cut from it in an
+        earlier step is still in use, else new memory freed as usual. Memory new to a process costs a
+        page fault and the zeroing of each page, on a virtual machine about as much as reading it from the
+        disk (docs/engine.md, "Memory bound"); kept, it is faulted in once. Raises ValueError if ``nbytes``
+        exceeds ``capacity``."""
+        if nbytes > capacity:
+            raise ValueError(f"lend_kept: {nbytes} bytes asked for, more than the capacity {capacity}")
+        if self._kept is None or self._kept.max_bytes < capacity:
+            self._kept = BufferPool(-(-capacity // PAGE) * PAGE)
+        # Taken whole so that the pool matches it by size every step; the pages past nbytes stay untouched.
+        buffer = self._kept.take(capacity)
+        self.add_spare(buffer[: nbytes - nbytes % 4].view(torch.float32))
 
     def drop_spares(self) -> None:
         """Stop using the lent memory; regions already cut from it stay until their writes finish."""
@@ -258,6 +275,7 @@ class StateSwapper:
             self._file.close()
         self._free = []
         self._by_address = {}
+        self._kept = None
 
     # ---- internals ------------------------------------------------------------------------------------
 
