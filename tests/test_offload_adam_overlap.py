@@ -183,6 +183,31 @@ def test_memory_kept_for_reads_ahead_is_reused_only_once_nothing_of_it_is_in_use
     opt.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: updated through an fp32 master
+def test_a_scaled_step_matches_adamw_on_scaled_gradients_and_leaves_the_gradients_given_alone(tmp_path, dtype):
+    """``start_step(grad_scale)`` as the engine calls it (clipping): each gradient handed over is
+    multiplied by the scale in fp32 as it is applied, into scratch memory, not in place."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3000).to(dtype)), torch.nn.Parameter(torch.randn(50, 40).to(dtype))]
+    reference = [torch.nn.Parameter(p.detach().float()) for p in params]
+    grads = [torch.randn(p.shape).to(dtype) for p in params]
+    given = [g.clone() for g in grads]
+    opt = OffloadAdam(params, lr=1e-2, nvme_offload_fraction=1.0, nvme_offload_dir=str(tmp_path),
+                      overlap_backward=True, sub_group_size=1024, buffer_count=3)
+    ref = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.0, fused=True)
+    for _ in range(2):
+        opt.start_step(0.5)
+        for param, grad in zip(params, grads):
+            opt.grad_ready(param, grad=grad)
+        opt.step()
+        for param, grad in zip(reference, grads):
+            param.grad = grad.float() * 0.5
+        ref.step()
+    assert all(torch.equal(g, kept) for g, kept in zip(grads, given))
+    assert all(torch.equal(ours, theirs.to(dtype)) for ours, theirs in zip(params, reference))
+    opt.close()
+
+
 def test_a_second_gradient_in_one_backward_is_refused(tmp_path):
     """Each parameter is updated once per backward; a second hand-over (a parameter shared by two
     reentrant checkpoint segments gets AccumulateGrad twice) raises instead of updating twice."""

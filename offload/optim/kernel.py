@@ -119,10 +119,13 @@ def check_grads(plan: SubGroupPlan, params: list[ParamState], grad_of: GradOf) -
 
 
 def adam_update(plan: SubGroupPlan, regions: list[torch.Tensor], states: list[ParamState], grad_of: GradOf,
-                group: Mapping[str, Any], scale: float, adamw_mode: bool) -> None:
+                group: Mapping[str, Any], scale: float, adamw_mode: bool, scratch: torch.Tensor) -> None:
     """Run the fused Adam/AdamW kernel on one sub-group whose state regions are ``regions`` (exp_avg,
     exp_avg_sq and, for 16-bit parameters, the fp32 master), with ``group``'s hyperparameters, every
-    gradient multiplied by ``scale``. Each parameter's ``new_step`` counts this step."""
+    gradient multiplied by ``scale``. Each parameter's ``new_step`` counts this step. ``scratch``, fp32 of
+    at least ``plan.region`` elements, holds the gradients scaled or made fp32 (the caller's are left
+    as they are): memory reused in every update rather than a new tensor each time, whose pages the
+    kernel would fault in anew (docs/engine.md, "Memory bound")."""
     exp_avg, exp_avg_sq = regions[0], regions[1]
     master = regions[2] if plan.master else None
     params, grads, exp_avgs, exp_avg_sqs, steps, copy_back = [], [], [], [], [], []
@@ -142,10 +145,13 @@ def adam_update(plan: SubGroupPlan, regions: list[torch.Tensor], states: list[Pa
                 master[run].copy_(flat_param)
         if rec.new_step is None:
             rec.new_step = (rec.step.clone() if rec.step is not None else torch.zeros((), dtype=torch.float32)) + 1
-        if master is not None:
-            flat_grad = flat_grad.float()
-        if scale != 1.0:  # clip_grad_norm_'s multiply (times the inverse loss scale), in fp32 for masters
-            flat_grad = flat_grad * scale
+        # clip_grad_norm_'s multiply (times the inverse loss scale), in fp32 for masters
+        if master is not None and flat_grad.dtype != torch.float32:
+            flat_grad = scratch[run].copy_(flat_grad)
+            if scale != 1.0:
+                flat_grad.mul_(scale)
+        elif scale != 1.0:
+            flat_grad = torch.mul(flat_grad, scale, out=scratch[run])
         if master is not None:
             params.append(master[run])
             copy_back.append((flat_param, master[run]))

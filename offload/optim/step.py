@@ -14,6 +14,7 @@ A failure anywhere in 1-5 aborts the step's transaction (the previous state stay
 
 from __future__ import annotations
 
+import threading
 
 import torch
 
@@ -36,6 +37,7 @@ class StepRun:
         self._adamw_mode = adamw_mode
         self.background: BackwardUpdates | None = None
         """The overlap_backward worker's side of the step, when there is one."""
+        self._scratches = threading.local()  # each updating thread's `adam_update` scratch
 
     def begin(self, grad_scale: float) -> None:
         """Read the hyperparameters the step will use (see `OffloadAdam.start_step`)."""
@@ -49,7 +51,16 @@ class StepRun:
         """Run the kernel on one sub-group with this step's hyperparameters and gradient scale."""
         inputs = self._inputs
         group = inputs.groups[plan.group] if inputs.groups is not None else self._owner.param_groups[plan.group]
-        adam_update(plan, regions, self._params, self.grad_of, group, inputs.grad_scale, self._adamw_mode)
+        adam_update(plan, regions, self._params, self.grad_of, group, inputs.grad_scale, self._adamw_mode,
+                    self._scratch(plan.region))
+
+    def _scratch(self, numel: int) -> torch.Tensor:
+        """This thread's fp32 scratch of at least ``numel`` elements (updates run on the optimizer's worker
+        and, after joining it, on the caller's thread: one each, kept for the next updates)."""
+        scratch = getattr(self._scratches, "tensor", None)
+        if scratch is None or scratch.numel() < numel:
+            scratch = self._scratches.tensor = torch.empty(numel, dtype=torch.float32)
+        return scratch
 
     def run(self) -> None:
         """The step (see the module docstring). Raises TensorIOError for the swap file and ValueError for a
