@@ -23,7 +23,7 @@ from torch import nn
 from offload.config import EngineConfig, check_nvme_paths, world_size_from_env
 from offload.device import Device, start_process_group
 from offload.params import ParamStore, Placement, Prefetcher, SwapBudget
-from offload.params.construct import BUILT, PartitionedBuild, built_store, discard_build
+from offload.params.construct import BUILT, PartitionedBuild, built_store, discard_build, settle_for_gather
 from offload.params.pretrained import load_pretrained
 from offload.params.store import EXTERNAL, ParamRecord, find_record
 from offload.storage import SwapFile
@@ -157,6 +157,7 @@ def GatheredParameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_r
         params = [params]
     found = []
     for p in params:
+        settle_for_gather(p)  # inside Init: a parameter still as built is partitioned first, like the others
         located = find_record(p)
         if located is not None:
             found.append(located)

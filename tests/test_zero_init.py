@@ -16,8 +16,10 @@ from torch import nn
 
 from offload import zero
 from offload.device import DeviceSyncError, SimulatedDevice
+from offload.params.partition import owned_numel, partition_bounds
 from offload.train.engine import initialize
 from test_engine import LR, WD, engine_config, gpt2, gpt2_batches, gpt2_loss, llama, reference, train
+from tests.torchrun import torchrun
 
 BUILDERS = {"gpt2": gpt2, "llama": llama}
 
@@ -77,6 +79,51 @@ def test_gathered_parameters_modify_and_write_back_and_read_only_drops_changes(d
     assert torch.all(dict(engine.full_parameters())["transformer.h.0.mlp.c_fc.weight"] == -1.0)
     train(engine, gpt2_batches(1), gpt2_loss)
     engine.close()
+
+
+class _HeldWrite:
+    """A swap-file write that starts only when it is waited for: a disk slower than everything after it."""
+
+    def __init__(self, start) -> None:
+        self._start, self._future = start, None
+
+    def _started(self):
+        if self._future is None:
+            self._future = self._start()
+        return self._future
+
+    def done(self) -> bool:
+        return self._future is not None and self._future.done()
+
+    def exception(self):
+        return self._started().exception()
+
+    def result(self):
+        return self._started().result()
+
+
+def test_gathered_parameters_inside_init_wait_for_the_builds_writes(disk_dir, monkeypatch):
+    """Inside zero.Init with parameters on NVMe, GatheredParameters on a parameter whose first write to the
+    swap file is still in flight (held until waited for) reads it only once that write has landed, and
+    its write-back is not overwritten by it later: the values read are the built ones, those kept the
+    modifier's."""
+    from offload.storage import SwapFile
+
+    start = SwapFile.write
+    monkeypatch.setattr(SwapFile, "write", lambda self, tensor, offset: _HeldWrite(lambda: start(self, tensor, offset)))
+    config = engine_config(disk_dir, "nvme", "nvme")
+    config["zero_optimization"]["offload_param"]["buffer_size"] = 64
+    built = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    with zero.Init(config_dict_or_path=config):
+        module = nn.Module()
+        module.first = nn.Parameter(built.clone())
+        module.second = nn.Parameter(torch.zeros(64))  # over the limit: first is placed, its write held
+        assert module.first.untyped_storage().nbytes() <= module.first.element_size()
+        with zero.GatheredParameters(module.first):
+            assert torch.equal(module.first, built)
+        with zero.GatheredParameters(module.first, modifier_rank=0):
+            module.first.data.fill_(0.5)
+    assert torch.equal(_gathered(module)["first"], torch.full((64,), 0.5))
 
 
 class _SharedScale(nn.Module):
@@ -473,3 +520,28 @@ def test_two_ranks_build_under_init_for_compute_on_a_device(disk_dir, tmp_path, 
     for name, tensor in expected.named_parameters():
         assert torch.equal(saved["built"][name], tensor), name
     assert {op.split(" of ")[0] for op in saved["checked"]} == {"all_gather", "broadcast"}  # under zero.Init's names
+
+
+# ---- several ranks on the CPU (gloo, through torchrun) ----------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("placement", ["cpu", "nvme"])
+def test_gathered_parameters_inside_init_keep_the_modifier_ranks_values_on_every_rank(disk_dir, placement):
+    """GatheredParameters with modifier_rank inside zero.Init on two ranks (as Hugging Face's weight init
+    and resize_token_embeddings use it): on exit every rank's partition holds the modifier rank's values,
+    whatever state the parameter is in (pending as built, persistent, placed, gathered back by the build);
+    with modifier_rank=None every rank's changes are dropped (tests/zero_init_dist_worker.py)."""
+    ranks = torchrun("tests.zero_init_dist_worker", placement, str(disk_dir))
+    first = ranks[0]
+    wrong = []
+    for case, modifier in first["modifier"].items():
+        kept = ranks[0 if modifier is None else modifier]["kept"][case]
+        numel = first["numel"][case]
+        for rank, got in ranks.items():
+            start, _ = partition_bounds(numel, len(ranks), rank)
+            owned = owned_numel(numel, len(ranks), rank)
+            if got["partitions"][case][:owned] != kept[start:start + owned]:
+                wrong.append(f"{case}: rank {rank}'s partition {got['partitions'][case][:4]}... is not rank "
+                             f"{0 if modifier is None else modifier}'s {kept[start:start + 4]}...")
+    assert not wrong, "\n".join(wrong)

@@ -11,7 +11,12 @@ While a `PartitionedBuild` is active:
 3. a dispatch mode watches every tensor operation: one that touches a placeholder (Hugging Face's
    ``_init_weights`` re-initialising a child's weight after the whole model is built, a
    ``GatheredParameters`` user) gathers that parameter back first and runs on the real values,
-   which count as pending again and are written back when evicted.
+   which count as pending again and are written back when evicted;
+4. ``GatheredParameters`` gathers from the partitions itself: a parameter still pending when it
+   starts is placed first (`settle_for_gather`), since a pending parameter is whole on every rank
+   and a change to it would reach that rank's partition only (with ``modifier_rank``, the modifier's
+   values are broadcast and written back into every rank's partition; without, changes are dropped as
+   for any placed parameter).
 
 So host memory holds at most ``limit`` elements of parameters plus the one being built, and every
 operation runs on the same values in the same order as without partitioning: the random number
@@ -31,7 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from offload.params.placement import Placement
 from offload.params.store import ParamRecord, ParamStore, find_record
 
-__all__ = ["BUILT", "PartitionedBuild", "built_store", "discard_build"]
+__all__ = ["BUILT", "PartitionedBuild", "built_store", "discard_build", "settle_for_gather"]
 
 
 class PartitionedBuild(TorchDispatchMode):
@@ -64,6 +69,7 @@ class PartitionedBuild(TorchDispatchMode):
             if param is not None:
                 build._adopt(param)
         nn.Module.register_parameter = register_parameter
+        _OPEN_BUILDS.append(self)
         return super().__enter__()
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
@@ -71,6 +77,7 @@ class PartitionedBuild(TorchDispatchMode):
             super().__exit__(exc_type, *exc)
         finally:
             nn.Module.register_parameter = self._register
+            _OPEN_BUILDS.remove(self)
         if exc_type is None:
             self.flush()
 
@@ -96,19 +103,23 @@ class PartitionedBuild(TorchDispatchMode):
             if not self._evict_oldest(keep=keep):
                 return
 
+    def settle(self, param: nn.Parameter) -> None:
+        """Before ``param`` is gathered from outside the dispatch mode (`offload.zero.GatheredParameters`):
+        place it now if it is pending (whole on every rank, as built), so that it is gathered from the
+        partitions and a change made inside the block reaches every rank's partition, or none; and let
+        the writes in flight land first, as `_gather` does (sync point). Raises TensorIOError."""
+        if id(param) in self._pending:
+            self._place(id(param))
+        rec = self.store.record_of(param)
+        if rec is not None and rec.on_disk:
+            self.placement.finish()  # never read (or overwrite) a partition whose first write is in flight
+
     def _evict_oldest(self, keep: int | None = None) -> bool:
         """Place the oldest pending parameter, else write back the oldest gathered one."""
-        for key, param in self._pending.items():
-            if key == keep:
-                continue
-            del self._pending[key]
-            self._elements -= param.numel()
-            rec = self.placement.place(param, [f"param{len(self.store.records)}"], len(self.store.records))
-            self.store.add(rec)
-            if not rec.keep_full:
-                self._by_storage[self.store.placeholder_of(rec).untyped_storage()._cdata] = rec
-                rec.param.data = self.store.placeholder_of(rec)
-            return True
+        for key in self._pending:
+            if key != keep:
+                self._place(key)
+                return True
         if self._gathered:
             _, rec = self._gathered.popitem(last=False)
             self._elements -= rec.numel
@@ -116,6 +127,15 @@ class PartitionedBuild(TorchDispatchMode):
             self.store.release(rec)
             return True
         return False
+
+    def _place(self, key: int) -> None:
+        param = self._pending.pop(key)
+        self._elements -= param.numel()
+        rec = self.placement.place(param, [f"param{len(self.store.records)}"], len(self.store.records))
+        self.store.add(rec)
+        if not rec.keep_full:
+            self._by_storage[self.store.placeholder_of(rec).untyped_storage()._cdata] = rec
+            rec.param.data = self.store.placeholder_of(rec)
 
     def _gather(self, rec: ParamRecord) -> torch.Tensor:
         if rec.on_disk:
@@ -151,6 +171,17 @@ class PartitionedBuild(TorchDispatchMode):
 
 BUILT: dict[int, ParamStore] = {}
 """Stores of models built under `Init`, until `initialize` adopts (or `discard_build` drops) them."""
+
+_OPEN_BUILDS: list[PartitionedBuild] = []
+"""The builds whose blocks are open, innermost last (`settle_for_gather`)."""
+
+
+def settle_for_gather(param: nn.Parameter) -> None:
+    """Inside an `offload.zero.Init` block, before `offload.zero.GatheredParameters` gathers ``param``: the
+    open build holding it places it if still pending and waits for its writes in flight
+    (`PartitionedBuild.settle`); nothing for a parameter no open build holds. Raises TensorIOError."""
+    for build in _OPEN_BUILDS:
+        build.settle(param)
 
 
 def discard_build(store: ParamStore) -> None:
