@@ -460,6 +460,26 @@ def test_a_steps_io_buffers_are_reused_not_mapped_anew(disk_dir, clip):
     assert released() is None  # closing lets go of the pool: its idle buffers are freed
 
 
+@pytest.mark.parametrize("grads_on_disk", [False, True])
+def test_the_state_read_ahead_for_the_next_forward_is_kept_across_steps_only_with_gradients_in_memory(
+        disk_dir, monkeypatch, grads_on_disk):
+    """With the step in the next forward, the optimizer state read ahead late in backward lands in memory
+    kept across steps (faulted in once) while the gradients stay in memory; with them on disk (a model
+    large for the host) it is new memory each step, so that the backward's peak does not carry it."""
+    import offload.train.sizing as sizing
+    if grads_on_disk:
+        monkeypatch.setattr(sizing, "_GRADS_SHARE", 1 << 60)  # as on a host too small to keep the gradients
+    config = engine_config(disk_dir, "nvme", "nvme", micro=2, gradient_clipping=1.0)
+    engine, *_ = initialize(model=gpt2(), config=config)
+    train(engine, gpt2_batches(3), gpt2_loss)
+    assert ("grads" in engine.stats().io) == grads_on_disk
+    kept = engine.optimizer.host_state_bytes()["read_ahead"]
+    assert (kept == 0) == grads_on_disk
+    train(engine, gpt2_batches(2), gpt2_loss)
+    assert engine.optimizer.host_state_bytes()["read_ahead"] == kept  # the same memory, not more
+    engine.close()
+
+
 def test_prefetch_with_a_changed_order_is_still_correct(disk_dir):
     """An eval forward between training steps and a different sequence length change the gather order."""
     build, data, loss_fn = MODELS["gpt2"]

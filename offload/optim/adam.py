@@ -226,21 +226,22 @@ class OffloadAdam(torch.optim.Optimizer):
         self._schedule.in_order = in_order
         self._background.begin(float(grad_scale))
 
-    def read_ahead(self, nbytes: int) -> None:
+    def read_ahead(self, nbytes: int, *, keep_memory: bool = True) -> None:
         """Between steps (overlap_backward): start reading the state of the offloaded sub-groups that come
-        first in the learnt order into at most ``nbytes`` of memory kept for it across steps, so that the next
-        step's first updates find their state in memory (the engine calls it during a backward whose updates
-        run in the next forward). The memory is lent like applied gradients' and is free again once those
-        sub-groups are written. Never waits; does nothing without overlap_backward or while a step is under
-        way."""
+        first in the learnt order into at most ``nbytes`` of memory, so that the next step's first updates
+        find their state in memory (the engine calls it during a backward whose updates run in the next
+        forward). The memory is lent like applied gradients' and is free again once those sub-groups are
+        written. ``keep_memory``: the same memory every step, kept in between (faulted in once), rather than
+        new memory each time, which nothing holds until this call. Never waits; does nothing without
+        overlap_backward or while a step is under way."""
         if self._background is None or self._background.in_backward or nbytes <= 0:
             return
-        self._background.worker.submit(self._background.in_worker, self._read_ahead, int(nbytes))
+        self._background.worker.submit(self._background.in_worker, self._read_ahead, int(nbytes), keep_memory)
 
-    def _read_ahead(self, nbytes: int) -> None:
+    def _read_ahead(self, nbytes: int, keep_memory: bool) -> None:
         """The worker: `read_ahead`."""
         self._transaction.finish_write_behind()  # the last step's writes land (and commit) first
-        self._schedule.read_ahead(nbytes)
+        self._schedule.read_ahead(nbytes, keep_memory=keep_memory)
 
     def add_step_hooks(self, on_commit: Callable[[], None] | None = None,
                        on_abort: Callable[[], None] | None = None) -> None:
@@ -370,9 +371,10 @@ class OffloadAdam(torch.optim.Optimizer):
                 "buffer_count": self._swap_config.buffer_count}
 
     def host_state_bytes(self) -> dict[str, int]:
-        """Host memory held for optimizer state: 'resident' (kept in RAM) and 'buffers' (swap buffers)."""
+        """Host memory held for optimizer state: 'resident' (kept in RAM), 'buffers' (swap buffers) and
+        'read_ahead' (kept across steps for the state read ahead between steps, `read_ahead`)."""
         return {"resident": sum(r.numel() * 4 for regions in self._resident.values() for r in regions),
-                "buffers": self._swapper.buffer_bytes}
+                "buffers": self._swapper.buffer_bytes, "read_ahead": self._swapper.kept_bytes}
 
     @property
     def swap_path(self) -> str | None:

@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch
 
+from tensorio import aligned_tensor
+
 from offload.optim.subgroups import SubGroupPlan
 from offload.optim.swapper import StateSwapper, SwapRecord, Where
 
@@ -106,9 +108,11 @@ class SwapSchedule:
                     break
                 swapper.start_read(rec, spare=True)
 
-    def read_ahead(self, nbytes: int) -> None:
+    def read_ahead(self, nbytes: int, *, keep_memory: bool) -> None:
         """Between steps: read the state of the first sub-groups of the learnt order into at most ``nbytes``
-        of the memory the swapper keeps for it (`StateSwapper.lend_kept`; `OffloadAdam.read_ahead`)."""
+        of memory lent to the swapper (`OffloadAdam.read_ahead`): memory the swapper keeps across steps
+        (`StateSwapper.lend_kept`) if ``keep_memory``, else new memory, freed once those sub-groups are
+        written."""
         records = self.swapper.records
         chosen, total = [], 0
         for index in self.order:
@@ -121,7 +125,10 @@ class SwapSchedule:
             total += rec.plan.state_bytes
         if not chosen:
             return
-        self.swapper.lend_kept(total, nbytes)
+        if keep_memory:
+            self.swapper.lend_kept(total, nbytes)
+        else:
+            self.swapper.add_spare(aligned_tensor(total // 4, torch.float32))
         for rec in chosen:
             if not self.swapper.fits_in_spares(rec):
                 break  # not lent: beyond the spare limit

@@ -126,6 +126,11 @@ class StateSwapper:
         is given back when `drop_spares` has been called and the last region cut from it is written."""
         self._spares.lend(tensor, self._smallest_region)
 
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the memory kept across steps for reads ahead (`lend_kept`), lent or idle."""
+        return self._kept.held_bytes if self._kept is not None else 0
+
     def lend_kept(self, nbytes: int, capacity: int) -> None:
         """Lend ``nbytes`` of memory this swapper keeps across steps, as `add_spare` lends a gradient's: one
         buffer of ``capacity`` bytes (the most any call asks for), reused while no region cut from it in an

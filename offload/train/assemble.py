@@ -269,8 +269,11 @@ def _update_path(mode: UpdateMode, ctx: StepContext, trainable: list[ParamRecord
     # The forward's gathers wait for, and take, the updated partitions.
     deferred = store.updates = DeferredStep(store, ctx.kept, opt, writeback, trainable, rollback, grad_reads=grad_reads,
                                             read_ahead=sizes.window)
-    # Late in backward (most activations freed), the state of the first updates is read ahead.
-    ctx.reducer.on_half = functools.partial(opt.read_ahead, sizes.state_ahead)
+    # Late in backward (most activations freed), the state of the first updates is read ahead, into memory
+    # kept across steps while the gradients stay in memory too. Where they go to disk (a model large for
+    # this host) that memory would raise the backward's peak, and faulting it in each step costs little
+    # beside such a model's step (docs/engine.md, "Memory bound").
+    ctx.reducer.on_half = functools.partial(opt.read_ahead, sizes.state_ahead, keep_memory=not sizes.swap_grads)
     return UpdateInNextForward(ctx, writeback, rollback, deferred)
 
 
