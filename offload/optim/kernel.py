@@ -124,8 +124,8 @@ def adam_update(plan: SubGroupPlan, regions: list[torch.Tensor], states: list[Pa
     exp_avg_sq and, for 16-bit parameters, the fp32 master), with ``group``'s hyperparameters, every
     gradient multiplied by ``scale``. Each parameter's ``new_step`` counts this step. ``scratch``, fp32 of
     at least ``plan.region`` elements, holds the gradients scaled or made fp32 (the caller's are left
-    as they are): memory reused in every update rather than a new tensor each time, whose pages the
-    kernel would fault in anew (docs/engine.md, "Memory bound")."""
+    as they are): memory a caller can reuse in every update, whose pages are then faulted in once
+    rather than per update (docs/engine.md, "Memory bound")."""
     exp_avg, exp_avg_sq = regions[0], regions[1]
     master = regions[2] if plan.master else None
     params, grads, exp_avgs, exp_avg_sqs, steps, copy_back = [], [], [], [], [], []

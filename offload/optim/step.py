@@ -52,11 +52,16 @@ class StepRun:
         inputs = self._inputs
         group = inputs.groups[plan.group] if inputs.groups is not None else self._owner.param_groups[plan.group]
         adam_update(plan, regions, self._params, self.grad_of, group, inputs.grad_scale, self._adamw_mode,
-                    self._scratch(plan.region))
+                    self._scratch(plan))
 
-    def _scratch(self, numel: int) -> torch.Tensor:
-        """This thread's fp32 scratch of at least ``numel`` elements (updates run on the optimizer's worker
-        and, after joining it, on the caller's thread: one each, kept for the next updates)."""
+    def _scratch(self, plan: SubGroupPlan) -> torch.Tensor:
+        """fp32 scratch of at least ``plan.region`` elements: for an offloaded sub-group, this thread's,
+        kept for the next updates (updates run on the optimizer's worker and, after joining it, on the
+        caller's thread: one each; a sub-group's size is capped by its swap buffer); for a resident one,
+        new memory, touched only if used (resident sub-groups may be as large as the config says)."""
+        numel = plan.region
+        if not plan.offloaded:
+            return torch.empty(numel, dtype=torch.float32)
         scratch = getattr(self._scratches, "tensor", None)
         if scratch is None or scratch.numel() < numel:
             scratch = self._scratches.tensor = torch.empty(numel, dtype=torch.float32)
