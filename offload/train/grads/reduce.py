@@ -21,10 +21,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from offload.params.store import ParamRecord, ParamStore
-from offload.train.device_grads import DeviceGradBuckets
+from offload.params.record import ParamRecord
+from offload.params.store import ParamStore
 from offload.storage.swapfile import SwapFile
 from offload.storage.write_queue import WriteQueue
+from offload.train.grads.device import DeviceGradBuckets
 
 @dataclass(slots=True, eq=False)
 class GradPartition:
@@ -79,7 +80,7 @@ class GradReducer:
         self.device = store.device
         self.device_buckets: DeviceGradBuckets | None = None
         """On a device with its own memory: gradients reduced there in buckets and copied to the host
-        (`offload.train.device_grads`), at any world size; the buckets are at most the model's size."""
+        (`offload.train.grads.device`), at any world size; the buckets are at most the model's size."""
         if self.device.separate_memory:
             needed = sum(rec.partition_numel * world_size for rec in store.records if rec.accumulator is not None)
             self.device_buckets = DeviceGradBuckets(self, self.device, min(bucket_elements or needed, needed))

@@ -32,10 +32,10 @@ import torch
 
 from offload.device import CPU_KERNELS, PackedKernels
 from offload.infer.config import WeightQuantization
-from offload.infer.convert import drop_page_cache
-from offload.infer.plan import format_bytes
-from offload.infer.quantize import quantize_weight, quantized_layout
-from offload.infer.stream import Unit
+from offload.infer.plan.host import format_bytes
+from offload.infer.stream.unit import Unit
+from offload.infer.weights.convert import drop_page_cache
+from offload.infer.weights.quantize import quantize_weight, quantized_layout
 from offload.storage.safetensors_reader import SafetensorsCheckpoint, read_windows, tensor_views
 from offload.storage.safetensors_writer import atomic_safetensors
 from tensorio import AioHandle, aligned_tensor

@@ -10,7 +10,7 @@ torch's per-token affine quantization (``quantized_decomposed.quantize_per_token
 packing of two 4-bit values into a byte are ours.
 
 `QuantizedLayer` is transformers' `DynamicLayer` holding such bytes: a cache layer in memory. The
-NVMe layers of `offload.infer.kvcache` store the same bytes in their files.
+NVMe layers of `offload.infer.kv.cache` store the same bytes in their files.
 """
 
 from __future__ import annotations

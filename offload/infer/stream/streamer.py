@@ -7,7 +7,7 @@ buffer is under way), "in use" (its parameters are views into that buffer). Outs
 streamed unit's parameters are meta placeholders, so the model never holds it. Where the compute
 device has memory of its own, a unit is "resident" in device memory, or "host" (kept in pinned host
 memory and copied to the device ring for each forward: "staged" while it computes there), or streamed
-from the disk through the locked ring and then the device ring (offload/infer/device_ring.py).
+from the disk through the locked ring and then the device ring (offload/infer/stream/device_ring.py).
 
 Reads are issued in forward order and wrap around to the next forward, so the disk reads the first
 layers of the next token while the last ones of this token compute. A buffer is reused as soon as
@@ -21,80 +21,15 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
-from offload.infer.device_ring import DeviceRing
-from offload.storage.safetensors_reader import Window, read_windows, tensor_views, windows_nbytes
-from tensorio import AioHandle, IOFuture, aligned_tensor, free_locked_tensor, locked_tensor, prefault
+from offload.infer.stream.device_ring import DeviceRing
+from offload.infer.stream.unit import Unit
+from offload.storage.safetensors_reader import read_windows, tensor_views
+from tensorio import AioHandle, aligned_tensor, free_locked_tensor, locked_tensor, prefault
 
-__all__ = ["LayerStreamer", "ParamRef", "ResidentLoad", "Unit"]
-
-
-
-@dataclass(frozen=True, slots=True)
-class ParamRef:
-    """One parameter of a unit: every (module, attribute) that holds it (more than one when tied),
-    the checkpoint tensor it is read from, and its meta placeholder."""
-
-    owners: tuple[tuple[nn.Module, str], ...]
-    tensor: str
-    placeholder: nn.Parameter
-
-    def bind(self, value: torch.Tensor) -> None:
-        param = value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad=False)
-        for module, attr in self.owners:
-            module._parameters[attr] = param
-
-    def unbind(self) -> None:
-        for module, attr in self.owners:
-            module._parameters[attr] = self.placeholder
-
-
-@dataclass(eq=False, slots=True)
-class Unit:
-    """One unit of placement (a decoder layer, the output head, ...) and its state."""
-
-    name: str
-    module: nn.Module
-    params: tuple[ParamRef, ...]
-    windows: list[Window]
-    """Its tensors' aligned windows, packed from buffer offset 0."""
-    nbytes: int
-    """Its weights' bytes in memory."""
-    streamable: bool
-    state: str = "on disk"
-    """"resident", "loading" (becoming resident), "on disk", "in flight", "in use", or with a device
-    tier "host" (kept in pinned host memory, ``host_buffer``) and "staged" (that copied to the device ring)."""
-    slot: int | None = None
-    """The ring buffer it is read into (in flight or in use)."""
-    futures: list[IOFuture] = field(default_factory=list)
-    users: int = 0
-    hooks: list = field(default_factory=list)
-    loading: "ResidentLoad | None" = None
-    """The load reading it into memory of its own (state "loading")."""
-    load_hooks: list = field(default_factory=list)
-    claimed: bool = False
-    """Loading, but lent to the ring for a forward because its load had not taken it on yet (set
-    and cleared by the load, under its lock)."""
-    host_buffer: torch.Tensor | None = None
-    """State "host": its windows in pinned host memory, copied to the device for each forward."""
-    device_buffer: torch.Tensor | None = None
-    """Resident on a device with memory of its own: the device buffer its parameters are views of."""
-
-    @property
-    def read_nbytes(self) -> int:
-        return sum(w.nbytes for w in self.windows)
-
-    @property
-    def buffer_nbytes(self) -> int:
-        return windows_nbytes(self.windows)
-
-    def unbind(self) -> None:
-        for ref in self.params:
-            ref.unbind()
+__all__ = ["LayerStreamer", "ResidentLoad"]
 
 
 class LayerStreamer:

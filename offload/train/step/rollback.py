@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from offload.params.store import ParamRecord, ParamStore
+from offload.params.record import ParamRecord
+from offload.params.store import ParamStore
 
 
 class StepRollback:

@@ -38,10 +38,11 @@ import threading
 import torch
 
 from offload.optim.protocol import StepOptimizer
-from offload.params.store import ParamRecord, ParamStore
-from offload.train.kept_buffers import KeptBuffers
-from offload.train.rollback import StepRollback
-from offload.train.writeback import PartitionWriteBack
+from offload.params.record import ParamRecord
+from offload.params.store import ParamStore
+from offload.train.step.kept_buffers import KeptBuffers
+from offload.train.step.rollback import StepRollback
+from offload.train.step.writeback import PartitionWriteBack
 
 
 class DeferredStep:

@@ -1,11 +1,11 @@
-"""A checkpoint of `offload.train.checkpoint` read at any world size, element range by element range.
+"""A checkpoint of `offload.train.checkpoint.rank_state` read at any world size, element range by element range.
 
 Every rank file holds, per tensor, that rank's flat partition of the tensor padded at its end to
 ``world_size x partition`` elements (`offload.params.partition`, alignment 1). Element ``g`` of a
 flat tensor saved by ``W`` ranks with partitions of ``P`` elements lives in rank ``g // P``'s file at
 ``g % P``. So any range of the flat tensor, and so any rank's partition at another world size, reads
 from at most a few files: the loader repartitions on load (2 -> 1, 1 -> 3, ...) and the offline
-consolidation (`offload.train.consolidate`) reads whole tensors the same way.
+consolidation (`offload.train.checkpoint.consolidate`) reads whole tensors the same way.
 
 Reads go through tensorio with O_DIRECT (a page-aligned window around the range), never through a
 memory map: reading a checkpoint larger than memory grows neither the process (mapped pages count
@@ -26,7 +26,7 @@ import torch
 from tensorio import DIRECT_ALIGN, AioHandle, BufferPool, IOFuture
 
 from offload.storage.safetensors_reader import SafetensorsCheckpoint, TensorEntry
-from offload.train.checkpoint_files import optimizer_file, params_file, read_states, require_file
+from offload.train.checkpoint.files import optimizer_file, params_file, read_states, require_file
 
 __all__ = ["READ_BUFFER_BYTES", "CheckpointReader", "PendingRead"]
 

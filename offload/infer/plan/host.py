@@ -11,46 +11,16 @@ streamed layer while each resident one computes.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from offload.infer.plan.units import BudgetError, UnitSize, format_bytes, spread_order, unit_names
+
 if TYPE_CHECKING:
-    from offload.infer.tiers import DeviceTier
+    from offload.infer.plan.device import DeviceTier
 
 __all__ = ["BudgetError", "KVPlacement", "Plan", "UnitSize", "format_bytes", "make_plan", "place_kv"]
-
-
-class BudgetError(ValueError):
-    """The memory budget, the buffers or the machine cannot hold what the plan needs; names the figures."""
-
-
-def format_bytes(nbytes: float, *, up: bool = False) -> str:
-    """ "1.50 GiB", "12.3 MiB", "512 B": to the nearest shown digit, or rounded up with ``up`` (for
-    what is needed: a budget of the figure shown is then enough)."""
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(nbytes) >= size:
-            scale = 100 if unit in ("GiB", "TiB") else 10
-            value = math.ceil(nbytes / size * scale) / scale if up else nbytes / size
-            return f"{value:.2f} {unit}" if scale == 100 else f"{value:.1f} {unit}"
-    return f"{math.ceil(nbytes) if up else int(nbytes)} B"
-
-
-@dataclass(frozen=True, slots=True)
-class UnitSize:
-    """One unit of placement (a decoder layer, the output head, the embeddings) as the plan sees it."""
-
-    name: str
-    """Module path, e.g. "model.layers.3"."""
-    nbytes: int
-    """Its weights' bytes in memory."""
-    read_nbytes: int
-    """Bytes one read of it moves from the disk (its aligned windows)."""
-    buffer_nbytes: int
-    """Buffer bytes its windows need."""
-    streamable: bool
-    """False for what must stay resident (embeddings, norms, tied weights)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +37,7 @@ class KVPlacement:
     micro_batches: int = 1
     """The block schedule's micro-batches: each ring buffer holds one micro-batch's part of a layer."""
     staged_nbytes: int = 0
-    """With compute on a device of its own and the cache on the host (offload/infer/device_kv.py): one
+    """With compute on a device of its own and the cache on the host (offload/infer/kv/device.py): one
     layer's keys and values for one micro-batch at the full length in the compute dtype, the size of
     each buffer that carries them to the device (two pinned on the host, two on the device); 0: the
     cache is not staged (it lives where compute runs)."""
@@ -130,7 +100,7 @@ def place_kv(units: Sequence[UnitSize], *, budget: int | None, layers: int, laye
                 f"{format_bytes(ring // buffer_count, up=True)}, one layer's cache each, needs a budget of "
                 f"{format_bytes(must + ring, up=True)}; kv_offload.buffer_count 1 halves it)")
         keep = min(layers, (room - ring) // layer_nbytes)
-    memory = set(_spread_order(layers)[:keep])
+    memory = set(spread_order(layers)[:keep])
     return KVPlacement(layers, layer_nbytes, tuple(i for i in range(layers) if i not in memory), buffer_count,
                        micro_batches)
 
@@ -166,7 +136,7 @@ class Plan:
     kv: KVPlacement | None = None
     """Where the KV cache of ``kv_shape`` lives (None until a batch is known); ``kv_bytes`` is its memory."""
     device: DeviceTier | None = None
-    """Where compute has memory of its own (a GPU): what it keeps (offload/infer/tiers.py); the units in
+    """Where compute has memory of its own (a GPU): what it keeps (offload/infer/plan/device.py); the units in
     ``resident`` but not in ``device.resident`` are kept in pinned host memory. None: the host is the device."""
 
     @property
@@ -243,7 +213,7 @@ class Plan:
             lines[0] = f"placement: host budget {budget} for weights kept in pinned memory"
             lines.append(f"  device: budget {format_bytes(device.budget)} ({device.setting}), "
                          f"{format_bytes(device.used_bytes)} reserved")
-            lines.append(f"    kept there: {format_bytes(device.resident_bytes)}: {_names(on_device)}")
+            lines.append(f"    kept there: {format_bytes(device.resident_bytes)}: {unit_names(on_device)}")
             if device.ring_slots:
                 lines.append(f"    copy ring: {device.ring_slots} x {format_bytes(device.slot_nbytes)} (the other units, "
                              f"copied ahead of use on a side stream)")
@@ -254,11 +224,11 @@ class Plan:
                          + (f" (batch {batch} x {tokens} tokens)" if batch else " (none yet: reserved per generate call)")
                          + f", activations {format_bytes(device.activation_bytes)}")
         lines.append(f"  resident: {format_bytes(self.resident_bytes)} in {'pinned host ' if device else ''}memory: "
-                     f"{_names(resident)}")
+                     f"{unit_names(resident)}")
         streamed = self.streamed
         if streamed:
             lines.append(f"  streamed: {format_bytes(self.streamed_bytes)} per forward from the checkpoint "
-                         f"({format_bytes(self.read_bytes_per_forward)} read, alignment included): {_names(streamed)}")
+                         f"({format_bytes(self.read_bytes_per_forward)} read, alignment included): {unit_names(streamed)}")
             lines.append(f"  buffers: {self.buffer_count} x {format_bytes(self.buffer_nbytes)} (locked ring, "
                          f"read ahead while a layer computes)")
         else:
@@ -317,32 +287,6 @@ def _before_after(nbytes: int, before: int | None, what: str) -> str:
             + (f" ({before / nbytes:.2f}x fewer bytes)" if before and nbytes else ""))
 
 
-def _names(units: Sequence[UnitSize]) -> str:
-    """ "model.embed_tokens, model.norm, model.layers.{0,3,5} (3 of them)": repeated blocks folded."""
-    groups: dict[str, list[str]] = {}
-    order: list[str] = []
-    for unit in units:
-        match = re.fullmatch(r"(.*)\.(\d+)", unit.name)
-        key, leaf = (match.group(1), match.group(2)) if match else (unit.name, "")
-        if key not in groups:
-            order.append(key)
-        groups.setdefault(key, []).append(leaf)
-    parts = []
-    for key in order:
-        leaves = groups[key]
-        if leaves == [""]:
-            parts.append(key)
-        else:
-            parts.append(f"{key}.{{{','.join(leaves)}}} ({len(leaves)})")
-    return ", ".join(parts) if parts else "nothing"
-
-
-def _spread_order(count: int) -> list[int]:
-    """0..count-1 ordered so that every prefix is spread evenly (bit-reversed order: 0, n/2, n/4, 3n/4, ...)."""
-    bits = max(1, (count - 1).bit_length())
-    return sorted(range(count), key=lambda i: int(format(i, f"0{bits}b")[::-1], 2))
-
-
 def make_plan(units: Sequence[UnitSize], *, budget: int | None, buffer_count: int, buffer_nbytes: int | None = None,
               kv_bytes: int = 0, kv_shape: tuple[int, int] = (0, 0), disk_bps: float | None = None,
               disk_source: str = "") -> Plan:
@@ -369,11 +313,11 @@ def make_plan(units: Sequence[UnitSize], *, budget: int | None, buffer_count: in
         kv = f" plus a KV cache of {format_bytes(kv_bytes)} for batch {kv_shape[0]} x {kv_shape[1]} tokens" if kv_bytes else ""
         raise BudgetError(
             f"zero_optimization.offload_param.max_in_cpu: the budget of {format_bytes(budget)} cannot hold the weights "
-            f"that must stay in memory ({format_bytes(must - kv_bytes)}: {_names(required)}){kv}; raise max_in_cpu to at "
+            f"that must stay in memory ({format_bytes(must - kv_bytes)}: {unit_names(required)}){kv}; raise max_in_cpu to at "
             f"least {format_bytes(must, up=True)}" + (" or lower the batch size or the number of tokens" if kv_bytes else ""))
     # 2. Then whole streamable units, largest first; equal ones spread through the forward.
     streamable = [u for u in units if u.streamable]
-    rank = {streamable[i].name: r for r, i in enumerate(_spread_order(len(streamable)))}
+    rank = {streamable[i].name: r for r, i in enumerate(spread_order(len(streamable)))}
     room = budget - must
     resident = {u.name for u in required}
     for unit in sorted(streamable, key=lambda u: (-u.nbytes, rank[u.name])):

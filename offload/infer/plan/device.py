@@ -1,6 +1,6 @@
 """The device tier: which units a compute device with memory of its own (a GPU) keeps, within its budget.
 
-Pure arithmetic on sizes, like offload/infer/plan.py, which places the rest between pinned host
+Pure arithmetic on sizes, like offload/infer/plan/host.py, which places the rest between pinned host
 memory and NVMe. A unit kept on the device is never copied again; every other unit crosses the
 host-to-device link once per forward, through a ring of device buffers (``ring_slots`` of the
 largest such unit). The device holds, in this order: the units that must stay (embeddings, norms,
@@ -13,9 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from offload.infer.plan import BudgetError, UnitSize, format_bytes
-from offload.infer.plan import _names as unit_names
-from offload.infer.plan import _spread_order as spread_order
+from offload.infer.plan.units import BudgetError, UnitSize, format_bytes, spread_order, unit_names
 
 __all__ = ["DeviceTier", "place_device"]
 

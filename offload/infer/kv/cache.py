@@ -27,19 +27,27 @@ import shutil
 import tempfile
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from offload.infer.config import KVQuantization
-from offload.infer.kvquant import KVCodec, QuantizedLayer
+from offload.infer.kv.quant import KVCodec, QuantizedLayer
 from tensorio import DIRECT_ALIGN, AioHandle, IOFuture, aligned_tensor, free_locked_tensor, locked_tensor
 
-if TYPE_CHECKING:
-    from offload.infer.device_kv import KVStager
+__all__ = ["KVRing", "LayerStager", "MicroBatchedLayer", "NvmeKVLayer", "OffloadedKVCache"]
 
-__all__ = ["KVRing", "MicroBatchedLayer", "NvmeKVLayer", "OffloadedKVCache"]
+
+class LayerStager(Protocol):
+    """Carries host layers' keys and values to a compute device with memory of its own
+    (`offload.infer.kv.device.KVStager`, handed in by the engine)."""
+
+    def stage(self, inner: CacheLayerMixin) -> CacheLayerMixin:
+        """``inner`` wrapped so that its keys and values go to the device per update."""
+
+    def close(self) -> None:
+        """Wait for the copies and give every buffer back."""
 
 
 class _StreamedLayer(CacheLayerMixin):
@@ -421,7 +429,7 @@ class OffloadedKVCache(Cache):
 
     Use it as ``model.generate(..., cache=cache)`` and `close` it afterwards (or use it as a context
     manager). With ``stager`` (compute on a device of its own) every layer (each micro-batch's part) is a
-    `StagedKVLayer`, copied to the device one layer ahead of its update (offload/infer/device_kv.py). With ``quantization`` every layer stores its keys and values as `KVCodec` bytes, those in
+    `StagedKVLayer`, copied to the device one layer ahead of its update (offload/infer/kv/device.py). With ``quantization`` every layer stores its keys and values as `KVCodec` bytes, those in
     memory as `QuantizedLayer`. Greedy decoding and sampling work; beam search and assisted decoding
     need reordering or cropping, which layers on NVMe or in micro-batches refuse (NotImplementedError
     naming kv_offload or block_schedule); layers in memory do them.
@@ -429,9 +437,7 @@ class OffloadedKVCache(Cache):
 
     def __init__(self, num_layers: int, nvme_layers: set[int] | list[int] | tuple[int, ...], handle: AioHandle,
                  parent: str | os.PathLike, *, max_tokens: int, buffer_count: int = 2, micro_batches: int = 1,
-                 quantization: KVQuantization | None = None, stager: "KVStager | None" = None) -> None:
-        from offload.infer.device_kv import StagedKVLayer  # it builds on this module's layers
-
+                 quantization: KVQuantization | None = None, stager: LayerStager | None = None) -> None:
         self.stager = stager
         self.ring = KVRing(handle, os.fspath(parent), max_tokens=max_tokens, buffer_count=buffer_count,
                            quantization=quantization)
@@ -450,7 +456,7 @@ class OffloadedKVCache(Cache):
                 else:
                     parts.append(DynamicLayer() if quantization is None else QuantizedLayer(self._codec_for))
             if stager is not None:  # each part in the order the forward updates them (block schedule: micro-batches in turn)
-                parts = [StagedKVLayer(stager, part) for part in parts]
+                parts = [stager.stage(part) for part in parts]
             layers.append(parts[0] if micro_batches == 1 else MicroBatchedLayer(self, parts))
         super().__init__(layers=layers)
 

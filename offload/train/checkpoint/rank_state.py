@@ -2,7 +2,7 @@
 nothing in them that runs code when loaded.
 
 Layout of ``save_dir/<tag>/`` (see docs/engine.md, "Checkpoints"; file names in
-`offload.train.checkpoint_files`); per rank ``r`` (5 digits):
+`offload.train.checkpoint.files`); per rank ``r`` (5 digits):
 
     rank<r>_params.safetensors     this rank's parameter partitions, flat, by parameter name
     rank<r>_optimizer.safetensors  this rank's optimizer state, flat fp32, "<index>.<key>"
@@ -11,14 +11,14 @@ Layout of ``save_dir/<tag>/`` (see docs/engine.md, "Checkpoints"; file names in
     rank<r>_client.safetensors     tensors of ``client_state``, when it holds any
 
 and once: ``config.json`` (the model's, when it has a transformers config) and ``zero_to_fp32.py``
-(runs `offload.train.consolidate` on this tag: ``python zero_to_fp32.py OUTPUT_DIR``).
+(runs `offload.train.checkpoint.consolidate` on this tag: ``python zero_to_fp32.py OUTPUT_DIR``).
 
 JSON and safetensors only: loading a checkpoint never unpickles, so a checkpoint from someone else
 cannot execute anything. ``client_state`` may hold what JSON holds (dicts with str keys, lists,
 str, int, float, bool, None) and tensors; tuples come back as lists.
 
 A checkpoint loads at any world size: each rank reads its partition of every tensor from the saved
-ranks' files that hold it (`offload.train.checkpoint_reader`).
+ranks' files that hold it (`offload.train.checkpoint.reader`).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from tensorio import aligned_tensor
 from offload.params import ParamRecord, ParamStore
 from offload.params.partition import partition_numel
 from offload.storage import SafetensorsWriter, atomic_checkpoint, atomic_safetensors, resolve_tag
-from offload.train.checkpoint_files import (FORMAT, RANK_FILE_ALIGN, client_file, decode_state, encode_state,
+from offload.train.checkpoint.files import (FORMAT, RANK_FILE_ALIGN, client_file, decode_state, encode_state,
                                             optimizer_file, params_file, states_file, write_json)
-from offload.train.checkpoint_reader import CheckpointReader
+from offload.train.checkpoint.reader import CheckpointReader
 from offload.train.surface import in_optimizer_order
 
 __all__ = ["CheckpointLoad", "decode_state", "encode_state", "model_config", "save_16bit_model", "save_checkpoint"]

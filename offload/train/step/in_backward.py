@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 
 from offload.params import ParamRecord
-from offload.train.rollback import StepRollback
-from offload.train.update_mode import FastPath, StepContext, UpdateMode
-from offload.train.writeback import PartitionWriteBack
+from offload.train.step.rollback import StepRollback
+from offload.train.step.update_mode import FastPath, StepContext, UpdateMode
+from offload.train.step.writeback import PartitionWriteBack
 
 
 class UpdateDuringBackward(FastPath):

@@ -24,16 +24,13 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from offload.device import Device, Event
-from offload.params.store import ParamRecord
-
-if TYPE_CHECKING:
-    from offload.train.grads import GradReducer
+from offload.params.record import ParamRecord
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 """torch.distributed's reduce-scatter of one flat tensor (its newer name where torch has it)."""
@@ -61,10 +58,21 @@ class _Bucket:
     """One of the reused pair (False: a one-off bucket for a gradient larger than a bucket)."""
 
 
-class DeviceGradBuckets:
-    """Steps 1 to 4 of the module docstring for one `GradReducer`."""
+class GradTaker(Protocol):
+    """What the buckets read of and hand to their owner (the host's `GradReducer`)."""
 
-    def __init__(self, reducer: "GradReducer", device: Device, elements: int) -> None:
+    world_size: int
+    group: object
+    comm_seconds: float
+
+    def _take(self, rec: ParamRecord, part: torch.Tensor) -> None:
+        """Take ``rec``'s reduced partition (averaged over the ranks), as from the CPU's reduction."""
+
+
+class DeviceGradBuckets:
+    """Steps 1 to 4 of the module docstring for one `GradReducer`, which hands itself in."""
+
+    def __init__(self, reducer: GradTaker, device: Device, elements: int) -> None:
         self._reducer, self._device = reducer, device
         self._row = max(-(-elements // reducer.world_size), 1)
         """Elements per rank's row of a bucket (``elements`` over the ranks)."""

@@ -1,6 +1,6 @@
 """The files of one checkpoint tag and its small state, as JSON plus tensors (nothing pickled).
 
-Per rank ``r`` (5 digits), in ``save_dir/<tag>/`` (see `offload.train.checkpoint`)::
+Per rank ``r`` (5 digits), in ``save_dir/<tag>/`` (see `offload.train.checkpoint.rank_state`)::
 
     rank<r>_params.safetensors     this rank's parameter partitions, flat, by parameter name
     rank<r>_optimizer.safetensors  this rank's optimizer state, flat fp32, "<index>.<key>"

@@ -1,4 +1,4 @@
-"""The engine's checkpoint save and load around what `offload.train.checkpoint` streams: the update path
+"""The engine's checkpoint save and load around what `offload.train.checkpoint.rank_state` streams: the update path
 settled or abandoned first, the engine's own state (counters, loss scale, schedule, client state) saved
 and restored, and the failure state told what the checkpoint now is (`FailureState.saved`, `loaded`)."""
 
@@ -13,9 +13,9 @@ from torch import nn
 
 from offload.params import ParamStore
 from offload.params.pretrained import load_pretrained
-from offload.train.checkpoint import CheckpointLoad, save_16bit_model, save_checkpoint
+from offload.train.checkpoint.rank_state import CheckpointLoad, save_16bit_model, save_checkpoint
+from offload.train.step.update_mode import StepContext, UpdatePath
 from offload.train.surface import check_load_arguments
-from offload.train.update_mode import StepContext, UpdatePath
 
 log = logging.getLogger("offload")
 

@@ -46,8 +46,8 @@ from tensorio import DIRECT_ALIGN
 from offload.storage import resolve_tag
 from offload.storage.checkpoint_dir import fsync_dir
 from offload.storage.safetensors_writer import DirectSafetensorsWriter
-from offload.train.checkpoint_files import write_json
-from offload.train.checkpoint_reader import READ_BUFFER_BYTES, CheckpointReader
+from offload.train.checkpoint.files import write_json
+from offload.train.checkpoint.reader import READ_BUFFER_BYTES, CheckpointReader
 
 __all__ = ["consolidated_tensors", "convert_zero_checkpoint_to_fp32_state_dict",
            "get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint", "parse_size"]

@@ -3,10 +3,10 @@
 The mode is chosen once, at `initialize` (`choose_update_mode`), and the engine delegates every
 mode-dependent moment of a step to one object (`UpdatePath`):
 
-- `offload.train.step_in_backward`: IN_BACKWARD, each partition updated as soon as its gradient is final;
-- `offload.train.step_in_forward`: IN_FORWARD, the step validated after backward, its updates run in
+- `offload.train.step.in_backward`: IN_BACKWARD, each partition updated as soon as its gradient is final;
+- `offload.train.step.in_forward`: IN_FORWARD, the step validated after backward, its updates run in
   the next forward's order;
-- `offload.train.step_after_backward`: AFTER_BACKWARD, the chunked step in ``step()``.
+- `offload.train.step.after_backward`: AFTER_BACKWARD, the chunked step in ``step()``.
 
 The two fast paths (the first two) run the updates on the optimizer's thread and commit the
 parameters with the optimizer state (`StepRollback`): `FastPath` is what they share, giving a failed
@@ -24,11 +24,11 @@ import torch
 
 from offload.config import EngineConfig
 from offload.params import ParamRecord, ParamStore
-from offload.train.failure import CounterSnapshot, FailureState, StepCounters, describe
-from offload.train.grads import GradReducer
-from offload.train.kept_buffers import KeptBuffers
-from offload.train.rollback import StepRollback
-from offload.train.writeback import PartitionWriteBack
+from offload.train.grads.reduce import GradReducer
+from offload.train.step.failure import CounterSnapshot, FailureState, StepCounters, describe
+from offload.train.step.kept_buffers import KeptBuffers
+from offload.train.step.rollback import StepRollback
+from offload.train.step.writeback import PartitionWriteBack
 
 log = logging.getLogger("offload")
 

@@ -18,9 +18,9 @@ import torch
 
 from offload.config import EngineConfig
 from offload.params import ParamRecord, ParamStore
-from offload.train.clip import step_factor
-from offload.train.failure import describe
-from offload.train.update_mode import PathCounts, StepContext, UpdateMode
+from offload.train.grads.clip import step_factor
+from offload.train.step.failure import describe
+from offload.train.step.update_mode import PathCounts, StepContext, UpdateMode
 
 
 class UpdateAfterBackward:

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from offload.train.clip import step_factor
-from offload.train.deferred import DeferredStep
-from offload.train.rollback import StepRollback
-from offload.train.update_mode import FastPath, PathCounts, StepContext, UpdateMode
-from offload.train.writeback import PartitionWriteBack
+from offload.train.grads.clip import step_factor
+from offload.train.step.deferred import DeferredStep
+from offload.train.step.rollback import StepRollback
+from offload.train.step.update_mode import FastPath, PathCounts, StepContext, UpdateMode
+from offload.train.step.writeback import PartitionWriteBack
 
 
 class UpdateInNextForward(FastPath):

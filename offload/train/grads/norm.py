@@ -4,7 +4,7 @@ clipping), None before the first step."""
 
 from __future__ import annotations
 
-from offload.train.update_mode import FastPath, StepContext, UpdatePath
+from offload.train.step.update_mode import FastPath, StepContext, UpdatePath
 
 
 class GlobalGradNorm:

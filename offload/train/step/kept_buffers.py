@@ -7,7 +7,7 @@ released. A step whose updates use the partition's values keeps that buffer inst
 - updates during backward (`for_update`): every on-disk trainable partition's buffer is kept from its
   backward gather until its gradient is final and the update takes it (`take`);
 - the step in the next forward (`next`): the buffers backward read of the partitions that forward
-  updates first are kept past the end of backward (`offload.train.deferred`).
+  updates first are kept past the end of backward (`offload.train.step.deferred`).
 
 An update owns a buffer from `take` on, and gives its elements back to the budget with `give_back`.
 """
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from offload.params.store import ParamRecord, ParamStore
+from offload.params.record import ParamRecord
+from offload.params.store import ParamStore
 
 
 class KeptBuffers:

@@ -31,9 +31,9 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from offload.device import Device
-from offload.infer.device_ring import DeviceRing
-from offload.infer.kvcache import NvmeKVLayer, _StreamedLayer
-from offload.infer.kvquant import QuantizedLayer
+from offload.infer.kv.cache import NvmeKVLayer, _StreamedLayer
+from offload.infer.kv.quant import QuantizedLayer
+from offload.infer.stream.device_ring import DeviceRing
 
 __all__ = ["KVStager", "StagedKVLayer"]
 
@@ -72,6 +72,11 @@ class KVStager:
     def add(self, layer: "StagedKVLayer") -> None:
         """Register ``layer`` as the next one the forward updates."""
         self.layers.append(layer)
+
+    def stage(self, inner: CacheLayerMixin) -> "StagedKVLayer":
+        """``inner`` (a host layer of the cache) staged to the device, registered as the next one the
+        forward updates: how `OffloadedKVCache` composes this stager in."""
+        return StagedKVLayer(self, inner)
 
     # ---- geometry ---------------------------------------------------------------------------------
 

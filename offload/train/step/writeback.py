@@ -9,7 +9,7 @@ leave the swap budget, once that write has landed (`reap`). Backward is held bac
 
 The update is written to the partition's uncommitted slot (`SlottedRegion.stage`): the previous
 values stay readable until the optimizer commits the step. The same hand-over serves the step that runs
-during the next forward (`offload.train.deferred`): there a partition handed over with ``hold`` keeps
+during the next forward (`offload.train.step.deferred`): there a partition handed over with ``hold`` keeps
 its buffer after the write has landed, until the forward has used it (`use`), which saves reading it
 again.
 """
@@ -24,9 +24,10 @@ import torch
 from tensorio import IOFuture
 
 from offload.optim.protocol import StepOptimizer
-from offload.params.store import ParamRecord, ParamStore
+from offload.params.record import ParamRecord
+from offload.params.store import ParamStore
 from offload.storage.write_queue import WriteQueue
-from offload.train.kept_buffers import KeptBuffers
+from offload.train.step.kept_buffers import KeptBuffers
 
 
 class PartitionWriteBack:
