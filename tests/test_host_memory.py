@@ -108,7 +108,7 @@ def test_auto_budget_is_available_less_what_is_reserved_less_the_margin():
     margin = AUTO_MARGIN_BYTES + int(AUTO_MARGIN_SHARE * 20 * GiB)
     assert budget == 20 * GiB - GiB - margin
     assert how == ("\"auto\": 20.00 GiB available (MemAvailable 20.00 GiB (/proc/meminfo)) - ring buffers (2 x 512 MiB) "
-                   "1.00 GiB - margin 2.00 GiB (1 GiB + 5%: activations, the process's growth, other processes)")
+                   "1.00 GiB - margin 1.50 GiB (512 MiB + 5%: activations, the process's growth, other processes)")
 
 
 def test_auto_budget_never_reaches_zero_which_would_mean_stream_everything():

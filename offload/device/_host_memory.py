@@ -128,7 +128,7 @@ def host_memory(*, proc: str | os.PathLike = "/proc", cgroup_root: str | os.Path
                       cgroup_limit=tightest)
 
 
-AUTO_MARGIN_BYTES = 1 << 30
+AUTO_MARGIN_BYTES = 512 << 20
 """The fixed part of "auto"'s margin: the process's own growth (allocator slack, generate's tensors,
 thread stacks) that no plan counts."""
 
@@ -148,5 +148,6 @@ def auto_budget(memory: HostMemory, reserved: dict[str, int] | None = None) -> t
     budget = memory.available - sum(reserved.values()) - margin
     parts = "".join(f" - {name} {_gib(nbytes)}" for name, nbytes in reserved.items())
     how = (f"\"auto\": {_gib(memory.available)} available ({memory.source}){parts} - margin {_gib(margin)} "
-           f"(1 GiB + {AUTO_MARGIN_SHARE:.0%}: activations, the process's growth, other processes)")
+           f"({AUTO_MARGIN_BYTES >> 20} MiB + {AUTO_MARGIN_SHARE:.0%}: activations, the process's growth, other "
+           f"processes)")
     return max(1, budget), how
