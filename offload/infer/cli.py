@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", action="store_true", help="print the figures as one JSON line at the end")
+    ap.add_argument("--json", action="store_true",
+                    help="print the figures as one JSON line on stdout, everything else on stderr")
     add_debug_flag(ap)  # read by offload.cli_errors.run_command (python -m offload.generate)
     args = ap.parse_args(argv)
     if args.batch_size < 1 or args.max_new_tokens < 1:
@@ -171,7 +172,14 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
             ids = torch.tensor([[int(t) for t in args.prompt_ids.split(",") if t.strip()]])
         except ValueError:
             ap.error(f"--prompt-ids: {args.prompt_ids!r} is not a comma-separated list of integers")
+    _check_prompt_ids(ap, ids, args.checkpoint)
     ids = ids.repeat(args.batch_size, 1)
+    if args.nvme_path is not None and not os.path.isdir(args.nvme_path):
+        ap.error(f"--nvme-path: {args.nvme_path} is not an existing directory; create it or pass one that exists")
+    if args.json:  # stdout carries the JSON line alone (| jq); the plan and the tokens go to stderr
+        out, json_out = sys.stderr, out
+    else:
+        json_out = out
 
     overrides = _overrides(args)
     if InferenceConfig.from_dict(args.config, **overrides).max_in_cpu is None:
@@ -197,8 +205,25 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
         figures = _figures(engine, printer, start, end, read_start, read_end, args.batch_size)
     _report(figures, out)
     if args.json:
-        print(json.dumps(figures), file=out)
+        print(json.dumps(figures), file=json_out)
     return figures
+
+
+def _check_prompt_ids(ap: argparse.ArgumentParser, ids: torch.Tensor, checkpoint: str) -> None:
+    """Refuse (one line, through ``ap.error``) prompt ids outside the model's vocabulary, which the
+    embedding would fail on deep inside generate()."""
+    path = os.path.join(checkpoint, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            vocab = json.load(f).get("vocab_size")
+    except (OSError, ValueError):
+        return  # init_inference names what is wrong with the checkpoint
+    if ids.numel() == 0:
+        ap.error("--prompt-ids: no ids given; pass at least one, such as --prompt-ids 1")
+    bad = [int(t) for t in ids.flatten() if t < 0 or (isinstance(vocab, int) and t >= vocab)]
+    if bad:
+        ap.error(f"--prompt-ids: {bad[0]} is outside the model's vocabulary (vocab_size {vocab} in {path}); "
+                 f"use ids from 0 to {vocab - 1 if isinstance(vocab, int) else '...'}")
 
 
 def _figures(engine, printer: _Printer, start: float, end: float, read_start: int, read_end: int, batch: int) -> dict:
