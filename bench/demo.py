@@ -25,19 +25,23 @@ from .fio import FioError, job_for_config, run_fio
 from .measure import time_transfer
 from .validate import validate_directory
 
-PROG = os.environ.get("TENSORIO_DEMO_PROG", "python -m bench.demo")
-"""The command's name in --help and usage errors: ./run sets it to "./run demo"."""
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description="tensorio demo: validate a disk, write and read a tensor "
+def parser() -> argparse.ArgumentParser:
+    """The demo's arguments; its name is ``TENSORIO_DEMO_PROG`` ("./run demo" from ./run), else
+    "python -m bench.demo"."""
+    parser = argparse.ArgumentParser(prog=os.environ.get("TENSORIO_DEMO_PROG", "python -m bench.demo"), description="tensorio demo: validate a disk, write and read a tensor "
                                                               "beside fio, then a quick sweep of the aio settings")
     parser.add_argument("--dir", default=".", help="directory on the disk to use (default: .)")
     parser.add_argument("--size", type=cli._size, default="1G", help="tensor size (default 1G)")
     parser.add_argument("--out-dir", default="results/demo", help="where the sweep's results go")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar during the sweep")
     parser.add_argument("--no-fio", action="store_true", help="skip every comparison with fio")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo; return its exit status."""
+    args = parser().parse_args(argv)
     size = args.size
 
     print(f"== 1. validate {os.path.abspath(args.dir)}")

@@ -81,8 +81,10 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
             "num_bits": 4, "group_size": args.quantize_group_size}
     if args.micro_batch_size is not None:
         values["block_schedule"] = {"micro_batch_size": args.micro_batch_size}
-    if args.kv_offload is not None or args.kv_cpu_percent is not None or args.kv_quantize is not None:
+    if any(v is not None for v in (args.kv_offload, args.kv_cpu_percent, args.kv_quantize, args.kv_buffer_count)):
         values["kv_offload"] = {"device": args.kv_offload or ("nvme" if args.kv_cpu_percent is not None else "auto")}
+        if args.kv_buffer_count is not None:
+            values["kv_offload"]["buffer_count"] = args.kv_buffer_count
         if args.kv_cpu_percent is not None:
             values["kv_offload"]["cpu_percent"] = args.kv_cpu_percent
         if args.kv_quantize is not None:
@@ -127,6 +129,8 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
                          "its files go under --nvme-path (default: the checkpoint's directory)")
     ap.add_argument("--kv-cpu-percent", type=float,
                     help="with --kv-offload nvme: the share of layers (0-100) whose cache stays in memory")
+    ap.add_argument("--kv-buffer-count", type=int,
+                    help="buffers of the read-ahead ring of a KV cache on NVMe, one layer's cache each (default 2)")
     ap.add_argument("--kv-quantize", choices=("int8", "int4", "none"),
                     help="the KV cache's keys and values stored as int8 or int4 (group 64 along the head dimension, "
                          "asymmetric), in memory and on NVMe alike")
@@ -273,7 +277,10 @@ def _report(f: dict, out) -> None:
         print("read: nothing streamed (every weight is in memory)", file=out)
         return
     line = f"read: {f['read_gbps']:.2f} GB/s ({f['read_bytes_per_forward'] / 1e9:.3f} GB per token)"
-    if f["disk_gbps"]:
+    if f["disk_gbps"] and f["read_gbps"] > f["disk_gbps"]:  # the figure was low (a short probe, a busy disk)
+        line += (f", faster than the disk's {f['disk_gbps']:.2f} GB/s ({f['disk_source']}), which understated it: "
+                 f"give --disk-gbps (tensorio-bench run DIR --rw read measures it) for the plan's bound")
+    elif f["disk_gbps"]:
         bound = f["disk_s_per_forward"]
         line += (f", {f['read_gbps'] / f['disk_gbps']:.0%} of the disk's {f['disk_gbps']:.2f} GB/s ({f['disk_source']}); "
                  f"{f['s_per_token'] / bound:.2f}x the disk's bound of {bound:.4f} s per token")
