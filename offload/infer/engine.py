@@ -435,7 +435,7 @@ class InferenceEngine:
         if kv_quant is not None:
             text = self._text_config()
             head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-            group = KVCodec(kv_quant, head_dim, self.dtype).group_size
+            group = kv_quant.group_size or min(64, head_dim)  # as KVCodec takes it (which checks it, in reserve)
             plan = dataclasses.replace(plan, kv_quantization=f"int{kv_quant.num_bits} (group {group}, "
                                                              f"{'symmetric' if kv_quant.symmetric else 'asymmetric'})")
         if self._unquantized_sizes is None:

@@ -128,8 +128,8 @@ def place_kv(units: Sequence[UnitSize], *, budget: int | None, layers: int, laye
                 f"{format_bytes(must + total, up=True)} or lower the batch size or the number of tokens (kv_offload would "
                 f"put the cache's layers on NVMe, but even its read-ahead ring of {buffer_count} x "
                 f"{format_bytes(ring // buffer_count, up=True)}, one layer's cache each, needs a budget of "
-                f"{format_bytes(must + ring, up=True)}; kv_offload.buffer_count 1, --kv-buffer-count 1 on the command "
-                f"line, halves it)")
+                f"{format_bytes(must + ring, up=True)}; kv_offload.buffer_count 1 halves it, --kv-buffer-count 1 on the "
+                f"command line)")
         keep = min(layers, (room - ring) // layer_nbytes)
     memory = set(_spread_order(layers)[:keep])
     return KVPlacement(layers, layer_nbytes, tuple(i for i in range(layers) if i not in memory), buffer_count,
