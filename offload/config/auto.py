@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, Sequence
 
-from offload.config.parse import AUTO, AUTO_ARGUMENTS, read_config
+from offload.config.parse import AUTO, AUTO_ARGUMENTS, OWN_AUTO_KEYS, read_config
 
 _MISSING = object()
 
@@ -41,10 +41,6 @@ def _same(written: Any, value: Any) -> bool:
     if isinstance(written, (list, tuple)) and isinstance(value, (list, tuple)):
         return list(written) == list(value)
     return written == value and isinstance(written, bool) == isinstance(value, bool)
-
-
-OWN_AUTO_KEYS = ("compute_device",)
-"""Keys whose "auto" is a choice of their own (CUDA where available), left as written."""
 
 
 def _leftover_auto(node: Any, key: str = "") -> str | None:
