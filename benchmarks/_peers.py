@@ -93,13 +93,14 @@ class PeerRunner:
 
     def rows(self, rows: list[str], sides: list[str], payload: dict, budget: int) -> list[dict]:
         """The ``rows`` (of `ROWS`) for ``sides`` ("ours" and the peer kinds), each from ``payload`` with
-        its kind and setting; ``budget`` is the equal memory's budget in bytes."""
+        its kind, row and setting ("auto": ours takes "auto", the peer no ``max_memory``; None: the
+        budget); ``budget`` is the equal memory's host budget in bytes."""
         results = []
         for row in rows:
             for kind in sides:
                 if row == "bound" and kind != "ours":
                     continue
-                base = {**payload, "kind": kind, "budget": budget, "setting": None}
+                base = {**payload, "kind": kind, "budget": budget, "setting": None, "row": row}
                 if row == "equal":
                     overhead = self.overhead(base)
                     if overhead is not None and kind == "ours":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, Sequence
 
-from offload.config.parse import AUTO, AUTO_ARGUMENTS, read_config
+from offload.config.parse import AUTO, AUTO_ARGUMENTS, OWN_AUTO_KEYS, read_config
 
 _MISSING = object()
 
@@ -85,10 +85,6 @@ def unresolved_auto_error(config: Mapping[str, Any]) -> ValueError | None:
     count = f'its {len(found)} "auto" values' if len(found) > 1 else "it"
     return ValueError(f'{found[0]}: "auto" is not resolved; call offload.resolve_auto({call}) first, which fills '
                       f"{count}, or write the values")
-
-
-OWN_AUTO_KEYS = ("compute_device",)
-"""Keys whose "auto" is a choice of their own (CUDA where available), left as written."""
 
 
 def _leftover_auto(node: Any, key: str = "") -> str | None:
