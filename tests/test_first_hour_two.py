@@ -151,8 +151,8 @@ def test_training_takes_max_in_cpu_as_a_size_as_generation_does():
         .max_in_cpu == (8 << 30) // 4  # fp32 elements
     bf16 = EngineConfig.from_dict({"bf16": {"enabled": True}, "zero_optimization": zero}, world_size=1)
     assert bf16.zero_optimization.offload_param.max_in_cpu == (8 << 30) // 2
-    with pytest.raises(ValueError, match=r"^zero_optimization.offload_param.max_in_cpu: '8 GiBs' is neither a number "
-                                         r"of elements nor a size"):
+    with pytest.raises(ValueError, match=r"^zero_optimization.offload_param.max_in_cpu: '8 GiBs' is not allowed; use "
+                                         r"an integer >= 0 \(elements\) or \"auto\" .* or bytes as a size such as"):
         EngineConfig.from_dict({"zero_optimization": {**zero, "offload_param": {
             **zero["offload_param"], "max_in_cpu": "8 GiBs"}}}, world_size=1)
 

@@ -203,8 +203,8 @@ def _max_in_cpu_as_elements(zero: dict[str, Any], *, itemsize: int) -> None:
     try:
         nbytes = parse_size(value)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{key}: {value!r} is neither a number of elements nor a size such as \"8GiB\" ({exc})") \
-            from None
+        raise ValueError(f"{key}: {value!r} is not allowed; use an integer >= 0 (elements) or \"auto\" (as many as "
+                         f"the host's available memory holds), or bytes as a size such as \"8GiB\" ({exc})") from None
     zero["offload_param"] = {**param, "max_in_cpu": nbytes // itemsize}
 
 
