@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import math
+import resource
 import statistics
 import threading
 import time
@@ -156,14 +157,31 @@ def measure_point(config: AioConfig, path: str | Path, buffers: Buffers, *, requ
                        read=summary["read"])
 
 
+def process_cpu_seconds() -> float:
+    """CPU time (user + system) this process has used so far, every thread included, in seconds."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def time_transfer(handle: AioHandle, tensor: torch.Tensor, path: str | Path, *, write: bool) -> float:
     """GB/s (10**9 bytes per second) of one whole-tensor write or read of ``path`` as a single request.
 
     Raises TensorIOError from the I/O.
     """
-    start = time.perf_counter()
+    return timed_transfer(handle, tensor, path, write=write)[0]
+
+
+def timed_transfer(handle: AioHandle, tensor: torch.Tensor, path: str | Path, *,
+                   write: bool) -> tuple[float, float]:
+    """(GB/s, CPU seconds of the process) of one whole-tensor write or read of ``path`` as a single
+    request: divide the CPU by the pieces (``nbytes / block_size``) for fio's CPU per I/O.
+
+    Raises TensorIOError from the I/O.
+    """
+    cpu, start = process_cpu_seconds(), time.perf_counter()
     (handle.write if write else handle.read)(tensor, path).result()
-    return tensor.numel() * tensor.element_size() / (time.perf_counter() - start) / 1e9
+    elapsed, cpu = time.perf_counter() - start, process_cpu_seconds() - cpu
+    return tensor.numel() * tensor.element_size() / elapsed / 1e9, cpu
 
 
 def _stream(handle: AioHandle, tensor: torch.Tensor, path: str | Path, request_size: int, window: int, *,

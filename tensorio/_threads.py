@@ -15,7 +15,7 @@ import threading
 
 from ._buffers import aligned_tensor
 from ._config import AioConfig
-from ._request import RoundRobin, Task, byte_view, join_or_hand_off
+from ._request import RoundRobin, Span, Task, byte_view, join_or_hand_off
 
 
 class ThreadBackend:
@@ -36,8 +36,11 @@ class ThreadBackend:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, tasks: list[Task]) -> None:
-        """Queue a request's pieces, spread over the workers."""
+    def submit(self, items: list[Span | Task]) -> None:
+        """Queue a request's pieces (its runs cut into one Task per piece), spread over the workers."""
+        tasks: list[Span | Task] = []
+        for item in items:
+            tasks += item.tasks() if isinstance(item, Span) else [item]
         for q, share in zip(self._queues, self._spread.split(tasks)):
             for task in share:
                 q.put(task)
