@@ -15,12 +15,13 @@ from tensorio import AioConfig
 
 from ._units import format_ns, format_size
 from .measure import PointResult
-from .sweep import DiskSweep, config_label
+from .sweep import DiskSweep, FioComparison, config_label
 
 CSV_FIELDS = [
     "directory", "filesystem", "backend", "block_size", "queue_depth", "thread_count", "single_submit",
     "overlap_events", "direct", "write_bw_bytes", "write_iops", "write_clat_ns_p50", "write_clat_ns_p99",
     "read_bw_bytes", "read_iops", "read_clat_ns_p50", "read_clat_ns_p99", "both_bw_bytes",
+    "write_cpu_us_per_io", "read_cpu_us_per_io",
 ]
 
 BUFFERED_NOTE = ("buffered I/O (no O_DIRECT here): the page cache absorbs writes and serves reads, so these "
@@ -58,6 +59,8 @@ def sweep_json(disks: Sequence[DiskSweep], settings: dict[str, Any], chosen: Aio
                     {"role": c.role, "rw": c.rw, "aio": c.config.to_dict(), "ours_bw_bytes": c.ours_bw_bytes,
                      "fio_bw_bytes": c.fio_bw_bytes, "fio_bw_bytes_samples": c.fio_bw_bytes_samples,
                      "ratio": None if c.ratio is None else round(c.ratio, 3),
+                     "ours_cpu_us_per_io": round(c.ours_cpu_us_per_io, 3),
+                     "fio_cpu_us_per_io": None if c.fio_cpu_us_per_io is None else round(c.fio_cpu_us_per_io, 3),
                      "fio_command": c.command, "error": c.error}
                     for c in d.fio
                 ],
@@ -92,6 +95,8 @@ def write_csv(path: Path, disks: Sequence[DiskSweep]) -> None:
                     "read_bw_bytes": p.read.bw_bytes, "read_iops": round(p.read.iops, 1),
                     "read_clat_ns_p50": p.read.clat_ns_p50, "read_clat_ns_p99": p.read.clat_ns_p99,
                     "both_bw_bytes": round(p.both_bw_bytes),
+                    "write_cpu_us_per_io": round(p.write.cpu_us_per_io, 3),
+                    "read_cpu_us_per_io": round(p.read.cpu_us_per_io, 3),
                 })
 
 
@@ -107,7 +112,7 @@ def format_point(point: PointResult) -> str:
     for m in point.measurements():
         lines.append(f"{m.rw:<5} {m.gb_per_s:6.2f} GB/s  {m.iops:9.0f} IOPS ({format_size(point.config.block_size)})"
                      f"  clat p50 {format_ns(m.clat_ns_p50)}, p99 {format_ns(m.clat_ns_p99)}"
-                     f" (per {format_size(m.request_bytes)} request)")
+                     f" (per {format_size(m.request_bytes)} request), CPU {m.cpu_us_per_io:.1f} us per I/O")
     return "\n".join(lines)
 
 
@@ -138,14 +143,33 @@ def format_best(disk: DiskSweep) -> str:
     ]
     if disk.fio_missing:
         lines.append(f"fio column missing: {disk.fio_missing}")
-    if disk.fio:
+    best = [c for c in disk.fio if c.role != "block"]
+    if best:
         lines.append("ours vs fio, same disk and settings (ours measured again beside fio; medians):")
-    for c in disk.fio:
+    for c in best:
         head = f"  best {c.role:<5} {c.rw:<5} {config_label(c.config):<38} ours {c.ours_bw_bytes / 1e9:5.2f} GB/s"
         if c.ratio is not None:
             lines.append(f"{head}, fio {c.fio_bw_bytes / 1e9:5.2f} GB/s -> {c.ratio:.2f} of fio")
         else:
             lines.append(f"{head}, fio failed: {c.error.splitlines()[0] if c.error else 'no result'}")
+    blocks = [c for c in disk.fio if c.role == "block"]
+    if blocks:
+        lines.append(format_block_table(blocks))
     if not disk.validation.direct:
         lines.append(f"note: {BUFFERED_NOTE}")
+    return "\n".join(lines)
+
+
+def format_block_table(comparisons: Sequence[FioComparison]) -> str:
+    """Ours and fio side by side at each block size (the best configuration there): GB/s, the ratio,
+    and the CPU microseconds per I/O of each."""
+    header = (f"  {'block':>6} {'op':<5} {'ours GB/s':>9} {'fio GB/s':>9} {'x fio':>6} {'CPU us/IO ours':>15}"
+              f" {'fio':>6}  configuration")
+    lines = ["at each block size, ours (best there) vs fio, medians:", header]
+    for c in comparisons:
+        fio_gb = f"{c.fio_bw_bytes / 1e9:9.2f}" if c.fio_bw_bytes else f"{'-':>9}"
+        ratio = f"{c.ratio:6.2f}" if c.ratio is not None else f"{'-':>6}"
+        fio_cpu = f"{c.fio_cpu_us_per_io:6.1f}" if c.fio_cpu_us_per_io is not None else f"{'-':>6}"
+        lines.append(f"  {format_size(c.config.block_size):>6} {c.rw:<5} {c.ours_bw_bytes / 1e9:9.2f} {fio_gb} {ratio}"
+                     f" {c.ours_cpu_us_per_io:15.1f} {fio_cpu}  {config_label(c.config)}")
     return "\n".join(lines)

@@ -15,6 +15,7 @@ import pytest
 
 from bench.cli import main
 from bench.scratch import PREFIX
+from bench.sweep import GRIDS
 from tensorio import AioConfig, filesystem_type
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,11 +92,15 @@ def test_sweep_writes_json_csv_png_and_an_aio_section_that_loads_unchanged(disk_
 def test_sweep_compares_its_best_with_fio(disk_dir, tmp_path, capsys):
     assert main(["sweep", str(disk_dir), *TINY_SWEEP, "--backend", "threads", "--out-dir", str(tmp_path / "r"),
                  "--config-out", str(tmp_path / "a.json")]) == 0
-    assert "of fio" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "of fio" in printed
     fio = json.loads((tmp_path / "r" / "sweep.json").read_text())["disks"][0]["fio"]
-    assert {(c["role"], c["rw"]) for c in fio} == {("read", "read"), ("write", "write"), ("both", "read"),
-                                                   ("both", "write")}
+    roles = {("read", "read"), ("write", "write"), ("both", "read"), ("both", "write")}
+    assert {(c["role"], c["rw"]) for c in fio} == roles | {("block", "write"), ("block", "read")}
+    assert sorted(c["aio"]["block_size"] for c in fio if c["role"] == "block") == sorted(2 * GRIDS["quick"].block_sizes)
     assert all(c["fio_bw_bytes"] > 0 and c["ratio"] > 0 and "--overwrite=1" in c["fio_command"] for c in fio)
+    assert all(c["ours_cpu_us_per_io"] > 0 and c["fio_cpu_us_per_io"] > 0 for c in fio)  # CPU per I/O, each
+    assert "at each block size" in printed and "CPU us/IO" in printed
     assert list(disk_dir.iterdir()) == []
 
 
