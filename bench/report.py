@@ -49,7 +49,7 @@ def sweep_json(disks: Sequence[DiskSweep], settings: dict[str, Any], chosen: Aio
         "settings": settings,
         "disks": [
             {
-                "directory": str(d.validation.directory),
+                "directory": str(Path(d.validation.directory).resolve()),
                 "filesystem": d.validation.filesystem,
                 "direct": d.validation.direct,
                 "note": None if d.validation.direct else BUFFERED_NOTE,
@@ -65,6 +65,8 @@ def sweep_json(disks: Sequence[DiskSweep], settings: dict[str, Any], chosen: Aio
                     for c in d.fio
                 ],
                 "fio_missing": d.fio_missing,
+                "fio_by_block_size": [{"rw": f.rw, "block_size": f.block_size, "thread_count": f.thread_count,
+                                       "queue_depth": f.queue_depth, "bw_bytes": f.bw_bytes} for f in d.fio_curve],
             }
             for d in disks
         ],
@@ -86,7 +88,7 @@ def write_csv(path: Path, disks: Sequence[DiskSweep]) -> None:
             for p in d.points:
                 c = p.config
                 writer.writerow({
-                    "directory": str(d.validation.directory), "filesystem": d.validation.filesystem,
+                    "directory": str(Path(d.validation.directory).resolve()), "filesystem": d.validation.filesystem,
                     "backend": p.backend, "block_size": c.block_size, "queue_depth": c.queue_depth,
                     "thread_count": c.thread_count, "single_submit": c.single_submit,
                     "overlap_events": c.overlap_events, "direct": p.direct,

@@ -139,6 +139,19 @@ class FioComparison:
         return self.ours_bw_bytes / self.fio_bw_bytes if self.fio_bw_bytes else None
 
 
+@dataclass(frozen=True, slots=True)
+class FioCurvePoint:
+    """fio at one block size and thread count (the grid's deepest queue depth), in one direction: the
+    line the chart draws beside ours."""
+
+    rw: str
+    block_size: int
+    thread_count: int
+    queue_depth: int
+    bw_bytes: int
+    """Median of fio's runs, as many as the sweep's repeats."""
+
+
 @dataclass(kw_only=True, slots=True)
 class DiskSweep:
     """Everything measured on one directory."""
@@ -151,6 +164,8 @@ class DiskSweep:
     ("block"), both directions each."""
     fio_missing: str | None = None
     """Why there is no fio column (fio not installed), or None."""
+    fio_curve: list[FioCurvePoint] = field(default_factory=list)
+    """fio at each block size and thread count of the grid (empty without fio)."""
 
 
 def sweep_directory(validation: Validation, configs: Sequence[AioConfig], buffers: Buffers, *, request_size: int,
@@ -183,7 +198,28 @@ def sweep_directory(validation: Validation, configs: Sequence[AioConfig], buffer
         roles += [("block", point) for point in best_per_block_size(points).values()]
         comparisons, missing = (_compare_with_fio(scratch, roles, buffers, request_size, repeats) if with_fio
                                 else ([], "skipped (--no-fio)"))
-    return DiskSweep(validation=validation, points=points, best=best, fio=comparisons, fio_missing=missing)
+        curve = _fio_curve(scratch, points, buffers.nbytes, repeats) if with_fio and missing is None else []
+    return DiskSweep(validation=validation, points=points, best=best, fio=comparisons, fio_missing=missing,
+                     fio_curve=curve)
+
+
+def _fio_curve(scratch: Path, points: Sequence[PointResult], size: int, repeats: int) -> list[FioCurvePoint]:
+    """fio at every block size and thread count of the sweep, at its deepest queue depth (fio's best
+    case), O_DIRECT as ours had it; empty when fio fails (the comparison above already says why)."""
+    depth = max(p.config.queue_depth for p in points)
+    direct = all(p.direct for p in points)
+    curve: list[FioCurvePoint] = []
+    for tc in sorted({p.config.thread_count for p in points}):
+        for bs in sorted({p.config.block_size for p in points}):
+            config = AioConfig(block_size=bs, queue_depth=depth, thread_count=tc)
+            try:
+                runs = _fio_runs(config, direct, scratch, size, repeats)
+            except (FioError, OSError, ValueError):
+                return []
+            curve += [FioCurvePoint(rw=rw, block_size=bs, thread_count=tc, queue_depth=depth,
+                                    bw_bytes=int(statistics.median(r.bw_bytes for r in runs[rw])))
+                      for rw in ("write", "read")]
+    return curve
 
 
 def _compare_with_fio(scratch: Path, best: list[tuple[str, PointResult]], buffers: Buffers, request_size: int,
@@ -192,7 +228,7 @@ def _compare_with_fio(scratch: Path, best: list[tuple[str, PointResult]], buffer
     "block": each); a configuration in several roles is measured once.
 
     Ours is measured again right before fio: the best of many noisy points is flattered by its
-    selection, a fresh measurement is not. fio follows our protocol (``_fio_point``); medians.
+    selection, a fresh measurement is not. fio follows our protocol (``_fio_runs``); medians.
     """
     if fio_path() is None:
         return [], f"fio is not installed; {INSTALL_HINT}"
@@ -208,7 +244,7 @@ def _compare_with_fio(scratch: Path, best: list[tuple[str, PointResult]], buffer
             finally:
                 path.unlink(missing_ok=True)
             try:
-                measured[key] = again, _fio_point(point, scratch, buffers.nbytes, repeats)
+                measured[key] = again, _fio_runs(point.config, point.direct, scratch, buffers.nbytes, repeats)
             except FioNotFound as exc:
                 return [], str(exc)
             except (FioError, OSError) as exc:
@@ -230,12 +266,11 @@ def _compare_with_fio(scratch: Path, best: list[tuple[str, PointResult]], buffer
     return comparisons, None
 
 
-def _fio_point(point: PointResult, scratch: Path, size: int, repeats: int) -> dict[str, list[FioResult]]:
-    """fio on ``point``'s settings with our protocol: a warm-up write lays one file out, then each
-    repeat writes it over and reads it back; O_DIRECT exactly when ours had it."""
+def _fio_runs(config: AioConfig, direct: bool, scratch: Path, size: int, repeats: int) -> dict[str, list[FioResult]]:
+    """fio on ``config``'s settings with our protocol: a warm-up write lays one file out, then each
+    repeat writes it over and reads it back; O_DIRECT exactly when ours had it (``direct``)."""
     path = scratch / "fio.dat"
-    write = replace(job_for_config(point.config, directory=scratch, rw="write", size=size),
-                    direct=point.direct, overwrite=True)
+    write = replace(job_for_config(config, directory=scratch, rw="write", size=size), direct=direct, overwrite=True)
     read = replace(write, rw="read")
     runs: dict[str, list[FioResult]] = {"write": [], "read": []}
     try:

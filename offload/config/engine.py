@@ -20,7 +20,7 @@ from typing import Any
 
 from tensorio import AioConfig, parse_size
 
-from offload.config.auto import OWN_AUTO_KEYS, resolve_auto
+from offload.config.auto import OWN_AUTO_KEYS, resolve_auto, unresolved_auto_error
 from offload.config.batch import check_batch_sizes, derive_batch_sizes
 from offload.config.parse import boolean, build, integral, number, read_config, renamed, section_values
 from offload.config.training import AdamParams, Bf16Config, Fp16Config, OptimizerConfig, SchedulerConfig, WarmupParams
@@ -147,6 +147,8 @@ class EngineConfig(Mapping):
         if isinstance(config, (str, os.PathLike)):
             raise ValueError(f"config: from_dict takes a dict, got the path {os.fspath(config)!r}; "
                              f"use EngineConfig.from_file for a JSON file")
+        if isinstance(config, Mapping) and (unresolved := unresolved_auto_error(config)) is not None:
+            raise unresolved
         values = section_values(config, "", _JSON_KEYS, auto_is_a_value=OWN_AUTO_KEYS)
         world_size = integral("world_size", world_size, minimum=1)
         batch = [values.pop(key, None) for key in _BATCH_KEYS]

@@ -23,6 +23,7 @@ import torch
 
 from offload.cli_errors import add_debug_flag
 from offload.device import DEVICE_CHOICES
+from offload.infer.config import InferenceConfig
 from offload.infer.engine import init_inference
 
 
@@ -100,7 +101,9 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated (no tokenizer needed)")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=1, help="the prompt repeated this many times")
-    ap.add_argument("--max-in-cpu", help="memory budget: elements, or bytes such as 8GiB")
+    ap.add_argument("--max-in-cpu", help="memory budget: elements, bytes such as 8GiB, or auto (the default unless "
+                                         "--config or --max-memory gives one: the host's available memory, or the "
+                                         "cgroup's room, less the ring buffers and a margin; the plan prints it)")
     ap.add_argument("--max-memory", help="the tiers' budgets as Accelerate's max_memory: DEVICE=SIZE for the GPU's "
                                          "(weights kept there, its copy ring, the KV cache, activations), cpu=SIZE for "
                                          "pinned host memory (as --max-in-cpu), e.g. 0=6GiB,cpu=16GiB")
@@ -170,7 +173,10 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
             ap.error(f"--prompt-ids: {args.prompt_ids!r} is not a comma-separated list of integers")
     ids = ids.repeat(args.batch_size, 1)
 
-    with init_inference(args.checkpoint, args.config, **_overrides(args)) as engine:
+    overrides = _overrides(args)
+    if InferenceConfig.from_dict(args.config, **overrides).max_in_cpu is None:
+        overrides["max_in_cpu"] = "auto"  # the host's available memory less a margin; the plan says how much
+    with init_inference(args.checkpoint, args.config, **overrides) as engine:
         plan = engine.reserve(args.batch_size, ids.shape[1] + args.max_new_tokens)
         print(plan.describe(), file=out)
         print(f"ready in {engine.init_seconds:.2f} s; the resident weights load in the background, each "

@@ -12,11 +12,10 @@ import time
 from collections.abc import Iterator
 from typing import Any, Mapping
 
-import psutil
 import torch
 from torch import nn
 
-from offload.device import Device, device_for
+from offload.device import Device, auto_budget, device_for, host_memory
 from offload.infer.config import InferenceConfig
 from offload.infer.convert import converted_copy
 from offload.infer.device_kv import KVStager, StagedKVLayer
@@ -113,6 +112,8 @@ class InferenceEngine:
             self._unquantized_sizes: list[UnitSize] | None = None
             if settings.weight_quantization is not None:  # packed linear layers, read from the quantized cache
                 self._quantize(directory)
+            self._auto_budget = self._resolve_auto_budget()
+            """(bytes, how they were found) of a ``max_in_cpu`` "auto", read once here; None for a number."""
             # 4. The placement; streamed tensors must be on the disk in the compute dtype.
             self.plan = self._make_plan(kv_bytes=0, kv_shape=(0, 0))
             if any(self._needs_conversion(u) for u in self._read_in_place()):
@@ -234,7 +235,7 @@ class InferenceEngine:
         kv = placement.memory_bytes
         plan = dataclasses.replace(self._make_plan(kv, (batch, tokens), disk=(self.plan.disk_bps, self.plan.disk_source)),
                                    kv=placement)
-        total = psutil.virtual_memory().total
+        total = host_memory().total  # the cgroup's limit where smaller
         activations = self.activation_bytes(micro, tokens)
         need = plan.memory_bytes + activations
         if need > total:
@@ -270,7 +271,7 @@ class InferenceEngine:
                          format_bytes(kv))
         if plan is None:
             plan = self._plan_host_kv(layers, kv, shape, parts, disk, activations)
-        total = psutil.virtual_memory().total
+        total = host_memory().total  # the cgroup's limit where smaller
         if plan.memory_bytes > total:
             raise BudgetError(f"the plan keeps {format_bytes(plan.memory_bytes)} in host memory, more than this machine's "
                               f"{format_bytes(total)}; lower max_in_cpu (max_memory['cpu'])")
@@ -398,9 +399,24 @@ class InferenceEngine:
         return config.get_text_config() if hasattr(config, "get_text_config") else config
 
     def _budget(self) -> int | None:
-        """``max_in_cpu`` in bytes; None with device "cpu" (no limit)."""
+        """``max_in_cpu`` in bytes ("auto": as `_resolve_auto_budget` found it); None with device "cpu" (no limit)."""
+        if self.settings.device == "cpu":
+            return None
+        if self._auto_budget is not None:
+            return self._auto_budget[0]
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return None if self.settings.device == "cpu" else self.settings.budget_bytes(itemsize)
+        return self.settings.budget_bytes(itemsize)
+
+    def _resolve_auto_budget(self) -> tuple[int, str] | None:
+        """``max_in_cpu`` "auto": the host memory available now (`offload.device.host_memory`: MemAvailable,
+        or the cgroup's room) less the ring buffers at their largest (buffer_count x the largest streamable
+        unit) and `offload.device.auto_budget`'s margin. Once, before anything is loaded. None for a number."""
+        if self.settings.max_in_cpu != "auto" or self.settings.device == "cpu":
+            return None
+        largest = max((u.buffer_nbytes for u in self._sizes() if u.streamable), default=0)
+        where = "pinned ring buffers" if self.compute.separate_memory else "ring buffers"
+        return auto_budget(host_memory(), {f"{where} ({self.settings.buffer_count} x {format_bytes(largest)})":
+                                           self.settings.buffer_count * largest})
 
     def _sizes(self) -> list[UnitSize]:
         return [UnitSize(u.name, u.nbytes, u.read_nbytes, u.buffer_nbytes, u.streamable) for u in self.units]
@@ -448,7 +464,8 @@ class InferenceEngine:
         if disk is None:
             disk = (settings.disk_gbps * 1e9, "given") if settings.disk_gbps else (None, "")
         return make_plan(sizes, budget=self._budget(), buffer_count=settings.buffer_count, buffer_nbytes=buffer_nbytes,
-                         kv_bytes=kv_bytes, kv_shape=kv_shape, disk_bps=disk[0], disk_source=disk[1])
+                         kv_bytes=kv_bytes, kv_shape=kv_shape, disk_bps=disk[0], disk_source=disk[1],
+                         budget_source=self._auto_budget[1] if self._auto_budget else "")
 
     def _lookahead_units(self, plan: Plan) -> int | None:
         """Reads in flight that ``stage3_prefetch_bucket_size`` allows (at least one), None for no limit."""
@@ -576,7 +593,7 @@ def _compute_device(settings: InferenceConfig) -> Device:
     free memory). Raises ValueError naming the setting."""
     tiers = settings.max_memory
     device = device_for(settings.compute_device)
-    if tiers is None or tiers.device_bytes is None or not device.separate_memory:
+    if tiers is None or tiers.device_bytes in (None, "auto") or not device.separate_memory:
         return device  # a device budget with compute on the CPU is refused by `_device_budget`, naming it
     device.close()
     return device_for(settings.compute_device, budget_bytes=tiers.device_bytes, budget_setting=tiers.device_key)
@@ -588,8 +605,10 @@ def _device_budget(compute: Device, settings: InferenceConfig) -> tuple[int, str
     Raises ValueError naming ``max_memory[i]`` where it cannot apply."""
     tiers = settings.max_memory
     given = tiers.device_bytes if tiers is not None else None
+    auto = given == "auto"
+    given = None if auto else given
     if not compute.separate_memory:
-        if given is not None:
+        if given is not None or auto:
             raise ValueError(f"{tiers.device_key}: a device budget, but compute is on the {compute.name} device, whose "
                              f"memory is the host's; leave {tiers.device_key} out (max_memory['cpu'] or max_in_cpu is the "
                              f"budget), or compute on a GPU (compute_device)")
@@ -600,7 +619,9 @@ def _device_budget(compute: Device, settings: InferenceConfig) -> tuple[int, str
     if compute.budget_bytes is not None:
         return compute.budget_bytes, compute.budget_setting
     free, _ = compute.memory_info()
-    return int(free * 0.9), f"90% of the {compute.name} device's free memory (max_memory[0] unset)"
+    key = tiers.device_key if tiers is not None and tiers.device_index is not None else "max_memory[0]"
+    return int(free * 0.9), (f"{key} \"auto\": 90% of the {compute.name} device's free {format_bytes(free)}, 10% "
+                             f"kept for the device runtime and its allocator")
 
 
 def _checkpoint_directory(model: Any, checkpoint: Any) -> str:

@@ -168,6 +168,8 @@ class Plan:
     device: DeviceTier | None = None
     """Where compute has memory of its own (a GPU): what it keeps (offload/infer/tiers.py); the units in
     ``resident`` but not in ``device.resident`` are kept in pinned host memory. None: the host is the device."""
+    budget_source: str = ""
+    """How an "auto" ``budget`` was found (the memory available, from where, less what): "" for a number given."""
 
     @property
     def streamed(self) -> tuple[UnitSize, ...]:
@@ -234,7 +236,7 @@ class Plan:
         resident = [u for u in self.units if u.name in self.resident]
         budget = ("no limit (device cpu)" if self.budget < 0 else
                   "0: everything streamable is streamed, only what must stay is in memory" if self.budget == 0
-                  else format_bytes(self.budget))
+                  else format_bytes(self.budget) + (f" = {self.budget_source}" if self.budget_source else ""))
         lines = [f"placement: budget {budget} for resident weights and the KV cache"]
         device = self.device
         if device is not None:
@@ -345,14 +347,15 @@ def _spread_order(count: int) -> list[int]:
 
 def make_plan(units: Sequence[UnitSize], *, budget: int | None, buffer_count: int, buffer_nbytes: int | None = None,
               kv_bytes: int = 0, kv_shape: tuple[int, int] = (0, 0), disk_bps: float | None = None,
-              disk_source: str = "") -> Plan:
+              disk_source: str = "", budget_source: str = "") -> Plan:
     """Place ``units`` (in forward order) within ``budget`` bytes (None: everything resident, device "cpu";
     0: every streamable unit streamed, the others and the KV cache resident whatever they take, as
     DeepSpeed configs use ``max_in_cpu`` 0 for "everything on NVMe").
 
     The units that are not streamable and ``kv_bytes`` of KV cache come first; then streamable units,
     largest first (ties spread evenly through the forward), while they fit. ``buffer_nbytes`` is the
-    user's buffer size in bytes (None: the largest streamed unit's).
+    user's buffer size in bytes (None: the largest streamed unit's). ``budget_source`` says how an "auto"
+    budget was found (`offload.device.auto_budget`); the plan and its errors print it.
 
     Raises BudgetError naming the figures when the budget cannot hold the units that must stay plus
     the KV cache, or when ``buffer_nbytes`` cannot hold a streamed unit.
@@ -367,6 +370,13 @@ def make_plan(units: Sequence[UnitSize], *, budget: int | None, buffer_count: in
         return _streaming_all(units, required, kv_bytes, kv_shape, buffer_count, buffer_nbytes, disk_bps, disk_source)
     if must > budget:
         kv = f" plus a KV cache of {format_bytes(kv_bytes)} for batch {kv_shape[0]} x {kv_shape[1]} tokens" if kv_bytes else ""
+        if budget_source:
+            raise BudgetError(
+                f"zero_optimization.offload_param.max_in_cpu: the budget of {format_bytes(budget)} = {budget_source} "
+                f"cannot hold the weights that must stay in memory ({format_bytes(must - kv_bytes)}: {_names(required)})"
+                f"{kv}; this host needs {format_bytes(must - budget, up=True)} more available memory: free memory (or "
+                f"raise the cgroup's limit), " + ("lower the batch size or the number of tokens, " if kv_bytes else "")
+                + "or run on a larger host")
         raise BudgetError(
             f"zero_optimization.offload_param.max_in_cpu: the budget of {format_bytes(budget)} cannot hold the weights "
             f"that must stay in memory ({format_bytes(must - kv_bytes)}: {_names(required)}){kv}; raise max_in_cpu to at "
@@ -381,7 +391,8 @@ def make_plan(units: Sequence[UnitSize], *, budget: int | None, buffer_count: in
             resident.add(unit.name)
             room -= unit.nbytes
     need = _ring_buffer_nbytes(units, resident, buffer_nbytes)
-    return Plan(tuple(units), frozenset(resident), budget, kv_bytes, kv_shape, buffer_count, need, disk_bps, disk_source)
+    return Plan(tuple(units), frozenset(resident), budget, kv_bytes, kv_shape, buffer_count, need, disk_bps, disk_source,
+                budget_source=budget_source)
 
 
 def _streaming_all(units: Sequence[UnitSize], required: Sequence[UnitSize], kv_bytes: int, kv_shape: tuple[int, int],
