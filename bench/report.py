@@ -15,7 +15,7 @@ from tensorio import AioConfig
 
 from ._units import format_ns, format_size
 from .measure import PointResult
-from .sweep import DiskSweep, FioComparison, config_label
+from .sweep import DiskSweep, config_label
 
 CSV_FIELDS = [
     "directory", "filesystem", "backend", "block_size", "queue_depth", "thread_count", "single_submit",
@@ -66,7 +66,9 @@ def sweep_json(disks: Sequence[DiskSweep], settings: dict[str, Any], chosen: Aio
                 ],
                 "fio_missing": d.fio_missing,
                 "fio_by_block_size": [{"rw": f.rw, "block_size": f.block_size, "thread_count": f.thread_count,
-                                       "queue_depth": f.queue_depth, "bw_bytes": f.bw_bytes} for f in d.fio_curve],
+                                       "queue_depth": f.queue_depth, "bw_bytes": f.bw_bytes,
+                                       "cpu_us_per_io": None if f.cpu_us_per_io is None else round(f.cpu_us_per_io, 3)}
+                                      for f in d.fio_curve],
             }
             for d in disks
         ],
@@ -145,33 +147,37 @@ def format_best(disk: DiskSweep) -> str:
     ]
     if disk.fio_missing:
         lines.append(f"fio column missing: {disk.fio_missing}")
-    best = [c for c in disk.fio if c.role != "block"]
-    if best:
+    if disk.fio:
         lines.append("ours vs fio, same disk and settings (ours measured again beside fio; medians):")
-    for c in best:
+    for c in disk.fio:
         head = f"  best {c.role:<5} {c.rw:<5} {config_label(c.config):<38} ours {c.ours_bw_bytes / 1e9:5.2f} GB/s"
         if c.ratio is not None:
             lines.append(f"{head}, fio {c.fio_bw_bytes / 1e9:5.2f} GB/s -> {c.ratio:.2f} of fio")
         else:
             lines.append(f"{head}, fio failed: {c.error.splitlines()[0] if c.error else 'no result'}")
-    blocks = [c for c in disk.fio if c.role == "block"]
-    if blocks:
-        lines.append(format_block_table(blocks))
+    if disk.fio_curve:
+        lines.append(format_block_table(disk))
     if not disk.validation.direct:
         lines.append(f"note: {BUFFERED_NOTE}")
     return "\n".join(lines)
 
 
-def format_block_table(comparisons: Sequence[FioComparison]) -> str:
-    """Ours and fio side by side at each block size (the best configuration there): GB/s, the ratio,
-    and the CPU microseconds per I/O of each."""
-    header = (f"  {'block':>6} {'op':<5} {'ours GB/s':>9} {'fio GB/s':>9} {'x fio':>6} {'CPU us/IO ours':>15}"
-              f" {'fio':>6}  configuration")
-    lines = ["at each block size, ours (best there) vs fio, medians:", header]
-    for c in comparisons:
-        fio_gb = f"{c.fio_bw_bytes / 1e9:9.2f}" if c.fio_bw_bytes else f"{'-':>9}"
-        ratio = f"{c.ratio:6.2f}" if c.ratio is not None else f"{'-':>6}"
-        fio_cpu = f"{c.fio_cpu_us_per_io:6.1f}" if c.fio_cpu_us_per_io is not None else f"{'-':>6}"
-        lines.append(f"  {format_size(c.config.block_size):>6} {c.rw:<5} {c.ours_bw_bytes / 1e9:9.2f} {fio_gb} {ratio}"
-                     f" {c.ours_cpu_us_per_io:15.1f} {fio_cpu}  {config_label(c.config)}")
+def format_block_table(disk: DiskSweep) -> str:
+    """Ours and fio side by side at each block size and thread count fio ran (the grid's deepest queue
+    depth): our best point there in each direction, fio's figure, the ratio, and the CPU microseconds
+    per I/O of each."""
+    header = (f"  {'block':>6} {'thr':>3} {'op':<5} {'ours GB/s':>9} {'fio GB/s':>9} {'x fio':>6}"
+              f" {'CPU us/IO ours':>15} {'fio':>6}  ours")
+    lines = [f"at each block size, ours (best there) vs fio, queue depth {disk.fio_curve[0].queue_depth}:", header]
+    for f in disk.fio_curve:
+        same = [p for p in disk.points if (p.config.block_size, p.config.thread_count, p.config.queue_depth)
+                == (f.block_size, f.thread_count, f.queue_depth)]
+        if not same:
+            continue
+        ours = max((p for p in same), key=lambda p: getattr(p, f.rw).bw_bytes)
+        m = getattr(ours, f.rw)
+        ratio = f"{m.bw_bytes / f.bw_bytes:6.2f}" if f.bw_bytes else f"{'-':>6}"
+        fio_cpu = f"{f.cpu_us_per_io:6.1f}" if f.cpu_us_per_io is not None else f"{'-':>6}"
+        lines.append(f"  {format_size(f.block_size):>6} {f.thread_count:>3} {f.rw:<5} {m.gb_per_s:9.2f}"
+                     f" {f.bw_bytes / 1e9:9.2f} {ratio} {m.cpu_us_per_io:15.1f} {fio_cpu}  {config_label(ours.config)}")
     return "\n".join(lines)

@@ -74,16 +74,6 @@ def config_label(config: AioConfig) -> str:
     return label
 
 
-def best_per_block_size(points: Sequence[PointResult]) -> dict[int, PointResult]:
-    """The point with the highest round-trip bandwidth at each block size, by block size."""
-    best: dict[int, PointResult] = {}
-    for p in points:
-        bs = p.config.block_size
-        if bs not in best or p.both_bw_bytes > best[bs].both_bw_bytes:
-            best[bs] = p
-    return dict(sorted(best.items()))
-
-
 def best_points(points: Sequence[PointResult]) -> dict[str, PointResult]:
     """The point with the highest read, write and round-trip ("both") bandwidth."""
     if not points:
@@ -118,7 +108,7 @@ class FioComparison:
     """Our bandwidth next to fio's for one of the best configurations, in one direction."""
 
     role: str
-    """Which best it is: "read", "write" or "both", or "block" for the best at its block size."""
+    """Which best it is: "read", "write" or "both"."""
     rw: str
     config: AioConfig
     ours_bw_bytes: int
@@ -150,6 +140,9 @@ class FioCurvePoint:
     queue_depth: int
     bw_bytes: int
     """Median of fio's runs, as many as the sweep's repeats."""
+    cpu_us_per_io: float | None = None
+    """fio's CPU microseconds (usr_cpu + sys_cpu) per I/O, the median of its runs (None where fio's
+    JSON lacks them)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -160,8 +153,6 @@ class DiskSweep:
     points: list[PointResult]
     best: dict[str, PointResult]
     fio: list[FioComparison]
-    """fio beside the best points ("read", "write", "both"), then beside the best at each block size
-    ("block"), both directions each."""
     fio_missing: str | None = None
     """Why there is no fio column (fio not installed), or None."""
     fio_curve: list[FioCurvePoint] = field(default_factory=list)
@@ -171,8 +162,7 @@ class DiskSweep:
 def sweep_directory(validation: Validation, configs: Sequence[AioConfig], buffers: Buffers, *, request_size: int,
                     repeats: int, with_fio: bool = True,
                     on_point: Callable[[str, AioConfig, PointResult | None], None] | None = None) -> DiskSweep:
-    """Measure every config in ``validation.directory``, then run fio for the best ones and for the
-    best at each block size.
+    """Measure every config in ``validation.directory``, then run fio for the best ones.
 
     ``on_point(phase, config, result)`` is called with "start" (result None) and "done" around each
     point, for a progress bar. All files live in a scratch directory removed on every exit.
@@ -194,9 +184,7 @@ def sweep_directory(validation: Validation, configs: Sequence[AioConfig], buffer
             if on_point:
                 on_point("done", config, result)
         best = best_points(points)
-        roles = [(role, point) for role, point in best.items()]
-        roles += [("block", point) for point in best_per_block_size(points).values()]
-        comparisons, missing = (_compare_with_fio(scratch, roles, buffers, request_size, repeats) if with_fio
+        comparisons, missing = (_compare_with_fio(scratch, best, buffers, request_size, repeats) if with_fio
                                 else ([], "skipped (--no-fio)"))
         curve = _fio_curve(scratch, points, buffers.nbytes, repeats) if with_fio and missing is None else []
     return DiskSweep(validation=validation, points=points, best=best, fio=comparisons, fio_missing=missing,
@@ -217,15 +205,20 @@ def _fio_curve(scratch: Path, points: Sequence[PointResult], size: int, repeats:
             except (FioError, OSError, ValueError):
                 return []
             curve += [FioCurvePoint(rw=rw, block_size=bs, thread_count=tc, queue_depth=depth,
-                                    bw_bytes=int(statistics.median(r.bw_bytes for r in runs[rw])))
+                                    bw_bytes=int(statistics.median(r.bw_bytes for r in runs[rw])),
+                                    cpu_us_per_io=_median_or_none([r.cpu_us_per_io for r in runs[rw]]))
                       for rw in ("write", "read")]
     return curve
 
 
-def _compare_with_fio(scratch: Path, best: list[tuple[str, PointResult]], buffers: Buffers, request_size: int,
+def _median_or_none(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _compare_with_fio(scratch: Path, best: dict[str, PointResult], buffers: Buffers, request_size: int,
                       repeats: int) -> tuple[list[FioComparison], str | None]:
-    """fio with the settings of each (role, point), in the direction it is best at ("both" and
-    "block": each); a configuration in several roles is measured once.
+    """fio with the settings of each best point, in the direction it is best at ("both": each).
 
     Ours is measured again right before fio: the best of many noisy points is flattered by its
     selection, a fresh measurement is not. fio follows our protocol (``_fio_runs``); medians.
@@ -234,7 +227,7 @@ def _compare_with_fio(scratch: Path, best: list[tuple[str, PointResult]], buffer
         return [], f"fio is not installed; {INSTALL_HINT}"
     comparisons: list[FioComparison] = []
     measured: dict[str, tuple[PointResult, dict[str, list[FioResult]] | str]] = {}  # fio runs, or its error
-    for role, point in best:
+    for role, point in best.items():
         key = config_key(point.config)
         if key not in measured:
             path = scratch / "again.dat"
@@ -250,7 +243,7 @@ def _compare_with_fio(scratch: Path, best: list[tuple[str, PointResult]], buffer
             except (FioError, OSError) as exc:
                 measured[key] = again, str(exc)
         again, runs = measured[key]
-        for rw in ("write", "read") if role in ("both", "block") else (role,):
+        for rw in ("read", "write") if role == "both" else (role,):
             ours = again.read if rw == "read" else again.write
             comparison = FioComparison(role=role, rw=rw, config=point.config, ours_bw_bytes=ours.bw_bytes,
                                        ours_cpu_us_per_io=ours.cpu_us_per_io)
@@ -259,8 +252,7 @@ def _compare_with_fio(scratch: Path, best: list[tuple[str, PointResult]], buffer
             else:
                 comparison.fio_bw_bytes_samples = [r.bw_bytes for r in runs[rw]]
                 comparison.fio_bw_bytes = int(statistics.median(comparison.fio_bw_bytes_samples))
-                cpu = [r.cpu_us_per_io for r in runs[rw] if r.cpu_us_per_io is not None]
-                comparison.fio_cpu_us_per_io = statistics.median(cpu) if cpu else None
+                comparison.fio_cpu_us_per_io = _median_or_none([r.cpu_us_per_io for r in runs[rw]])
                 comparison.command = runs[rw][0].command
             comparisons.append(comparison)
     return comparisons, None
