@@ -37,7 +37,7 @@ def compute_device_for(settings: InferenceConfig) -> Device:
     free memory). Raises ValueError naming the setting."""
     tiers = settings.max_memory
     device = device_for(settings.compute_device)
-    if tiers is None or tiers.device_bytes is None or not device.separate_memory:
+    if tiers is None or tiers.device_bytes in (None, "auto") or not device.separate_memory:
         return device  # a device budget with compute on the CPU is refused by `device_budget`, naming it
     device.close()
     return device_for(settings.compute_device, budget_bytes=tiers.device_bytes, budget_setting=tiers.device_key)
@@ -49,8 +49,10 @@ def device_budget(compute: Device, settings: InferenceConfig) -> tuple[int, str]
     Raises ValueError naming ``max_memory[i]`` where it cannot apply."""
     tiers = settings.max_memory
     given = tiers.device_bytes if tiers is not None else None
+    auto = given == "auto"
+    given = None if auto else given
     if not compute.separate_memory:
-        if given is not None:
+        if given is not None or auto:
             raise ValueError(f"{tiers.device_key}: a device budget, but compute is on the {compute.name} device, whose "
                              f"memory is the host's; leave {tiers.device_key} out (max_memory['cpu'] or max_in_cpu is the "
                              f"budget), or compute on a GPU (compute_device)")
@@ -61,7 +63,9 @@ def device_budget(compute: Device, settings: InferenceConfig) -> tuple[int, str]
     if compute.budget_bytes is not None:
         return compute.budget_bytes, compute.budget_setting
     free, _ = compute.memory_info()
-    return int(free * 0.9), f"90% of the {compute.name} device's free memory (max_memory[0] unset)"
+    key = tiers.device_key if tiers is not None and tiers.device_index is not None else "max_memory[0]"
+    return int(free * 0.9), (f"{key} \"auto\": 90% of the {compute.name} device's free {format_bytes(free)}, 10% "
+                             f"kept for the device runtime and its allocator")
 
 
 def checkpoint_directory(model: Any, checkpoint: Any) -> str:

@@ -20,7 +20,7 @@ from offload.infer.plan.units import BudgetError, UnitSize, format_bytes, spread
 if TYPE_CHECKING:
     from offload.infer.plan.device import DeviceTier
 
-__all__ = ["BudgetError", "KVPlacement", "Plan", "UnitSize", "format_bytes", "make_plan", "place_kv"]
+__all__ = ["BudgetError", "KVPlacement", "Plan", "UnitSize", "format_bytes", "kv_in_memory", "make_plan", "place_kv"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +98,8 @@ def place_kv(units: Sequence[UnitSize], *, budget: int | None, layers: int, laye
                 f"{format_bytes(must + total, up=True)} or lower the batch size or the number of tokens (kv_offload would "
                 f"put the cache's layers on NVMe, but even its read-ahead ring of {buffer_count} x "
                 f"{format_bytes(ring // buffer_count, up=True)}, one layer's cache each, needs a budget of "
-                f"{format_bytes(must + ring, up=True)}; kv_offload.buffer_count 1 halves it)")
+                f"{format_bytes(must + ring, up=True)}; kv_offload.buffer_count 1 halves it, --kv-buffer-count 1 on the "
+                f"command line)")
         keep = min(layers, (room - ring) // layer_nbytes)
     memory = set(spread_order(layers)[:keep])
     return KVPlacement(layers, layer_nbytes, tuple(i for i in range(layers) if i not in memory), buffer_count,
@@ -128,6 +129,8 @@ class Plan:
     """How ``disk_bps`` was obtained ("measured: ..." or "given")."""
     quantization: str = ""
     """The decoder layers' weight quantization ("int4 (group 64, asymmetric)"), "" for none."""
+    kv_quantization: str = ""
+    """How the KV cache's keys and values are stored ("int8 (group 64, asymmetric)"), "" for the compute dtype."""
     unquantized_read_bytes: int | None = None
     """With ``quantization``: the bytes per forward the same budget would read with unquantized weights."""
     unquantized_host_to_device_bytes: int | None = None
@@ -138,6 +141,8 @@ class Plan:
     device: DeviceTier | None = None
     """Where compute has memory of its own (a GPU): what it keeps (offload/infer/plan/device.py); the units in
     ``resident`` but not in ``device.resident`` are kept in pinned host memory. None: the host is the device."""
+    budget_source: str = ""
+    """How an "auto" ``budget`` was found (the memory available, from where, less what): "" for a number given."""
 
     @property
     def streamed(self) -> tuple[UnitSize, ...]:
@@ -202,10 +207,10 @@ class Plan:
     def describe(self) -> str:
         """The plan as a few lines for people."""
         resident = [u for u in self.units if u.name in self.resident]
-        budget = ("no limit (device cpu)" if self.budget < 0 else
-                  "0: everything streamable is streamed, only what must stay is in memory" if self.budget == 0
-                  else format_bytes(self.budget))
-        lines = [f"placement: budget {budget} for resident weights and the KV cache"]
+        budget = ("no limit (device cpu)" if self.budget < 0 else "0" if self.budget == 0
+                  else format_bytes(self.budget) + (f" = {self.budget_source}" if self.budget_source else ""))
+        lines = [f"placement: budget {budget} for resident weights and the KV cache"
+                 + (" (everything streamable is streamed; only what must stay is in memory)" if self.budget == 0 else "")]
         device = self.device
         if device is not None:
             on_device = [u for u in resident if u.name in device.resident]
@@ -244,6 +249,8 @@ class Plan:
         if device is None:
             lines.append(f"  KV cache: {format_bytes(self.kv_bytes)} reserved"
                          + (f" (batch {batch} x {tokens} tokens)" if batch else " (none yet: reserved per generate call)"))
+        if self.kv_quantization:
+            lines.append(f"  KV cache quantized: keys and values stored as {self.kv_quantization}, in memory and on NVMe")
         kv = self.kv
         if kv is not None and kv.nvme_layers:
             lines.append(f"  KV on NVMe: {format_bytes(kv.nvme_bytes)} for {len(kv.nvme_layers)} of {kv.layers} layers "
@@ -287,16 +294,30 @@ def _before_after(nbytes: int, before: int | None, what: str) -> str:
             + (f" ({before / nbytes:.2f}x fewer bytes)" if before and nbytes else ""))
 
 
+def kv_in_memory(placement: KVPlacement) -> str:
+    """What of the KV cache the budget holds, for the errors, when some of it is on NVMe ("" otherwise)."""
+    if not placement.nvme_layers:
+        return ""
+    ring = (f"read-ahead ring, {placement.buffer_count} x {format_bytes(placement.slot_nbytes)} "
+            f"(kv_offload.buffer_count, --kv-buffer-count: 1 halves it)")
+    if placement.memory_layers:
+        return (f"the KV cache's {placement.memory_layers} layers kept in memory and its {ring}, its other "
+                f"{len(placement.nvme_layers)} layers ({format_bytes(placement.nvme_bytes)}) being on NVMe")
+    return f"the KV cache's {ring}, the cache itself ({format_bytes(placement.nvme_bytes)}) being on NVMe"
+
+
 def make_plan(units: Sequence[UnitSize], *, budget: int | None, buffer_count: int, buffer_nbytes: int | None = None,
               kv_bytes: int = 0, kv_shape: tuple[int, int] = (0, 0), disk_bps: float | None = None,
-              disk_source: str = "") -> Plan:
+              disk_source: str = "", budget_source: str = "", kv_what: str = "") -> Plan:
     """Place ``units`` (in forward order) within ``budget`` bytes (None: everything resident, device "cpu";
     0: every streamable unit streamed, the others and the KV cache resident whatever they take, as
     DeepSpeed configs use ``max_in_cpu`` 0 for "everything on NVMe").
 
     The units that are not streamable and ``kv_bytes`` of KV cache come first; then streamable units,
     largest first (ties spread evenly through the forward), while they fit. ``buffer_nbytes`` is the
-    user's buffer size in bytes (None: the largest streamed unit's).
+    user's buffer size in bytes (None: the largest streamed unit's). ``budget_source`` says how an "auto"
+    budget was found (`offload.device.auto_budget`); the plan and its errors print it. ``kv_what`` names
+    what the ``kv_bytes`` are in the errors when they are not the cache itself (its ring, the cache on NVMe).
 
     Raises BudgetError naming the figures when the budget cannot hold the units that must stay plus
     the KV cache, or when ``buffer_nbytes`` cannot hold a streamed unit.
@@ -310,7 +331,16 @@ def make_plan(units: Sequence[UnitSize], *, budget: int | None, buffer_count: in
     if budget == 0:
         return _streaming_all(units, required, kv_bytes, kv_shape, buffer_count, buffer_nbytes, disk_bps, disk_source)
     if must > budget:
-        kv = f" plus a KV cache of {format_bytes(kv_bytes)} for batch {kv_shape[0]} x {kv_shape[1]} tokens" if kv_bytes else ""
+        kv = "" if not kv_bytes else (
+            f" plus {format_bytes(kv_bytes)} for batch {kv_shape[0]} x {kv_shape[1]} tokens: {kv_what}" if kv_what
+            else f" plus a KV cache of {format_bytes(kv_bytes)} for batch {kv_shape[0]} x {kv_shape[1]} tokens")
+        if budget_source:
+            raise BudgetError(
+                f"zero_optimization.offload_param.max_in_cpu: the budget of {format_bytes(budget)} = {budget_source} "
+                f"cannot hold the weights that must stay in memory ({format_bytes(must - kv_bytes)}: {unit_names(required)})"
+                f"{kv}; this host needs {format_bytes(must - budget, up=True)} more available memory: free memory (or "
+                f"raise the cgroup's limit), " + ("lower the batch size or the number of tokens, " if kv_bytes else "")
+                + "or run on a larger host")
         raise BudgetError(
             f"zero_optimization.offload_param.max_in_cpu: the budget of {format_bytes(budget)} cannot hold the weights "
             f"that must stay in memory ({format_bytes(must - kv_bytes)}: {unit_names(required)}){kv}; raise max_in_cpu to at "
@@ -325,7 +355,8 @@ def make_plan(units: Sequence[UnitSize], *, budget: int | None, buffer_count: in
             resident.add(unit.name)
             room -= unit.nbytes
     need = _ring_buffer_nbytes(units, resident, buffer_nbytes)
-    return Plan(tuple(units), frozenset(resident), budget, kv_bytes, kv_shape, buffer_count, need, disk_bps, disk_source)
+    return Plan(tuple(units), frozenset(resident), budget, kv_bytes, kv_shape, buffer_count, need, disk_bps, disk_source,
+                budget_source=budget_source)
 
 
 def _streaming_all(units: Sequence[UnitSize], required: Sequence[UnitSize], kv_bytes: int, kv_shape: tuple[int, int],
