@@ -46,7 +46,7 @@ def test_device_buffer_read_before_the_compute_stream_waited_is_caught(late):
     assert torch.isnan(buffer).all()  # ground truth: the bytes are not there (a slipped read computes on NaN)
     late.compute_stream.wait_event(copied)
     late.check_ready(buffer)  # now ordered: the compute stream runs the copy first
-    assert torch.equal(buffer, torch.full((1000,), 3.0))
+    assert torch.equal(buffer.cpu(), torch.full((1000,), 3.0))
 
 
 def test_a_view_of_the_buffer_is_checked_too(late):
@@ -78,7 +78,7 @@ def test_host_synchronize_orders_every_later_read(late):
     buffer = late.empty(8, torch.float32, name="w")
     late.to_device(buffer, filled(late, 8, 5.0), stream=late.new_stream("copies")).synchronize()
     late.check_ready(buffer)
-    assert torch.equal(buffer, torch.full((8,), 5.0))
+    assert torch.equal(buffer.cpu(), torch.full((8,), 5.0))
 
 
 # ---- bug class 2: a host buffer refilled while a copy still reads it --------------------------------

@@ -42,8 +42,8 @@ def device(request):
 
 
 def on(device) -> torch.device:
-    """Where the plain PyTorch reference computes: the same GPU, or the CPU for the simulated device."""
-    return torch.device("cuda") if device == "cuda" else torch.device("cpu")
+    """Where the plain PyTorch reference computes: the same device (the GPU, or the simulated one)."""
+    return torch.device("cuda") if device == "cuda" else device.torch_device
 
 
 def to(batches, where: torch.device):
