@@ -256,6 +256,10 @@ def test_strategy_refuses_the_deepspeed_spelling_naming_its_own(disk_dir):
     ({"config": {"zero_optimization": {"stage": 3}}, "offload_params": "nvme"},
      r"OffloadStrategy\(config=..., offload_params=...\): .* pass either config or offload_params"),
     ({"config": "no_such.json"}, r"OffloadStrategy\(config=...\): config file no_such.json .*does not exist"),
+    ({"config": {"zero_optimization": {"stage": 5}}},
+     r"^OffloadStrategy\(config=...\): zero_optimization.stage: 5 is not allowed; use 0, 1, 2 or 3$"),
+    ({"config": {"gradient_clipping": "auto", "zero_optimisation": {"stage": 3}}},
+     r"^OffloadStrategy\(config=...\): zero_optimisation: unknown key"),
 ])
 def test_strategy_refuses_bad_values_at_construction(kwargs, message):
     with pytest.raises((ValueError, OSError), match=message):

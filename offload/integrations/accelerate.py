@@ -78,7 +78,7 @@ class OffloadAccelerator(Accelerator):
         everything else: as for ``accelerate.Accelerator``.
 
     Raises TypeError for a keyword argument Accelerator does not take (naming the closest), ValueError
-    or OSError naming ``offload_config`` when it is missing or cannot be read.
+    or OSError naming ``offload_config`` when it is missing, cannot be read or holds a bad value.
     """
 
     def __init__(self, *args: Any, offload_config: Mapping[str, Any] | str | os.PathLike | None = None,

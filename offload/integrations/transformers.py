@@ -53,8 +53,8 @@ class OffloadTrainer(Trainer):
     optimizer, the groups are still Trainer's: no weight decay on biases and norms.
 
     Raises TypeError for a keyword argument Trainer does not take (naming the closest), ValueError or
-    OSError naming ``offload_config`` when it is missing or cannot be read, and the engine's errors
-    (naming the config key) when training starts.
+    OSError naming ``offload_config`` when it is missing, cannot be read or holds a bad value, and the
+    engine's errors (naming the config key) when training starts.
     """
 
     def __init__(self, *args: Any, offload_config: Mapping[str, Any] | str | os.PathLike | None = None,
