@@ -58,7 +58,7 @@ _SOURCES = AutoSources(
            "total_steps": "prepare accelerate.utils.DummyScheduler(optimizer, total_num_steps=...)",
            "hidden_size": "use a model with config.hidden_size"},
     names={"micro_batch_size": "the DataLoader's batch_size",
-           "gradient_accumulation_steps": "OffloadAccelerator(gradient_accumulation_steps)",
+           "gradient_accumulation_steps": "OffloadAccelerator(gradient_accumulation_steps={})",
            "max_grad_norm": "Accelerate's DeepSpeed default", "fp16": "OffloadAccelerator(mixed_precision) fp16",
            "bf16": "OffloadAccelerator(mixed_precision) bf16",
            **{name: f"the prepared optimizer's {name}" for name in ("lr", "betas", "eps", "weight_decay")}})

@@ -51,8 +51,8 @@ _SOURCES = AutoSources(
            "total_steps": "set Trainer(max_steps=...) or max_epochs",
            "hidden_size": "the model has no config.hidden_size to size it from"},
     names={"micro_batch_size": "the train DataLoader's batch_size",
-           "gradient_accumulation_steps": "Trainer(accumulate_grad_batches)",
-           "max_grad_norm": "Trainer(gradient_clip_val)", "fp16": "Trainer(precision) fp16",
+           "gradient_accumulation_steps": "Trainer(accumulate_grad_batches={})",
+           "max_grad_norm": "Trainer(gradient_clip_val={})", "fp16": "Trainer(precision) fp16",
            "bf16": "Trainer(precision) bf16", "total_steps": "Trainer's estimated_stepping_batches",
            **{name: f"configure_optimizers' {name}" for name in ("lr", "betas", "eps", "weight_decay")}})
 """Each "auto" value's source in Lightning's terms, for the messages."""
