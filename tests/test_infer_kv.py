@@ -151,7 +151,7 @@ def test_command_line_puts_the_cache_on_nvme(llama):
     out = io.StringIO()
     ids = [5, 17, 99, 3]
     figures = main([str(directory), "--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens", "40",
-                    "--kv-offload", "nvme", "--kv-cpu-percent", "40", "--disk-gbps", "1.0", "--json"], out=out)
+                    "--kv-offload", "nvme", "--kv-cpu-percent", "40", "--disk-gbps", "1.0"], out=out)
     assert "KV on NVMe" in out.getvalue() and figures["kv_nvme_layers"] == 3
     assert figures["kv_bytes_read"] > 0 and figures["kv_bytes_written"] > 0
     prompt = torch.tensor([ids])
@@ -211,7 +211,7 @@ def test_command_line_runs_the_block_schedule(llama):
     directory, model = llama[torch.float32]
     out = io.StringIO()
     figures = main([str(directory), "--prompt-ids", "5,17,99,3", "--max-new-tokens", "6", "--batch-size", "4",
-                    "--micro-batch-size", "2", "--kv-offload", "nvme", "--disk-gbps", "1.0", "--json"], out=out)
+                    "--micro-batch-size", "2", "--kv-offload", "nvme", "--disk-gbps", "1.0"], out=out)
     assert "block schedule: batch 4 as 2 micro-batches of 2" in out.getvalue()
     prompt = torch.tensor([[5, 17, 99, 3]])
     with torch.no_grad():

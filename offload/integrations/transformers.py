@@ -15,6 +15,7 @@ imports transformers' Trainer.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from typing import Any, Mapping
@@ -24,12 +25,15 @@ from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper, DeepSpeedSched
 from torch import nn
 from transformers import Trainer
 
-from offload.integrations.config import trainer_config
+from offload.integrations.config import check_keywords, read_argument, trainer_config
 from offload.train.engine import Engine, initialize
 
 __all__ = ["OffloadTrainer"]
 
 log = logging.getLogger("offload")
+
+_TRAINER_KEYWORDS = {name for name, p in inspect.signature(Trainer.__init__).parameters.items()
+                     if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and name != "self"}
 
 
 class OffloadTrainer(Trainer):
@@ -48,16 +52,20 @@ class OffloadTrainer(Trainer):
     OffloadAdam; ``args.lr_scheduler_type`` built on the engine's optimizer). With the config's
     optimizer, the groups are still Trainer's: no weight decay on biases and norms.
 
-    Raises ValueError when ``offload_config`` is missing, and the engine's errors (naming the config key).
+    Raises TypeError for a keyword argument Trainer does not take (naming the closest), ValueError or
+    OSError naming ``offload_config`` when it is missing or cannot be read, and the engine's errors
+    (naming the config key) when training starts.
     """
 
     def __init__(self, *args: Any, offload_config: Mapping[str, Any] | str | os.PathLike | None = None,
                  **kwargs: Any) -> None:
+        check_keywords("OffloadTrainer", kwargs, _TRAINER_KEYWORDS | {"offload_config"})
         if offload_config is None:
-            raise ValueError("offload_config: missing; pass the DeepSpeed-format config (dict or JSON path) "
-                             "the engine trains with")
+            raise ValueError("OffloadTrainer(offload_config=None): missing; pass the DeepSpeed-format config (dict "
+                             "or JSON path) the engine trains with")
+        config = read_argument("OffloadTrainer(offload_config=...)", offload_config)
         super().__init__(*args, **kwargs)
-        self.offload_config = offload_config
+        self.offload_config = config
         self.engine: Engine | None = None
         self._step_lr: float | None = None
 
