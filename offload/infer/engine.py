@@ -20,7 +20,7 @@ from offload.infer.config import InferenceConfig
 from offload.infer.convert import converted_copy
 from offload.infer.device_kv import KVStager, StagedKVLayer
 from offload.infer.device_ring import DeviceRing
-from offload.infer.kvcache import MicroBatchedLayer, NvmeKVLayer, OffloadedKVCache
+from offload.infer.kvcache import CACHE_KEYWORD, MicroBatchedLayer, NvmeKVLayer, OffloadedKVCache
 from offload.infer.kvquant import KVCodec
 from offload.infer.plan import BudgetError, KVPlacement, Plan, UnitSize, format_bytes, make_plan, place_kv
 from offload.infer.qcache import PAD_PREFIX, quantized_cache
@@ -174,7 +174,7 @@ class InferenceEngine:
         if ((placement.nvme_layers or placement.micro_batches > 1 or placement.staged_nbytes
              or self.settings.kv_offload.quantization) and kwargs.get("cache", kwargs.get("past_key_values")) is None):
             cache = self.offloaded_cache(placement, total)
-            kwargs["cache"] = cache
+            kwargs[CACHE_KEYWORD] = cache  # "cache" is refused before transformers 5.24
             self.schedule.micro_batches = placement.micro_batches
         try:
             with self._running():
