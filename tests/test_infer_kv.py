@@ -11,7 +11,7 @@ import torch
 
 from offload.infer import init_inference
 from offload.infer.config import InferenceConfig
-from offload.infer.kv.cache import OffloadedKVCache
+from offload.infer.kv.cache import CACHE_KEYWORD, OffloadedKVCache
 from offload.infer.plan.host import BudgetError, UnitSize, place_kv
 from tensorio import AioHandle
 
@@ -132,11 +132,11 @@ def test_cache_refuses_tokens_past_its_length_and_beam_search(llama):
             with OffloadedKVCache(5, [1, 3], handle, root, max_tokens=8 + 4) as cache:
                 with pytest.raises(ValueError, match=r"kv_offload: layer 1's cache holds 12 tokens .* 13 are asked"):
                     model.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=PAD, do_sample=False,
-                                   cache=cache)
+                                   **{CACHE_KEYWORD: cache})
             with OffloadedKVCache(5, [1, 3], handle, root, max_tokens=8 + 6) as cache:
                 with pytest.raises(NotImplementedError, match=r"kv_offload: .*beam search"):
                     model.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=PAD, num_beams=2,
-                                   cache=cache)
+                                   **{CACHE_KEYWORD: cache})
         assert os.listdir(root) == []
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -230,7 +230,7 @@ def test_memory_holds_the_ring_while_the_files_hold_the_cache(llama):
         with AioHandle() as handle, OffloadedKVCache(5, range(5), handle, root, max_tokens=8 + NEW_TOKENS) as cache:
             with torch.no_grad():
                 model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False,
-                               cache=cache)
+                               **{CACHE_KEYWORD: cache})
             ring = cache.ring
             layer_bytes = 2 * (8 + NEW_TOKENS) * ring.row_nbytes  # keys and values of one layer at the full length
             assert len(ring.buffers) == 2 and layer_bytes <= ring.buffer_nbytes < layer_bytes + 2 * 4096

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 2. The links' speeds: fio on the disk, a plain pinned copy to the device.
     fio_bps = fio_read_speed(InferenceConfig().aio, directory, args.fio_size)
-    with device_for(args.device) as device:
+    with device_for(args.device, simulated_host_tensors=True) as device:
         h2d_bps = copy_speed(device, min(parse_size(args.copy_size), gpu // 2))
     print(f"host->device: {h2d_bps / 1e9:.2f} GB/s, a plain pinned copy of {_gib(min(parse_size(args.copy_size), gpu // 2))}"
           + (" (simulated device: not a GPU figure)" if simulated else ""))

@@ -19,7 +19,7 @@ from offload.infer.build import (CheckpointMismatchError, build_units, checkpoin
                                   contiguous_head_input, decoder_blocks, device_budget, materialize_buffers,
                                   measure_disk, meta_skeleton)
 from offload.infer.config import InferenceConfig
-from offload.infer.kv.cache import MicroBatchedLayer, NvmeKVLayer, OffloadedKVCache
+from offload.infer.kv.cache import CACHE_KEYWORD, MicroBatchedLayer, NvmeKVLayer, OffloadedKVCache
 from offload.infer.kv.device import KVStager, StagedKVLayer
 from offload.infer.kv.quant import KVCodec
 from offload.infer.plan.device import place_device
@@ -169,7 +169,7 @@ class InferenceEngine:
         if ((placement.nvme_layers or placement.micro_batches > 1 or placement.staged_nbytes
              or self.settings.kv_offload.quantization) and kwargs.get("cache", kwargs.get("past_key_values")) is None):
             cache = self.offloaded_cache(placement, total)
-            kwargs["cache"] = cache
+            kwargs[CACHE_KEYWORD] = cache  # "cache" is refused before transformers 5.24
             self.schedule.micro_batches = placement.micro_batches
         try:
             with self._running():
