@@ -20,7 +20,7 @@ from offload.infer.config import InferenceConfig
 from offload.infer.convert import converted_copy
 from offload.infer.device_kv import KVStager, StagedKVLayer
 from offload.infer.device_ring import DeviceRing
-from offload.infer.kvcache import MicroBatchedLayer, NvmeKVLayer, OffloadedKVCache
+from offload.infer.kvcache import CACHE_KEYWORD, MicroBatchedLayer, NvmeKVLayer, OffloadedKVCache
 from offload.infer.kvquant import KVCodec
 from offload.infer.plan import BudgetError, KVPlacement, Plan, UnitSize, format_bytes, make_plan, place_kv
 from offload.infer.qcache import PAD_PREFIX, quantized_cache
@@ -174,7 +174,7 @@ class InferenceEngine:
         if ((placement.nvme_layers or placement.micro_batches > 1 or placement.staged_nbytes
              or self.settings.kv_offload.quantization) and kwargs.get("cache", kwargs.get("past_key_values")) is None):
             cache = self.offloaded_cache(placement, total)
-            kwargs["cache"] = cache
+            kwargs[CACHE_KEYWORD] = cache  # "cache" is refused before transformers 5.24
             self.schedule.micro_batches = placement.micro_batches
         try:
             with self._running():
@@ -233,8 +233,8 @@ class InferenceEngine:
                              cpu_percent=setting.cpu_percent, buffer_count=setting.buffer_count,
                              kv_shape=(batch, tokens), micro_batches=batch // micro)
         kv = placement.memory_bytes
-        plan = dataclasses.replace(self._make_plan(kv, (batch, tokens), disk=(self.plan.disk_bps, self.plan.disk_source)),
-                                   kv=placement)
+        plan = dataclasses.replace(self._make_plan(kv, (batch, tokens), disk=(self.plan.disk_bps, self.plan.disk_source),
+                                                   kv_what=_kv_in_memory(placement)), kv=placement)
         total = host_memory().total  # the cgroup's limit where smaller
         activations = self.activation_bytes(micro, tokens)
         need = plan.memory_bytes + activations
@@ -423,13 +423,21 @@ class InferenceEngine:
 
     def _make_plan(self, kv_bytes: int, kv_shape: tuple[int, int],
                    disk: tuple[float | None, str] | None = None, activations: int | None = None,
-                   kv_link_bytes: int = 0, host_kv_bytes: int = 0) -> Plan:
+                   kv_link_bytes: int = 0, host_kv_bytes: int = 0, kv_what: str = "") -> Plan:
         """The placement; where compute has memory of its own, first what the device keeps (the KV cache,
         or with ``kv_link_bytes`` its buffers, and ``activations`` with it: default one token's), then the
         rest between host memory and NVMe (beside ``host_kv_bytes`` of cache there). With quantized
-        weights, also the bytes per link of the same budgets' placement of the unquantized weights."""
-        args = (kv_bytes, kv_shape, disk, activations, kv_link_bytes, host_kv_bytes)
+        weights, also the bytes per link of the same budgets' placement of the unquantized weights.
+        ``kv_what`` names the ``kv_bytes`` in the errors when they are not the whole cache (`make_plan`)."""
+        args = (kv_bytes, kv_shape, disk, activations, kv_link_bytes, host_kv_bytes, kv_what)
         plan = self._placement(self._sizes(), *args)
+        kv_quant = self.settings.kv_offload.quantization
+        if kv_quant is not None:
+            text = self._text_config()
+            head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+            group = kv_quant.group_size or min(64, head_dim)  # as KVCodec takes it (which checks it, in reserve)
+            plan = dataclasses.replace(plan, kv_quantization=f"int{kv_quant.num_bits} (group {group}, "
+                                                             f"{'symmetric' if kv_quant.symmetric else 'asymmetric'})")
         if self._unquantized_sizes is None:
             return plan
         try:
@@ -443,7 +451,7 @@ class InferenceEngine:
 
     def _placement(self, sizes: list[UnitSize], kv_bytes: int, kv_shape: tuple[int, int],
                    disk: tuple[float | None, str] | None, activations: int | None, kv_link_bytes: int,
-                   host_kv_bytes: int) -> Plan:
+                   host_kv_bytes: int, kv_what: str = "") -> Plan:
         """`_make_plan` for units of ``sizes``."""
         if self._device_budget is not None:
             budget, setting = self._device_budget
@@ -454,10 +462,10 @@ class InferenceEngine:
                                 host_to_device_bps=speed * 1e9 if speed else None, kv_link_bytes=kv_link_bytes)
             host = self._host_plan([u for u in sizes if u.name not in tier.resident], host_kv_bytes, kv_shape, disk)
             return dataclasses.replace(host, units=tuple(sizes), resident=host.resident | tier.resident, device=tier)
-        return self._host_plan(sizes, kv_bytes, kv_shape, disk)
+        return self._host_plan(sizes, kv_bytes, kv_shape, disk, kv_what)
 
     def _host_plan(self, sizes: list[UnitSize], kv_bytes: int, kv_shape: tuple[int, int],
-                   disk: tuple[float | None, str] | None) -> Plan:
+                   disk: tuple[float | None, str] | None, kv_what: str = "") -> Plan:
         settings = self.settings
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         buffer_nbytes = None if settings.buffer_size is None else settings.buffer_size * itemsize
@@ -465,7 +473,7 @@ class InferenceEngine:
             disk = (settings.disk_gbps * 1e9, "given") if settings.disk_gbps else (None, "")
         return make_plan(sizes, budget=self._budget(), buffer_count=settings.buffer_count, buffer_nbytes=buffer_nbytes,
                          kv_bytes=kv_bytes, kv_shape=kv_shape, disk_bps=disk[0], disk_source=disk[1],
-                         budget_source=self._auto_budget[1] if self._auto_budget else "")
+                         budget_source=self._auto_budget[1] if self._auto_budget else "", kv_what=kv_what)
 
     def _lookahead_units(self, plan: Plan) -> int | None:
         """Reads in flight that ``stage3_prefetch_bucket_size`` allows (at least one), None for no limit."""
@@ -490,11 +498,23 @@ class InferenceEngine:
                              f"that the int{spec.num_bits} kernel takes (int8: in features a multiple of 16; int4: out "
                              f"features a multiple of 16, in features of {spec.group_size}); leave weight_quantization out")
         self._unquantized_sizes = self._sizes()
+        self._check_budget_before_quantizing()
         cache = quantized_cache(self.checkpoint, self.units, targets, spec, self.dtype,
                                 self.settings.nvme_path or directory, self.handle, kernels=kernels)
         swap_linears(self.module, list(targets), spec, self.dtype, kernels)
         self.checkpoint = SafetensorsCheckpoint(cache, self.handle)
         self.units = _units(self.module, self.checkpoint)
+
+    def _check_budget_before_quantizing(self) -> None:
+        """Raise the plan's BudgetError before the quantized cache is written (minutes for a large model)
+        when ``max_in_cpu`` cannot hold the units that must stay in memory: quantization does not shrink
+        them (it packs the decoder layers' linear weights, which stream)."""
+        settings = self.settings
+        if settings.device == "cpu" or settings.max_in_cpu == "auto" or self._device_budget is not None:
+            return
+        budget = settings.budget_bytes(torch.empty((), dtype=self.dtype).element_size())
+        if budget:  # 0: everything streamable streams, what must stay is kept whatever it takes
+            make_plan([u for u in self._sizes() if not u.streamable], budget=budget, buffer_count=settings.buffer_count)
 
     def _needs_conversion(self, unit: Unit) -> bool:
         return any(self.checkpoint[ref.tensor].dtype != ref.placeholder.dtype for ref in unit.params)
@@ -665,6 +685,18 @@ def _skeleton(model: Any, directory: str, dtype: torch.dtype) -> nn.Module:
         module.generation_config = transformers.GenerationConfig.from_pretrained(directory)
     module.config._name_or_path = directory
     return module.eval()
+
+
+def _kv_in_memory(placement: KVPlacement) -> str:
+    """What of the KV cache the budget holds, for the errors, when some of it is on NVMe ("" otherwise)."""
+    if not placement.nvme_layers:
+        return ""
+    ring = (f"read-ahead ring, {placement.buffer_count} x {format_bytes(placement.slot_nbytes)} "
+            f"(kv_offload.buffer_count, --kv-buffer-count: 1 halves it)")
+    if placement.memory_layers:
+        return (f"the KV cache's {placement.memory_layers} layers kept in memory and its {ring}, its other "
+                f"{len(placement.nvme_layers)} layers ({format_bytes(placement.nvme_bytes)}) being on NVMe")
+    return f"the KV cache's {ring}, the cache itself ({format_bytes(placement.nvme_bytes)}) being on NVMe"
 
 
 def _contiguous_head_input(module: nn.Module) -> None:

@@ -135,7 +135,7 @@ class OffloadTrainer(Trainer):
         with self.compute_loss_context_manager():
             loss = self.compute_loss(engine, inputs, num_items_in_batch=num_items_in_batch)
         del inputs
-        scaled = self.loss_is_scaled_for_ga
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)  # an attribute of Trainer from transformers 5.18
         if scaled is None:  # Trainer's rule: the loss is already divided when normalised by the batch's items
             scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None
         if not scaled:
