@@ -272,7 +272,7 @@ def test_a_failed_parameter_write_back_raises_and_leaks_no_buffer(disk_dir, tmp_
     params_before = dict(engine.full_parameters())
     swap = engine._store.swap
     original = swap._handle.write
-    swap._handle.write = lambda tensor, path, offset=0: original(tensor, "/dev/full", offset)
+    swap._handle.write = lambda tensor, path, offset=0, **checksum: original(tensor, "/dev/full", offset, **checksum)
     with pytest.raises(TensorIOError) as info:
         train(engine, batches[2:3], gpt2_loss)
     assert info.value.errno == errno.ENOSPC
