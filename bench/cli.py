@@ -167,7 +167,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     # 2. Report: tables and bests per disk, then the files.
     for d in disks:
-        print(f"\n== {d.validation.directory} ({d.validation.filesystem}) ==")
+        print(f"\n== {Path(d.validation.directory).resolve()} ({d.validation.filesystem}) ==")
         print(format_table(d.points, limit=args.top))
         if args.top and len(d.points) > args.top:
             print(f"... {len(d.points) - args.top} more rows in the CSV")
@@ -179,7 +179,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     write_json(args.out_dir / "sweep.json", sweep_json(disks, settings, chosen))
     write_csv(args.out_dir / "sweep.csv", disks)
-    charts = _draw_charts(disks, args.out_dir, size)
+    charts = _draw_charts(disks, args.out_dir, size, chosen)
     write_aio_config(args.config_out, chosen)
     print(f"\nchosen (best round trip{' over all disks' if len(disks) > 1 else ''}): {config_label(chosen)}")
     print(f"wrote {args.config_out}: {_json_line({'aio': chosen.to_dict()})}")
@@ -190,8 +190,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def _draw_charts(disks: list[Any], out_dir: Path, size: int) -> list[Path]:
-    """One PNG per disk (sweep.png, or sweep-diskN.png for several); none when matplotlib is missing."""
+def _draw_charts(disks: list[Any], out_dir: Path, size: int, chosen: Any) -> list[Path]:
+    """One PNG per disk (sweep.png, or sweep-diskN.png for several), titled with the directory's absolute
+    path and file system, the chosen configuration marked; none when matplotlib is missing."""
     try:
         from .chart import plot_sweep
     except ModuleNotFoundError as exc:
@@ -201,8 +202,9 @@ def _draw_charts(disks: list[Any], out_dir: Path, size: int) -> list[Path]:
     charts = []
     for i, d in enumerate(disks, 1):
         chart = out_dir / ("sweep.png" if len(disks) == 1 else f"sweep-disk{i}.png")
-        plot_sweep(d.points, chart, f"{d.validation.directory} ({d.validation.filesystem}"
-                                    f"{'' if d.validation.direct else ', buffered'}), {format_size(size)} per pass")
+        plot_sweep(d.points, chart, f"{Path(d.validation.directory).resolve()} ({d.validation.filesystem}"
+                                    f"{'' if d.validation.direct else ', buffered'}), {format_size(size)} per pass",
+                   chosen=chosen, fio_curve=d.fio_curve)
         charts.append(chart)
     return charts
 

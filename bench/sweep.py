@@ -113,8 +113,12 @@ class FioComparison:
     config: AioConfig
     ours_bw_bytes: int
     """Ours measured again next to fio (median), not the sweep's figure."""
+    ours_cpu_us_per_io: float = 0.0
+    """Our CPU microseconds (user + system) per block-sized piece, measured again next to fio."""
     fio_bw_bytes: int | None = None
     """Median of fio's runs, as many as the sweep's repeats."""
+    fio_cpu_us_per_io: float | None = None
+    """fio's CPU microseconds (its usr_cpu + sys_cpu) per I/O, the median of its runs."""
     fio_bw_bytes_samples: list[int] = field(default_factory=list)
     command: list[str] = field(default_factory=list)
     error: str | None = None
@@ -123,6 +127,22 @@ class FioComparison:
     def ratio(self) -> float | None:
         """Our GB/s as a fraction of fio's (None when fio did not run)."""
         return self.ours_bw_bytes / self.fio_bw_bytes if self.fio_bw_bytes else None
+
+
+@dataclass(frozen=True, slots=True)
+class FioCurvePoint:
+    """fio at one block size and thread count (the grid's deepest queue depth), in one direction: the
+    line the chart draws beside ours."""
+
+    rw: str
+    block_size: int
+    thread_count: int
+    queue_depth: int
+    bw_bytes: int
+    """Median of fio's runs, as many as the sweep's repeats."""
+    cpu_us_per_io: float | None = None
+    """fio's CPU microseconds (usr_cpu + sys_cpu) per I/O, the median of its runs (None where fio's
+    JSON lacks them)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -135,6 +155,8 @@ class DiskSweep:
     fio: list[FioComparison]
     fio_missing: str | None = None
     """Why there is no fio column (fio not installed), or None."""
+    fio_curve: list[FioCurvePoint] = field(default_factory=list)
+    """fio at each block size and thread count of the grid (empty without fio)."""
 
 
 def sweep_directory(validation: Validation, configs: Sequence[AioConfig], buffers: Buffers, *, request_size: int,
@@ -164,7 +186,34 @@ def sweep_directory(validation: Validation, configs: Sequence[AioConfig], buffer
         best = best_points(points)
         comparisons, missing = (_compare_with_fio(scratch, best, buffers, request_size, repeats) if with_fio
                                 else ([], "skipped (--no-fio)"))
-    return DiskSweep(validation=validation, points=points, best=best, fio=comparisons, fio_missing=missing)
+        curve = _fio_curve(scratch, points, buffers.nbytes, repeats) if with_fio and missing is None else []
+    return DiskSweep(validation=validation, points=points, best=best, fio=comparisons, fio_missing=missing,
+                     fio_curve=curve)
+
+
+def _fio_curve(scratch: Path, points: Sequence[PointResult], size: int, repeats: int) -> list[FioCurvePoint]:
+    """fio at every block size and thread count of the sweep, at its deepest queue depth (fio's best
+    case), O_DIRECT as ours had it; empty when fio fails (the comparison above already says why)."""
+    depth = max(p.config.queue_depth for p in points)
+    direct = all(p.direct for p in points)
+    curve: list[FioCurvePoint] = []
+    for tc in sorted({p.config.thread_count for p in points}):
+        for bs in sorted({p.config.block_size for p in points}):
+            config = AioConfig(block_size=bs, queue_depth=depth, thread_count=tc)
+            try:
+                runs = _fio_runs(config, direct, scratch, size, repeats)
+            except (FioError, OSError, ValueError):
+                return []
+            curve += [FioCurvePoint(rw=rw, block_size=bs, thread_count=tc, queue_depth=depth,
+                                    bw_bytes=int(statistics.median(r.bw_bytes for r in runs[rw])),
+                                    cpu_us_per_io=_median_or_none([r.cpu_us_per_io for r in runs[rw]]))
+                      for rw in ("write", "read")]
+    return curve
+
+
+def _median_or_none(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def _compare_with_fio(scratch: Path, best: dict[str, PointResult], buffers: Buffers, request_size: int,
@@ -172,7 +221,7 @@ def _compare_with_fio(scratch: Path, best: dict[str, PointResult], buffers: Buff
     """fio with the settings of each best point, in the direction it is best at ("both": each).
 
     Ours is measured again right before fio: the best of many noisy points is flattered by its
-    selection, a fresh measurement is not. fio follows our protocol (``_fio_point``); medians.
+    selection, a fresh measurement is not. fio follows our protocol (``_fio_runs``); medians.
     """
     if fio_path() is None:
         return [], f"fio is not installed; {INSTALL_HINT}"
@@ -188,7 +237,7 @@ def _compare_with_fio(scratch: Path, best: dict[str, PointResult], buffers: Buff
             finally:
                 path.unlink(missing_ok=True)
             try:
-                measured[key] = again, _fio_point(point, scratch, buffers.nbytes, repeats)
+                measured[key] = again, _fio_runs(point.config, point.direct, scratch, buffers.nbytes, repeats)
             except FioNotFound as exc:
                 return [], str(exc)
             except (FioError, OSError) as exc:
@@ -196,23 +245,24 @@ def _compare_with_fio(scratch: Path, best: dict[str, PointResult], buffers: Buff
         again, runs = measured[key]
         for rw in ("read", "write") if role == "both" else (role,):
             ours = again.read if rw == "read" else again.write
-            comparison = FioComparison(role=role, rw=rw, config=point.config, ours_bw_bytes=ours.bw_bytes)
+            comparison = FioComparison(role=role, rw=rw, config=point.config, ours_bw_bytes=ours.bw_bytes,
+                                       ours_cpu_us_per_io=ours.cpu_us_per_io)
             if isinstance(runs, str):
                 comparison.error = runs
             else:
                 comparison.fio_bw_bytes_samples = [r.bw_bytes for r in runs[rw]]
                 comparison.fio_bw_bytes = int(statistics.median(comparison.fio_bw_bytes_samples))
+                comparison.fio_cpu_us_per_io = _median_or_none([r.cpu_us_per_io for r in runs[rw]])
                 comparison.command = runs[rw][0].command
             comparisons.append(comparison)
     return comparisons, None
 
 
-def _fio_point(point: PointResult, scratch: Path, size: int, repeats: int) -> dict[str, list[FioResult]]:
-    """fio on ``point``'s settings with our protocol: a warm-up write lays one file out, then each
-    repeat writes it over and reads it back; O_DIRECT exactly when ours had it."""
+def _fio_runs(config: AioConfig, direct: bool, scratch: Path, size: int, repeats: int) -> dict[str, list[FioResult]]:
+    """fio on ``config``'s settings with our protocol: a warm-up write lays one file out, then each
+    repeat writes it over and reads it back; O_DIRECT exactly when ours had it (``direct``)."""
     path = scratch / "fio.dat"
-    write = replace(job_for_config(point.config, directory=scratch, rw="write", size=size),
-                    direct=point.direct, overwrite=True)
+    write = replace(job_for_config(config, directory=scratch, rw="write", size=size), direct=direct, overwrite=True)
     read = replace(write, rw="read")
     runs: dict[str, list[FioResult]] = {"write": [], "read": []}
     try:

@@ -123,14 +123,16 @@ class ChildError(RuntimeError):
         self.stderr = stderr
 
 
-def run_child(module: str, args: Sequence[str], *, mmap_threshold: int | None = None) -> dict[str, Any]:
+def run_child(module: str, args: Sequence[str], *, mmap_threshold: int | None = None,
+              cgroup: Any = None) -> dict[str, Any]:
     """Run ``python -m module *args`` in a fresh interpreter (so that its peak RSS is its own) and
     return the JSON object it printed on its last line of output.
 
     The child runs in the current directory with the clone on its PYTHONPATH. ``mmap_threshold``
     sets glibc's ``MALLOC_MMAP_THRESHOLD_`` for it (None: glibc's default; a value inherited from
-    the environment is dropped either way). Raises `ChildError` (a RuntimeError), with the end of the
-    child's error output, when it fails.
+    the environment is dropped either way); ``cgroup`` (a `benchmarks._cgroup.MemoryCgroup`) is the
+    memory cgroup it runs in. Raises `ChildError` (a RuntimeError), with the end of the child's error
+    output, when it fails.
     """
     env = dict(os.environ)
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
@@ -138,7 +140,8 @@ def run_child(module: str, args: Sequence[str], *, mmap_threshold: int | None = 
         env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     command = [sys.executable, "-m", module, *args]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False,
+                          preexec_fn=cgroup.enter if cgroup is not None else None)
     if done.returncode:
         raise ChildError(f"{' '.join(command)} failed with exit status {done.returncode}:\n{done.stderr[-3000:]}",
                          done.returncode, done.stderr[-3000:])

@@ -127,9 +127,13 @@ def _child(args: dict) -> None:
         io_after, cpu_after = proc.io_counters(), os.times()
     n = len(times)
     path = None
+    auto = {}
     if mode in ("none", "cpu", "nvme"):
         path = engine.stats().mode.value
-    print(json.dumps({"mode": mode, "params": params, "step_s": statistics.median(times), "times": times,
+        if engine.plan.max_in_cpu_source:  # max_in_cpu "auto": what it took, and from what
+            auto = {"max_in_cpu": engine.plan.max_in_cpu, "max_in_cpu_source": engine.plan.max_in_cpu_source,
+                    "in_memory_bytes": engine.plan.in_memory[1], "on_disk_bytes": engine.plan.on_disk[1]}
+    print(json.dumps({**auto, "mode": mode, "params": params, "step_s": statistics.median(times), "times": times,
                       "peak_rss": rss.peak, "baseline_rss": baseline, "norms": norms, "path": path,
                       "clipped": sum(1 for norm in norms if norm > clip) if clip else 0,
                       "cpu_user_per_step": (cpu_after.user - cpu_before.user) / n,
@@ -158,7 +162,8 @@ def run_mode(mode: str, args: argparse.Namespace, directory: str) -> dict:
     payload = {"mode": mode, "model": args.model_config, "batch": args.batch, "seq": args.seq,
                "warmup": args.warmup, "steps": args.steps, "dir": os.path.abspath(directory),
                "sub_group_size": args.sub_group_size, "buffer_count": args.buffer_count,
-               "buffer_size": args.buffer_size, "persistence": args.persistence, "max_in_cpu": int(args.max_in_cpu),
+               "buffer_size": args.buffer_size, "persistence": args.persistence,
+               "max_in_cpu": args.max_in_cpu if args.max_in_cpu == "auto" else int(float(args.max_in_cpu)),
                "aio": {"block_size": args.block_size, "queue_depth": args.queue_depth}, "clip": args.clip,
                "gas": args.gas, "dtype": args.dtype, "params": args.params,
                "reuse_distance": 0 if mode == "deepspeed" else args.reuse_distance}
@@ -184,8 +189,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     ap.add_argument("--buffer-count", type=int, default=2, help="offload_param.buffer_count")
     ap.add_argument("--buffer-size", type=int, default=None, help="offload_param.buffer_size (default: the largest parameter)")
     ap.add_argument("--persistence", type=int, default=100_000, help="stage3_param_persistence_threshold")
-    ap.add_argument("--max-in-cpu", type=float, default=0,
-                    help="offload_param.max_in_cpu: parameter elements kept in RAM (0: all on NVMe; DeepSpeed's default is 1e9)")
+    ap.add_argument("--max-in-cpu", default="0",
+                    help="offload_param.max_in_cpu: parameter elements kept in RAM (0: all on NVMe; DeepSpeed's default "
+                         "is 1e9), or auto (as many as the host's available memory holds beside the rest of the bound)")
     ap.add_argument("--block-size", type=int, default=1 << 20)
     ap.add_argument("--queue-depth", type=int, default=32)
     ap.add_argument("--clip", type=float, default=0.0, help="gradient_clipping (0: off)")
@@ -257,6 +263,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         print(f"{mode}: CPU per step {r['cpu_user_per_step']:.2f} s user, {r['cpu_kernel_per_step']:.2f} s kernel")
         if r.get("path"):
             print(f"{mode}: the update ran {r['path']}")
+        if r.get("max_in_cpu_source"):
+            print(f"{mode}: max_in_cpu \"auto\" took {r['max_in_cpu']:,} elements ({r['in_memory_bytes'] / 1e6:.0f} MB "
+                  f"of partitions in memory, {r['on_disk_bytes'] / 1e6:.0f} MB on NVMe) = {r['max_in_cpu_source']}")
         if args.clip and r["norms"]:
             print(f"{mode}: global gradient norm above gradient_clipping {args.clip} in {r['clipped']} of "
                   f"{len(r['norms'])} steps (a speculative step would be redone that often); norms "

@@ -31,7 +31,6 @@
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import time
@@ -41,62 +40,13 @@ from typing import Any, Callable
 
 import numpy as np
 
+from benchmarks._cgroup import UNBOUNDED
 from benchmarks._common import ChildError, RssSampler, run_child
+from benchmarks._peers import ROWS, PeerRunner, peer_targets
+from benchmarks._page_cache import _files, meminfo, meminfo_cached, page_cache_bytes  # noqa: F401 (imported from here)
 from tensorio import parse_size
 
-PAGE = 4096
 MARKER = "bench-checkpoint.json"
-
-
-# ---- page-cache figures -----------------------------------------------------------------------------
-
-
-def page_cache_bytes(paths) -> int:
-    """Bytes of the files ``paths`` now in the page cache: mincore over a read-only shared mapping,
-    which touches (and so loads) no page."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    total = 0
-    for path in paths:
-        size = os.path.getsize(path)
-        if size == 0:
-            continue
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
-            if addr in (None, ctypes.c_void_p(-1).value):
-                raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
-            try:
-                vec = np.zeros((size + PAGE - 1) // PAGE, dtype=np.uint8)
-                if libc.mincore(addr, size, vec.ctypes.data) != 0:
-                    raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
-                total += int((vec & 1).sum()) * PAGE
-            finally:
-                libc.munmap(addr, size)
-        finally:
-            os.close(fd)
-    return total
-
-
-def meminfo(key: str) -> int:
-    """A figure of /proc/meminfo ("Cached", "MemAvailable", ...) in bytes; 0 where it is missing."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def meminfo_cached() -> int:
-    """The system's page cache ("Cached" in /proc/meminfo), in bytes."""
-    return meminfo("Cached")
-
-
-def _files(directory: Path) -> list[str]:
-    return sorted(str(p) for p in directory.rglob("*") if p.is_file())
 
 
 # ---- 1. the checkpoint ------------------------------------------------------------------------------
@@ -243,6 +193,10 @@ def child(args: dict) -> dict:
     del tiny
     if args["kind"] != "ours":
         import accelerate  # noqa: F401 - imported before the clock starts
+    else:
+        import offload.infer  # noqa: F401
+    if args.get("idle"):  # benchmarks/_peers.py: the side's own overhead, nothing loaded (its cgroup's peak)
+        return {"kind": args["kind"], "idle": True}
     process = psutil.Process()
     baseline = process.memory_info().rss
     files = _files(checkpoint)
@@ -257,6 +211,12 @@ def child(args: dict) -> dict:
         seconds = _first_token_seconds(model, ids, args["new_tokens"])
         model.close()
         return {"first_forward_loaded_s": seconds}
+    if args.get("plan_only"):  # benchmarks/_peers.py: our plan's memory, for the cgroup of our own bound
+        model = _load(args["kind"], checkpoint, config, args)
+        figures = {"plan_memory_bytes": model.plan.memory_bytes, "activation_bytes": model.activation_bytes(
+            args["batch"], args["prompt_tokens"] + args["new_tokens"]), "resident_bytes": model.plan.resident_bytes}
+        model.close()
+        return figures
     # The peak from here on: loading and generating, not the imports and the warm-up.
     with RssSampler(kernel_peak=True) as rss:
         start, cpu0 = time.perf_counter(), os.times()
@@ -285,6 +245,7 @@ def child(args: dict) -> dict:
         figures.update(full_load_s=full_load_s, loaded_first_token_s=loaded_first_token_s,
                        resident_bytes=plan.resident_bytes, read_bytes_per_forward=plan.read_bytes_per_forward,
                        plan_memory_bytes=plan.memory_bytes, read_wait_s=model.read_wait_seconds,
+                       plan_budget=plan.budget, budget_source=plan.budget_source,
                        activation_bytes=model.activation_bytes(args["batch"], args["prompt_tokens"] + args["new_tokens"]),
                        io_bytes=model.io_bytes(), plan=plan.describe(), quantization=plan.quantization,
                        unquantized_read_bytes_per_forward=plan.unquantized_read_bytes)
@@ -346,11 +307,13 @@ def describe_floor(floor: dict, layers: int) -> str:
 
 
 def _load(kind: str, checkpoint: Path, config, args: dict):
-    """The model of configuration ``kind``, loaded with ``args["budget"]`` bytes of memory."""
+    """The model of configuration ``kind``, loaded with ``args["budget"]`` bytes of memory; with
+    ``args["setting"]`` "auto" ours takes "auto" and Accelerate no ``max_memory`` (each side's default)."""
     import torch
     import transformers
 
     budget = args["budget"]
+    auto = args.get("setting") == "auto"
     if kind == "ours":
         from offload.infer import init_inference
 
@@ -359,18 +322,19 @@ def _load(kind: str, checkpoint: Path, config, args: dict):
             ring.update(weight_quantization=args["quantize"], nvme_path=args["nvme_path"])
         if args.get("block_schedule"):
             ring.update(block_schedule=args["block_schedule"])
-        return init_inference(checkpoint, max_in_cpu=f"{budget}B", aio=args["aio"], disk_gbps=args["disk_gbps"],  # bytes
-                              **ring)
+        return init_inference(checkpoint, max_in_cpu="auto" if auto else f"{budget}B", aio=args["aio"],  # bytes
+                              disk_gbps=args["disk_gbps"], **ring)
+    max_memory = None if auto else {"cpu": budget}
     if kind == "accelerate-dispatch":
         from accelerate import init_empty_weights, load_checkpoint_and_dispatch
 
         with init_empty_weights():
             empty = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        return load_checkpoint_and_dispatch(empty, str(checkpoint), device_map="auto", max_memory={"cpu": budget},
+        return load_checkpoint_and_dispatch(empty, str(checkpoint), device_map="auto", max_memory=max_memory,
                                             offload_folder=args["offload_folder"], dtype=torch.bfloat16,
                                             no_split_module_classes=["LlamaDecoderLayer"])
     return transformers.AutoModelForCausalLM.from_pretrained(
-        checkpoint, device_map="auto", max_memory={"cpu": budget}, offload_folder=args["offload_folder"],
+        checkpoint, device_map="auto", max_memory=max_memory, offload_folder=args["offload_folder"],
         dtype=torch.bfloat16)
 
 
@@ -450,7 +414,18 @@ def main(argv: list[str] | None = None) -> dict:
                          "slope (0: not measured)")
     ap.add_argument("--micro-batch-size", type=int, default=None,
                     help="the big batch's block schedule: sequences per micro-batch (default: the engine's choice)")
-    ap.add_argument("--accelerate", default="dispatch,auto", help="Accelerate runs: dispatch, auto, or none")
+    ap.add_argument("--accelerate", default="dispatch,auto",
+                    help="Accelerate runs beside ours, each side without a memory cgroup (page cache unbounded): "
+                         "dispatch, auto, or none")
+    ap.add_argument("--peer-rows", default="equal,defaults,bound",
+                    help="benchmarks/_peers.py's rows, each side in a memory cgroup: equal (the budget + each side's "
+                         "overhead; ours \"auto\"), defaults (ours \"auto\", Accelerate without max_memory), bound "
+                         "(ours in a cgroup of its own bound + 10%%), or none")
+    ap.add_argument("--sides", default="ours,accelerate-auto",
+                    help="the peer rows' sides: ours, accelerate-auto, accelerate-dispatch (one per run keeps it short)")
+    ap.add_argument("--no-cgroups", action="store_true", help="run the peer rows without memory cgroups (labelled)")
+    ap.add_argument("--previous", nargs="*", default=[],
+                    help="--out files of earlier runs whose peer rows join this run's for the targets")
     ap.add_argument("--accelerate-budget", default="8GiB", help="max_memory for Accelerate (and our comparison run)")
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=8)
@@ -486,7 +461,7 @@ def main(argv: list[str] | None = None) -> dict:
     fio_bps = fio_read_speed(aio, directory, args.fio_size)
 
     # 3. Each configuration in its own process, the checkpoint cold.
-    runs = [("ours", b, 1) for b in budgets] + [("ours", big_budget, args.big_batch)]
+    runs = [("ours", b, 1) for b in budgets] + ([("ours", big_budget, args.big_batch)] if args.big_batch > 1 else [])
     if accelerate_kinds and ("ours", acc_budget, 1) not in runs:
         runs.append(("ours", acc_budget, 1))
     runs += [(f"accelerate-{k}", acc_budget, 1) for k in accelerate_kinds]
@@ -511,10 +486,26 @@ def main(argv: list[str] | None = None) -> dict:
                 result.update(run_config({**payload, "first_forward_only": True}))
             except ChildError as exc:
                 result["first_forward_error"] = _failure(exc)
+        if kind != "ours":
+            result["memory_label"] = UNBOUNDED
         results.append(result)
         if "plan" in result:
             print(result["plan"])
         _print_row(result)
+
+    # 3b. Ours beside Accelerate at equal memory and as each side's default, each in its own memory cgroup.
+    peer_rows = [r for r in args.peer_rows.split(",") if r in ROWS]
+    peer_results = []
+    if peer_rows:
+        offload_folder = directory / "accelerate-offload"
+        runner = PeerRunner(lambda payload, group: run_child("benchmarks.infer_stream", ["--child", json.dumps(payload)],
+                                                             cgroup=group),
+                            use_cgroups=not args.no_cgroups, before_each=lambda: _make_cold(checkpoint, offload_folder))
+        base = {"checkpoint": str(checkpoint), "batch": 1, "prompt_tokens": args.prompt_tokens,
+                "new_tokens": args.new_tokens, "buffer_count": args.buffer_count, "aio": args.aio,
+                "disk_gbps": fio_bps / 1e9 if fio_bps else None, "offload_folder": str(offload_folder)}
+        peer_results = runner.rows(peer_rows, [k for k in args.sides.split(",") if k], base, acc_budget)
+    earlier = [r for path in args.previous for r in json.loads(Path(path).read_text()).get("peer_runs", [])]
 
     # 4. The big batch's compute floor (every weight in memory), beside its step.
     floor = None
@@ -525,12 +516,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 5. The targets.
     targets = _targets(results, fio_bps, budgets, big_budget, args.big_batch, acc_budget, args.big_batch_target, floor)
+    targets += peer_targets(earlier + peer_results, fio_bps, acc_budget)
     print("targets:")
     for line in targets:
         print("  " + line)
     load_after = os.getloadavg()
     print(f"load average after: {' '.join(f'{x:.2f}' for x in load_after)}")
     figures = {"spec": asdict(spec), "checkpoint_bytes": size, "fio_bps": fio_bps, "runs": results, "floor": floor,
+               "peer_runs": peer_results,
                "targets": targets,
                "load_average": {"before": load_before, "after": load_after}}
     if args.out:
@@ -567,7 +560,7 @@ def _print_row(r: dict) -> None:
           f"first token {r['ttft_s']:7.2f} s, {s if s is None else round(s, 3)} s/token, "
           f"{r['tokens_per_s'] or 0:.3f} tokens/s, peak RSS {_gib(r['peak_rss'])} (baseline {_gib(r['baseline_rss'])}), "
           f"page cache +{r['cached_growth'] / 1e6:.0f} MB (checkpoint +{r['checkpoint_cache_growth'] / 1e6:.0f} MB), "
-          f"read {r['read_bytes'] / 1e9:.2f} GB")
+          f"read {r['read_bytes'] / 1e9:.2f} GB" + (f" [{r['memory_label']}]" if r.get("memory_label") else ""))
 
 
 def _targets(results: list[dict], fio_bps: float | None, budgets: list[int], big_budget: int, big_batch: int,
@@ -603,7 +596,8 @@ def _targets(results: list[dict], fio_bps: float | None, budgets: list[int], big
         other = find(kind, acc_budget, 1)
         if ours and other and ours["tokens_per_s"] and other["tokens_per_s"]:
             ratio = ours["tokens_per_s"] / other["tokens_per_s"]
-            lines.append(f"at {_gib(acc_budget)}: ours {ratio:.2f}x {kind}'s tokens/s; target >= {factor}x: {verdict(ratio >= factor)}")
+            lines.append(f"at {_gib(acc_budget)}, {UNBOUNDED} for Accelerate: ours {ratio:.2f}x {kind}'s tokens/s; "
+                         f"target >= {factor}x: {verdict(ratio >= factor)}")
     for r in measured:
         if r["kind"] == "ours":
             growth = max(r["cached_growth"], r["checkpoint_cache_growth"])

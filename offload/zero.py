@@ -28,6 +28,7 @@ from offload.params.pretrained import load_pretrained
 from offload.params.store import EXTERNAL, ParamRecord, find_record
 from offload.storage import SwapFile
 from offload.train.setup import compute_device_of
+from offload.train.sizing import auto_max_in_cpu
 
 __all__ = ["GatheredParameters", "Init", "from_pretrained", "register_external_parameter", "unregister_external_parameter"]
 
@@ -111,8 +112,11 @@ class Init:
             check_nvme_paths(cfg)
             swap = SwapFile(offload_param.nvme_path, cfg.aio, kind="params",
                             key="zero_optimization.offload_param.nvme_path")
-        placement = Placement(world_size=self._world_size, rank=self._rank, swap=swap,
-                              max_in_cpu=offload_param.max_in_cpu if swap is not None else 0,
+        max_in_cpu = offload_param.max_in_cpu if swap is not None else 0
+        if max_in_cpu == "auto":  # the model is not built yet: the engine's other shares at their most
+            max_in_cpu, how = auto_max_in_cpu(cfg, None, 2 if self.dtype in (torch.float16, torch.bfloat16) else 4)
+            log.info("zero.Init: offload_param.max_in_cpu \"auto\": %d elements = %s", max_in_cpu, how)
+        placement = Placement(world_size=self._world_size, rank=self._rank, swap=swap, max_in_cpu=max_in_cpu,
                               persistence_threshold=zero.stage3_param_persistence_threshold, accumulators=False)
         store = ParamStore(records=[], world_size=self._world_size, rank=self._rank, swap=swap,
                            budget=SwapBudget(buffer_elements=offload_param.buffer_count * offload_param.buffer_size,

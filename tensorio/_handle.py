@@ -21,8 +21,8 @@ from ._config import MiB, AioConfig
 from ._errors import TensorIOError
 from ._files import FileTable, OpenFile
 from ._fs import DIRECT_ALIGN, direct_supported, open_error, probe_direct
-from ._plan import Mode, piece_size, plan_pieces
-from ._request import IOFuture, Request, Task
+from ._plan import Mode, piece_size, plan_runs
+from ._request import IOFuture, Request, Span
 from ._threads import ThreadBackend
 from ._uring import UringBackend, probe_io_uring
 
@@ -156,21 +156,21 @@ class AioHandle:
             raise ValueError(f"verify must be Checksums of a range inside the {nbytes}-byte buffer, got {verify!r}")
         # 2. Take the file's shared descriptor (or the caller's fd), with or without O_DIRECT.
         file, name = self._open(write, path, offset, nbytes)
-        # 3. Plan the pieces; unaligned ones need the buffered companion descriptor.
-        pieces = plan_pieces(offset=offset, nbytes=nbytes, buf_addr=tensor.data_ptr(),
-                             block_size=self.config.block_size, direct=file.direct, align=DIRECT_ALIGN)
-        if file.direct and any(p.mode is Mode.BUFFERED for p in pieces):
+        # 3. Plan the pieces, as runs of equal ones; unaligned ones need the buffered companion descriptor.
+        runs = plan_runs(offset=offset, nbytes=nbytes, buf_addr=tensor.data_ptr(),
+                         block_size=self.config.block_size, direct=file.direct, align=DIRECT_ALIGN)
+        if file.direct and any(r.mode is Mode.BUFFERED for r in runs):
             try:
                 file.buffered()
             except (OSError, ValueError) as exc:
                 file.release()
                 raise TensorIOError(getattr(exc, "errno", None) or errno.EIO, "reopen for unaligned I/O failed",
                                     path=name, offset=offset, length=nbytes) from None
-        # 4. Hand the pieces to the backend; the request releases the file after its last piece.
-        request = Request(write=write, path=name, tensor=tensor, offset=offset, file=file, pieces=len(pieces),
-                          checksum_chunk=checksum, verify=verify, what=what)
-        if pieces:
-            self._backend.submit([Task(request, piece) for piece in pieces])
+        # 4. Hand the runs to the backend; the request releases the file after its last piece.
+        request = Request(write=write, path=name, tensor=tensor, offset=offset, file=file,
+                          pieces=sum(r.count for r in runs), checksum_chunk=checksum, verify=verify, what=what)
+        if runs:
+            self._backend.submit([Span(request, run) for run in runs])
         return request.future
 
     def _open(self, write: bool, path: PathOrFd, offset: int, nbytes: int) -> tuple[OpenFile, str]:

@@ -14,7 +14,7 @@ import torch
 from ._checksum import ChecksumError, Checksums, checksum, checksum_chunks
 from ._errors import TensorIOError, io_error
 from ._files import OpenFile
-from ._plan import Mode, Piece
+from ._plan import Mode, Piece, Run
 
 log = logging.getLogger("tensorio")
 
@@ -116,10 +116,15 @@ class Request:
 
     def piece_finished(self, error: TensorIOError | None) -> None:
         """Count one piece as finished; the last one releases the file and resolves the future."""
+        self.pieces_finished(1, error)
+
+    def pieces_finished(self, count: int, error: TensorIOError | None = None) -> None:
+        """Count ``count`` pieces as finished (``error``: one of them failed so); the last one releases
+        the file and resolves the future."""
         with self._lock:
             if error is not None and self.error is None:
                 self.error = error
-            self._remaining -= 1
+            self._remaining -= count
             last = self._remaining == 0
         if last:
             self._finish()
@@ -169,14 +174,20 @@ class RoundRobin:
         self._next = 0
         self._lock = threading.Lock()
 
-    def split(self, tasks: list["Task"]) -> list[list["Task"]]:
-        """The tasks for each worker, in order."""
+    def split(self, items: list["Span | Task"]) -> list[list["Span | Task"]]:
+        """The work for each worker, in order: a Task goes whole to one worker, a Span is cut into
+        one contiguous share per worker (fewer when it has fewer pieces)."""
+        if self._workers == 1:
+            return [items]
+        parts: list[Span | Task] = []
+        for item in items:
+            parts += item.split(self._workers) if isinstance(item, Span) else [item]
         with self._lock:
             start = self._next
-            self._next = (start + len(tasks)) % self._workers
-        shares: list[list[Task]] = [[] for _ in range(self._workers)]
-        for i, task in enumerate(tasks):
-            shares[(start + i) % self._workers].append(task)
+            self._next = (start + len(parts)) % self._workers
+        shares: list[list[Span | Task]] = [[] for _ in range(self._workers)]
+        for i, part in enumerate(parts):
+            shares[(start + i) % self._workers].append(part)
         return shares
 
 
@@ -187,6 +198,63 @@ def join_or_hand_off(threads: list[threading.Thread], join: Callable[[], None]) 
         threading.Thread(target=join, name="tensorio-close", daemon=True).start()
     else:
         join()
+
+
+class Span:
+    """A run of a request's pieces as a backend takes them: whole batches of DIRECT pieces at a time
+    (`take`, no Python object per piece), or one `Task` at a time for the other modes (`take_task`)."""
+
+    __slots__ = ("request", "next_offset", "end", "piece_bytes", "mode", "_buf_base", "_address_base")
+
+    def __init__(self, request: Request, run: Run) -> None:
+        self.request = request
+        self.next_offset = run.file_offset  # file offset of the first piece not yet taken
+        self.end = run.file_offset + run.length
+        self.piece_bytes = run.piece_bytes
+        self.mode = run.mode
+        self._buf_base = run.buf_offset - run.file_offset  # buf_offset = file_offset + this
+        self._address_base = request.address + self._buf_base
+
+    @property
+    def remaining(self) -> int:
+        """Pieces not yet taken."""
+        return -(-(self.end - self.next_offset) // self.piece_bytes)
+
+    def split(self, parts: int) -> list["Span"]:
+        """This span cut into at most ``parts`` contiguous spans of whole pieces, in file order."""
+        per = -(-self.remaining // parts)
+        out = []
+        for start in range(self.next_offset, self.end, per * self.piece_bytes):
+            share = Span.__new__(Span)
+            share.request, share.piece_bytes, share.mode = self.request, self.piece_bytes, self.mode
+            share._buf_base, share._address_base = self._buf_base, self._address_base
+            share.next_offset, share.end = start, min(self.end, start + per * self.piece_bytes)
+            out.append(share)
+        return out
+
+    def address(self) -> int:
+        """Memory address of the first piece not yet taken."""
+        return self.next_offset + self._address_base
+
+    def skip(self, count: int) -> None:
+        """Take the next ``count`` pieces (the caller moves them)."""
+        self.next_offset = min(self.end, self.next_offset + count * self.piece_bytes)
+
+    def take_task(self) -> "Task":
+        """The next piece as a `Task`."""
+        start = self.next_offset
+        self.next_offset = min(self.end, start + self.piece_bytes)
+        return Task(self.request, Piece(start, start + self._buf_base, self.next_offset - start, self.mode))
+
+    def tasks(self) -> list["Task"]:
+        """Every piece not yet taken, as Tasks."""
+        return [self.take_task() for _ in range(self.remaining)]
+
+    def drop(self) -> int:
+        """Take every remaining piece without moving it (its request failed); returns how many."""
+        count = self.remaining
+        self.next_offset = self.end
+        return count
 
 
 class Task:

@@ -29,7 +29,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from ._request import Task
+from ._request import Span, Task
 from ._threads import ThreadBackend
 from ._uring import UringBackend
 
@@ -262,9 +262,9 @@ def _unpatch() -> None:
         cls.close = _ORIGINAL_CLOSE[cls]
 
 
-def _submit(backend, tasks: list[Task]) -> None:
+def _submit(backend, items: list[Span | Task]) -> None:
     """Every request's way into the backend while an injection is active (one call per request)."""
-    request = tasks[0].request
+    request = items[0].request
     info = RequestInfo(request.op, request.path, request.offset, request.nbytes)
     fail: Fail | None = None
     short: ShortTransfer | None = None
@@ -288,13 +288,14 @@ def _submit(backend, tasks: list[Task]) -> None:
         at = flip._flip(request)
         if flip.transient:
             restore = (at, lambda: flip_bit(request.path, request.offset + at, flip.bit))
-    if fail is not None or short is not None or restore is not None:
-        tasks = [_FaultyTask(task, fail.errno if fail is not None and i == 0 else 0, short,
+    if fail is not None or short is not None or restore is not None:  # a faulty request goes in piece by piece
+        tasks = [task for item in items for task in (item.tasks() if isinstance(item, Span) else [item])]
+        items = [_FaultyTask(task, fail.errno if fail is not None and i == 0 else 0, short,
                              restore if restore is not None and
                              task.buf_offset <= restore[0] < task.buf_offset + task.length else None)
                  for i, task in enumerate(tasks)]
-    if delay is None or not delay._hold(backend, tasks):
-        _ORIGINAL_SUBMIT[type(backend)](backend, tasks)
+    if delay is None or not delay._hold(backend, items):
+        _ORIGINAL_SUBMIT[type(backend)](backend, items)
 
 
 def _close(backend) -> None:

@@ -64,3 +64,40 @@ def test_percentile_nearest_rank():
     values = list(range(1, 101))
     assert _percentile(values, 50) == 50 and _percentile(values, 99) == 99 and _percentile(values, 100) == 100
     assert _percentile([7], 50) == 7 and _percentile([7], 99) == 7
+
+
+# ---- the chart -------------------------------------------------------------------------------------
+
+def test_chart_keeps_every_point_inside_its_axes_marks_the_chosen_and_draws_fio():
+    """The demo's case: the best point (2 threads, 1 MiB) is far above anything in the 1-thread panel
+    that the row's shared axis used to be sized by; fio's line at each block size; the title as given."""
+    pytest.importorskip("matplotlib")
+    from bench.chart import plot_sweep
+    from bench.sweep import FioCurvePoint
+
+    def point(bs, tc, qd, write_gbs, read_gbs):
+        p = _point(bs, write_gbs, read_gbs)
+        p.config = AioConfig(block_size=bs, queue_depth=qd, thread_count=tc)
+        return p
+
+    points = [point(bs, tc, qd, w, r) for bs, tc, qd, w, r in [
+        (128 << 10, 1, 8, 0.4, 0.6), (MiB, 1, 8, 0.5, 0.7), (128 << 10, 1, 32, 0.5, 0.8), (MiB, 1, 32, 0.6, 0.9),
+        (128 << 10, 2, 8, 1.0, 1.5), (MiB, 2, 8, 2.0, 2.5), (128 << 10, 2, 32, 1.2, 1.6), (MiB, 2, 32, 3.32, 4.1)]]
+    chosen = chosen_config([points])
+    assert (chosen.block_size, chosen.thread_count, chosen.queue_depth) == (MiB, 2, 32)
+    fio = [FioCurvePoint(rw=rw, block_size=bs, thread_count=tc, queue_depth=32, bw_bytes=int(gbs * 1e9))
+           for rw, gbs in (("write", 3.5), ("read", 4.6)) for bs in (128 << 10, MiB) for tc in (1, 2)]
+    fig = plot_sweep(points, None, "/mnt/nvme/swap (ext4), 128M per pass", chosen=chosen, fio_curve=fio)
+
+    axes = fig.axes
+    assert len(axes) == 4
+    for ax in axes:
+        bottom, top = ax.get_ylim()
+        drawn = [y for line in ax.get_lines() for y in line.get_ydata()]
+        assert drawn and bottom <= min(drawn) and max(drawn) < top, ax.get_title()
+        fio_lines = [line for line in ax.get_lines() if line.get_label().startswith("fio")]
+        assert len(fio_lines) == 1 and list(fio_lines[0].get_xdata()) == [128 << 10, MiB], ax.get_title()
+    marked = {(ax.get_title(), int(line.get_xdata()[0]), round(float(line.get_ydata()[0]), 2))
+              for ax in axes for line in ax.get_lines() if line.get_label() == "chosen"}
+    assert marked == {("write, 2 threads", MiB, 3.32), ("read, 2 threads", MiB, 4.1)}
+    assert fig._suptitle.get_text().startswith("/mnt/nvme/swap (ext4), 128M per pass\nchosen (star): io_uring 1M qd 32")

@@ -24,7 +24,8 @@ def test_tiny_run_end_to_end(capsys):
         figures = main(["--dir", str(root), "--scale", "0.025", "--layers", "4", "--shards", "5", "--budgets", "700KiB",
                         "--big-batch", "4", "--big-batch-budget", "700KiB", "--accelerate", accelerate,
                         "--accelerate-budget", "700KiB", "--fio-size", "16MiB", "--prompt-tokens", "8",
-                        "--new-tokens", "3", "--floor-layers", "1", "--out", str(root / "figures.json")])
+                        "--new-tokens", "3", "--floor-layers", "1", "--peer-rows", "none", "--out",
+                        str(root / "figures.json")])
     finally:
         shutil.rmtree(root, ignore_errors=True)
     printed = capsys.readouterr().out
@@ -43,6 +44,33 @@ def test_tiny_run_end_to_end(capsys):
     assert ours["checkpoint_cache_growth"] < 64e6
     assert figures["floor"]["batch"] == 4 and figures["floor"]["floor_s"] > 0  # the big batch's compute floor
     assert any("x max(compute floor" in line for line in figures["targets"])
+
+
+@pytest.mark.bench
+def test_tiny_peer_rows_in_memory_cgroups(capsys):
+    """The equal-memory and bound rows (ours only: the peer's child is the same code path): ours "auto" in a
+    cgroup of the budget + its overhead reads that cgroup's room; in a cgroup of its bound + 10% it runs."""
+    root = scratch_dir("infer-peers-")
+    try:
+        figures = main(["--dir", str(root), "--scale", "0.025", "--layers", "4", "--shards", "5", "--budgets", "",
+                        "--big-batch", "1", "--accelerate", "none", "--accelerate-budget", "1GiB", "--fio-size", "16MiB",
+                        "--prompt-tokens", "8", "--new-tokens", "3", "--floor-layers", "0", "--peer-rows", "equal,bound",
+                        "--sides", "ours"])
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    printed = capsys.readouterr().out
+    rows = {r["row"]: r for r in figures["peer_runs"]}
+    assert set(rows) == {"equal", "bound-free", "bound"}
+    for row in rows.values():
+        assert row["s_per_token"] > 0 and "error" not in row
+    if "memory cgroups: not used" in printed:
+        assert all(r["memory_label"] == "page cache unbounded" for r in rows.values())
+        return
+    equal = rows["equal"]
+    assert equal["cgroup_limit"] > 1 << 30 and "cgroup v" in equal["budget_source"]  # "auto" read the cgroup
+    assert equal["plan_budget"] < equal["cgroup_limit"] and equal["cgroup_oom_kills"] == 0
+    assert rows["bound"]["cgroup_limit"] == int(1.1 * rows["bound"]["bound_bytes"]) and rows["bound"]["cgroup_oom_kills"] == 0
+    assert any(line.startswith("ours in a cgroup of its bound") for line in figures["targets"])
 
 
 def test_written_checkpoint_loads_in_transformers(tmp_path):

@@ -24,6 +24,7 @@ import argparse
 import sys
 
 from offload.cli_errors import add_debug_flag, run_command
+from offload.storage import resolve_tag
 from offload.train.checkpoint_verify import verify_checkpoint
 from offload.train.consolidate import (DTYPES, convert_zero_checkpoint_to_fp32_state_dict,
                                        get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint,
@@ -61,6 +62,7 @@ def _consolidate(argv: list[str]) -> None:
               file=sys.stderr)
         return
     parse_size(args.max_shard_size, "--max-shard-size")
+    resolve_tag(args.checkpoint_dir, args.tag, tag_argument="--tag TAG")  # the errors in the command's words
     convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_dir, args.max_shard_size,
                                                safe_serialization=True, tag=args.tag,
                                                exclude_frozen_parameters=args.exclude_frozen_parameters,

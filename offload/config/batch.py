@@ -14,7 +14,8 @@ def check_batch_sizes(train: int, micro: int, accum: int, world_size: int, *, de
     raise ValueError(
         f"train_batch_size ({train}) must equal train_micro_batch_size_per_gpu ({micro}) x "
         f"gradient_accumulation_steps ({accum}) x world size ({world_size}) = {micro * accum * world_size}"
-        f"{note}; change one of them, leave one out to have it derived, or set them to \"auto\""
+        f"{note}; change one of them or leave one out to have it derived (\"auto\" only under OffloadTrainer, "
+        f"OffloadStrategy or OffloadAccelerator, which fill it)"
     )
 
 

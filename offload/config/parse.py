@@ -12,6 +12,10 @@ from typing import Any, Collection, Mapping
 
 AUTO = "auto"
 
+OWN_AUTO_KEYS = ("compute_device", "zero_optimization.offload_param.max_in_cpu")
+"""Keys whose "auto" is a choice of their own (CUDA where available; as many elements as the host's
+available memory holds), not DeepSpeed's placeholder: accepted and left as written."""
+
 # The `resolve_auto` argument that fills each key Hugging Face's integration lets users write as "auto"
 # ("" for a key resolve_auto fills without one).
 AUTO_ARGUMENTS = {
@@ -95,7 +99,7 @@ def section_values(section: Any, key: str, allowed: Collection[str], *,
         dotted = f"{key}.{name}" if key else name
         if name not in allowed:
             raise ValueError(f"{dotted}: unknown key; allowed keys are {', '.join(sorted(allowed))}")
-        if isinstance(value, str) and value == AUTO and name not in auto_is_a_value:
+        if isinstance(value, str) and value == AUTO and name not in auto_is_a_value and dotted not in OWN_AUTO_KEYS:
             raise auto_error(dotted)
     return dict(section)
 

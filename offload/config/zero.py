@@ -46,15 +46,22 @@ class OffloadParamConfig:
     buffer_size: int = 100_000_000
     """Elements per staging buffer. Must hold the largest parameter partition (see check_against_model)."""
 
-    max_in_cpu: int = 1_000_000_000
-    """With device "nvme": elements kept in host memory before parameters are written to NVMe. At least 0."""
+    max_in_cpu: int | str = 1_000_000_000
+    """With device "nvme": elements kept in host memory before parameters are written to NVMe. At least 0.
+    "auto": as many as the host's available memory holds beside the engine's other terms of its memory
+    bound and a margin (`offload.train.sizing.auto_max_in_cpu`), found when the engine (or
+    `offload.zero.Init`) starts; ``engine.plan`` prints the figures."""
 
     def __post_init__(self) -> None:
         _check_device(self._KEY, self.device, self.nvme_path)
         self.pin_memory = boolean(f"{self._KEY}.pin_memory", self.pin_memory)
         self.buffer_count = integral(f"{self._KEY}.buffer_count", self.buffer_count, minimum=1)
         self.buffer_size = integral(f"{self._KEY}.buffer_size", self.buffer_size, minimum=1)
-        self.max_in_cpu = integral(f"{self._KEY}.max_in_cpu", self.max_in_cpu, minimum=0)
+        if isinstance(self.max_in_cpu, str) and self.max_in_cpu != "auto":
+            raise ValueError(f"{self._KEY}.max_in_cpu: {self.max_in_cpu!r} is not allowed; use an integer >= 0 "
+                             f"(elements) or \"auto\" (as many as the host's available memory holds)")
+        if self.max_in_cpu != "auto":
+            self.max_in_cpu = integral(f"{self._KEY}.max_in_cpu", self.max_in_cpu, minimum=0)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -14,10 +14,13 @@ from offload.device._errors import (CollectiveDeviceError, DeviceError, DeviceMe
                                     PinnedMemoryError)
 from offload.device._select import (DEVICE_CHOICES, check_process_group, collective_device, device_for,
                                     process_group_backend, start_process_group)
+from offload.device._host_memory import AUTO_MARGIN_BYTES, AUTO_MARGIN_SHARE, HostMemory, auto_budget, host_memory
 from offload.device._packed import CPU_KERNELS, PackedKernels
 from offload.device._simulated import CopyRecord, SimulatedDevice
 
 __all__ = [
+    "AUTO_MARGIN_BYTES",
+    "AUTO_MARGIN_SHARE",
     "CPU_KERNELS",
     "DEVICE_CHOICES",
     "CollectiveDeviceError",
@@ -29,14 +32,17 @@ __all__ = [
     "DeviceMemoryError",
     "DeviceSyncError",
     "Event",
+    "HostMemory",
     "PackedKernels",
     "PinnedMemoryError",
     "SimulatedDevice",
     "Stream",
+    "auto_budget",
     "check_process_group",
     "collective_device",
     "cuda_available",
     "device_for",
+    "host_memory",
     "process_group_backend",
     "start_process_group",
 ]

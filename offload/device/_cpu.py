@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import psutil
 import torch
 
 from offload.device._base import Device, Event, Stream
+from offload.device._host_memory import host_memory
 from offload.device._packed import CPU_KERNELS
 
 __all__ = ["CpuDevice"]
@@ -50,7 +50,7 @@ class CpuDevice(Device):
         self._compute = _CpuStream("compute")
 
     def memory_info(self) -> tuple[int, int]:
-        memory = psutil.virtual_memory()
+        memory = host_memory()  # MemAvailable, or the cgroup's room where one limits the process
         return memory.available, memory.total
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:

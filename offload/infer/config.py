@@ -49,7 +49,7 @@ def _bytes(key: str, text: str) -> int:
     try:
         return parse_size(text)
     except ValueError as exc:
-        raise ValueError(f"{key}: {exc}; or elements of the model's dtype as a number") from None
+        raise ValueError(f"{key}: {exc}; or elements of the model's dtype as a number, or \"auto\"") from None
 
 
 def parse_dtype(key: str, value: Any) -> torch.dtype | None:
@@ -296,14 +296,17 @@ class MaxMemory:
     device per engine) is the compute device's budget: weights kept there, its copy ring, the KV cache
     and activations; "cpu" is the pinned host tier (the same budget as ``offload_param.max_in_cpu``,
     give one of the two). The NVMe tier is the checkpoint itself and has no budget here. Sizes are
-    bytes or strings ("6GiB" binary, "6GB" decimal, as Accelerate reads them)."""
+    bytes or strings ("6GiB" binary, "6GB" decimal, as Accelerate reads them), or "auto": for "cpu" the
+    host memory available when the engine starts less a margin (``max_in_cpu`` "auto"), for the device
+    90% of its free memory (as without the key)."""
 
     device_index: int | None = None
     """The device the budget is for (its key), None without one."""
-    device_bytes: int | None = None
-    """The device tier's budget in bytes; None: no device key (compute on the CPU: the host is the device)."""
-    host_bytes: int | None = None
-    """The host tier's budget in bytes ("cpu"); None: ``offload_param.max_in_cpu`` says it."""
+    device_bytes: int | str | None = None
+    """The device tier's budget in bytes, or "auto" (90% of the device's free memory); None: no device key
+    (compute on the CPU: the host is the device)."""
+    host_bytes: int | str | None = None
+    """The host tier's budget in bytes ("cpu"), or "auto"; None: ``offload_param.max_in_cpu`` says it."""
 
     @property
     def device_key(self) -> str:
@@ -323,12 +326,13 @@ class MaxMemory:
             index = key if isinstance(key, int) and not isinstance(key, bool) else (
                 int(key) if isinstance(key, str) and key.isdigit() else None)
             if key == "cpu":
-                found["host_bytes"] = _size(f"max_memory[{key!r}]", size)
+                found["host_bytes"] = "auto" if size == "auto" else _size(f"max_memory[{key!r}]", size)
             elif index is not None and index >= 0:
                 if "device_index" in found:
                     raise ValueError(f"max_memory[{key!r}]: a second device (max_memory[{found['device_index']}] is "
                                      f"given); one engine computes on one device, so give one device index")
-                found.update(device_index=index, device_bytes=_size(f"max_memory[{index}]", size))
+                found.update(device_index=index,
+                             device_bytes="auto" if size == "auto" else _size(f"max_memory[{index}]", size))
                 if found["device_bytes"] == 0:
                     raise ValueError(f"max_memory[{index}]: 0 bytes leaves no room to compute; give the device's budget")
             else:
@@ -342,7 +346,7 @@ def _size(key: str, value: Any) -> int:
     try:
         return parse_size(value)
     except (ValueError, TypeError) as exc:
-        raise ValueError(f"{key}: {exc}") from None
+        raise ValueError(f"{key}: {exc}; or \"auto\"") from None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -356,8 +360,10 @@ class InferenceConfig:
     max_in_cpu: int | str | None = None
     """``offload_param.max_in_cpu``: the memory budget for weights kept resident and the KV cache,
     as elements of the model's dtype (DeepSpeed's unit) or as bytes in a string
-    (`tensorio.parse_size`: "8GiB", "8G", "8 GiB" binary, "20GB" decimal); None: ``max_memory["cpu"]``,
-    else 1e9 elements (DeepSpeed's default)."""
+    (`tensorio.parse_size`: "8GiB", "8G", "8 GiB" binary, "20GB" decimal), or "auto": the host memory
+    available when the engine starts (MemAvailable, or the cgroup's limit less its usage where smaller)
+    less the ring buffers and a margin (`offload.device.auto_budget`; the plan prints the figures);
+    None: ``max_memory["cpu"]``, else 1e9 elements (DeepSpeed's default)."""
 
     buffer_count: int = 2
     """``offload_param.buffer_count``: locked buffers in the prefetch ring, each one streamed layer. >= 1.
@@ -422,9 +428,11 @@ class InferenceConfig:
         if self.max_memory is not None and self.max_memory.host_bytes is not None:
             if self.max_in_cpu is not None:
                 raise ValueError(f"{key}.max_in_cpu, max_memory['cpu']: both set the host's budget; give one")
-            self.max_in_cpu = f"{self.max_memory.host_bytes}B"
+            host = self.max_memory.host_bytes
+            self.max_in_cpu = host if host == "auto" else f"{host}B"
         if isinstance(self.max_in_cpu, str):
-            _bytes(f"{key}.max_in_cpu", self.max_in_cpu)
+            if self.max_in_cpu != "auto":
+                _bytes(f"{key}.max_in_cpu", self.max_in_cpu)
         elif self.max_in_cpu is not None:
             self.max_in_cpu = _int(f"{key}.max_in_cpu", self.max_in_cpu, 0)
         self.buffer_count = _int(f"{key}.buffer_count", self.buffer_count, 1)
@@ -453,7 +461,11 @@ class InferenceConfig:
         self.block_schedule = BlockScheduleConfig.parse(self.block_schedule)
 
     def budget_bytes(self, itemsize: int) -> int:
-        """``max_in_cpu`` in bytes, for a model whose weights have ``itemsize`` bytes per element."""
+        """``max_in_cpu`` in bytes, for a model whose weights have ``itemsize`` bytes per element. Raises
+        ValueError for "auto", which the engine resolves (`offload.device.auto_budget`)."""
+        if self.max_in_cpu == "auto":
+            raise ValueError("zero_optimization.offload_param.max_in_cpu: \"auto\" is resolved by the engine from "
+                             "the host's memory; read engine.plan.budget")
         if isinstance(self.max_in_cpu, str):
             return _bytes("zero_optimization.offload_param.max_in_cpu", self.max_in_cpu)
         return (1_000_000_000 if self.max_in_cpu is None else self.max_in_cpu) * itemsize

@@ -12,16 +12,15 @@ import time
 from collections.abc import Iterator
 from typing import Any, Mapping
 
-import psutil
 import torch
 from torch import nn
 
-from offload.device import Device, device_for
+from offload.device import Device, auto_budget, device_for, host_memory
 from offload.infer.config import InferenceConfig
 from offload.infer.convert import converted_copy
 from offload.infer.device_kv import KVStager, StagedKVLayer
 from offload.infer.device_ring import DeviceRing
-from offload.infer.kvcache import MicroBatchedLayer, NvmeKVLayer, OffloadedKVCache
+from offload.infer.kvcache import CACHE_KEYWORD, MicroBatchedLayer, NvmeKVLayer, OffloadedKVCache
 from offload.infer.kvquant import KVCodec
 from offload.infer.plan import BudgetError, KVPlacement, Plan, UnitSize, format_bytes, make_plan, place_kv
 from offload.infer.qcache import PAD_PREFIX, quantized_cache
@@ -113,6 +112,8 @@ class InferenceEngine:
             self._unquantized_sizes: list[UnitSize] | None = None
             if settings.weight_quantization is not None:  # packed linear layers, read from the quantized cache
                 self._quantize(directory)
+            self._auto_budget = self._resolve_auto_budget()
+            """(bytes, how they were found) of a ``max_in_cpu`` "auto", read once here; None for a number."""
             # 4. The placement; streamed tensors must be on the disk in the compute dtype.
             self.plan = self._make_plan(kv_bytes=0, kv_shape=(0, 0))
             if any(self._needs_conversion(u) for u in self._read_in_place()):
@@ -173,7 +174,7 @@ class InferenceEngine:
         if ((placement.nvme_layers or placement.micro_batches > 1 or placement.staged_nbytes
              or self.settings.kv_offload.quantization) and kwargs.get("cache", kwargs.get("past_key_values")) is None):
             cache = self.offloaded_cache(placement, total)
-            kwargs["cache"] = cache
+            kwargs[CACHE_KEYWORD] = cache  # "cache" is refused before transformers 5.24
             self.schedule.micro_batches = placement.micro_batches
         try:
             with self._running():
@@ -232,9 +233,9 @@ class InferenceEngine:
                              cpu_percent=setting.cpu_percent, buffer_count=setting.buffer_count,
                              kv_shape=(batch, tokens), micro_batches=batch // micro)
         kv = placement.memory_bytes
-        plan = dataclasses.replace(self._make_plan(kv, (batch, tokens), disk=(self.plan.disk_bps, self.plan.disk_source)),
-                                   kv=placement)
-        total = psutil.virtual_memory().total
+        plan = dataclasses.replace(self._make_plan(kv, (batch, tokens), disk=(self.plan.disk_bps, self.plan.disk_source),
+                                                   kv_what=_kv_in_memory(placement)), kv=placement)
+        total = host_memory().total  # the cgroup's limit where smaller
         activations = self.activation_bytes(micro, tokens)
         need = plan.memory_bytes + activations
         if need > total:
@@ -270,7 +271,7 @@ class InferenceEngine:
                          format_bytes(kv))
         if plan is None:
             plan = self._plan_host_kv(layers, kv, shape, parts, disk, activations)
-        total = psutil.virtual_memory().total
+        total = host_memory().total  # the cgroup's limit where smaller
         if plan.memory_bytes > total:
             raise BudgetError(f"the plan keeps {format_bytes(plan.memory_bytes)} in host memory, more than this machine's "
                               f"{format_bytes(total)}; lower max_in_cpu (max_memory['cpu'])")
@@ -398,22 +399,45 @@ class InferenceEngine:
         return config.get_text_config() if hasattr(config, "get_text_config") else config
 
     def _budget(self) -> int | None:
-        """``max_in_cpu`` in bytes; None with device "cpu" (no limit)."""
+        """``max_in_cpu`` in bytes ("auto": as `_resolve_auto_budget` found it); None with device "cpu" (no limit)."""
+        if self.settings.device == "cpu":
+            return None
+        if self._auto_budget is not None:
+            return self._auto_budget[0]
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return None if self.settings.device == "cpu" else self.settings.budget_bytes(itemsize)
+        return self.settings.budget_bytes(itemsize)
+
+    def _resolve_auto_budget(self) -> tuple[int, str] | None:
+        """``max_in_cpu`` "auto": the host memory available now (`offload.device.host_memory`: MemAvailable,
+        or the cgroup's room) less the ring buffers at their largest (buffer_count x the largest streamable
+        unit) and `offload.device.auto_budget`'s margin. Once, before anything is loaded. None for a number."""
+        if self.settings.max_in_cpu != "auto" or self.settings.device == "cpu":
+            return None
+        largest = max((u.buffer_nbytes for u in self._sizes() if u.streamable), default=0)
+        where = "pinned ring buffers" if self.compute.separate_memory else "ring buffers"
+        return auto_budget(host_memory(), {f"{where} ({self.settings.buffer_count} x {format_bytes(largest)})":
+                                           self.settings.buffer_count * largest})
 
     def _sizes(self) -> list[UnitSize]:
         return [UnitSize(u.name, u.nbytes, u.read_nbytes, u.buffer_nbytes, u.streamable) for u in self.units]
 
     def _make_plan(self, kv_bytes: int, kv_shape: tuple[int, int],
                    disk: tuple[float | None, str] | None = None, activations: int | None = None,
-                   kv_link_bytes: int = 0, host_kv_bytes: int = 0) -> Plan:
+                   kv_link_bytes: int = 0, host_kv_bytes: int = 0, kv_what: str = "") -> Plan:
         """The placement; where compute has memory of its own, first what the device keeps (the KV cache,
         or with ``kv_link_bytes`` its buffers, and ``activations`` with it: default one token's), then the
         rest between host memory and NVMe (beside ``host_kv_bytes`` of cache there). With quantized
-        weights, also the bytes per link of the same budgets' placement of the unquantized weights."""
-        args = (kv_bytes, kv_shape, disk, activations, kv_link_bytes, host_kv_bytes)
+        weights, also the bytes per link of the same budgets' placement of the unquantized weights.
+        ``kv_what`` names the ``kv_bytes`` in the errors when they are not the whole cache (`make_plan`)."""
+        args = (kv_bytes, kv_shape, disk, activations, kv_link_bytes, host_kv_bytes, kv_what)
         plan = self._placement(self._sizes(), *args)
+        kv_quant = self.settings.kv_offload.quantization
+        if kv_quant is not None:
+            text = self._text_config()
+            head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+            group = kv_quant.group_size or min(64, head_dim)  # as KVCodec takes it (which checks it, in reserve)
+            plan = dataclasses.replace(plan, kv_quantization=f"int{kv_quant.num_bits} (group {group}, "
+                                                             f"{'symmetric' if kv_quant.symmetric else 'asymmetric'})")
         if self._unquantized_sizes is None:
             return plan
         try:
@@ -427,7 +451,7 @@ class InferenceEngine:
 
     def _placement(self, sizes: list[UnitSize], kv_bytes: int, kv_shape: tuple[int, int],
                    disk: tuple[float | None, str] | None, activations: int | None, kv_link_bytes: int,
-                   host_kv_bytes: int) -> Plan:
+                   host_kv_bytes: int, kv_what: str = "") -> Plan:
         """`_make_plan` for units of ``sizes``."""
         if self._device_budget is not None:
             budget, setting = self._device_budget
@@ -438,17 +462,18 @@ class InferenceEngine:
                                 host_to_device_bps=speed * 1e9 if speed else None, kv_link_bytes=kv_link_bytes)
             host = self._host_plan([u for u in sizes if u.name not in tier.resident], host_kv_bytes, kv_shape, disk)
             return dataclasses.replace(host, units=tuple(sizes), resident=host.resident | tier.resident, device=tier)
-        return self._host_plan(sizes, kv_bytes, kv_shape, disk)
+        return self._host_plan(sizes, kv_bytes, kv_shape, disk, kv_what)
 
     def _host_plan(self, sizes: list[UnitSize], kv_bytes: int, kv_shape: tuple[int, int],
-                   disk: tuple[float | None, str] | None) -> Plan:
+                   disk: tuple[float | None, str] | None, kv_what: str = "") -> Plan:
         settings = self.settings
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         buffer_nbytes = None if settings.buffer_size is None else settings.buffer_size * itemsize
         if disk is None:
             disk = (settings.disk_gbps * 1e9, "given") if settings.disk_gbps else (None, "")
         return make_plan(sizes, budget=self._budget(), buffer_count=settings.buffer_count, buffer_nbytes=buffer_nbytes,
-                         kv_bytes=kv_bytes, kv_shape=kv_shape, disk_bps=disk[0], disk_source=disk[1])
+                         kv_bytes=kv_bytes, kv_shape=kv_shape, disk_bps=disk[0], disk_source=disk[1],
+                         budget_source=self._auto_budget[1] if self._auto_budget else "", kv_what=kv_what)
 
     def _lookahead_units(self, plan: Plan) -> int | None:
         """Reads in flight that ``stage3_prefetch_bucket_size`` allows (at least one), None for no limit."""
@@ -473,11 +498,23 @@ class InferenceEngine:
                              f"that the int{spec.num_bits} kernel takes (int8: in features a multiple of 16; int4: out "
                              f"features a multiple of 16, in features of {spec.group_size}); leave weight_quantization out")
         self._unquantized_sizes = self._sizes()
+        self._check_budget_before_quantizing()
         cache = quantized_cache(self.checkpoint, self.units, targets, spec, self.dtype,
                                 self.settings.nvme_path or directory, self.handle, kernels=kernels)
         swap_linears(self.module, list(targets), spec, self.dtype, kernels)
         self.checkpoint = SafetensorsCheckpoint(cache, self.handle)
         self.units = _units(self.module, self.checkpoint)
+
+    def _check_budget_before_quantizing(self) -> None:
+        """Raise the plan's BudgetError before the quantized cache is written (minutes for a large model)
+        when ``max_in_cpu`` cannot hold the units that must stay in memory: quantization does not shrink
+        them (it packs the decoder layers' linear weights, which stream)."""
+        settings = self.settings
+        if settings.device == "cpu" or settings.max_in_cpu == "auto" or self._device_budget is not None:
+            return
+        budget = settings.budget_bytes(torch.empty((), dtype=self.dtype).element_size())
+        if budget:  # 0: everything streamable streams, what must stay is kept whatever it takes
+            make_plan([u for u in self._sizes() if not u.streamable], budget=budget, buffer_count=settings.buffer_count)
 
     def _needs_conversion(self, unit: Unit) -> bool:
         return any(self.checkpoint[ref.tensor].dtype != ref.placeholder.dtype for ref in unit.params)
@@ -575,11 +612,14 @@ def _compute_device(settings: InferenceConfig) -> Device:
     """The device ``compute_device`` names, with ``max_memory``'s device budget (checked against its
     free memory). Raises ValueError naming the setting."""
     tiers = settings.max_memory
-    device = device_for(settings.compute_device)
-    if tiers is None or tiers.device_bytes is None or not device.separate_memory:
+    # Generation has not moved to the simulated device's own device type yet (docs/device.md): its
+    # buffers are CPU tensors there.
+    device = device_for(settings.compute_device, simulated_host_tensors=True)
+    if tiers is None or tiers.device_bytes in (None, "auto") or not device.separate_memory:
         return device  # a device budget with compute on the CPU is refused by `_device_budget`, naming it
     device.close()
-    return device_for(settings.compute_device, budget_bytes=tiers.device_bytes, budget_setting=tiers.device_key)
+    return device_for(settings.compute_device, budget_bytes=tiers.device_bytes, budget_setting=tiers.device_key,
+                      simulated_host_tensors=True)
 
 
 def _device_budget(compute: Device, settings: InferenceConfig) -> tuple[int, str] | None:
@@ -588,8 +628,10 @@ def _device_budget(compute: Device, settings: InferenceConfig) -> tuple[int, str
     Raises ValueError naming ``max_memory[i]`` where it cannot apply."""
     tiers = settings.max_memory
     given = tiers.device_bytes if tiers is not None else None
+    auto = given == "auto"
+    given = None if auto else given
     if not compute.separate_memory:
-        if given is not None:
+        if given is not None or auto:
             raise ValueError(f"{tiers.device_key}: a device budget, but compute is on the {compute.name} device, whose "
                              f"memory is the host's; leave {tiers.device_key} out (max_memory['cpu'] or max_in_cpu is the "
                              f"budget), or compute on a GPU (compute_device)")
@@ -600,7 +642,9 @@ def _device_budget(compute: Device, settings: InferenceConfig) -> tuple[int, str
     if compute.budget_bytes is not None:
         return compute.budget_bytes, compute.budget_setting
     free, _ = compute.memory_info()
-    return int(free * 0.9), f"90% of the {compute.name} device's free memory (max_memory[0] unset)"
+    key = tiers.device_key if tiers is not None and tiers.device_index is not None else "max_memory[0]"
+    return int(free * 0.9), (f"{key} \"auto\": 90% of the {compute.name} device's free {format_bytes(free)}, 10% "
+                             f"kept for the device runtime and its allocator")
 
 
 def _checkpoint_directory(model: Any, checkpoint: Any) -> str:
@@ -644,6 +688,18 @@ def _skeleton(model: Any, directory: str, dtype: torch.dtype) -> nn.Module:
         module.generation_config = transformers.GenerationConfig.from_pretrained(directory)
     module.config._name_or_path = directory
     return module.eval()
+
+
+def _kv_in_memory(placement: KVPlacement) -> str:
+    """What of the KV cache the budget holds, for the errors, when some of it is on NVMe ("" otherwise)."""
+    if not placement.nvme_layers:
+        return ""
+    ring = (f"read-ahead ring, {placement.buffer_count} x {format_bytes(placement.slot_nbytes)} "
+            f"(kv_offload.buffer_count, --kv-buffer-count: 1 halves it)")
+    if placement.memory_layers:
+        return (f"the KV cache's {placement.memory_layers} layers kept in memory and its {ring}, its other "
+                f"{len(placement.nvme_layers)} layers ({format_bytes(placement.nvme_bytes)}) being on NVMe")
+    return f"the KV cache's {ring}, the cache itself ({format_bytes(placement.nvme_bytes)}) being on NVMe"
 
 
 def _contiguous_head_input(module: nn.Module) -> None:

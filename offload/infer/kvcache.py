@@ -39,7 +39,20 @@ from tensorio import DIRECT_ALIGN, AioHandle, IOFuture, aligned_tensor, free_loc
 if TYPE_CHECKING:
     from offload.infer.device_kv import KVStager
 
-__all__ = ["KVRing", "MicroBatchedLayer", "NvmeKVLayer", "OffloadedKVCache"]
+__all__ = ["CACHE_KEYWORD", "KVRing", "MicroBatchedLayer", "NvmeKVLayer", "OffloadedKVCache"]
+
+
+def _cache_keyword() -> str:
+    """The keyword under which the installed transformers' ``generate`` takes a `Cache` without a
+    warning: ``past_key_values`` up to 5.23, ``cache`` from 5.24 (which renamed it, taking the old name
+    with a FutureWarning). 5.23 and older refuse ``cache``."""
+    from transformers.generation import utils
+
+    return "cache" if "cache" in getattr(utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
+
+
+CACHE_KEYWORD = _cache_keyword()
+"""``model.generate(..., **{CACHE_KEYWORD: cache})`` hands a cache to any supported transformers."""
 
 
 class _StreamedLayer(CacheLayerMixin):
@@ -53,6 +66,9 @@ class _StreamedLayer(CacheLayerMixin):
     _instead = ""
 
     def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # `get_max_length`'s name before transformers 5.13
         return -1
 
     def offload(self) -> None:
@@ -419,7 +435,8 @@ class OffloadedKVCache(Cache):
     With ``micro_batches`` > 1 every layer holds one cache per micro-batch (`MicroBatchedLayer`),
     read in the block schedule's order (layer by layer, the micro-batches of each in turn).
 
-    Use it as ``model.generate(..., cache=cache)`` and `close` it afterwards (or use it as a context
+    Use it as ``model.generate(..., **{CACHE_KEYWORD: cache})`` (``past_key_values=`` on transformers
+    5.23 and older, ``cache=`` from 5.24) and `close` it afterwards (or use it as a context
     manager). With ``stager`` (compute on a device of its own) every layer (each micro-batch's part) is a
     `StagedKVLayer`, copied to the device one layer ahead of its update (offload/infer/device_kv.py). With ``quantization`` every layer stores its keys and values as `KVCodec` bytes, those in
     memory as `QuantizedLayer`. Greedy decoding and sampling work; beam search and assisted decoding

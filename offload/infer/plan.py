@@ -128,7 +128,8 @@ def place_kv(units: Sequence[UnitSize], *, budget: int | None, layers: int, laye
                 f"{format_bytes(must + total, up=True)} or lower the batch size or the number of tokens (kv_offload would "
                 f"put the cache's layers on NVMe, but even its read-ahead ring of {buffer_count} x "
                 f"{format_bytes(ring // buffer_count, up=True)}, one layer's cache each, needs a budget of "
-                f"{format_bytes(must + ring, up=True)}; kv_offload.buffer_count 1 halves it)")
+                f"{format_bytes(must + ring, up=True)}; kv_offload.buffer_count 1 halves it, --kv-buffer-count 1 on the "
+                f"command line)")
         keep = min(layers, (room - ring) // layer_nbytes)
     memory = set(_spread_order(layers)[:keep])
     return KVPlacement(layers, layer_nbytes, tuple(i for i in range(layers) if i not in memory), buffer_count,
@@ -158,6 +159,8 @@ class Plan:
     """How ``disk_bps`` was obtained ("measured: ..." or "given")."""
     quantization: str = ""
     """The decoder layers' weight quantization ("int4 (group 64, asymmetric)"), "" for none."""
+    kv_quantization: str = ""
+    """How the KV cache's keys and values are stored ("int8 (group 64, asymmetric)"), "" for the compute dtype."""
     unquantized_read_bytes: int | None = None
     """With ``quantization``: the bytes per forward the same budget would read with unquantized weights."""
     unquantized_host_to_device_bytes: int | None = None
@@ -168,6 +171,8 @@ class Plan:
     device: DeviceTier | None = None
     """Where compute has memory of its own (a GPU): what it keeps (offload/infer/tiers.py); the units in
     ``resident`` but not in ``device.resident`` are kept in pinned host memory. None: the host is the device."""
+    budget_source: str = ""
+    """How an "auto" ``budget`` was found (the memory available, from where, less what): "" for a number given."""
 
     @property
     def streamed(self) -> tuple[UnitSize, ...]:
@@ -232,10 +237,10 @@ class Plan:
     def describe(self) -> str:
         """The plan as a few lines for people."""
         resident = [u for u in self.units if u.name in self.resident]
-        budget = ("no limit (device cpu)" if self.budget < 0 else
-                  "0: everything streamable is streamed, only what must stay is in memory" if self.budget == 0
-                  else format_bytes(self.budget))
-        lines = [f"placement: budget {budget} for resident weights and the KV cache"]
+        budget = ("no limit (device cpu)" if self.budget < 0 else "0" if self.budget == 0
+                  else format_bytes(self.budget) + (f" = {self.budget_source}" if self.budget_source else ""))
+        lines = [f"placement: budget {budget} for resident weights and the KV cache"
+                 + (" (everything streamable is streamed; only what must stay is in memory)" if self.budget == 0 else "")]
         device = self.device
         if device is not None:
             on_device = [u for u in resident if u.name in device.resident]
@@ -274,6 +279,8 @@ class Plan:
         if device is None:
             lines.append(f"  KV cache: {format_bytes(self.kv_bytes)} reserved"
                          + (f" (batch {batch} x {tokens} tokens)" if batch else " (none yet: reserved per generate call)"))
+        if self.kv_quantization:
+            lines.append(f"  KV cache quantized: keys and values stored as {self.kv_quantization}, in memory and on NVMe")
         kv = self.kv
         if kv is not None and kv.nvme_layers:
             lines.append(f"  KV on NVMe: {format_bytes(kv.nvme_bytes)} for {len(kv.nvme_layers)} of {kv.layers} layers "
@@ -345,14 +352,16 @@ def _spread_order(count: int) -> list[int]:
 
 def make_plan(units: Sequence[UnitSize], *, budget: int | None, buffer_count: int, buffer_nbytes: int | None = None,
               kv_bytes: int = 0, kv_shape: tuple[int, int] = (0, 0), disk_bps: float | None = None,
-              disk_source: str = "") -> Plan:
+              disk_source: str = "", budget_source: str = "", kv_what: str = "") -> Plan:
     """Place ``units`` (in forward order) within ``budget`` bytes (None: everything resident, device "cpu";
     0: every streamable unit streamed, the others and the KV cache resident whatever they take, as
     DeepSpeed configs use ``max_in_cpu`` 0 for "everything on NVMe").
 
     The units that are not streamable and ``kv_bytes`` of KV cache come first; then streamable units,
     largest first (ties spread evenly through the forward), while they fit. ``buffer_nbytes`` is the
-    user's buffer size in bytes (None: the largest streamed unit's).
+    user's buffer size in bytes (None: the largest streamed unit's). ``budget_source`` says how an "auto"
+    budget was found (`offload.device.auto_budget`); the plan and its errors print it. ``kv_what`` names
+    what the ``kv_bytes`` are in the errors when they are not the cache itself (its ring, the cache on NVMe).
 
     Raises BudgetError naming the figures when the budget cannot hold the units that must stay plus
     the KV cache, or when ``buffer_nbytes`` cannot hold a streamed unit.
@@ -366,7 +375,16 @@ def make_plan(units: Sequence[UnitSize], *, budget: int | None, buffer_count: in
     if budget == 0:
         return _streaming_all(units, required, kv_bytes, kv_shape, buffer_count, buffer_nbytes, disk_bps, disk_source)
     if must > budget:
-        kv = f" plus a KV cache of {format_bytes(kv_bytes)} for batch {kv_shape[0]} x {kv_shape[1]} tokens" if kv_bytes else ""
+        kv = "" if not kv_bytes else (
+            f" plus {format_bytes(kv_bytes)} for batch {kv_shape[0]} x {kv_shape[1]} tokens: {kv_what}" if kv_what
+            else f" plus a KV cache of {format_bytes(kv_bytes)} for batch {kv_shape[0]} x {kv_shape[1]} tokens")
+        if budget_source:
+            raise BudgetError(
+                f"zero_optimization.offload_param.max_in_cpu: the budget of {format_bytes(budget)} = {budget_source} "
+                f"cannot hold the weights that must stay in memory ({format_bytes(must - kv_bytes)}: {_names(required)})"
+                f"{kv}; this host needs {format_bytes(must - budget, up=True)} more available memory: free memory (or "
+                f"raise the cgroup's limit), " + ("lower the batch size or the number of tokens, " if kv_bytes else "")
+                + "or run on a larger host")
         raise BudgetError(
             f"zero_optimization.offload_param.max_in_cpu: the budget of {format_bytes(budget)} cannot hold the weights "
             f"that must stay in memory ({format_bytes(must - kv_bytes)}: {_names(required)}){kv}; raise max_in_cpu to at "
@@ -381,7 +399,8 @@ def make_plan(units: Sequence[UnitSize], *, budget: int | None, buffer_count: in
             resident.add(unit.name)
             room -= unit.nbytes
     need = _ring_buffer_nbytes(units, resident, buffer_nbytes)
-    return Plan(tuple(units), frozenset(resident), budget, kv_bytes, kv_shape, buffer_count, need, disk_bps, disk_source)
+    return Plan(tuple(units), frozenset(resident), budget, kv_bytes, kv_shape, buffer_count, need, disk_bps, disk_source,
+                budget_source=budget_source)
 
 
 def _streaming_all(units: Sequence[UnitSize], required: Sequence[UnitSize], kv_bytes: int, kv_shape: tuple[int, int],

@@ -23,49 +23,85 @@ Importing this module imports Accelerate.
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any, Mapping
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper
+from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper, DummyOptim, DummyScheduler
 from torch import nn
 
-from offload.integrations.config import trainer_config
+from offload.integrations.config import (AutoSources, check_keywords, optimizer_hyperparameters, read_argument,
+                                       trainer_config)
 from offload.integrations.schedulers import rebind_scheduler
 from offload.train.engine import Engine, initialize
 
 __all__ = ["OffloadAccelerator"]
+
+_ACCELERATOR_KEYWORDS = {name for name, p in inspect.signature(Accelerator.__init__).parameters.items()
+                         if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and name != "self"}
+
+ACCELERATE_CLIPPING = 1.0
+"""What Accelerate's DeepSpeed integration writes for gradient_clipping "auto" (``_prepare_deepspeed``)."""
+
+_ADAMW_DEFAULTS = {"betas": (0.9, 0.999), "eps": 1e-8}
+"""torch's AdamW defaults, for a DummyOptim that does not give them (DeepSpeed's optimizer is AdamW)."""
+
+_SOURCES = AutoSources(
+    hints={"micro_batch_size": "prepare a DataLoader with a batch_size together with the model",
+           "gradient_accumulation_steps": "set OffloadAccelerator(gradient_accumulation_steps=...)",
+           "fp16": "set OffloadAccelerator(mixed_precision=...)", "bf16": "set OffloadAccelerator(mixed_precision=...)",
+           **{name: f"prepare an optimizer (or accelerate.utils.DummyOptim) with {name} together with the model"
+              for name in ("lr", "betas", "eps", "weight_decay")},
+           "warmup_steps": "prepare accelerate.utils.DummyScheduler(optimizer, warmup_num_steps=...)",
+           "total_steps": "prepare accelerate.utils.DummyScheduler(optimizer, total_num_steps=...)",
+           "hidden_size": "use a model with config.hidden_size"},
+    names={"micro_batch_size": "the DataLoader's batch_size",
+           "gradient_accumulation_steps": "OffloadAccelerator(gradient_accumulation_steps={})",
+           "max_grad_norm": "Accelerate's DeepSpeed default", "fp16": "OffloadAccelerator(mixed_precision) fp16",
+           "bf16": "OffloadAccelerator(mixed_precision) bf16",
+           **{name: f"the prepared optimizer's {name}" for name in ("lr", "betas", "eps", "weight_decay")}})
+"""Each "auto" value's source in Accelerate's terms, for the messages."""
 
 
 class OffloadAccelerator(Accelerator):
     """An ``accelerate.Accelerator`` whose prepared model trains on the stage-3 engine.
 
     Args:
-        offload_config: the DeepSpeed-format config (dict or JSON path); "auto" values are filled from
-            the prepared data loader's batch size and ``gradient_accumulation_steps``. Clipping is the
-            config's ``gradient_clipping`` (the engine clips inside ``backward()``'s step).
+        offload_config: the DeepSpeed-format config (dict or JSON path); "auto" values are filled as
+            Accelerate's DeepSpeed integration fills them: the prepared data loader's batch size,
+            ``gradient_accumulation_steps``, ``mixed_precision`` (fp16 / bf16 "enabled"), gradient_clipping
+            1.0, the prepared optimizer's (or ``DummyOptim``'s) lr / betas / eps / weight decay, and a
+            ``DummyScheduler``'s warm-up and total steps (warm-up 0 without one). Clipping is the config's
+            ``gradient_clipping`` (the engine clips inside ``backward()``'s step).
         everything else: as for ``accelerate.Accelerator``.
 
-    Raises ValueError when ``offload_config`` is missing.
+    Raises TypeError for a keyword argument Accelerator does not take (naming the closest), ValueError
+    or OSError naming ``offload_config`` when it is missing, cannot be read or holds a bad value.
     """
 
     def __init__(self, *args: Any, offload_config: Mapping[str, Any] | str | os.PathLike | None = None,
                  **kwargs: Any) -> None:
+        check_keywords("OffloadAccelerator", kwargs, _ACCELERATOR_KEYWORDS | {"offload_config"})
         if offload_config is None:
-            raise ValueError("offload_config: missing; pass the DeepSpeed-format config (dict or JSON path)")
+            raise ValueError("OffloadAccelerator(offload_config=None): missing; pass the DeepSpeed-format config "
+                             "(dict or JSON path)")
+        config = read_argument("OffloadAccelerator(offload_config=...)", offload_config)
         super().__init__(*args, **kwargs)
-        self.offload_config = offload_config
+        self.offload_config = config
         self.engine: Engine | None = None
 
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
-        """Prepare as Accelerate does; the model (one) and its optimizer (one, optional) go to the engine,
-        a scheduler is moved onto the engine's optimizer and stepped by the engine. Returns the objects
-        in the order given: the engine for the model, Accelerate's DeepSpeed wrappers for the others."""
+        """Prepare as Accelerate does; the model (one) and its optimizer (one, optional; or Accelerate's
+        ``DummyOptim`` for the config's optimizer) go to the engine, a scheduler is moved onto the engine's
+        optimizer and stepped by the engine (a ``DummyScheduler`` stands for the config's scheduler).
+        Returns the objects in the order given: the engine for the model, Accelerate's DeepSpeed wrappers
+        for the others. "auto" values are filled from these objects and the accelerator's settings."""
         models = [a for a in args if isinstance(a, nn.Module)]
-        optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
-        schedulers = [a for a in args if hasattr(a, "step") and hasattr(a, "optimizer")
-                      and not isinstance(a, torch.optim.Optimizer)]
+        optimizers = [a for a in args if isinstance(a, (torch.optim.Optimizer, DummyOptim))]
+        schedulers = [a for a in args if isinstance(a, DummyScheduler) or (
+            hasattr(a, "step") and hasattr(a, "optimizer") and not isinstance(a, torch.optim.Optimizer))]
         loaders = [a for a in args if isinstance(a, torch.utils.data.DataLoader)]
         if len(models) > 1 or len(optimizers) > 1 or len(schedulers) > 1:
             raise ValueError("prepare: one model, one optimizer and one scheduler at most with OffloadAccelerator")
@@ -73,11 +109,24 @@ class OffloadAccelerator(Accelerator):
             raise ValueError("prepare: the model is already on the engine; prepare it once")
         prepared: dict[int, Any] = {id(a): super(OffloadAccelerator, self).prepare(a) for a in loaders}
         if models:
-            micro = loaders[0].batch_size if loaders and loaders[0].batch_size else 1
-            config = trainer_config(self.offload_config, model=models[0], micro_batch_size=micro,
-                                    gradient_accumulation_steps=self.gradient_accumulation_steps, max_grad_norm=None)
-            client = optimizers[0] if optimizers and "optimizer" not in config else None
-            engine, optimizer, _, scheduler = initialize(model=models[0], optimizer=client, config=config)
+            optimizer_in = optimizers[0] if optimizers else None
+            schedule_in = schedulers[0] if schedulers else None
+            config = self._config(models[0], loaders, optimizer_in, schedule_in)
+            groups = client = None
+            if "optimizer" in config:  # the config's hyperparameters, the prepared optimizer's groups
+                if isinstance(optimizer_in, torch.optim.Optimizer):
+                    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} if "weight_decay" in g
+                              else {"params": g["params"]} for g in optimizer_in.param_groups]
+            elif isinstance(optimizer_in, DummyOptim):
+                raise ValueError("prepare(DummyOptim): offload_config has no optimizer section for it to stand for; "
+                                 "add one or prepare a torch optimizer")
+            else:
+                client = optimizer_in
+            if isinstance(schedule_in, DummyScheduler) and "scheduler" not in config:
+                raise ValueError("prepare(DummyScheduler): offload_config has no scheduler section for it to stand "
+                                 "for; add one or prepare a torch scheduler")
+            engine, optimizer, _, scheduler = initialize(model=models[0], optimizer=client, model_parameters=groups,
+                                                         config=config)
             self.engine = engine
             prepared[id(models[0])] = engine
             wrapped = DeepSpeedOptimizerWrapper(optimizer)
@@ -92,6 +141,27 @@ class OffloadAccelerator(Accelerator):
                 prepared[id(schedulers[0])] = DeepSpeedSchedulerWrapper(scheduler, wrapped)
         out = tuple(prepared.get(id(a), a) for a in args)
         return out[0] if len(out) == 1 else out
+
+    def _config(self, model: nn.Module, loaders: list[Any], optimizer: Any, scheduler: Any) -> dict[str, Any]:
+        """The config with its "auto" values filled as Accelerate's DeepSpeed integration fills them: the
+        loader's batch size, the accumulation steps, mixed_precision, clipping 1.0, the optimizer's (or
+        DummyOptim's) hyperparameters, DummyScheduler's steps (warm-up 0 by default, as DummyScheduler's)."""
+        micro = loaders[0].batch_size if loaders and loaders[0].batch_size else 1
+        hyper = optimizer_hyperparameters(optimizer)
+        if isinstance(optimizer, DummyOptim):
+            hyper = {**_ADAMW_DEFAULTS, **hyper}
+        config = dict(self.offload_config)
+        if config.get("gradient_clipping") == "auto":
+            config["gradient_clipping"] = ACCELERATE_CLIPPING
+        precision = str(getattr(self.mixed_precision, "value", self.mixed_precision))
+        dummy = scheduler if isinstance(scheduler, DummyScheduler) else None
+        return trainer_config(config, model=model, micro_batch_size=micro,
+                              gradient_accumulation_steps=self.gradient_accumulation_steps, max_grad_norm=None,
+                              fp16=precision == "fp16", bf16=precision == "bf16",
+                              warmup_steps=dummy.warmup_num_steps if dummy is not None else 0,
+                              total_steps=dummy.total_num_steps if dummy is not None else None,
+                              auto_only=("lr", "betas", "eps", "weight_decay", "warmup_steps", "total_steps",
+                                         "fp16", "bf16"), sources=_SOURCES, **hyper)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """The engine's backward (divided by the accumulation steps there) and, on a sync step, its step."""

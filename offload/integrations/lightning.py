@@ -15,6 +15,7 @@ Importing this module imports Lightning.
 
 from __future__ import annotations
 
+import inspect
 import os
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Mapping
@@ -28,12 +29,33 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import nn
 
-from offload.config.parse import read_config
-from offload.integrations.config import trainer_config
+from offload.integrations.config import (AutoSources, check_keywords, optimizer_hyperparameters, read_argument,
+                                       trainer_config)
 from offload.integrations.schedulers import rebind_scheduler
 from offload.train.engine import Engine, initialize
 
 __all__ = ["OffloadPrecision", "OffloadStrategy"]
+
+_DEVICES = ("none", "cpu", "nvme")
+_DDP_KEYWORDS = {name for name, p in inspect.signature(DDPStrategy.__init__).parameters.items()
+                 if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and name != "self"}
+"""What DDPStrategy takes by name; its ``**kwargs`` go to DistributedDataParallel, which never runs here."""
+
+_SOURCES = AutoSources(
+    hints={"micro_batch_size": "give the Trainer a train DataLoader with a batch_size",
+           "gradient_accumulation_steps": "set Trainer(accumulate_grad_batches=...)",
+           "max_grad_norm": "set Trainer(gradient_clip_val=...)",
+           "fp16": "set Trainer(precision=...)", "bf16": "set Trainer(precision=...)",
+           **{name: f"return an optimizer with {name} from configure_optimizers"
+              for name in ("lr", "betas", "eps", "weight_decay")},
+           "total_steps": "set Trainer(max_steps=...) or max_epochs",
+           "hidden_size": "the model has no config.hidden_size to size it from"},
+    names={"micro_batch_size": "the train DataLoader's batch_size",
+           "gradient_accumulation_steps": "Trainer(accumulate_grad_batches={})",
+           "max_grad_norm": "Trainer(gradient_clip_val={})", "fp16": "Trainer(precision) fp16",
+           "bf16": "Trainer(precision) bf16", "total_steps": "Trainer's estimated_stepping_batches",
+           **{name: f"configure_optimizers' {name}" for name in ("lr", "betas", "eps", "weight_decay")}})
+"""Each "auto" value's source in Lightning's terms, for the messages."""
 
 _PRECISIONS = {"32-true": None, "32": None, "bf16-true": "bf16", "bf16-mixed": "bf16", "16-true": "fp16",
                "16-mixed": "fp16"}
@@ -77,31 +99,53 @@ class OffloadStrategy(DDPStrategy):
     ranks, in memory or on NVMe.
 
     Args:
-        config: a DeepSpeed-format config (dict or JSON path); "auto" values are filled from the Trainer
-            (``accumulate_grad_batches``, ``gradient_clip_val``, precision). None: built from the others.
+        config: a DeepSpeed-format config (dict or JSON path); "auto" values are filled from Lightning's
+            settings (the loader's batch size, ``accumulate_grad_batches``, ``gradient_clip_val``, precision,
+            ``configure_optimizers``' hyperparameters; docs/lightning.md). None: built from the others.
         offload_params, offload_optimizer: "none", "cpu" or "nvme" (without ``config``).
         nvme_path: the swap directory with "nvme" (default ``./offload_nvme``, created).
 
-    Raises ValueError for a config that disagrees with the Trainer (naming the key), several optimizers,
-    clipping by value, or an unsupported precision.
+    Raises, when constructed: TypeError for an unknown keyword (naming the closest), ValueError naming
+    the argument for a bad device, an nvme_path without NVMe, config together with the keywords, or a
+    config that cannot be read or holds a bad value. When fitting: ValueError for a config that disagrees
+    with the Trainer (naming the key), several optimizers, clipping by value, or an unsupported precision.
     """
 
     strategy_name = "offload"
 
     def __init__(self, config: Mapping[str, Any] | str | os.PathLike | None = None, *,
-                 offload_params: str = "none", offload_optimizer: str = "none", nvme_path: str | None = None,
-                 precision_plugin: Precision | None = None, **kwargs: Any) -> None:
-        super().__init__(precision_plugin=precision_plugin, **kwargs)
-        if config is None:
-            path = nvme_path or os.path.join(os.getcwd(), "offload_nvme")
-            config = {"zero_optimization": {
+                 offload_params: str | None = None, offload_optimizer: str | None = None,
+                 nvme_path: str | os.PathLike | None = None, precision_plugin: Precision | None = None,
+                 **kwargs: Any) -> None:
+        check_keywords("OffloadStrategy", kwargs, _DDP_KEYWORDS | {"config", "offload_params", "offload_optimizer",
+                                                                   "nvme_path", "precision_plugin"})
+        for name, value in (("offload_params", offload_params), ("offload_optimizer", offload_optimizer)):
+            if value is not None and value not in _DEVICES:
+                raise ValueError(f"OffloadStrategy({name}={value!r}): not a device; use one of "
+                                 f"{', '.join(map(repr, _DEVICES))}")
+        if nvme_path is not None and not isinstance(nvme_path, (str, os.PathLike)):
+            raise ValueError(f"OffloadStrategy(nvme_path={nvme_path!r}): expected a directory path (str)")
+        if config is not None:
+            given = [n for n, v in (("offload_params", offload_params), ("offload_optimizer", offload_optimizer),
+                                    ("nvme_path", nvme_path)) if v is not None]
+            if given:
+                raise ValueError(f"OffloadStrategy(config=..., {given[0]}=...): the config's zero_optimization says "
+                                 f"where things go; pass either config or {', '.join(given)}, not both")
+            self.config = read_argument("OffloadStrategy(config=...)", config)
+        else:
+            offload_params, offload_optimizer = offload_params or "none", offload_optimizer or "none"
+            if nvme_path is not None and "nvme" not in (offload_params, offload_optimizer):
+                raise ValueError(f"OffloadStrategy(nvme_path={os.fspath(nvme_path)!r}): nothing goes to NVMe; add "
+                                 f"offload_params=\"nvme\" and/or offload_optimizer=\"nvme\", or leave nvme_path out")
+            path = os.fspath(nvme_path) if nvme_path is not None else os.path.join(os.getcwd(), "offload_nvme")
+            self.config = {"zero_optimization": {
                 "stage": 3,
                 "offload_param": {"device": offload_params, **({"nvme_path": path} if offload_params == "nvme" else {})},
                 "offload_optimizer": {"device": offload_optimizer,
                                       **({"nvme_path": path} if offload_optimizer == "nvme" else {})}}}
             if "nvme" in (offload_params, offload_optimizer):
                 os.makedirs(path, exist_ok=True)
-        self.config = read_config(config)
+        super().__init__(precision_plugin=precision_plugin, **kwargs)
         self.engine: Engine | None = None
 
     # ---- setup ------------------------------------------------------------------------------------
@@ -130,12 +174,20 @@ class OffloadStrategy(DDPStrategy):
         if len(optimizers) > 1 or len(schedulers) > 1:
             raise MisconfigurationException("OffloadStrategy supports one optimizer and at most one scheduler")
         dtype = _PRECISIONS[self.precision_plugin.precision]
-        # As Lightning's DeepSpeedStrategy: the micro batch is the loader's business; 1 unless the config says.
-        micro = 1 if self.config.get("train_micro_batch_size_per_gpu", "auto") == "auto" else None
+        hyper = optimizer_hyperparameters(optimizers[0] if optimizers else None)
+        # Lightning counts the steps by loading the train data: only when the schedule asks for them.
+        wants_total = self.config.get("scheduler", {}).get("params", {}).get("total_num_steps") == "auto"
+        total = trainer.estimated_stepping_batches if wants_total else float("inf")
+        # As Lightning's DeepSpeedStrategy: a micro batch the config writes out is kept, else the loader's.
+        written = self.config.get("train_micro_batch_size_per_gpu", "auto")
+        micro = self._loader_batch_size(trainer) if written == "auto" else None
         config = trainer_config(self.config, model=module, micro_batch_size=micro,
                                 gradient_accumulation_steps=trainer.accumulate_grad_batches,
-                                max_grad_norm=trainer.gradient_clip_val or 0.0, fp16=dtype == "fp16" or None,
-                                bf16=dtype == "bf16" or None)
+                                max_grad_norm=trainer.gradient_clip_val or 0.0, fp16=dtype == "fp16",
+                                bf16=dtype == "bf16", warmup_steps=0,
+                                total_steps=int(total) if total != float("inf") else None, sources=_SOURCES,
+                                auto_only=("lr", "betas", "eps", "weight_decay", "warmup_steps", "total_steps",
+                                           "fp16", "bf16"), **hyper)
         client = None if "optimizer" in config else optimizers[0] if optimizers else None
         engine, optimizer, _, engine_scheduler = initialize(model=module, optimizer=client, config=config,
                                                             dist_init_required=False)
@@ -147,6 +199,17 @@ class OffloadStrategy(DDPStrategy):
         elif engine_scheduler is not None:  # the config's schedule, stepped by Lightning as DeepSpeedStrategy does
             engine.lr_scheduler = None
             self.lr_scheduler_configs = [LRSchedulerConfig(engine_scheduler, interval="step")]
+
+    @staticmethod
+    def _loader_batch_size(trainer: Trainer) -> int:
+        """The train loader's batch size, as Lightning's DeepSpeedStrategy reads it (1 when it has none)."""
+        source = trainer.fit_loop._data_source
+        if source.is_defined():
+            loader = source.dataloader()
+            size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+            if isinstance(size, int) and size >= 1:
+                return size
+        return 1
 
     @property
     def handles_gradient_accumulation(self) -> bool:

@@ -27,10 +27,11 @@ STATE_ITEMSIZE = 4
 
 
 def host_memory_bytes() -> int:
-    """This machine's physical memory in bytes (psutil), from which the swap sizes are chosen."""
-    import psutil
+    """The memory this process may ever hold, in bytes, from which the swap sizes are chosen: the
+    machine's physical memory, or a memory cgroup's limit where smaller (`offload.device.host_memory`)."""
+    from offload.device import host_memory
 
-    return psutil.virtual_memory().total
+    return host_memory().total
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -155,7 +155,7 @@ class ParamStore:
     shaped_placeholders: bool = False
     """Released parameters get a zero-stride placeholder of their full shape, one per record (while a
     model is built under `offload.zero.Init`, whose code reads shapes), rather than an empty one."""
-    _placeholders: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    _placeholders: dict[object, torch.Tensor] = field(default_factory=dict)
     _shaped: dict[int, torch.Tensor] = field(default_factory=dict)
     _by_param: dict[int, ParamRecord] = field(default_factory=dict)
     forwards: list[nn.Module] = field(default_factory=list)
@@ -393,9 +393,18 @@ class ParamStore:
         return self._placeholders[dtype]
 
     def placeholder_of(self, rec: ParamRecord) -> torch.Tensor:
-        """What ``rec.param.data`` is while released (see ``shaped_placeholders``)."""
+        """What ``rec.param.data`` is while released (see ``shaped_placeholders``): an empty tensor on the
+        compute device, so that the parameter's device type never changes between its gathers and
+        releases. Autograd replaces a parameter's AccumulateGrad node when ``.data`` changes device type
+        or dtype; a tied parameter released and gathered again between its two uses in a forward would
+        then get two nodes, and two gradients in one backward."""
         if not self.shaped_placeholders:
-            return self.placeholder(rec.param.dtype)
+            if not self.device.separate_memory:
+                return self.placeholder(rec.param.dtype)
+            key = (rec.param.dtype, "device")
+            if key not in self._placeholders:
+                self._placeholders[key] = torch.empty(0, dtype=rec.param.dtype, device=self.device.torch_device)
+            return self._placeholders[key]
         if rec.index not in self._shaped:  # one element of memory, its own storage
             self._shaped[rec.index] = torch.zeros((), dtype=rec.param.dtype).expand(rec.shape)
         return self._shaped[rec.index]

@@ -13,6 +13,7 @@ before it (`assemble`), all or nothing.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import logging
@@ -25,7 +26,8 @@ from torch import nn
 from offload.config import EngineConfig, ZeroConfig, check_against_model, check_nvme_paths
 from offload.device import CpuDevice, Device
 from offload.optim import OffloadAdam
-from offload.params import ParamRecord, ParamStore, Placement, Prefetcher, SwapBudget, build_records
+from offload.params import (ParamRecord, ParamStore, Placement, Prefetcher, SwapBudget, build_records,
+                            partition_numel)
 from offload.params.construct import BUILT, built_store
 from offload.params.placement import attach_accumulator, parameter_names, pin_partition
 from offload.storage import SwapFile
@@ -36,7 +38,7 @@ from offload.train.grads import GradReducer
 from offload.train.kept_buffers import KeptBuffers
 from offload.train.loss_scaler import build_loss_scaler
 from offload.train.rollback import StepRollback
-from offload.train.sizing import StepSizes, plan_sizes
+from offload.train.sizing import StepSizes, auto_max_in_cpu, plan_sizes
 from offload.train.space import check_swap_space, swap_space_needed
 from offload.train.step_after_backward import UpdateAfterBackward
 from offload.train.step_in_backward import UpdateDuringBackward
@@ -77,6 +79,7 @@ def assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int,
     All or nothing: on any error the model's parameters get their original tensors back, and every
     swap file, hook and thread made so far is removed, before the error propagates.
     """
+    cfg, auto_source = _auto_max_in_cpu(cfg, model, world_size)
     zero = cfg.zero_optimization
     check_nvme_paths(cfg)
     _warn_no_effect(zero)
@@ -85,7 +88,7 @@ def assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int,
         undo.callback(_restore, originals)
         engine = _build(model, cfg, undo, world_size=world_size, rank=rank, group=group, optimizer=optimizer,
                         lr_scheduler=lr_scheduler, make_engine=make_engine, model_parameters=model_parameters,
-                        device=device or CpuDevice())
+                        device=device or CpuDevice(), max_in_cpu_source=auto_source)
         undo.pop_all()  # success: nothing to undo
     dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None
     target = (device or CpuDevice()).torch_device
@@ -167,6 +170,25 @@ def _adopt(model: nn.Module, built: ParamStore, cfg: EngineConfig, *, world_size
     return records, built.swap
 
 
+def _auto_max_in_cpu(cfg: EngineConfig, model: nn.Module, world_size: int) -> tuple[EngineConfig, str]:
+    """``cfg`` with ``offload_param.max_in_cpu`` "auto" (device "nvme") resolved to elements from this host's
+    available memory and the model's trainable partitions (`auto_max_in_cpu`), and how; else ``cfg`` and ""."""
+    param = cfg.zero_optimization.offload_param
+    if param.max_in_cpu != "auto":
+        return cfg, ""
+    if param.device != "nvme":
+        elements, how = 0, ""  # max_in_cpu applies to device "nvme" only
+    else:
+        distinct = list({id(p): p for p in model.parameters()}.values())
+        size = _element_size(cfg, distinct[0]) if distinct else 4
+        elements, how = auto_max_in_cpu(cfg, [partition_numel(p.numel(), world_size) for p in distinct
+                                              if p.requires_grad], size)
+        log.info("zero_optimization.offload_param.max_in_cpu \"auto\": %d elements = %s", elements, how)
+    cfg = copy.deepcopy(cfg)
+    cfg.zero_optimization.offload_param.max_in_cpu = elements
+    return cfg, how
+
+
 def _element_size(cfg: EngineConfig, p: nn.Parameter) -> int:
     """Bytes per element ``p`` will be trained in (fp16/bf16 configs cast it)."""
     return 2 if cfg.fp16.enabled or cfg.bf16.enabled else p.element_size()
@@ -179,7 +201,7 @@ def _restore(originals: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
 
 def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, world_size: int, rank: int,
            group: Any, optimizer: Any, lr_scheduler: Any, make_engine: Callable[..., Any],
-           model_parameters: Iterable[Any] | None, device: Device) -> Any:
+           model_parameters: Iterable[Any] | None, device: Device, max_in_cpu_source: str = "") -> Any:
     """`assemble`'s steps; each thing made is registered in ``undo`` for removal on failure."""
     zero = cfg.zero_optimization
     offload_param, offload_opt = zero.offload_param, zero.offload_optimizer
@@ -246,7 +268,8 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
     store.install(model)
     undo.callback(store.remove_hooks)
     engine = make_engine(model, ctx, path, world_size=world_size, rank=rank)
-    engine.plan = training_plan(cfg, records, mode.value, world_size=world_size, rank=rank)
+    engine.plan = training_plan(cfg, records, mode.value, world_size=world_size, rank=rank,
+                                max_in_cpu_source=max_in_cpu_source)
     return engine
 
 

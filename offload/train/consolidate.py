@@ -180,8 +180,8 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
                         {"metadata": {"total_size": total}, "weight_map": weight_map})
         config = reader.model_config()
         if config is not None:
-            if dtype != torch.float32:
-                config["torch_dtype"] = str(dtype).removeprefix("torch.")
+            # transformers reads "dtype" (older versions "torch_dtype"): both say what the weights are
+            config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")
             write_json(os.path.join(output_dir, "config.json"), config)
     fsync_dir(output_dir)
 

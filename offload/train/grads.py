@@ -4,10 +4,17 @@ record: in memory, or, when the optimizer state is on NVMe, in a gradient swap f
 not grow with the model), or in the free slot of the partition's own `SlotPair`.
 
 Per parameter and backward, in order:
-1. AccumulateGrad's pre-hook: if the parameter was released, give it a full-shaped zero-stride
-   stand-in so that autograd's shape check passes (no memory is allocated for it);
-2. the post-accumulate-grad hook: take ``param.grad`` (autograd has summed every use of a tied
-   parameter into it), clear it, reduce it to this rank's partition and accumulate it.
+1. the parameter's gradient hook (``param.register_hook``: autograd has summed every use of a tied
+   parameter into the gradient it gets): if the parameter was released, give it a full-shaped
+   zero-stride stand-in on the gradient's device, so that autograd's accumulation sees a parameter of
+   the gradient's shape (one element of memory) rather than the empty placeholder;
+2. the post-accumulate-grad hook: take ``param.grad``, clear it, put the placeholder back, reduce the
+   gradient to this rank's partition and accumulate it.
+
+Both hooks are the parameter's own, never hooks on its AccumulateGrad node: autograd replaces that node
+whenever ``param.data`` changes device type or dtype (a gathered GPU tensor, then the host placeholder
+again), and a hook on the old node would no longer run (on a GPU, the accumulation then met the empty
+placeholder: "The size of tensor a (0) must match the size of tensor b (N)"; docs/device.md).
 """
 
 from __future__ import annotations
@@ -95,7 +102,7 @@ class GradReducer:
             if swap is not None and not self._in_param_slot(rec):
                 self.grads[rec.index].offset = swap.allocate(rec.partition_numel * 4)
             before, after = functools.partial(self._before_accumulate, rec), functools.partial(self._after_accumulate, rec)
-            self._hooks.append(rec.accumulator.register_prehook(before))
+            self._hooks.append(rec.param.register_hook(before))
             self._hooks.append(rec.param.register_post_accumulate_grad_hook(after))
 
     @property
@@ -103,14 +110,14 @@ class GradReducer:
         """Whether gradients are all-reduced in buckets (more than one rank: over gloo, or on the device)."""
         return self._buckets is not None or (self.device_buckets is not None and self.world_size > 1)
 
-    def _before_accumulate(self, rec: ParamRecord, grads: tuple) -> None:
+    def _before_accumulate(self, rec: ParamRecord, grad: torch.Tensor) -> None:
         if rec.full is None:  # released: a stand-in of the full shape, zero strides, one element
-            rec.param.data = torch.zeros((), dtype=rec.param.dtype, device=self.device.torch_device).expand(rec.shape)
+            rec.param.data = torch.zeros((), dtype=rec.param.dtype, device=grad.device).expand(rec.shape)
 
     def _after_accumulate(self, rec: ParamRecord, param: torch.Tensor) -> None:
         grad, param.grad = param.grad, None
         if rec.full is None:
-            param.data = self.store.placeholder(param.dtype)
+            param.data = self.store.placeholder_of(rec)
         self.reduce(rec, grad)
 
     def reduce(self, rec: ParamRecord, grad: torch.Tensor) -> None:

@@ -45,6 +45,8 @@ class TrainingPlan:
     update: str
     """Where the update runs: "during backward", "in the next forward" or "after backward" (docs/engine.md,
     "Where the update runs")."""
+    max_in_cpu_source: str = ""
+    """How a ``max_in_cpu`` "auto" was found (`offload.train.sizing.auto_max_in_cpu`); "" for a number."""
 
     @property
     def kept_by_max_in_cpu(self) -> bool:
@@ -60,7 +62,9 @@ class TrainingPlan:
                  f"  parameters (offload_param.device {self.param_device!r}):",
                  f"    on NVMe:   {share(self.on_disk)}",
                  f"    in memory: {share(self.in_memory)}"
-                 + (f" (max_in_cpu {self.max_in_cpu:,} elements)" if self.param_device == "nvme" else ""),
+                 + (f" (max_in_cpu {self.max_in_cpu:,} elements)" if self.param_device == "nvme" else "")
+                 + (f"\n      max_in_cpu {self.max_in_cpu:,} elements = {self.max_in_cpu_source}"
+                    if self.max_in_cpu_source else ""),
                  f"    whole on every rank (persistence threshold): {share(self.persistent)}"]
         on_nvme = round(self.optimizer_state_bytes * self.optimizer_on_nvme)
         lines.append(f"  optimizer state (offload_optimizer.device {self.optimizer_device!r}): "
@@ -73,9 +77,10 @@ class TrainingPlan:
 
 
 def training_plan(cfg: EngineConfig, records: Sequence[ParamRecord], update: str, *, world_size: int,
-                  rank: int) -> TrainingPlan:
-    """The plan of an engine built from ``cfg`` with ``records``; ``update`` is where the update runs.
-    Logs a warning (once, here) when ``max_in_cpu`` keeps in memory partitions the config put on NVMe."""
+                  rank: int, max_in_cpu_source: str = "") -> TrainingPlan:
+    """The plan of an engine built from ``cfg`` with ``records``; ``update`` is where the update runs;
+    ``max_in_cpu_source`` how a ``max_in_cpu`` "auto" was found. Logs a warning (once, here) when a
+    number given as ``max_in_cpu`` keeps in memory partitions the config put on NVMe."""
     zero = cfg.zero_optimization
     persistent, in_memory, on_disk = [0, 0], [0, 0], [0, 0]
     state_bytes = 0
@@ -92,8 +97,9 @@ def training_plan(cfg: EngineConfig, records: Sequence[ParamRecord], update: str
                         max_in_cpu=zero.offload_param.max_in_cpu, persistent=tuple(persistent),
                         in_memory=tuple(in_memory), on_disk=tuple(on_disk), optimizer_device=optimizer.device,
                         optimizer_state_bytes=state_bytes,
-                        optimizer_on_nvme=optimizer.ratio if optimizer.device == "nvme" else 0.0, update=update)
-    if plan.kept_by_max_in_cpu and rank == 0:
+                        optimizer_on_nvme=optimizer.ratio if optimizer.device == "nvme" else 0.0, update=update,
+                        max_in_cpu_source=max_in_cpu_source)
+    if plan.kept_by_max_in_cpu and rank == 0 and not max_in_cpu_source:
         log.warning("zero_optimization.offload_param.device is \"nvme\", but max_in_cpu (%s elements) keeps %d of "
                     "%d partitions (%s) in memory and puts %d (%s) on NVMe; set max_in_cpu to 0 to put every "
                     "partition on NVMe (print(engine.plan) shows the placement)", f"{plan.max_in_cpu:,}",

@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass
 
 from offload.config import EngineConfig
+from offload.device import HostMemory, auto_budget, host_memory
 from offload.optim.subgroups import choose_buffer_count, choose_sub_group_size, host_memory_bytes
 from offload.params import ParamRecord, SwapBudget
 from offload.train.update_mode import UpdateMode
@@ -137,3 +138,36 @@ def swap_sizes(cfg: EngineConfig, partition_numels: list[int], *, overlap: bool)
                 "using %d (buffers at most 1/%d of this host's memory); set sub_group_size to choose",
                 size, count, count * min(size, sum(partition_numels)) * 12 / 1e9, bounded, _SWAP_BUFFER_SHARE)
     return bounded, count
+
+
+def auto_max_in_cpu(cfg: EngineConfig, partition_numels: list[int] | None, element_size: int,
+                    memory: HostMemory | None = None) -> tuple[int, str]:
+    """``offload_param.max_in_cpu`` "auto": (elements, how they were found). The host memory available now
+    (`offload.device.host_memory`: MemAvailable, or the cgroup's room) less the memory bound's other terms
+    (docs/engine.md, "Memory bound"), each at the most this engine lets it take: the parameter swap budget
+    (offload_param.buffer_count x buffer_size), the kept fp32 gradients (at most 1/4 of host memory), the
+    I/O buffer pool (1/16), the read-ahead windows (16 bytes per window element, at most 1/16), the
+    optimizer's swap buffers (at most 1/16) or its state where it is in memory, less `auto_budget`'s
+    margin; in partition elements of ``element_size`` bytes. ``partition_numels`` are this rank's
+    trainable partitions (None while the model is being built: the shares at their most)."""
+    memory = memory or host_memory()
+    host, zero = memory.total, cfg.zero_optimization
+    param, opt = zero.offload_param, zero.offload_optimizer
+    numel = None if partition_numels is None else sum(partition_numels)
+    window = min(param.buffer_count * param.buffer_size, host // (_WINDOW_SHARE * 4))
+    state = None if numel is None else numel * (8 if element_size == 4 else 12)
+    reserved = {
+        "parameter swap budget": param.buffer_count * param.buffer_size * element_size,
+        f"kept gradients (at most 1/{_GRADS_SHARE})": host // _GRADS_SHARE if numel is None else min(
+            4 * numel, host // _GRADS_SHARE),
+        f"I/O buffer pool (1/{_POOL_SHARE})": host // _POOL_SHARE,
+        "read-ahead windows": 16 * window,
+    }
+    if opt.device == "nvme":
+        buffers = host // _SWAP_BUFFER_SHARE if state is None else min(state, host // _SWAP_BUFFER_SHARE)
+        reserved[f"optimizer swap buffers (at most 1/{_SWAP_BUFFER_SHARE})"] = buffers
+        reserved["optimizer state in memory"] = 0 if state is None else int(state * (1 - opt.ratio))
+    elif state is not None:
+        reserved["optimizer state in memory"] = state
+    nbytes, how = auto_budget(memory, reserved)
+    return nbytes // element_size, how

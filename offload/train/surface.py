@@ -254,7 +254,7 @@ def refuse_backward_outside(engine: Any) -> None:
     later call would fail with "a step is under way"). Raised at the first gradient, before any is taken."""
     ref = weakref.ref(engine)
 
-    def check(grad_outputs: Any) -> None:
+    def check(grad: torch.Tensor) -> None:
         live = ref()
         if live is not None and not live._calls:
             live._store.end_backward()  # what the backward gathered before reaching this gradient
@@ -263,8 +263,8 @@ def refuse_backward_outside(engine: Any) -> None:
                                "to their partitions and runs or hands over the update, then engine.step()")
 
     for rec in engine.records:
-        if rec.accumulator is not None:
-            rec.accumulator.register_prehook(check)
+        if rec.accumulator is not None:  # the parameter's own hook: autograd may replace its AccumulateGrad node
+            rec.param.register_hook(check)
 
 
 def refuse_optimizer_step_outside(engine: Any) -> None:

@@ -1,0 +1,42 @@
+"""benchmarks/_cgroup.py and _peers.py: a memory cgroup limits a child's memory, page cache included; where
+none can be made the reason is given (and the runs are labelled), not an error."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks._cgroup import UNBOUNDED, MemoryCgroup
+from benchmarks._peers import PeerRunner, memory_note
+
+
+def test_without_a_memory_hierarchy_the_reason_is_given(tmp_path):
+    reason = MemoryCgroup.create("x", root=tmp_path, proc=tmp_path)
+    assert isinstance(reason, str) and "no memory cgroup hierarchy" in reason
+
+
+def test_a_runner_without_cgroups_says_so_once_and_labels_every_run(capsys):
+    runner = PeerRunner(lambda payload, group: {"kind": payload["kind"], "group": group}, use_cgroups=False)
+    first = runner.run({"kind": "accelerate-auto"}, 1 << 30, "equal")
+    assert first["group"] is None and first["memory_label"] == UNBOUNDED and memory_note(first) == UNBOUNDED
+    assert runner.overhead({"kind": "ours"}) is None
+    assert capsys.readouterr().out.count("memory cgroups: not used (--no-cgroups was given)") == 1
+
+
+@pytest.mark.subprocess
+def test_a_child_over_its_cgroups_limit_is_stopped_and_counted():
+    group = MemoryCgroup.create("offload-test")
+    if isinstance(group, str):
+        pytest.skip(f"no memory cgroup here: {group}")
+    try:
+        group.set_limit(256 << 20)
+        fits = subprocess.run([sys.executable, "-c", "b = bytearray(64 << 20)"], preexec_fn=group.enter)
+        assert fits.returncode == 0 and group.peak() >= 64 << 20
+        over = subprocess.run([sys.executable, "-c", "b = bytearray(512 << 20)"], preexec_fn=group.enter)
+        assert over.returncode == -9 and group.oom_kills() >= 1 and group.limit_hits() > 0
+    finally:
+        group.close()
+    assert not os.path.exists(group.path)
