@@ -23,7 +23,7 @@ from test_infer_generate import PAD, build_model, prompts, save_checkpoint, scra
 from offload.infer import InferenceConfig, init_inference
 from offload.infer.cli import main
 from offload.infer.config import WeightQuantization
-from offload.infer.quantize import QuantLinear, quantize_weight
+from offload.infer.weights.quantize import QuantLinear, quantize_weight
 from tensorio.testing import flip_bit
 
 SPECS = [WeightQuantization(num_bits=8), WeightQuantization(num_bits=8, symmetric=False),

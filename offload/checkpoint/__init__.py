@@ -15,7 +15,7 @@ or its largest tensor), with a progress bar. User errors end in one line; ``--de
 
 The Python functions, with DeepSpeed's names (``deepspeed.utils.zero_to_fp32``), are here too:
 ``get_fp32_state_dict_from_zero_checkpoint``, ``convert_zero_checkpoint_to_fp32_state_dict``,
-``load_state_dict_from_zero_checkpoint`` (see `offload.train.consolidate`).
+``load_state_dict_from_zero_checkpoint`` (see `offload.train.checkpoint.consolidate`).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import sys
 
 from offload.cli_errors import add_debug_flag, run_command
 from offload.storage import resolve_tag
-from offload.train.checkpoint_verify import verify_checkpoint
-from offload.train.consolidate import (DTYPES, convert_zero_checkpoint_to_fp32_state_dict,
-                                       get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint,
-                                       parse_size)
+from offload.train.checkpoint.consolidate import (DTYPES, convert_zero_checkpoint_to_fp32_state_dict,
+                                                  get_fp32_state_dict_from_zero_checkpoint,
+                                                  load_state_dict_from_zero_checkpoint, parse_size)
+from offload.train.checkpoint.verify import verify_checkpoint
 
 __all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint",
            "load_state_dict_from_zero_checkpoint", "main", "verify_checkpoint"]

@@ -77,7 +77,7 @@ class SlottedRegion:
     """The slot pairs of one swap file and the step's commit rule over all of them (module docstring).
 
     Not thread-safe by itself: a step stages from one thread at a time, and commits or rolls back once its
-    writes are done (the caller orders these; see `offload.train.rollback`)."""
+    writes are done (the caller orders these; see `offload.train.step.rollback`)."""
 
     def __init__(self, file: SwapFile, pairs: list[SlotPair] | None = None) -> None:
         self.file = file

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from offload.params import ParamRecord
-from offload.train.failure import checksum_error_in
+from offload.train.step.failure import checksum_error_in
 
 __all__ = ["check_distributed_arguments", "check_load_arguments", "config_from_arguments", "consolidated_state_dict",
            "engine_call", "guard_misuse", "in_optimizer_order", "optimizer_param_groups", "refuse_backward_outside",
