@@ -29,8 +29,10 @@ from .validate import validate_directory
 def parser() -> argparse.ArgumentParser:
     """The demo's arguments; its name is ``TENSORIO_DEMO_PROG`` ("./run demo" from ./run), else
     "python -m bench.demo"."""
-    parser = argparse.ArgumentParser(prog=os.environ.get("TENSORIO_DEMO_PROG", "python -m bench.demo"), description="tensorio demo: validate a disk, write and read a tensor "
-                                                              "beside fio, then a quick sweep of the aio settings")
+    parser = argparse.ArgumentParser(
+        prog=os.environ.get("TENSORIO_DEMO_PROG", "python -m bench.demo"),
+        description="tensorio demo: validate a disk, write and read a tensor beside fio, then a quick sweep of the aio "
+                    "settings")
     parser.add_argument("--dir", default=".", help="directory on the disk to use (default: .)")
     parser.add_argument("--size", type=cli._size, default="1G", help="tensor size (default 1G)")
     parser.add_argument("--out-dir", default="results/demo", help="where the sweep's results go")
