@@ -253,7 +253,11 @@ class ParamStore:
             self.demand_reads += 1
         self._prefetch()
         if rec.read is not None:
-            rec.read.result()
+            try:
+                rec.read.result()
+            except BaseException:
+                self.drop_buffer(rec)  # a failed read is not kept: the next gather reads again
+                raise
         rec.read = None
 
     def start_read(self, rec: ParamRecord) -> None:
@@ -266,7 +270,8 @@ class ParamStore:
             rec.buffer = self.swap.buffer(rec.partition_numel, rec.partition.dtype)
             self.skipped_reads += 1
         else:
-            rec.buffer, rec.read = self.region.read_new(rec.slots, rec.partition_numel, rec.partition.dtype)
+            rec.buffer, rec.read = self.region.read_new(rec.slots, rec.partition_numel, rec.partition.dtype,
+                                                        what=self.describe(rec))
         self.budget.held += rec.partition_numel
 
     def prefetch_from_start(self) -> None:
@@ -368,9 +373,14 @@ class ParamStore:
         """A copy of ``rec``'s partition (read from NVMe when it is there: sync point)."""
         if not rec.on_disk:
             return rec.partition.detach().clone()
-        buffer, future = self.region.read_new(rec.slots, rec.partition_numel, rec.partition.dtype)
+        buffer, future = self.region.read_new(rec.slots, rec.partition_numel, rec.partition.dtype,
+                                              what=self.describe(rec))
         future.result()
         return buffer
+
+    def describe(self, rec: ParamRecord) -> str:
+        """How errors name ``rec``'s partition on disk."""
+        return f"parameter {rec.name!r}, partition of rank {self.rank}"
 
     def write_partition(self, rec: ParamRecord, values: torch.Tensor) -> IOFuture:
         """Start writing ``values`` (``partition_numel`` elements, page-aligned, kept unchanged until the

@@ -10,8 +10,10 @@ the CPU's has a cache of its own (tagged with the layout), so the bytes streamed
 the ones it computes on. Nothing in it executes code:
 safetensors, plus ``quantized.json``, written last, which records what it was made from: the source
 files' names, sizes and modification times, a hash of their headers, the quantization, the compute
-dtype and the int4 packing of this torch and device (``PackedKernels.int4_fingerprint``). A cache whose record matches
-is reused; one that does not (a changed checkpoint, another setting) is written again, and the caches
+dtype and the int4 packing of this torch and device (``PackedKernels.int4_fingerprint``), and the file's
+checksums. A cache whose record matches, and whose file matches its checksums (read whole once when
+reused), is reused; a corrupt one, or one whose record does not match (a changed checkpoint, another
+setting), is written again, and the caches
 of older versions of the same checkpoint with the same settings are removed.
 
 Written unit by unit (memory: one unit's read buffer plus a few copies of its largest tensor in fp32),
@@ -34,7 +36,7 @@ from offload.device import CPU_KERNELS, PackedKernels
 from offload.infer.config import WeightQuantization
 from offload.infer.plan.host import format_bytes
 from offload.infer.stream.unit import Unit
-from offload.infer.weights.convert import drop_page_cache
+from offload.infer.weights.convert import drop_page_cache, verified_cache
 from offload.infer.weights.quantize import quantize_weight, quantized_layout
 from offload.storage.safetensors_reader import SafetensorsCheckpoint, read_windows, tensor_views
 from offload.storage.safetensors_writer import atomic_safetensors
@@ -105,7 +107,9 @@ def quantized_cache(checkpoint: SafetensorsCheckpoint, units: Sequence[Unit], ta
         tag += f"-{kernels.int4_layout}"  # another device's packing: a cache beside the CPU's, not in its place
     key = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
     target = os.path.join(root, f"quantized-{tag}-{key}")
-    if _read_record(target) == record:
+    recorded = _read_record(target)
+    checksums = recorded.pop("checksums", None) if isinstance(recorded, dict) else None
+    if recorded == record and verified_cache(target, checksums):
         return target
     if not os.access(root, os.W_OK):
         raise PermissionError(f"zero_optimization.offload_param.nvme_path: {root!r} is not writable; the quantized "
@@ -123,7 +127,7 @@ def quantized_cache(checkpoint: SafetensorsCheckpoint, units: Sequence[Unit], ta
     path = os.path.join(target, FILE)
     from tqdm import tqdm
 
-    with atomic_safetensors(path, layout, {"format": "pt"}, data_align=PAGE) as out, \
+    with atomic_safetensors(path, layout, {"format": "pt"}, data_align=PAGE, checksums=True) as out, \
             tqdm(total=sum(u.read_nbytes for u in units), unit="B", unit_scale=True, file=sys.stderr,
                  desc=f"quantizing to {spec.name}", disable=not progress) as bar:
         for unit in units:  # one unit in memory at a time
@@ -138,7 +142,7 @@ def quantized_cache(checkpoint: SafetensorsCheckpoint, units: Sequence[Unit], ta
             bar.update(unit.read_nbytes)
     drop_page_cache(path)
     with open(os.path.join(target, MARKER), "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=1)
+        json.dump({**record, "checksums": {FILE: out.checksums.to_json()}}, f, indent=1)
     return target
 
 

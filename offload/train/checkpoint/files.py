@@ -20,8 +20,8 @@ import torch
 
 from tensorio import DIRECT_ALIGN
 
-__all__ = ["FORMAT", "RANK_FILE_ALIGN", "client_file", "decode_state", "encode_state", "optimizer_file", "params_file", "read_states",
-           "require_file", "states_file", "write_json"]
+__all__ = ["FORMAT", "RANK_FILE_ALIGN", "client_file", "decode_state", "encode_state", "optimizer_file", "params_file",
+           "read_checksums", "read_states", "require_file", "states_file", "write_json"]
 
 FORMAT = 1
 """Version of the rank<r>_states.json layout."""
@@ -106,6 +106,10 @@ def read_states(path: str, rank: int) -> dict[str, Any]:
     if not isinstance(encoded, dict) or encoded.pop("format", None) != FORMAT:
         raise ValueError(f"{states}: not a checkpoint state file of format {FORMAT}")
     client = os.path.join(path, client_file(rank))
+    record = (encoded.get("checksums") or {}).get(client_file(rank))
+    if record is not None and os.path.exists(client):
+        from offload.storage.file_checksums import FileChecksums, verify_file
+        verify_file(client, FileChecksums.from_json(record, f"{states}: checksums of {client_file(rank)}"))
     try:
         tensors = load_file(client) if os.path.exists(client) else {}
     except SafetensorError as error:
@@ -115,6 +119,23 @@ def read_states(path: str, rank: int) -> dict[str, Any]:
         if isinstance(group.get("betas"), list):
             group["betas"] = tuple(group["betas"])  # as torch.optim keeps them
     return state
+
+
+def read_checksums(path: str, rank: int) -> dict[str, Any]:
+    """The checksums ``rank`` recorded for its tensor files (`offload.storage.file_checksums`), by path; empty
+    for a checkpoint saved before they were recorded. Raises ValueError naming the JSON file for a damaged record."""
+    from offload.storage.file_checksums import FileChecksums
+
+    states = os.path.join(path, states_file(rank))
+    try:
+        with open(require_file(path, states_file(rank)), encoding="utf-8") as file:
+            records = json.load(file).get("checksums") or {}
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
+        raise ValueError(f"{states}: not a checkpoint state file ({error}); the file is damaged or truncated") from None
+    if not isinstance(records, dict):
+        raise ValueError(f"{states}: \"checksums\" is not an object; the file is damaged")
+    return {os.path.join(path, name): FileChecksums.from_json(record, f"{states}: checksums of {name}")
+            for name, record in records.items()}
 
 
 def encode_state(state: Any, path: str = "state") -> tuple[Any, dict[str, torch.Tensor]]:

@@ -86,23 +86,28 @@ def save_checkpoint(save_dir: str | os.PathLike, tag: str, *, rank: int, group: 
     # place, and if any rank fails nothing becomes visible and every rank raises.
     with atomic_checkpoint(save_dir, tag, all_ranks=True, group=group, update_latest=update_latest) as staging:
         # 1. Parameters, one partition at a time.
+        # Each tensor file's checksums (hashed as it is written) go into the JSON (docs/reliability.md).
+        checksums = encoded["checksums"] = {}
         layout = {rec.name: (rec.partition.dtype, (rec.partition_numel,)) for rec in saved}
         with _naming_the_file(staging / params_file(rank)) as path, \
-                SafetensorsWriter(path, layout, data_align=RANK_FILE_ALIGN) as out:
+                SafetensorsWriter(path, layout, data_align=RANK_FILE_ALIGN, checksums=True) as out:
             for rec in saved:
                 out.write(rec.name, store.read_partition(rec))
+        checksums[params_file(rank)] = out.checksums.to_json()
         # 2. The optimizer state, one sub-group at a time.
         with sized_partitions([rec for rec in records if rec.param.requires_grad]):
             layout = {name: (torch.float32, (numel,)) for name, numel in optimizer.state_layout().items()}
             with _naming_the_file(staging / optimizer_file(rank)) as path, \
-                    SafetensorsWriter(path, layout, data_align=RANK_FILE_ALIGN) as out:
+                    SafetensorsWriter(path, layout, data_align=RANK_FILE_ALIGN, checksums=True) as out:
                 encoded["optimizer"] = optimizer.save_state(lambda name, first, values: out.write(name, values, first))
+            checksums[optimizer_file(rank)] = out.checksums.to_json()
         # 3. The rest, small: JSON, and the client's tensors beside it.
         if tensors:
             with _naming_the_file(staging / client_file(rank)) as path:
-                with SafetensorsWriter(path, {k: (t.dtype, t.shape) for k, t in tensors.items()}) as out:
+                with SafetensorsWriter(path, {k: (t.dtype, t.shape) for k, t in tensors.items()}, checksums=True) as out:
                     for name, tensor in tensors.items():
                         out.write(name, tensor)
+            checksums[client_file(rank)] = out.checksums.to_json()
         with _naming_the_file(staging / states_file(rank)) as path, open(path, "w") as file:
             json.dump({"format": FORMAT, **encoded}, file, allow_nan=True)
         if rank == 0:
@@ -178,6 +183,7 @@ class CheckpointLoad:
         state = dict(self.state)
         saved = state.pop("optimizer")
         state.pop("parameters", None)
+        state.pop("checksums", None)
         if self.optimizer is None:
             return state
         names = self.reader.names("optimizer")

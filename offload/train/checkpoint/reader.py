@@ -12,21 +12,31 @@ memory map: reading a checkpoint larger than memory grows neither the process (m
 as its memory) nor the page cache. Opening checks every file's header, and that each file is long
 enough for the tensors it lists, before anything is read: a truncated or empty file is an error
 naming it.
+
+Checksums (`offload.storage.file_checksums`, recorded in each rank's JSON): opening checks each file's
+header against its record; every read is widened to whole checksum chunks of its tensor and verified in
+tensorio's I/O threads as it completes, so a flipped bit is a `tensorio.ChecksumError` naming the file,
+the tensor, the offset and both checksums. A checkpoint saved before checksums were recorded is read
+unverified, with one warning.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tensorio import DIRECT_ALIGN, AioHandle, BufferPool, IOFuture
+from tensorio import DIRECT_ALIGN, AioHandle, BufferPool, ChecksumError, Checksums, IOFuture
 
+from offload.storage.file_checksums import FileChecksums, header_checksum
 from offload.storage.safetensors_reader import SafetensorsCheckpoint, TensorEntry
-from offload.train.checkpoint.files import optimizer_file, params_file, read_states, require_file
+from offload.train.checkpoint.files import optimizer_file, params_file, read_checksums, read_states, require_file
+
+log = logging.getLogger("offload")
 
 __all__ = ["READ_BUFFER_BYTES", "CheckpointReader", "PendingRead"]
 
@@ -88,9 +98,16 @@ class CheckpointReader:
         self._own_handle = handle is None
         self.handle = handle if handle is not None else AioHandle(block_size=_BLOCK, queue_depth=8)
         self.file_sizes: dict[str, int] = {}
+        self.checksums: dict[str, FileChecksums] = {}
+        """Each tensor file's checksums, by path (empty for a checkpoint saved without them)."""
         try:
             self.state = read_states(self.path, 0)
             self.world_size = int(self.state["world_size"])
+            for rank in range(self.world_size):
+                self.checksums.update(read_checksums(self.path, rank))
+            if not self.checksums:
+                log.warning("%s: saved without checksums (before they were recorded): read without verifying its "
+                            "bytes", self.path)
             self.files = {"params": self._open_all(params_file), "optimizer": self._open_all(optimizer_file)}
         except BaseException:
             self.close()
@@ -153,7 +170,7 @@ class CheckpointReader:
                 continue
             piece = files[rank][name]
             first_byte = piece.offset + (lo - rank * size) * _itemsize(piece.dtype)
-            pieces.append((lo - start, *self._start(piece.path, first_byte, (hi - lo) * _itemsize(piece.dtype)),
+            pieces.append((lo - start, *self._start(piece, first_byte, (hi - lo) * _itemsize(piece.dtype)),
                            piece.dtype))
         whole = len(pieces) == 1 and pieces[0][0] == 0 and stop_data - start == count
         out = None
@@ -163,20 +180,40 @@ class CheckpointReader:
             out[stop_data - start:] = 0
         return PendingRead(out, pieces, count, entry.dtype)
 
-    def _start(self, path: str, first_byte: int, nbytes: int) -> tuple[IOFuture, torch.Tensor, int, int]:
-        begin = first_byte // DIRECT_ALIGN * DIRECT_ALIGN
-        end = -(-(first_byte + nbytes) // DIRECT_ALIGN) * DIRECT_ALIGN
+    def _start(self, piece: TensorEntry, first_byte: int, nbytes: int) -> tuple[IOFuture, torch.Tensor, int, int]:
+        path = piece.path
+        sums = self.checksums.get(path)
+        lo, hi = first_byte, first_byte + nbytes
+        if sums is not None:  # widened to the tensor's whole checksum chunks, verified as the read completes
+            chunk_lo, chunk_hi, values = sums.chunks(piece.name, lo - piece.offset, hi - piece.offset, piece.nbytes)
+            lo, hi = piece.offset + chunk_lo, piece.offset + chunk_hi
+        begin = lo // DIRECT_ALIGN * DIRECT_ALIGN
+        end = -(-hi // DIRECT_ALIGN) * DIRECT_ALIGN
         size = self.file_sizes[path]
         length = min(end, size) - begin  # a window may end at the end of the file, unaligned
         buffer = self.pool.take(-(-(end - begin) // READ_BUFFER_BYTES) * READ_BUFFER_BYTES, torch.uint8)
-        future = self.handle.read(buffer[:length] if length < buffer.numel() else buffer, path, begin)
+        verify = Checksums(values, sums.chunk, hi - lo, start=lo - begin) if sums is not None else None
+        future = self.handle.read(buffer[:length] if length < buffer.numel() else buffer, path, begin, verify=verify,
+                                  what=f"tensor {piece.name!r}")
         return future, buffer, first_byte - begin, nbytes
 
     def _open_all(self, name_of) -> list[SafetensorsCheckpoint]:
         files = []
         for rank in range(self.world_size):
             path = require_file(self.path, name_of(rank))
+            sums = self.checksums.get(path)
+            if sums is not None:  # before its header is parsed: a flipped bit there is named as such
+                try:
+                    actual, length = header_checksum(path)
+                except OSError:  # shorter than its header: the parse below names what is wrong
+                    actual, length = sums.header, 0
+                if actual != sums.header:
+                    raise ChecksumError(path=path, offset=0, length=length, expected=sums.header, actual=actual,
+                                        what="the safetensors header")
             files.append(SafetensorsCheckpoint(path, self.handle))
+            if sums is not None and set(sums.tensors) != set(files[-1].entries):
+                raise ValueError(f"{path}: holds other tensors than its checksums in {self.path}'s JSON list; the "
+                                 f"file and the JSON are from different checkpoints")
         for file in files:
             self.file_sizes.update(file.file_sizes)
         first = files[0]

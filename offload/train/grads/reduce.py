@@ -216,7 +216,8 @@ class GradReducer:
     def start_read(self, rec: ParamRecord):
         """Start reading this step's offloaded gradient partition: (buffer, future)."""
         swap, offset = self._location(rec)
-        return swap.read_new(rec.partition_numel, torch.float32, offset)
+        return swap.read_new(rec.partition_numel, torch.float32, offset,
+                             what=f"gradient of {self.store.describe(rec)}")
 
     def offloaded_places(self) -> dict[str, int]:
         """Trainable records by where their offloaded gradient goes: "param_slot", "swap_file" (empty: none offloaded)."""

@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from tensorio import ChecksumError
+
 
 class Failure(enum.Enum):
     """What the last error left behind (`FailureState.kind`)."""
@@ -28,6 +30,9 @@ class Failure(enum.Enum):
     """The last failed step was undone entirely; training goes on from the step before it."""
     PARTLY_UPDATED = "partly updated"
     """Some parameters carry a failed step's update and others not: step and save refuse until a load."""
+    CORRUPT = "corrupt"
+    """Bytes read back from a swap file failed their checksum: what is on disk cannot be trusted, so step
+    and save refuse until a load."""
 
 
 @dataclass(slots=True)
@@ -44,13 +49,13 @@ class FailureState:
 
     def gradients_lost(self, reason: str) -> None:
         """This accumulation's gradients are incomplete (a backward or the validation of a step failed)."""
-        if self.kind is not Failure.PARTLY_UPDATED:
+        if self.kind not in _NEEDS_LOAD:
             self.kind, self.reason = Failure.GRADIENTS_LOST, reason
 
     def rolled_back(self, reason: str, *, gradients_lost: bool) -> None:
         """A failed step was undone entirely; with ``gradients_lost`` this accumulation must run again."""
         self.last_rollback = reason
-        if self.kind is Failure.PARTLY_UPDATED:
+        if self.kind in _NEEDS_LOAD:
             return
         if gradients_lost:
             self.kind, self.reason = Failure.GRADIENTS_LOST, f"{reason}, and the gradients of this accumulation are lost"
@@ -59,7 +64,15 @@ class FailureState:
 
     def partly_updated(self, reason: str) -> None:
         """A step failed after changing some parameters and not others."""
-        self.kind, self.reason = Failure.PARTLY_UPDATED, reason
+        if self.kind is not Failure.CORRUPT:
+            self.kind, self.reason = Failure.PARTLY_UPDATED, reason
+
+    def corrupt(self, error: BaseException) -> None:
+        """A read from a swap file failed its checksum (``error``, a tensorio.ChecksumError): the step it
+        was part of is given up, and nothing on disk is trusted again until a load."""
+        self.kind = Failure.CORRUPT
+        self.reason = (f"a swap file returned corrupt bytes ({describe(error)}); the step was given up, but "
+                       f"the values kept on disk can no longer be trusted")
 
     def gradients_cleared(self) -> None:
         """``zero_grad()``: a new accumulation starts."""
@@ -76,12 +89,14 @@ class FailureState:
         self.kind, self.reason, self.last_rollback, self.resume_from = Failure.NONE, None, None, path
 
     def check(self, what: str) -> None:
-        """Raise RuntimeError, saying how to resume, when the parameters may be partly updated."""
-        if self.kind is not Failure.PARTLY_UPDATED:
+        """Raise RuntimeError, saying how to resume, when the parameters may be partly updated or corrupt."""
+        if self.kind not in _NEEDS_LOAD:
             return
         resume = (f"load_checkpoint({os.path.dirname(self.resume_from)!r}, "
                   f"tag={os.path.basename(self.resume_from)!r})" if self.resume_from else
                   "load_checkpoint(...) with your last checkpoint")
+        if self.kind is Failure.CORRUPT:
+            raise RuntimeError(f"cannot {what}: {self.reason}. Resume with {resume}")
         raise RuntimeError(f"cannot {what}: {self.reason}, so some parameters may carry its update and others "
                            f"not; {what} would go on from a mixed model. Resume with {resume}")
 
@@ -91,6 +106,20 @@ class FailureState:
         if self.kind is Failure.GRADIENTS_LOST:
             raise RuntimeError(f"cannot step: {self.reason}; call zero_grad() and run the accumulation "
                                f"again, or load_checkpoint(...)")
+
+
+_NEEDS_LOAD = (Failure.PARTLY_UPDATED, Failure.CORRUPT)
+
+
+def checksum_error_in(error: BaseException) -> BaseException | None:
+    """The tensorio.ChecksumError that ``error`` is, or was raised from (its causes and contexts); None if none."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, ChecksumError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def describe(error: BaseException) -> str:
