@@ -26,12 +26,24 @@ from .measure import time_transfer
 from .validate import validate_directory
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="tensorio demo: validate a disk, then tensorio vs fio")
+def parser() -> argparse.ArgumentParser:
+    """The demo's arguments; its name is ``TENSORIO_DEMO_PROG`` ("./run demo" from ./run), else
+    "python -m bench.demo"."""
+    parser = argparse.ArgumentParser(
+        prog=os.environ.get("TENSORIO_DEMO_PROG", "python -m bench.demo"),
+        description="tensorio demo: validate a disk, write and read a tensor beside fio, then a quick sweep of the aio "
+                    "settings")
     parser.add_argument("--dir", default=".", help="directory on the disk to use (default: .)")
     parser.add_argument("--size", type=cli._size, default="1G", help="tensor size (default 1G)")
     parser.add_argument("--out-dir", default="results/demo", help="where the sweep's results go")
-    args = parser.parse_args(argv)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar during the sweep")
+    parser.add_argument("--no-fio", action="store_true", help="skip every comparison with fio")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo; return its exit status."""
+    args = parser().parse_args(argv)
     size = args.size
 
     print(f"== 1. validate {os.path.abspath(args.dir)}")
@@ -56,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             backend = handle.backend_name
         fio = {}
-        for rw in ("write", "read"):
+        for rw in ("write", "read") if not args.no_fio else ():
             try:
                 fio[rw] = run_fio(job_for_config(config, directory=scratch, rw=rw, size=size)).gb_per_s
             except FioError as exc:
@@ -74,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n== 3. quick sweep of the aio settings on {os.path.abspath(args.dir)}")
     return cli.main(["sweep", args.dir, "--quick", "--out-dir", args.out_dir,
-                     "--config-out", os.path.join(args.out_dir, "aio_tuned.json")])
+                     "--config-out", os.path.join(args.out_dir, "aio_tuned.json"),
+                     *(["--no-progress"] if args.no_progress else []), *(["--no-fio"] if args.no_fio else [])])
 
 
 if __name__ == "__main__":

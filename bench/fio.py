@@ -202,6 +202,18 @@ class FioResult:
         """Bandwidth in GB/s (10**9 bytes per second)."""
         return self.bw_bytes / 1e9
 
+    @property
+    def cpu_us_per_io(self) -> float | None:
+        """CPU time (user + system) of fio per I/O, in microseconds: fio's ``usr_cpu`` + ``sys_cpu``
+        (percentages of the job's runtime) times ``job_runtime``, over the I/Os of both directions.
+        None where fio's JSON lacks those fields."""
+        try:
+            ios = sum(int(self.job[rw]["total_ios"]) for rw in ("read", "write") if rw in self.job)
+            busy = (float(self.job["usr_cpu"]) + float(self.job["sys_cpu"])) / 100
+            return busy * float(self.job["job_runtime"]) * 1000 / ios if ios else None
+        except (KeyError, TypeError, ValueError):
+            return None
+
 
 def job_for_config(config: Any, *, directory: str | os.PathLike, rw: str, size: int,
                    ioengine: str = "io_uring") -> FioJob:

@@ -12,6 +12,8 @@ What the figures mean, next to fio's:
 - ``clat_ns``: completion latency of one *request* (``request_size`` bytes, split into pieces),
   from its submission to its future resolving, over all repeats. fio's clat is per block-sized
   I/O, so ours is larger by design; compare ours with ours.
+- ``cpu_us_per_io``: CPU time (user + system, every thread of the process) per block-sized piece,
+  the median over the repeats: fio's usr_cpu + sys_cpu per I/O is the figure to set beside it.
 
 Each point starts with an untimed warm-up write that lays the file out and starts the workers,
 so the timed writes overwrite it in place, as swap files are rewritten. After the last read the
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import math
+import resource
 import statistics
 import threading
 import time
@@ -59,6 +62,8 @@ class Measurement:
     io_bytes: int
     """Bytes moved per repeat."""
     request_bytes: int
+    cpu_us_per_io: float = 0.0
+    """Median CPU microseconds (user + system, the whole process) per block-sized piece."""
 
     @property
     def gb_per_s(self) -> float:
@@ -77,6 +82,7 @@ class Measurement:
                 "percentile": {"50.000000": self.clat_ns_p50, "99.000000": self.clat_ns_p99},
             },
             "bw_bytes_samples": self.bw_bytes_samples,
+            "cpu_us_per_io": round(self.cpu_us_per_io, 3),
         }
 
 
@@ -136,15 +142,15 @@ def measure_point(config: AioConfig, path: str | Path, buffers: Buffers, *, requ
     if buffers.nbytes % request_size:
         raise ValueError(f"size {buffers.nbytes} is not a multiple of the request size {request_size}")
     window = max(2, math.ceil(config.block_size * config.queue_depth * config.thread_count / request_size))
-    timings: dict[str, list[tuple[int, list[int]]]] = {"write": [], "read": []}
+    timings: dict[str, list[tuple[int, list[int], float]]] = {"write": [], "read": []}
     with AioHandle.from_config(config) as handle:
         _stream(handle, buffers.source, path, request_size, window, write=True)  # untimed warm-up
         for _ in range(repeats):
             if "write" in rws:
-                timings["write"].append(_stream(handle, buffers.source, path, request_size, window, write=True))
+                timings["write"].append(_timed_stream(handle, buffers.source, path, request_size, window, write=True))
             if "read" in rws:
                 buffers.dest.zero_()
-                timings["read"].append(_stream(handle, buffers.dest, path, request_size, window, write=False))
+                timings["read"].append(_timed_stream(handle, buffers.dest, path, request_size, window, write=False))
         backend = handle.backend_name
     if "read" in rws and not torch.equal(buffers.source, buffers.dest):
         differ = (buffers.source != buffers.dest).nonzero()[0].item()
@@ -156,14 +162,39 @@ def measure_point(config: AioConfig, path: str | Path, buffers: Buffers, *, requ
                        read=summary["read"])
 
 
+def process_cpu_seconds() -> float:
+    """CPU time (user + system) this process has used so far, every thread included, in seconds."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def time_transfer(handle: AioHandle, tensor: torch.Tensor, path: str | Path, *, write: bool) -> float:
     """GB/s (10**9 bytes per second) of one whole-tensor write or read of ``path`` as a single request.
 
     Raises TensorIOError from the I/O.
     """
-    start = time.perf_counter()
+    return timed_transfer(handle, tensor, path, write=write)[0]
+
+
+def timed_transfer(handle: AioHandle, tensor: torch.Tensor, path: str | Path, *,
+                   write: bool) -> tuple[float, float]:
+    """(GB/s, CPU seconds of the process) of one whole-tensor write or read of ``path`` as a single
+    request: divide the CPU by the pieces (``nbytes / block_size``) for fio's CPU per I/O.
+
+    Raises TensorIOError from the I/O.
+    """
+    cpu, start = process_cpu_seconds(), time.perf_counter()
     (handle.write if write else handle.read)(tensor, path).result()
-    return tensor.numel() * tensor.element_size() / (time.perf_counter() - start) / 1e9
+    elapsed, cpu = time.perf_counter() - start, process_cpu_seconds() - cpu
+    return tensor.numel() * tensor.element_size() / elapsed / 1e9, cpu
+
+
+def _timed_stream(handle: AioHandle, tensor: torch.Tensor, path: str | Path, request_size: int, window: int, *,
+                  write: bool) -> tuple[int, list[int], float]:
+    """`_stream`, and the process's CPU seconds meanwhile."""
+    cpu = process_cpu_seconds()
+    elapsed, latencies = _stream(handle, tensor, path, request_size, window, write=write)
+    return elapsed, latencies, process_cpu_seconds() - cpu
 
 
 def _stream(handle: AioHandle, tensor: torch.Tensor, path: str | Path, request_size: int, window: int, *,
@@ -199,10 +230,11 @@ def _stream(handle: AioHandle, tensor: torch.Tensor, path: str | Path, request_s
     return max(completed) - start, [done - sub for sub, done in zip(submitted, completed)]
 
 
-def _summarise(rw: str, runs: list[tuple[int, list[int]]], nbytes: int, request_size: int,
+def _summarise(rw: str, runs: list[tuple[int, list[int], float]], nbytes: int, request_size: int,
                block_size: int) -> Measurement:
-    samples = [int(nbytes * 1e9 / elapsed) for elapsed, _ in runs]
-    latencies = sorted(lat for _, lats in runs for lat in lats)
+    samples = [int(nbytes * 1e9 / elapsed) for elapsed, _, _ in runs]
+    latencies = sorted(lat for _, lats, _ in runs for lat in lats)
+    pieces = nbytes // request_size * -(-request_size // block_size)
     bw = int(statistics.median(samples))
     return Measurement(
         rw=rw,
@@ -214,6 +246,7 @@ def _summarise(rw: str, runs: list[tuple[int, list[int]]], nbytes: int, request_
         bw_bytes_samples=samples,
         io_bytes=nbytes,
         request_bytes=request_size,
+        cpu_us_per_io=statistics.median(cpu * 1e6 / pieces for _, _, cpu in runs),
     )
 
 

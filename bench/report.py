@@ -21,6 +21,7 @@ CSV_FIELDS = [
     "directory", "filesystem", "backend", "block_size", "queue_depth", "thread_count", "single_submit",
     "overlap_events", "direct", "write_bw_bytes", "write_iops", "write_clat_ns_p50", "write_clat_ns_p99",
     "read_bw_bytes", "read_iops", "read_clat_ns_p50", "read_clat_ns_p99", "both_bw_bytes",
+    "write_cpu_us_per_io", "read_cpu_us_per_io",
 ]
 
 BUFFERED_NOTE = ("buffered I/O (no O_DIRECT here): the page cache absorbs writes and serves reads, so these "
@@ -58,12 +59,16 @@ def sweep_json(disks: Sequence[DiskSweep], settings: dict[str, Any], chosen: Aio
                     {"role": c.role, "rw": c.rw, "aio": c.config.to_dict(), "ours_bw_bytes": c.ours_bw_bytes,
                      "fio_bw_bytes": c.fio_bw_bytes, "fio_bw_bytes_samples": c.fio_bw_bytes_samples,
                      "ratio": None if c.ratio is None else round(c.ratio, 3),
+                     "ours_cpu_us_per_io": round(c.ours_cpu_us_per_io, 3),
+                     "fio_cpu_us_per_io": None if c.fio_cpu_us_per_io is None else round(c.fio_cpu_us_per_io, 3),
                      "fio_command": c.command, "error": c.error}
                     for c in d.fio
                 ],
                 "fio_missing": d.fio_missing,
                 "fio_by_block_size": [{"rw": f.rw, "block_size": f.block_size, "thread_count": f.thread_count,
-                                       "queue_depth": f.queue_depth, "bw_bytes": f.bw_bytes} for f in d.fio_curve],
+                                       "queue_depth": f.queue_depth, "bw_bytes": f.bw_bytes,
+                                       "cpu_us_per_io": None if f.cpu_us_per_io is None else round(f.cpu_us_per_io, 3)}
+                                      for f in d.fio_curve],
             }
             for d in disks
         ],
@@ -94,6 +99,8 @@ def write_csv(path: Path, disks: Sequence[DiskSweep]) -> None:
                     "read_bw_bytes": p.read.bw_bytes, "read_iops": round(p.read.iops, 1),
                     "read_clat_ns_p50": p.read.clat_ns_p50, "read_clat_ns_p99": p.read.clat_ns_p99,
                     "both_bw_bytes": round(p.both_bw_bytes),
+                    "write_cpu_us_per_io": round(p.write.cpu_us_per_io, 3),
+                    "read_cpu_us_per_io": round(p.read.cpu_us_per_io, 3),
                 })
 
 
@@ -109,7 +116,7 @@ def format_point(point: PointResult) -> str:
     for m in point.measurements():
         lines.append(f"{m.rw:<5} {m.gb_per_s:6.2f} GB/s  {m.iops:9.0f} IOPS ({format_size(point.config.block_size)})"
                      f"  clat p50 {format_ns(m.clat_ns_p50)}, p99 {format_ns(m.clat_ns_p99)}"
-                     f" (per {format_size(m.request_bytes)} request)")
+                     f" (per {format_size(m.request_bytes)} request), CPU {m.cpu_us_per_io:.1f} us per I/O")
     return "\n".join(lines)
 
 
@@ -148,6 +155,29 @@ def format_best(disk: DiskSweep) -> str:
             lines.append(f"{head}, fio {c.fio_bw_bytes / 1e9:5.2f} GB/s -> {c.ratio:.2f} of fio")
         else:
             lines.append(f"{head}, fio failed: {c.error.splitlines()[0] if c.error else 'no result'}")
+    if disk.fio_curve:
+        lines.append(format_block_table(disk))
     if not disk.validation.direct:
         lines.append(f"note: {BUFFERED_NOTE}")
+    return "\n".join(lines)
+
+
+def format_block_table(disk: DiskSweep) -> str:
+    """Ours and fio side by side at each block size and thread count fio ran (the grid's deepest queue
+    depth): our best point there in each direction, fio's figure, the ratio, and the CPU microseconds
+    per I/O of each."""
+    header = (f"  {'block':>6} {'thr':>3} {'op':<5} {'ours GB/s':>9} {'fio GB/s':>9} {'x fio':>6}"
+              f" {'CPU us/IO ours':>15} {'fio':>6}  ours")
+    lines = [f"at each block size, ours (best there) vs fio, queue depth {disk.fio_curve[0].queue_depth}:", header]
+    for f in disk.fio_curve:
+        same = [p for p in disk.points if (p.config.block_size, p.config.thread_count, p.config.queue_depth)
+                == (f.block_size, f.thread_count, f.queue_depth)]
+        if not same:
+            continue
+        ours = max((p for p in same), key=lambda p: getattr(p, f.rw).bw_bytes)
+        m = getattr(ours, f.rw)
+        ratio = f"{m.bw_bytes / f.bw_bytes:6.2f}" if f.bw_bytes else f"{'-':>6}"
+        fio_cpu = f"{f.cpu_us_per_io:6.1f}" if f.cpu_us_per_io is not None else f"{'-':>6}"
+        lines.append(f"  {format_size(f.block_size):>6} {f.thread_count:>3} {f.rw:<5} {m.gb_per_s:9.2f}"
+                     f" {f.bw_bytes / 1e9:9.2f} {ratio} {m.cpu_us_per_io:15.1f} {fio_cpu}  {config_label(ours.config)}")
     return "\n".join(lines)

@@ -113,8 +113,12 @@ class FioComparison:
     config: AioConfig
     ours_bw_bytes: int
     """Ours measured again next to fio (median), not the sweep's figure."""
+    ours_cpu_us_per_io: float = 0.0
+    """Our CPU microseconds (user + system) per block-sized piece, measured again next to fio."""
     fio_bw_bytes: int | None = None
     """Median of fio's runs, as many as the sweep's repeats."""
+    fio_cpu_us_per_io: float | None = None
+    """fio's CPU microseconds (its usr_cpu + sys_cpu) per I/O, the median of its runs."""
     fio_bw_bytes_samples: list[int] = field(default_factory=list)
     command: list[str] = field(default_factory=list)
     error: str | None = None
@@ -136,6 +140,9 @@ class FioCurvePoint:
     queue_depth: int
     bw_bytes: int
     """Median of fio's runs, as many as the sweep's repeats."""
+    cpu_us_per_io: float | None = None
+    """fio's CPU microseconds (usr_cpu + sys_cpu) per I/O, the median of its runs (None where fio's
+    JSON lacks them)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -198,9 +205,15 @@ def _fio_curve(scratch: Path, points: Sequence[PointResult], size: int, repeats:
             except (FioError, OSError, ValueError):
                 return []
             curve += [FioCurvePoint(rw=rw, block_size=bs, thread_count=tc, queue_depth=depth,
-                                    bw_bytes=int(statistics.median(r.bw_bytes for r in runs[rw])))
+                                    bw_bytes=int(statistics.median(r.bw_bytes for r in runs[rw])),
+                                    cpu_us_per_io=_median_or_none([r.cpu_us_per_io for r in runs[rw]]))
                       for rw in ("write", "read")]
     return curve
+
+
+def _median_or_none(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def _compare_with_fio(scratch: Path, best: dict[str, PointResult], buffers: Buffers, request_size: int,
@@ -232,12 +245,14 @@ def _compare_with_fio(scratch: Path, best: dict[str, PointResult], buffers: Buff
         again, runs = measured[key]
         for rw in ("read", "write") if role == "both" else (role,):
             ours = again.read if rw == "read" else again.write
-            comparison = FioComparison(role=role, rw=rw, config=point.config, ours_bw_bytes=ours.bw_bytes)
+            comparison = FioComparison(role=role, rw=rw, config=point.config, ours_bw_bytes=ours.bw_bytes,
+                                       ours_cpu_us_per_io=ours.cpu_us_per_io)
             if isinstance(runs, str):
                 comparison.error = runs
             else:
                 comparison.fio_bw_bytes_samples = [r.bw_bytes for r in runs[rw]]
                 comparison.fio_bw_bytes = int(statistics.median(comparison.fio_bw_bytes_samples))
+                comparison.fio_cpu_us_per_io = _median_or_none([r.cpu_us_per_io for r in runs[rw]])
                 comparison.command = runs[rw][0].command
             comparisons.append(comparison)
     return comparisons, None

@@ -3,7 +3,9 @@
 Each round writes then reads a locked tensor with every backend and, interleaved with it, runs fio
 with the same block size, queue depth and O_DIRECT on the same directory. Writes overwrite a file
 laid out beforehand (swap files are rewritten in place; fio gets ``--overwrite=1``), and fio runs on
-the very file tensorio just wrote and read. The medians of the rounds are reported.
+the very file tensorio just wrote and read. The medians of the rounds are reported, with the CPU
+time (user + system) per block-sized I/O of each: the whole process's for tensorio (getrusage around
+the transfer), fio's own usr_cpu + sys_cpu for fio.
 
     python -m benchmarks.io_vs_fio --dir . --size 1G --block-sizes 1M,128K --queue-depth 32 --rounds 5
 """
@@ -22,7 +24,7 @@ import torch
 import tensorio
 from bench._units import parse_size
 from bench.fio import FioJob, FioNotFound, fio_path, run_fio
-from bench.measure import time_transfer
+from bench.measure import timed_transfer
 
 BACKENDS = ("io_uring", "threads")
 
@@ -52,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"backends: {', '.join(backends)}; fio: {fio or 'not installed (apt-get install fio)'}")
 
     samples: dict[tuple[str, int, str], list[float]] = {}
+    cpu: dict[tuple[str, int, str], list[float]] = {}  # CPU microseconds per block-sized I/O
     tensor = tensorio.locked_tensor(size, torch.uint8)
     tensor.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
     handles = {(b, bs): tensorio.AioHandle(block_size=bs, queue_depth=args.queue_depth,
@@ -65,14 +68,17 @@ def main(argv: list[str] | None = None) -> int:
             for bs in block_sizes:
                 for rw in ("write", "read"):
                     for backend in backends:
-                        gbps = time_transfer(handles[(backend, bs)], tensor, path, write=rw == "write")
+                        gbps, seconds = timed_transfer(handles[(backend, bs)], tensor, path, write=rw == "write")
                         samples.setdefault((backend, bs, rw), []).append(gbps)
+                        cpu.setdefault((backend, bs, rw), []).append(seconds * 1e6 / -(-size // bs))
                     if fio:
                         job = FioJob(directory=scratch, rw=rw, size=size, block_size=bs,
                                      queue_depth=args.queue_depth, numjobs=args.thread_count,
                                      overwrite=True)
                         result = run_fio(job, filename=path)  # the very file we just moved
                         samples.setdefault(("fio", bs, rw), []).append(result.gb_per_s)
+                        if result.cpu_us_per_io is not None:
+                            cpu.setdefault(("fio", bs, rw), []).append(result.cpu_us_per_io)
             print(f"round {round_no + 1}/{args.rounds} done", file=sys.stderr)
     except FioNotFound:
         fio = None
@@ -84,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         os.rmdir(scratch)
 
     medians = {key: statistics.median(values) for key, values in samples.items()}
-    print(f"\n{'block':>8} {'op':>6} {'engine':>9} {'GB/s':>7} {'x fio':>6}")
+    cpu_medians = {key: statistics.median(values) for key, values in cpu.items()}
+    print(f"\n{'block':>8} {'op':>6} {'engine':>9} {'GB/s':>7} {'x fio':>6} {'CPU us/IO':>10} {'x fio':>6}")
     for bs in block_sizes:
         for rw in ("write", "read"):
             ref = medians.get(("fio", bs, rw))
@@ -93,10 +100,14 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 value = medians[(engine, bs, rw)]
                 ratio = f"{value / ref:6.2f}" if ref else "     -"
-                print(f"{bs >> 10:>7}K {rw:>6} {engine:>9} {value:7.2f} {ratio}")
+                us, fio_us = cpu_medians.get((engine, bs, rw)), cpu_medians.get(("fio", bs, rw))
+                cpu_text = f"{us:10.2f}" if us is not None else f"{'-':>10}"
+                cpu_ratio = f"{us / fio_us:6.2f}" if us is not None and fio_us else "     -"
+                print(f"{bs >> 10:>7}K {rw:>6} {engine:>9} {value:7.2f} {ratio} {cpu_text} {cpu_ratio}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump([{"engine": e, "block_size": bs, "rw": rw, "gb_per_s": v, "samples": samples[(e, bs, rw)]}
+            json.dump([{"engine": e, "block_size": bs, "rw": rw, "gb_per_s": v, "samples": samples[(e, bs, rw)],
+                        "cpu_us_per_io": cpu_medians.get((e, bs, rw)), "cpu_samples": cpu.get((e, bs, rw), [])}
                        for (e, bs, rw), v in medians.items()], f, indent=2)
     return 0
 

@@ -17,19 +17,25 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+# pip warns once per index location a pip.conf names that does not exist on this machine ("WARNING:
+# Location ... is ignored"): noise for a user, dropped from every install's output. pip's exit status,
+# and every other line, pass through.
+pip_install() {
+    "${PIP[@]}" install "$@" 2> >(grep -v "^WARNING: Location" >&2)
+}
 
 # A bare `torch` requirement with nothing installed may pull a multi-GB CUDA build: install the CPU
 # build first. TORCH_SPEC overrides it (e.g. a CUDA build on a machine with a GPU).
 if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
     echo "setup: installing ${TORCH_SPEC:-torch==2.13.0}"
-    "${PIP[@]}" install "${TORCH_SPEC:-torch==2.13.0}"
+    pip_install "${TORCH_SPEC:-torch==2.13.0}"
 fi
 
 stamp=.venv/.tensorio-setup
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "setup: installing the project (editable, with the test and trainer-integration extras)"
-    "${PIP[@]}" install -e '.[test,lightning,accelerate]' 2>&1 | grep -v "^WARNING: Location" || true
+    pip_install -e '.[test,lightning,accelerate]' || true  # the import check below says what is missing
     .venv/bin/python -c 'import tensorio, offload, bench, pytest, lightning, accelerate' # fails loudly if the install did not
     echo "$want" > "$stamp"
 fi

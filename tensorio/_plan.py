@@ -28,6 +28,28 @@ class Piece:
     mode: Mode
 
 
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Pieces back to back: ``length`` bytes from ``file_offset`` (at ``buf_offset`` in the caller's
+    buffer), cut into ``piece_bytes`` pieces (the last one may be shorter), all moved one way."""
+
+    file_offset: int
+    buf_offset: int
+    length: int
+    piece_bytes: int
+    mode: Mode
+
+    @property
+    def count(self) -> int:
+        """Pieces in the run."""
+        return -(-self.length // self.piece_bytes)
+
+    def pieces(self) -> list[Piece]:
+        """The run as one `Piece` per system call, in file order."""
+        base = self.file_offset - self.buf_offset
+        return _split(self.file_offset, self.file_offset + self.length, base, self.piece_bytes, self.mode)
+
+
 def round_up(value: int, align: int) -> int:
     """Smallest multiple of ``align`` that is >= ``value``."""
     return -(-value // align) * align
@@ -48,7 +70,15 @@ def _split(start: int, end: int, base: int, size: int, mode: Mode) -> list[Piece
 
 
 def plan_pieces(*, offset: int, nbytes: int, buf_addr: int, block_size: int, direct: bool, align: int) -> list[Piece]:
-    """Split the request [offset, offset + nbytes) into pieces that tile it exactly, in file order.
+    """Split the request [offset, offset + nbytes) into pieces that tile it exactly, in file order
+    (`plan_runs`, one `Piece` per system call)."""
+    runs = plan_runs(offset=offset, nbytes=nbytes, buf_addr=buf_addr, block_size=block_size, direct=direct,
+                     align=align)
+    return [piece for run in runs for piece in run.pieces()]
+
+
+def plan_runs(*, offset: int, nbytes: int, buf_addr: int, block_size: int, direct: bool, align: int) -> list[Run]:
+    """Split the request [offset, offset + nbytes) into runs of pieces that tile it exactly, in file order.
 
     Without O_DIRECT: ``block_size`` pieces through the page cache. With O_DIRECT: the part of the
     range that lies on ``align`` boundaries is cut into ``piece_size`` pieces, DIRECT when the
@@ -57,13 +87,15 @@ def plan_pieces(*, offset: int, nbytes: int, buf_addr: int, block_size: int, dir
     """
     end = offset + nbytes
     if not direct:
-        return _split(offset, end, offset, block_size, Mode.BUFFERED)
+        return _runs([(offset, end, block_size, Mode.BUFFERED)], offset)
     body_start, body_end = round_up(offset, align), round_down(end, align)
     if body_start >= body_end:
-        return _split(offset, end, offset, piece_size(block_size, True, align), Mode.BUFFERED)
+        return _runs([(offset, end, piece_size(block_size, True, align), Mode.BUFFERED)], offset)
     body_mode = Mode.DIRECT if (buf_addr + body_start - offset) % align == 0 else Mode.STAGED
-    return (
-        _split(offset, body_start, offset, align, Mode.BUFFERED)
-        + _split(body_start, body_end, offset, piece_size(block_size, True, align), body_mode)
-        + _split(body_end, end, offset, align, Mode.BUFFERED)
-    )
+    return _runs([(offset, body_start, align, Mode.BUFFERED),
+                  (body_start, body_end, piece_size(block_size, True, align), body_mode),
+                  (body_end, end, align, Mode.BUFFERED)], offset)
+
+
+def _runs(spans: list[tuple[int, int, int, Mode]], offset: int) -> list[Run]:
+    return [Run(start, start - offset, stop - start, size, mode) for start, stop, size, mode in spans if stop > start]

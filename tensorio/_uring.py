@@ -3,25 +3,31 @@
 Each of ``thread_count`` workers is one thread driving its own ring with ``queue_depth`` slots.
 The worker sleeps in a read of an eventfd that the ring signals on every completion and that
 ``submit`` signals on new work: liburing's own waits hold the GIL, an eventfd read releases it.
-It submits through liburing's C ``io_uring_submit`` called by ctypes (`RingSubmit`), which releases
-the GIL too: the kernel issues the I/O inside that call, and the package's binding of it holds the
-GIL meanwhile, stopping every other Python thread of the process (a training loop's included).
+Entries are written and completions read in whole batches (`RingQueues`): the DIRECT pieces of a
+request's run go in with a few numpy operations per batch and complete in bulk once every one's byte
+count is checked, with no Python object per piece; staged and buffered pieces, and any piece that
+fails or comes back short, are carried one by one as `Task`s. Submission is liburing's C
+``io_uring_submit`` called by ctypes (`RingSubmit`), which releases the GIL: the kernel issues the I/O
+inside that call, and the package's binding of it would hold the GIL meanwhile, stopping every other
+Python thread of the process (a training loop's included).
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
-import errno
+import itertools
 import logging
 import os
 import platform
-import sys
 import threading
 
 from ._buffers import aligned_tensor
 from ._config import AioConfig
-from ._request import RoundRobin, Task, byte_view, join_or_hand_off
+from ._plan import Mode, Piece
+from ._request import RoundRobin, Span, Task, byte_view, join_or_hand_off
+from ._ring import OP_READ, OP_WRITE, RingQueues, RingSubmit
+
+__all__ = ["MIN_KERNEL", "RingSubmit", "UringBackend", "probe_io_uring"]
 
 log = logging.getLogger("tensorio")
 
@@ -56,111 +62,20 @@ def _probe_once() -> tuple[bool, str]:
         import liburing as L
     except ImportError as exc:
         return False, f"the liburing package is not importable ({exc}); pip install liburing"
-    try:
-        SlotIovec(L)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        return False, f"the installed liburing {L.__version__} is not usable: {exc}"
     ring = L.Ring()
     try:
         L.io_uring_queue_init(2, ring)
     except OSError as exc:
         return False, f"io_uring_setup failed ({exc.strerror}); io_uring may be disabled (sysctl or seccomp)"
     try:
-        try:
-            submit = RingSubmit(L, ring)
-        except (AttributeError, OSError, RuntimeError) as exc:
-            return False, f"the installed liburing {L.__version__} is not usable: {exc}"
-        sqe = L.io_uring_get_sqe(ring)
-        L.io_uring_prep_nop(sqe)
-        L.io_uring_sqe_set_data64(sqe, 7)
-        submit()
-        cqe = L.Cqe()
-        L.io_uring_wait_cqe(ring, cqe)
-        entry = cqe[0]
-        ok = entry.user_data == 7 and entry.res == 0
-        L.io_uring_cqe_seen(ring, entry)
+        RingQueues(L, ring)  # writes, submits and reaps a no-op through the batched path
+    except (AttributeError, RuntimeError, TypeError, ValueError) as exc:
+        return False, f"the installed liburing {L.__version__} is not usable: {exc}"
     except OSError as exc:
         return False, f"an io_uring no-op failed ({exc.strerror})"
     finally:
         L.io_uring_queue_exit(ring)
-    if not ok:
-        return False, "an io_uring no-op completed wrongly"
     return True, f"io_uring works (Linux {platform.release()}, liburing {L.__version__})"
-
-
-# The liburing package's Iovec never releases the buffers it was built from: one Iovec per piece
-# would keep every tensor it ever moved alive. So each ring slot builds one Iovec, once, over a
-# one-byte anchor, and points its C `struct iovec` at each piece's memory. The object layout this
-# relies on (PyObject header, then `size_t len`, then `struct iovec *`) is checked by `SlotIovec`
-# itself, and by the probe, before any I/O: a liburing that lays it out otherwise is not used.
-_HEADER = ctypes.sizeof(ctypes.c_ssize_t) + ctypes.sizeof(ctypes.c_void_p)
-
-
-class _CIovec(ctypes.Structure):
-    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
-
-
-class SlotIovec:
-    """A liburing ``Iovec`` of one entry that can be re-pointed at any memory without a new object.
-
-    Raises RuntimeError when the installed liburing lays its Iovec out differently than expected.
-    """
-
-    def __init__(self, L) -> None:
-        self._anchor = bytearray(1)  # kept alive for good by the Iovec, by design of liburing
-        self.iovec = L.Iovec([memoryview(self._anchor)])
-        count = ctypes.c_size_t.from_address(id(self.iovec) + _HEADER).value
-        entry = _CIovec.from_address(ctypes.c_void_p.from_address(id(self.iovec) + _HEADER + 8).value)
-        anchor = ctypes.addressof(ctypes.c_char.from_buffer(self._anchor))
-        if count != 1 or entry.iov_base != anchor or entry.iov_len != 1:
-            raise RuntimeError("liburing's Iovec layout is not the one tensorio knows")
-        self._entry = entry
-
-    def point(self, address: int, length: int) -> None:
-        """Make the Iovec describe ``length`` bytes at ``address``."""
-        self._entry.iov_base = address
-        self._entry.iov_len = length
-
-
-# The liburing package holds the GIL in every call, `io_uring_submit` included, in which the kernel
-# issues the I/O (milliseconds for a batch of O_DIRECT pieces). Its extension exports liburing's C
-# functions, and its `Ring` object holds a pointer to the C `struct io_uring` right after the PyObject
-# header; `RingSubmit` calls the C function on that struct through ctypes, which releases the GIL.
-# The pointer is checked before use: the struct must hold the ring's flags, fd, features and
-# registered fd, as the binding reports them, side by side (as liburing's struct io_uring does).
-_STRUCT_SCAN = 512  # bytes of struct io_uring searched for those fields (it is 216 in liburing 2.x)
-
-
-class RingSubmit:
-    """``io_uring_submit`` on a liburing ``Ring`` without holding the GIL: call it to submit every
-    prepared entry; returns how many the kernel took, raises OSError for a failed system call.
-
-    Raises RuntimeError (at construction) when the Ring's layout is not the one tensorio knows, and
-    OSError or AttributeError when the package's extension does not export ``io_uring_submit``.
-    """
-
-    def __init__(self, L, ring) -> None:
-        library = ctypes.CDLL(sys.modules[L.io_uring_submit.__module__].__file__)
-        self._submit = library.io_uring_submit
-        self._submit.argtypes = [ctypes.c_void_p]
-        self._submit.restype = ctypes.c_int
-        self._ring = ring  # the C struct lives as long as this object
-        address = ctypes.c_void_p.from_address(id(ring) + _HEADER).value
-        if not address or ring.ring_fd <= 0:
-            raise RuntimeError("liburing's Ring layout is not the one tensorio knows (no initialised ring)")
-        expected = [value & 0xFFFFFFFF for value in (ring.flags, ring.ring_fd, ring.features, ring.enter_ring_fd)]
-        words = list((ctypes.c_uint32 * (_STRUCT_SCAN // 4)).from_address(address))
-        if sum(words[i:i + 4] == expected for i in range(len(words) - 3)) != 1:
-            raise RuntimeError("liburing's Ring layout is not the one tensorio knows")
-        self._address = address
-
-    def __call__(self) -> int:
-        while True:
-            submitted = self._submit(self._address)
-            if submitted >= 0:
-                return submitted
-            if submitted != -errno.EINTR:
-                raise OSError(-submitted, f"io_uring_submit: {os.strerror(-submitted)}")
 
 
 class UringBackend:
@@ -174,9 +89,9 @@ class UringBackend:
         for worker in self._workers:
             worker.start()
 
-    def submit(self, tasks: list[Task]) -> None:
-        """Queue a request's pieces, spread over the workers."""
-        for worker, share in zip(self._workers, self._spread.split(tasks)):
+    def submit(self, items: list[Span | Task]) -> None:
+        """Queue a request's runs (or Tasks), spread over the workers."""
+        for worker, share in zip(self._workers, self._spread.split(items)):
             if share:
                 worker.enqueue(share)
 
@@ -192,6 +107,31 @@ class UringBackend:
             worker.close()
 
 
+# A completion's tag (user data) says what it finished: a Task in staging slot N is TASK | N; piece i
+# (from the start of its flight) of a span's flight F is F << 32 | i.
+_TASK = 1 << 62
+_TASK_FLIGHT = _TASK >> 32
+_FLIGHTS = 1 << 30  # flight numbers cycle below this
+
+
+class _Flight:
+    """A span's DIRECT pieces, pushed in batches: where they start (tags count pieces from there)
+    and how many are in flight."""
+
+    __slots__ = ("span", "origin", "inflight")
+
+    def __init__(self, span: Span) -> None:
+        self.span = span
+        self.origin = span.next_offset
+        self.inflight = 0
+
+    def piece(self, index: int) -> Piece:
+        """Piece ``index`` of the flight."""
+        span = self.span
+        offset = self.origin + index * span.piece_bytes
+        return Piece(offset, offset - span.request.offset, min(span.piece_bytes, span.end - offset), Mode.DIRECT)
+
+
 class _Worker(threading.Thread):
     def __init__(self, config: AioConfig, piece_bytes: int, align: int, index: int) -> None:
         super().__init__(name=f"tensorio-uring-{index}", daemon=True)
@@ -204,26 +144,33 @@ class _Worker(threading.Thread):
         self._align = align
         self._ring = L.Ring()
         L.io_uring_queue_init(max(2, 1 << (self._depth - 1).bit_length()), self._ring)
-        self._submit = RingSubmit(L, self._ring)
+        self._queues = RingQueues(L, self._ring)
         self._wakeup = os.eventfd(0, os.EFD_CLOEXEC)
         L.io_uring_register_eventfd(self._ring, self._wakeup)
-        self._incoming: collections.deque[Task] = collections.deque()
+        self._incoming: collections.deque[Span | Task] = collections.deque()
         self._stopping = False
         self._broken: BaseException | None = None  # set when the ring itself failed
         self._enqueue_lock = threading.Lock()  # orders enqueue against the ring failing
-        # One staging buffer and one iovec per slot: anonymous mappings that cost RSS only once used.
+        # One staging buffer per slot: anonymous mappings that cost RSS only once used. A Task holds a
+        # slot from its start to its finish; span pieces hold none (they move the caller's memory).
         self._staging = [byte_view(aligned_tensor(piece_bytes)) for _ in range(self._depth)]
-        self._iovecs = [SlotIovec(L) for _ in range(self._depth)]
+        self._free_slots = list(range(self._depth))
+        self._tasks: dict[int, Task] = {}  # slot -> the Task whose system call the kernel holds
+        self._again: collections.deque[tuple[int, Task]] = collections.deque()  # short transfers to continue
+        self._flights: dict[int, _Flight] = {}  # flight number -> the flight
+        self._numbers = itertools.count()
+        self._pushing: tuple[Span, int] | None = None  # the span being pushed, and its flight number
+        self._inflight = 0  # pieces the kernel holds
 
-    def enqueue(self, tasks: list[Task]) -> None:
+    def enqueue(self, items: list[Span | Task]) -> None:
         with self._enqueue_lock:
             broken = self._broken
             if broken is None:
-                self._incoming.extend(tasks)
+                self._incoming.extend(items)
                 os.eventfd_write(self._wakeup, 1)
                 return
-        for task in tasks:  # the ring failed earlier: fail at once rather than queue for nobody
-            task.finish(task.error_from(broken))
+        for item in items:  # the ring failed earlier: fail at once rather than queue for nobody
+            _fail(item, broken)
 
     def stop(self) -> None:
         """Ask the worker to finish what it holds and exit; ``join`` it, then ``close`` it."""
@@ -234,91 +181,181 @@ class _Worker(threading.Thread):
         os.close(self._wakeup)
 
     def run(self) -> None:
-        L, ring = self._L, self._ring
-        free = list(range(self._depth))
-        inflight: dict[int, Task] = {}  # slot -> the task whose piece the kernel holds
-        again: collections.deque[tuple[int, Task]] = collections.deque()  # short transfers to continue
-        cqe = L.Cqe()
         try:
             while True:
-                # 1. Reap every completion already posted; never block inside liburing (it holds the GIL).
-                for _ in range(L.io_uring_cq_ready(ring)):
-                    L.io_uring_peek_cqe(ring, cqe)
-                    entry = cqe[0]
-                    slot = entry.user_data
-                    try:
-                        result = entry.res
-                    except OSError as exc:  # the binding raises for a negative result
-                        result = -(exc.errno or errno.EIO)
-                    L.io_uring_cqe_seen(ring, entry)
-                    task = inflight.pop(slot)
-                    try:
-                        if not task.advance(result, self._align):
-                            again.append((slot, task))
-                            continue
-                        error = None
-                    except Exception as exc:
-                        error = task.error_from(exc)
-                    task.finish(error)
-                    free.append(slot)
-
-                # 2. Submit: at once as slots free up (overlap_events), else only once the batch drained.
-                if self._overlap or not inflight:
-                    prepared = 0
-                    while again:
-                        slot, task = again.popleft()
-                        self._prep(slot, task)
-                        inflight[slot] = task
-                        prepared += self._submit_one()
-                    while free and self._incoming:
-                        task = self._incoming.popleft()
-                        if task.request.error is not None:  # the request already failed: skip
-                            task.finish(None)
-                            continue
-                        slot = free.pop()
-                        try:
-                            task.begin(self._staging[slot])
-                        except Exception as exc:
-                            task.finish(task.error_from(exc))
-                            free.append(slot)
-                            continue
-                        self._prep(slot, task)
-                        inflight[slot] = task
-                        prepared += self._submit_one()
-                    if prepared:
-                        self._submit()  # releases the GIL
-
-                if self._stopping and not inflight and not again and not self._incoming:
+                self._reap()  # 1. every completion already posted, in one batch
+                if self._overlap or not self._inflight:  # 2. refill: as slots free up, or once drained
+                    if self._fill() or self._queues.unsubmitted():
+                        self._queues.submit()  # the kernel issues the I/O here (GIL released)
+                if self._stopping and not self._inflight and not self._again and not self._incoming:
                     return
-                # 3. Sleep until a completion or new work arrives (releases the GIL).
-                os.eventfd_read(self._wakeup)
+                os.eventfd_read(self._wakeup)  # 3. sleep until a completion or new work (GIL released)
         except Exception as exc:  # the ring itself failed: fail every piece it holds, never hang
             log.error("tensorio: io_uring worker failed: %r", exc)
             with self._enqueue_lock:
                 self._broken = exc
         finally:
-            L.io_uring_queue_exit(ring)  # waits for or cancels what the kernel still holds
-        with self._enqueue_lock:  # from here on enqueue fails tasks itself
-            stranded = list(inflight.values()) + [task for _, task in again] + list(self._incoming)
+            self._L.io_uring_queue_exit(self._ring)  # waits for or cancels what the kernel still holds
+        self._fail_stranded()
+
+    # ---- 1. completions ------------------------------------------------------------------------
+
+    def _reap(self) -> None:
+        """Account for every posted completion, checking each one's byte count: a batch of one
+        flight's whole pieces in one step, anything else entry by entry."""
+        done = self._queues.completions()
+        count = len(done)
+        if not count:
+            return
+        numbers = done["tag"] >> 32
+        number = int(numbers[0])
+        flight = self._flights.get(number) if number != _TASK_FLIGHT else None
+        if flight is not None and (numbers == number).all() and (done["res"] == flight.span.piece_bytes).all():
+            self._queues.release(count)
+            self._inflight -= count
+            self._land(number, flight, count).request.pieces_finished(count)
+            return
+        entries = list(zip(done["tag"].tolist(), done["res"].tolist()))
+        self._queues.release(count)
+        self._inflight -= count
+        whole: dict[int, int] = {}  # flight number -> pieces that moved their whole length
+        for tag, result in entries:
+            number, index = tag >> 32, tag & 0xFFFFFFFF
+            if number == _TASK_FLIGHT:
+                self._continue(index, self._tasks.pop(index), result)
+                continue
+            flight = self._flights[number]
+            piece = flight.piece(index)
+            if result == piece.length:
+                whole[number] = whole.get(number, 0) + 1
+            else:  # failed or short: from here on the piece is a Task of its own
+                self._land(number, flight, 1)
+                self._continue(self._free_slots.pop(), Task(flight.span.request, piece), result)
+        for number, pieces in whole.items():
+            self._land(number, self._flights[number], pieces).request.pieces_finished(pieces)
+
+    def _land(self, number: int, flight: _Flight, count: int) -> Span:
+        """Count ``count`` pieces of a flight as no longer in flight; returns its span."""
+        flight.inflight -= count
+        if not flight.inflight and not flight.span.remaining:
+            del self._flights[number]
+        return flight.span
+
+    def _continue(self, slot: int, task: Task, result: int) -> None:
+        """Account for a Task's system call: queue its continuation, or finish it and free its slot."""
+        try:
+            if not task.advance(result, self._align):
+                self._again.append((slot, task))
+                return
+            error = None
+        except Exception as exc:
+            error = task.error_from(exc)
+        task.finish(error)
+        self._free_slots.append(slot)
+
+    # ---- 2. submissions ------------------------------------------------------------------------
+
+    def _fill(self) -> int:
+        """Prepare entries for continuations and new pieces while the queue has room; returns how many
+        are left for ``submit`` (none with single_submit, which submits each at once)."""
+        room = self._depth - self._inflight - len(self._again)
+        tasks = list(self._again)
+        self._again.clear()
+        prepared = 0
+        incoming = self._incoming
+        while room > 0 and incoming:
+            item = incoming[0]
+            if item.request.error is not None:  # the request already failed: skip what is left of it
+                incoming.popleft()
+                if isinstance(item, Span):
+                    item.request.pieces_finished(item.drop())
+                else:
+                    item.finish(None)
+                continue
+            if isinstance(item, Span) and item.mode is Mode.DIRECT:
+                count = min(room, item.remaining)
+                self._push_span(item, count)
+                room -= count
+                prepared += count
+            else:
+                task = item.take_task() if isinstance(item, Span) else item
+                slot = self._free_slots.pop()
+                try:
+                    task.begin(self._staging[slot])
+                except Exception as exc:
+                    task.finish(task.error_from(exc))
+                    self._free_slots.append(slot)
+                else:
+                    tasks.append((slot, task))
+                    room -= 1
+            if not isinstance(item, Span) or not item.remaining:
+                incoming.popleft()
+                if self._pushing is not None and self._pushing[0] is item:
+                    self._pushing = None  # its flight stays until its last piece lands
+        if tasks:
+            self._push_tasks(tasks)
+            prepared += len(tasks)
+        return 0 if self._single_submit else prepared
+
+    def _push_span(self, span: Span, count: int) -> None:
+        """Prepare the next ``count`` pieces of ``span`` as one batch of entries."""
+        if self._pushing is None or self._pushing[0] is not span:
+            number = next(self._numbers) % _FLIGHTS
+            self._flights[number] = _Flight(span)
+            self._pushing = (span, number)
+        number = self._pushing[1]
+        flight = self._flights[number]
+        op, fd = (OP_WRITE if span.request.write else OP_READ), span.request.file.fd
+        index = (span.next_offset - flight.origin) // span.piece_bytes
+        offset, address = span.next_offset, span.address()
+        flight.inflight += count
+        self._inflight += count
+        span.skip(count)
+        if not self._single_submit:
+            self._queues.push_run(op, fd, offset, address, span.piece_bytes, count, span.end, number << 32 | index)
+            return
+        for i in range(count):  # one system call per piece
+            step = i * span.piece_bytes
+            self._queues.push_run(op, fd, offset + step, address + step, span.piece_bytes, 1, span.end,
+                                  number << 32 | (index + i))
+            self._queues.submit()
+
+    def _push_tasks(self, tasks: list[tuple[int, Task]]) -> None:
+        """Prepare one entry for each (slot, Task): its next system call."""
+        for slot, task in tasks:
+            address, length = task.window_span()
+            self._tasks[slot] = task
+            self._queues.push_one(OP_WRITE if task.request.write else OP_READ, task.fd, task.position, address,
+                                  length, _TASK | slot)
+            if self._single_submit:
+                self._queues.submit()
+        self._inflight += len(tasks)
+
+    def _fail_stranded(self) -> None:
+        """After the ring stopped: fail whatever it still held or had queued."""
+        with self._enqueue_lock:  # from here on enqueue fails items itself
+            stranded: list[Span | Task] = list(self._tasks.values()) + [task for _, task in self._again]
+            stranded += list(self._incoming)
+            flights = list(self._flights.values())
             self._incoming.clear()
-        for task in stranded:
-            task.finish(task.error_from(self._broken or RuntimeError("io_uring worker stopped")))
+        error = self._broken or RuntimeError("io_uring worker stopped")
+        for flight in flights:
+            if flight.inflight:  # its untaken pieces are failed with the incoming items
+                flight.span.request.pieces_finished(flight.inflight, _error_for(flight.span, error))
+        for item in stranded:
+            _fail(item, error)
 
-    def _prep(self, slot: int, task: Task) -> None:
-        L = self._L
-        slot_iovec = self._iovecs[slot]
-        slot_iovec.point(*task.window_span())
-        iovec = slot_iovec.iovec
-        sqe = L.io_uring_get_sqe(self._ring)
-        if task.request.write:
-            L.io_uring_prep_writev(sqe, task.fd, iovec, task.position)
-        else:
-            L.io_uring_prep_readv(sqe, task.fd, iovec, task.position)
-        L.io_uring_sqe_set_data64(sqe, slot)
 
-    def _submit_one(self) -> int:
-        """Count a prepared entry; with single_submit, submit it now with its own system call."""
-        if self._single_submit:
-            self._submit()
-            return 0
-        return 1
+def _error_for(span: Span, exc: BaseException):
+    return Task(span.request, Piece(span.next_offset, span.next_offset - span.request.offset,
+                                    span.piece_bytes, span.mode)).error_from(exc)
+
+
+def _fail(item: Span | Task, exc: BaseException) -> None:
+    """Finish every piece of ``item`` as failed with ``exc``."""
+    if isinstance(item, Span):
+        count = item.drop()
+        if count:
+            item.request.pieces_finished(count, _error_for(item, exc))
+    else:
+        item.finish(item.error_from(exc))

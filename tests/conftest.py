@@ -17,6 +17,11 @@ from pathlib import Path
 import pytest
 
 from bench.fio import fio_path
+from offload.device._simtorch import install as install_simulated_device
+
+# The simulated device's torch device type ("simgpu") must exist before the process's first backward:
+# torch's autograd sizes its per-device queues then (`offload.device._simtorch.install`).
+install_simulated_device()
 
 REPO = Path(__file__).resolve().parent.parent
 

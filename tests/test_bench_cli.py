@@ -91,11 +91,18 @@ def test_sweep_writes_json_csv_png_and_an_aio_section_that_loads_unchanged(disk_
 def test_sweep_compares_its_best_with_fio(disk_dir, tmp_path, capsys):
     assert main(["sweep", str(disk_dir), *TINY_SWEEP, "--backend", "threads", "--out-dir", str(tmp_path / "r"),
                  "--config-out", str(tmp_path / "a.json")]) == 0
-    assert "of fio" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "of fio" in printed
     fio = json.loads((tmp_path / "r" / "sweep.json").read_text())["disks"][0]["fio"]
     assert {(c["role"], c["rw"]) for c in fio} == {("read", "read"), ("write", "write"), ("both", "read"),
                                                    ("both", "write")}
     assert all(c["fio_bw_bytes"] > 0 and c["ratio"] > 0 and "--overwrite=1" in c["fio_command"] for c in fio)
+    assert all(c["ours_cpu_us_per_io"] >= 0 and c["fio_cpu_us_per_io"] >= 0 for c in fio)  # CPU per I/O, each
+    # ours and fio side by side at each block size, with the CPU per I/O of each
+    table = printed[printed.index("at each block size"):].splitlines()[2:]
+    rows = [line.split() for line in table if line.strip() and line.split()[0] in ("128K", "1M")]
+    assert {(r[0], r[2]) for r in rows} == {(bs, rw) for bs in ("128K", "1M") for rw in ("write", "read")}
+    assert all(float(r[3]) > 0 and float(r[4]) > 0 and float(r[6]) >= 0 and float(r[7]) >= 0 for r in rows)
     assert list(disk_dir.iterdir()) == []
 
 

@@ -34,6 +34,52 @@ def filled(device, n: int, value: float) -> torch.Tensor:
     return host
 
 
+# ---- what torch sees: a device of its own, as CUDA ---------------------------------------------------
+
+
+def test_device_tensors_are_another_device_to_torch_and_compute_as_the_cpu(late):
+    """Device buffers report the simulated device type; compute on them is the CPU's, bit for bit."""
+    buffer = late.empty(12, torch.float32, name="w")
+    assert buffer.device == late.torch_device and buffer.device.type == "simgpu" and late.owns(buffer)
+    late.compute_stream.wait_event(late.to_device(buffer, filled(late, 12, 0.5), stream=late.new_stream("s")))
+    late.check_ready(buffer)
+    x = torch.randn(3, 4)
+    out = torch.nn.functional.gelu(x.to(late.torch_device) @ buffer.view(4, 3))
+    assert out.device == late.torch_device and not late.owns(x)
+    assert torch.equal(out.cpu(), torch.nn.functional.gelu(x @ torch.full((4, 3), 0.5)))
+
+
+def test_an_op_mixing_device_and_host_tensors_raises_as_on_a_gpu(late):
+    """As CUDA: a non-scalar host tensor in a device op raises CUDA's error, naming both devices (torch's
+    own check where it has one, the device's otherwise); a 0-dim host tensor and copies are fine."""
+    device_tensor = torch.ones(4, 8).to(late.torch_device)
+    mixed = r"Expected all tensors to be on the same device, but found at least two devices, simgpu:0 and cpu!"
+    with pytest.raises(RuntimeError, match=mixed):
+        torch.nn.functional.mse_loss(device_tensor, torch.zeros(4, 8))
+    with pytest.raises(RuntimeError, match=mixed + r" \(in aten::cat.*\.to\(device\) first"):
+        torch.cat([device_tensor, torch.zeros(1, 8)])
+    assert float((device_tensor * torch.tensor(2.0)).sum()) == 64.0
+    host = torch.empty(4, 8)
+    host.copy_(device_tensor)
+    assert torch.equal(host, torch.ones(4, 8))
+
+
+def test_a_device_tensor_as_parameter_data_replaces_its_gradient_accumulator_as_cuda():
+    """What broke training on an H100: autograd gives a parameter a new AccumulateGrad node when its
+    ``.data`` changes device type (a hook on the old node no longer runs). The simulated device's tensors
+    do that, as CUDA's; CPU data of another size does not."""
+    with SimulatedDevice() as device:
+        param = torch.nn.Parameter(torch.zeros(3, 5))
+        first = param.view_as(param).grad_fn.next_functions[0][0]
+        param.data = torch.zeros(0)
+        assert param.view_as(param).grad_fn.next_functions[0][0] is first
+        param.data = torch.ones(3, 5).to(device.torch_device)
+        assert param.device.type == "simgpu"
+        assert param.view_as(param).grad_fn.next_functions[0][0] is not first
+        (param * 2).sum().backward()
+        assert param.grad.device.type == "simgpu" and torch.equal(param.grad.cpu(), torch.full((3, 5), 2.0))
+
+
 # ---- bug class 1: a device buffer read before its copy's event ------------------------------------
 
 
@@ -46,7 +92,7 @@ def test_device_buffer_read_before_the_compute_stream_waited_is_caught(late):
     assert torch.isnan(buffer).all()  # ground truth: the bytes are not there (a slipped read computes on NaN)
     late.compute_stream.wait_event(copied)
     late.check_ready(buffer)  # now ordered: the compute stream runs the copy first
-    assert torch.equal(buffer, torch.full((1000,), 3.0))
+    assert torch.equal(buffer.cpu(), torch.full((1000,), 3.0))
 
 
 def test_a_view_of_the_buffer_is_checked_too(late):
@@ -78,7 +124,7 @@ def test_host_synchronize_orders_every_later_read(late):
     buffer = late.empty(8, torch.float32, name="w")
     late.to_device(buffer, filled(late, 8, 5.0), stream=late.new_stream("copies")).synchronize()
     late.check_ready(buffer)
-    assert torch.equal(buffer, torch.full((8,), 5.0))
+    assert torch.equal(buffer.cpu(), torch.full((8,), 5.0))
 
 
 # ---- bug class 2: a host buffer refilled while a copy still reads it --------------------------------

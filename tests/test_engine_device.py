@@ -42,8 +42,8 @@ def device(request):
 
 
 def on(device) -> torch.device:
-    """Where the plain PyTorch reference computes: the same GPU, or the CPU for the simulated device."""
-    return torch.device("cuda") if device == "cuda" else torch.device("cpu")
+    """Where the plain PyTorch reference computes: the same device (the GPU, or the simulated one)."""
+    return torch.device("cuda") if device == "cuda" else device.torch_device
 
 
 def to(batches, where: torch.device):
@@ -63,6 +63,36 @@ def run_reference(build, batches, loss_fn, gas, device, dtype=None, clip=0.0, lo
         losses, params = reference_16bit(model, to(batches, where), loss_fn, gas, dtype, clip=clip,
                                          loss_scale=loss_scale)
     return losses, host(params)
+
+
+@pytest.mark.simulated
+def test_a_loss_with_its_label_left_on_the_host_raises_as_on_a_gpu(disk_dir):
+    """A loss computed from the engine's output with the label on the host: the engine never sees that
+    loss (docs/gpu.md moves the label, as DeepSpeed's users do); the device raises CUDA's error, naming
+    both devices. Labels handed to the engine itself are moved with the inputs."""
+    device = SimulatedDevice(seed=1, max_delay_s=0.0, register_host=True)
+    engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, "cpu", "none"), compute_device=device)
+    x, y = mlp_batches(1)[0]
+    out = engine(x)
+    assert out.device == engine.device.torch_device == torch.device("simgpu", 0)
+    with pytest.raises(RuntimeError, match=r"Expected all tensors to be on the same device, but found at least "
+                                           r"two devices, simgpu:0 and cpu!"):
+        nn.functional.mse_loss(out, y)
+    engine.backward(nn.functional.mse_loss(out, y.to(engine.device.torch_device)))  # the fix
+    engine.step()
+    assert engine.global_steps == 1
+    engine.close()
+    device.close()
+    gpt2_engine, *_ = initialize(model=gpt2(), config=engine_config(disk_dir, "cpu", "none", micro=2),
+                                 compute_device=SimulatedDevice(seed=2, max_delay_s=0.0, register_host=True))
+    batch = gpt2_batches(1)[0]
+    engine_loss = gpt2_engine(batch, labels=batch).loss  # host labels, moved with the inputs
+    assert engine_loss.device.type == "simgpu"
+    gpt2_engine.backward(engine_loss)
+    gpt2_engine.step()
+    sim = gpt2_engine.device
+    gpt2_engine.close()
+    sim.close()
 
 
 @pytest.mark.parametrize("gas", [1, pytest.param(2, marks=pytest.mark.slow)])

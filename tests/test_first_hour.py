@@ -19,7 +19,7 @@ from test_engine import engine_config, gpt2, gpt2_batches, gpt2_loss
 from test_infer_generate import saved_model
 
 from offload.infer import init_inference
-from offload.infer.plan import BudgetError, UnitSize, format_bytes, make_plan
+from offload.infer.plan.host import BudgetError, UnitSize, format_bytes, make_plan
 from offload.train.engine import initialize
 
 REPO = Path(__file__).resolve().parent.parent
@@ -100,7 +100,8 @@ def test_inference_max_in_cpu_zero_streams_everything_streamable(llama):
         must = {u.name for u in plan.units if not u.streamable}
         assert plan.resident == must and must  # embeddings and norms stay; every layer is streamed
         assert len(plan.streamed) == len([u for u in plan.units if u.streamable])
-        assert "budget 0: everything streamable is streamed, only what must stay is in memory" in plan.describe()
+        assert ("budget 0 for resident weights and the KV cache (everything streamable is streamed; only what must "
+                "stay is in memory)") in plan.describe()
         out = engine.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
     expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
     assert torch.equal(out, expected)

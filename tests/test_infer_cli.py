@@ -38,7 +38,7 @@ def test_prompt_ids_stream_and_figures(gpt2):
     directory, model = gpt2
     out = io.StringIO()
     figures = main([str(directory), "--prompt-ids", "5,17,99,3", "--max-new-tokens", "6", "--batch-size", "2",
-                    "--max-in-cpu", tight_budget(directory, 2), "--disk-gbps", "1.5", "--json"], out=out)
+                    "--max-in-cpu", tight_budget(directory, 2), "--disk-gbps", "1.5"], out=out)
     text = out.getvalue()
     expected = _expected(model, [5, 17, 99, 3], 6)
     assert figures["tokens"] == expected

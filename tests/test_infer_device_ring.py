@@ -22,7 +22,7 @@ from test_infer_generate import (NEW_TOKENS, PAD, assert_same_generation, build_
 
 from offload.device import DeviceSyncError, SimulatedDevice, cuda_available, device_for
 from offload.infer import BudgetError, init_inference
-from offload.infer.device_ring import DeviceRing
+from offload.infer.stream.device_ring import DeviceRing
 
 TOKENS = 8 + NEW_TOKENS
 
@@ -70,7 +70,7 @@ def small_device(directory, batch: int, tiers: str, **device_args):
     """(device, engine): a simulated device of `tier_settings`' budget, and an engine on it; on exit,
     checks that the engine gave every device buffer back."""
     budget, settings = tier_settings(directory, batch, tiers)
-    with SimulatedDevice(budget_bytes=budget, budget_setting="max_memory[0]", **device_args) as device:
+    with SimulatedDevice(host_tensors=True, budget_bytes=budget, budget_setting="max_memory[0]", **device_args) as device:
         with init_inference(directory, compute_device=device, **settings) as engine:
             yield device, engine
         assert device.allocated_bytes == 0  # closing the engine gave every device buffer back
@@ -146,7 +146,7 @@ def test_a_longer_generation_moves_layers_off_the_device_for_its_kv_cache(models
     budget, settings = tier_settings(directory, 1, "mixed")
     budget += sizes(directory, 1)["slot"]  # room for a decoder layer too
     settings["max_in_cpu"] = "1GiB"
-    with SimulatedDevice(seed=4, budget_bytes=budget, budget_setting="max_memory[0]") as device:
+    with SimulatedDevice(host_tensors=True, seed=4, budget_bytes=budget, budget_setting="max_memory[0]") as device:
         with init_inference(directory, compute_device=device, **settings) as engine:
             short = generate(engine, 1)
             kept = engine.plan.device.resident
@@ -173,7 +173,7 @@ def test_a_meta_model_in_another_dtype_reads_every_unit_from_the_converted_copy(
         meta = transformers.AutoModelForCausalLM.from_config(model.config)
     budget, settings = tier_settings(directory, 1, "mixed")
     ids, mask = prompts(1)
-    with SimulatedDevice(seed=5, budget_bytes=budget, budget_setting="max_memory[0]") as device:
+    with SimulatedDevice(host_tensors=True, seed=5, budget_bytes=budget, budget_setting="max_memory[0]") as device:
         with pytest.raises(ValueError, match=r"offload_param.nvme_path: dtype torch.bfloat16 differs from the "
                                              r"checkpoint's \(torch.float32\) and 9 units are copied to the device as read"):
             init_inference(meta, checkpoint=directory, compute_device=device, dtype="bfloat16", **settings)
@@ -220,7 +220,7 @@ def test_a_ring_that_skips_a_wait_is_caught(models, ring, message):
     directory, _ = models["llama", torch.float32]
     budget, settings = tier_settings(directory, 1, "streamed")
     ids, mask = prompts(1)
-    with SimulatedDevice(schedule="late", budget_bytes=budget) as device:
+    with SimulatedDevice(host_tensors=True, schedule="late", budget_bytes=budget) as device:
         with init_inference(directory, compute_device=device, **settings) as engine:
             engine.streamer.reset()
             engine.streamer.stager.close()
@@ -235,7 +235,7 @@ def test_a_device_smaller_than_two_ring_slots_names_the_figures(models):
     directory, _ = models["llama", torch.float32]
     budget, settings = tier_settings(directory, 1, "streamed")
     small = budget - sizes(directory, 1)["kv"] - 2 * sizes(directory, 1)["slot"] + 1000
-    with SimulatedDevice(budget_bytes=small, budget_setting="max_memory[0]") as device:
+    with SimulatedDevice(host_tensors=True, budget_bytes=small, budget_setting="max_memory[0]") as device:
         with pytest.raises(BudgetError, match=r"max_memory\[0\]: the device budget of .* cannot hold the units that "
                                               r"must stay on the device \(.*model.embed_tokens.*\) \+ activations .* "
                                               r"\+ a copy ring of 2 x .* \(the largest layer\) = .*; raise max_memory"):

@@ -11,8 +11,8 @@ import torch
 
 from offload.infer import init_inference
 from offload.infer.config import InferenceConfig
-from offload.infer.kvcache import OffloadedKVCache
-from offload.infer.plan import BudgetError, UnitSize, place_kv
+from offload.infer.kv.cache import CACHE_KEYWORD, OffloadedKVCache
+from offload.infer.plan.host import BudgetError, UnitSize, place_kv
 from tensorio import AioHandle
 
 from test_infer_generate import PAD, build_model, one_thread, prompts, save_checkpoint, scratch_dir  # noqa: F401
@@ -132,11 +132,11 @@ def test_cache_refuses_tokens_past_its_length_and_beam_search(llama):
             with OffloadedKVCache(5, [1, 3], handle, root, max_tokens=8 + 4) as cache:
                 with pytest.raises(ValueError, match=r"kv_offload: layer 1's cache holds 12 tokens .* 13 are asked"):
                     model.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=PAD, do_sample=False,
-                                   cache=cache)
+                                   **{CACHE_KEYWORD: cache})
             with OffloadedKVCache(5, [1, 3], handle, root, max_tokens=8 + 6) as cache:
                 with pytest.raises(NotImplementedError, match=r"kv_offload: .*beam search"):
                     model.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=PAD, num_beams=2,
-                                   cache=cache)
+                                   **{CACHE_KEYWORD: cache})
         assert os.listdir(root) == []
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -151,7 +151,7 @@ def test_command_line_puts_the_cache_on_nvme(llama):
     out = io.StringIO()
     ids = [5, 17, 99, 3]
     figures = main([str(directory), "--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens", "40",
-                    "--kv-offload", "nvme", "--kv-cpu-percent", "40", "--disk-gbps", "1.0", "--json"], out=out)
+                    "--kv-offload", "nvme", "--kv-cpu-percent", "40", "--disk-gbps", "1.0"], out=out)
     assert "KV on NVMe" in out.getvalue() and figures["kv_nvme_layers"] == 3
     assert figures["kv_bytes_read"] > 0 and figures["kv_bytes_written"] > 0
     prompt = torch.tensor([ids])
@@ -211,7 +211,7 @@ def test_command_line_runs_the_block_schedule(llama):
     directory, model = llama[torch.float32]
     out = io.StringIO()
     figures = main([str(directory), "--prompt-ids", "5,17,99,3", "--max-new-tokens", "6", "--batch-size", "4",
-                    "--micro-batch-size", "2", "--kv-offload", "nvme", "--disk-gbps", "1.0", "--json"], out=out)
+                    "--micro-batch-size", "2", "--kv-offload", "nvme", "--disk-gbps", "1.0"], out=out)
     assert "block schedule: batch 4 as 2 micro-batches of 2" in out.getvalue()
     prompt = torch.tensor([[5, 17, 99, 3]])
     with torch.no_grad():
@@ -230,7 +230,7 @@ def test_memory_holds_the_ring_while_the_files_hold_the_cache(llama):
         with AioHandle() as handle, OffloadedKVCache(5, range(5), handle, root, max_tokens=8 + NEW_TOKENS) as cache:
             with torch.no_grad():
                 model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False,
-                               cache=cache)
+                               **{CACHE_KEYWORD: cache})
             ring = cache.ring
             layer_bytes = 2 * (8 + NEW_TOKENS) * ring.row_nbytes  # keys and values of one layer at the full length
             assert len(ring.buffers) == 2 and layer_bytes <= ring.buffer_nbytes < layer_bytes + 2 * 4096

@@ -22,8 +22,8 @@ from offload.device import CPU_KERNELS, CpuDevice, DeviceSyncError, SimulatedDev
 from offload.device._cuda import CudaPackedKernels
 from offload.infer import init_inference
 from offload.infer.config import WeightQuantization
-from offload.infer.plan import format_bytes
-from offload.infer.quantize import QuantLinear, quantize_weight, quantized_layout
+from offload.infer.plan.host import format_bytes
+from offload.infer.weights.quantize import QuantLinear, quantize_weight, quantized_layout
 
 NEW = 8
 TOKENS = 8 + NEW
@@ -94,7 +94,7 @@ def test_quantized_generation_on_a_small_device_equals_the_cpu_path(llama, bits,
     batch = 4
     expected, sizes = on_the_cpu(directory, root, BITS[bits], batch)
     settings = mixed_tiers(sizes)
-    with SimulatedDevice(budget_bytes=settings.pop("budget"), budget_setting="max_memory[0]", seed=seed,
+    with SimulatedDevice(host_tensors=True, budget_bytes=settings.pop("budget"), budget_setting="max_memory[0]", seed=seed,
                          schedule=schedule) as device:
         with init_inference(directory, compute_device=device, weight_quantization=BITS[bits], nvme_path=str(root),
                             **settings) as engine:
@@ -142,7 +142,7 @@ def test_the_plan_shows_each_link_s_bytes_packed_and_unquantized(llama):
     _, sizes = on_the_cpu(directory, root, BITS["int4"], 1)
     unquantized = [n for n in sizes["unquantized"] if n.startswith("model.layers.") or n == "lm_head"]
     budget = sizes["required"] + sizes["activations"] + sizes["kv"] + max(sizes["unquantized"].values())
-    with SimulatedDevice(budget_bytes=budget, budget_setting="max_memory[0]") as device:
+    with SimulatedDevice(host_tensors=True, budget_bytes=budget, budget_setting="max_memory[0]") as device:
         with init_inference(directory, compute_device=device, weight_quantization="int4", nvme_path=str(root),
                             max_in_cpu="0B", buffer_count=1, disk_gbps=1.0, host_to_device_gbps=10.0) as engine:
             plan = engine.reserve(1, TOKENS)
@@ -160,7 +160,7 @@ def test_a_ring_that_skips_a_wait_is_caught_on_packed_weights(llama):
     directory, root = llama
     _, sizes = on_the_cpu(directory, root, BITS["int4"], 1)
     settings = mixed_tiers(sizes)
-    with SimulatedDevice(schedule="late", budget_bytes=settings.pop("budget")) as device:
+    with SimulatedDevice(host_tensors=True, schedule="late", budget_bytes=settings.pop("budget")) as device:
         with init_inference(directory, compute_device=device, weight_quantization="int4", nvme_path=str(root),
                             **settings) as engine:
             engine.streamer.reset()
@@ -179,7 +179,7 @@ def test_a_quantization_the_device_cannot_run_is_refused_naming_the_setting(llam
     """The GPU's int4 kernel (tinygemm) takes bfloat16 only; the simulated device keeps that rule, so
     int4 in float32 is refused before the cache is written, while int8 in float32 runs."""
     directory, _ = llama
-    with SimulatedDevice(budget_bytes=4 << 20, budget_setting="max_memory[0]") as device:
+    with SimulatedDevice(host_tensors=True, budget_bytes=4 << 20, budget_setting="max_memory[0]") as device:
         with pytest.raises(ValueError, match=r"weight_quantization: int4 \(group 64, asymmetric\) cannot compute on the "
                                              r"simulated device: int4 runs there on torch's tinygemm kernel "
                                              r"\(_weight_int4pack_mm\), which takes bfloat16 activations only, and the "
@@ -199,7 +199,7 @@ def test_a_quantization_the_device_cannot_run_is_refused_naming_the_setting(llam
 def test_the_seam_gives_each_device_its_kernels_and_the_int4_layouts_move_the_same_bytes():
     spec = WeightQuantization(num_bits=4, group_size=64)
     assert CpuDevice().packed_kernels is CPU_KERNELS and QuantLinear(128, 64, spec, torch.bfloat16, False).kernels is CPU_KERNELS
-    with SimulatedDevice() as device:
+    with SimulatedDevice(host_tensors=True) as device:
         assert device.packed_kernels.int4_layout == CPU_KERNELS.int4_layout  # computes on the CPU: one cache
     tinygemm = CudaPackedKernels(torch.device("cuda", 0))  # its shapes are arithmetic: no GPU needed
     for out, inp in [(64, 128), (192, 64), (4096, 11008)]:

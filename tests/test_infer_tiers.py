@@ -16,7 +16,7 @@ from offload.device import SimulatedDevice, cuda_available
 from offload.infer import BudgetError, InferenceConfig, UnitSize, init_inference, make_plan
 from offload.infer.cli import main, parse_max_memory
 from offload.infer.config import MaxMemory
-from offload.infer.tiers import place_device
+from offload.infer.plan.device import place_device
 
 KiB = 1 << 10
 
@@ -164,7 +164,7 @@ def test_bad_tiers_raise_naming_the_setting_and_leave_nothing(llama, settings, m
 @pytest.mark.simulated
 def test_a_device_passed_with_another_budget_is_refused(llama):
     directory, _ = llama
-    with SimulatedDevice(budget_bytes=1 << 20) as device:
+    with SimulatedDevice(host_tensors=True, budget_bytes=1 << 20) as device:
         with pytest.raises(ValueError, match=r"max_memory\[0\]: 2097152 bytes, but the device passed as "
                                              r"compute_device has a budget of 1048576 bytes"):
             init_inference(directory, compute_device=device, max_memory={0: 2 << 20})

@@ -256,6 +256,10 @@ def test_strategy_refuses_the_deepspeed_spelling_naming_its_own(disk_dir):
     ({"config": {"zero_optimization": {"stage": 3}}, "offload_params": "nvme"},
      r"OffloadStrategy\(config=..., offload_params=...\): .* pass either config or offload_params"),
     ({"config": "no_such.json"}, r"OffloadStrategy\(config=...\): config file no_such.json .*does not exist"),
+    ({"config": {"zero_optimization": {"stage": 5}}},
+     r"^OffloadStrategy\(config=...\): zero_optimization.stage: 5 is not allowed; use 0, 1, 2 or 3$"),
+    ({"config": {"gradient_clipping": "auto", "zero_optimisation": {"stage": 3}}},
+     r"^OffloadStrategy\(config=...\): zero_optimisation: unknown key"),
 ])
 def test_strategy_refuses_bad_values_at_construction(kwargs, message):
     with pytest.raises((ValueError, OSError), match=message):
@@ -295,3 +299,14 @@ def test_lightning_auto_without_a_source_names_the_lightning_setting(disk_dir, t
     with pytest.raises(ValueError, match=r'^optimizer\.params\.lr: "auto" needs a value; return an optimizer with '
                                          r'lr from configure_optimizers or write a value$'):
         run.fit(NoOptimizer(), torch.utils.data.DataLoader(token_batches(2), batch_size=1))
+
+
+def test_trainer_errors_name_training_arguments_not_resolve_auto(tmp_path):
+    """A value the JSON writes that TrainingArguments contradicts is named in TrainingArguments' terms."""
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, learning_rate=5e-5, report_to=[],
+                                          use_cpu=True, disable_tqdm=True, save_strategy="no")
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-5}}, "zero_optimization": {"stage": 3}}
+    trainer = OffloadTrainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(4), offload_config=config)
+    with pytest.raises(ValueError, match=r"^optimizer\.params\.lr: the config says 3e-05 but "
+                                         r"TrainingArguments\(learning_rate=5e-05\); make them agree"):
+        trainer.train()

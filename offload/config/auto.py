@@ -27,8 +27,10 @@ class AutoSources:
         return self.hints.get(argument, f"pass {argument}=... to resolve_auto")
 
     def given(self, argument: str, value: Any) -> str:
-        """``argument`` as given with ``value``: "lr=5e-05" by default."""
-        return f"{self.names.get(argument, argument)}={value!r}"
+        """``argument`` as given with ``value``: "lr=5e-05" by default; a name with "{}" is a template for
+        the value ("TrainingArguments(learning_rate={})")."""
+        name = self.names.get(argument, argument)
+        return name.format(repr(value)) if "{}" in name else f"{name}={value!r}"
 
 
 def _fill(config: dict[str, Any], key: str, value: Any, *, must_match: bool = True, if_missing: bool = False,

@@ -170,6 +170,8 @@ class EngineConfig(Mapping):
         if "scheduler" in values:
             values["scheduler"] = SchedulerConfig.from_dict(values["scheduler"])
         zero = section_values(values.get("zero_optimization", {}), "zero_optimization", _ZERO_JSON_KEYS)
+        half = any(getattr(values.get(key), "enabled", False) for key in ("bf16", "fp16"))
+        _max_in_cpu_as_elements(zero, itemsize=2 if half else 4)
         values["aio"] = _read_aio(values.get("aio"), zero.pop("aio", None))
         values["zero_optimization"] = ZeroConfig.from_dict(zero)
         source = copy.deepcopy(dict(config))
@@ -188,6 +190,22 @@ class EngineConfig(Mapping):
         be read, and ValueError for bad JSON or a bad value.
         """
         return cls.from_dict(read_config(path), world_size=world_size)
+
+
+def _max_in_cpu_as_elements(zero: dict[str, Any], *, itemsize: int) -> None:
+    """``offload_param.max_in_cpu`` written as bytes ("8GiB", as inference configs take it) becomes
+    DeepSpeed's unit, elements of the parameters' dtype (``itemsize`` bytes: 2 with bf16 / fp16)."""
+    param = zero.get("offload_param")
+    value = param.get("max_in_cpu") if isinstance(param, Mapping) else None
+    if not isinstance(value, str) or value == "auto":
+        return
+    key = "zero_optimization.offload_param.max_in_cpu"
+    try:
+        nbytes = parse_size(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{key}: {value!r} is not allowed; use an integer >= 0 (elements) or \"auto\" (as many as "
+                         f"the host's available memory holds), or bytes as a size such as \"8GiB\" ({exc})") from None
+    zero["offload_param"] = {**param, "max_in_cpu": nbytes // itemsize}
 
 
 def _read_aio(top: Any, in_zero: Any) -> AioConfig:

@@ -81,8 +81,10 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
             "num_bits": 4, "group_size": args.quantize_group_size}
     if args.micro_batch_size is not None:
         values["block_schedule"] = {"micro_batch_size": args.micro_batch_size}
-    if args.kv_offload is not None or args.kv_cpu_percent is not None or args.kv_quantize is not None:
+    if any(v is not None for v in (args.kv_offload, args.kv_cpu_percent, args.kv_quantize, args.kv_buffer_count)):
         values["kv_offload"] = {"device": args.kv_offload or ("nvme" if args.kv_cpu_percent is not None else "auto")}
+        if args.kv_buffer_count is not None:
+            values["kv_offload"]["buffer_count"] = args.kv_buffer_count
         if args.kv_cpu_percent is not None:
             values["kv_offload"]["cpu_percent"] = args.kv_cpu_percent
         if args.kv_quantize is not None:
@@ -127,6 +129,8 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
                          "its files go under --nvme-path (default: the checkpoint's directory)")
     ap.add_argument("--kv-cpu-percent", type=float,
                     help="with --kv-offload nvme: the share of layers (0-100) whose cache stays in memory")
+    ap.add_argument("--kv-buffer-count", type=int,
+                    help="buffers of the read-ahead ring of a KV cache on NVMe, one layer's cache each (default 2)")
     ap.add_argument("--kv-quantize", choices=("int8", "int4", "none"),
                     help="the KV cache's keys and values stored as int8 or int4 (group 64 along the head dimension, "
                          "asymmetric), in memory and on NVMe alike")
@@ -139,7 +143,8 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", action="store_true", help="print the figures as one JSON line at the end")
+    ap.add_argument("--json", action="store_true",
+                    help="print the figures as one JSON line on stdout, everything else on stderr")
     add_debug_flag(ap)  # read by offload.cli_errors.run_command (python -m offload.generate)
     args = ap.parse_args(argv)
     if args.batch_size < 1 or args.max_new_tokens < 1:
@@ -171,7 +176,14 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
             ids = torch.tensor([[int(t) for t in args.prompt_ids.split(",") if t.strip()]])
         except ValueError:
             ap.error(f"--prompt-ids: {args.prompt_ids!r} is not a comma-separated list of integers")
+    _check_prompt_ids(ap, ids, args.checkpoint)
     ids = ids.repeat(args.batch_size, 1)
+    if args.nvme_path is not None and not os.path.isdir(args.nvme_path):
+        ap.error(f"--nvme-path: {args.nvme_path} is not an existing directory; create it or pass one that exists")
+    if args.json:  # stdout carries the JSON line alone (| jq); the plan and the tokens go to stderr
+        out, json_out = sys.stderr, out
+    else:
+        json_out = out
 
     overrides = _overrides(args)
     if InferenceConfig.from_dict(args.config, **overrides).max_in_cpu is None:
@@ -197,8 +209,25 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
         figures = _figures(engine, printer, start, end, read_start, read_end, args.batch_size)
     _report(figures, out)
     if args.json:
-        print(json.dumps(figures), file=out)
+        print(json.dumps(figures), file=json_out)
     return figures
+
+
+def _check_prompt_ids(ap: argparse.ArgumentParser, ids: torch.Tensor, checkpoint: str) -> None:
+    """Refuse (one line, through ``ap.error``) prompt ids outside the model's vocabulary, which the
+    embedding would fail on deep inside generate()."""
+    path = os.path.join(checkpoint, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            vocab = json.load(f).get("vocab_size")
+    except (OSError, ValueError):
+        return  # init_inference names what is wrong with the checkpoint
+    if ids.numel() == 0:
+        ap.error("--prompt-ids: no ids given; pass at least one, such as --prompt-ids 1")
+    bad = [int(t) for t in ids.flatten() if t < 0 or (isinstance(vocab, int) and t >= vocab)]
+    if bad:
+        ap.error(f"--prompt-ids: {bad[0]} is outside the model's vocabulary (vocab_size {vocab} in {path}); "
+                 f"use ids from 0 to {vocab - 1 if isinstance(vocab, int) else '...'}")
 
 
 def _figures(engine, printer: _Printer, start: float, end: float, read_start: int, read_end: int, batch: int) -> dict:
@@ -248,7 +277,10 @@ def _report(f: dict, out) -> None:
         print("read: nothing streamed (every weight is in memory)", file=out)
         return
     line = f"read: {f['read_gbps']:.2f} GB/s ({f['read_bytes_per_forward'] / 1e9:.3f} GB per token)"
-    if f["disk_gbps"]:
+    if f["disk_gbps"] and f["read_gbps"] > f["disk_gbps"]:  # the figure was low (a short probe, a busy disk)
+        line += (f", faster than the disk's {f['disk_gbps']:.2f} GB/s ({f['disk_source']}), which understated it: "
+                 f"give --disk-gbps (tensorio-bench run DIR --rw read measures it) for the plan's bound")
+    elif f["disk_gbps"]:
         bound = f["disk_s_per_forward"]
         line += (f", {f['read_gbps'] / f['disk_gbps']:.0%} of the disk's {f['disk_gbps']:.2f} GB/s ({f['disk_source']}); "
                  f"{f['s_per_token'] / bound:.2f}x the disk's bound of {bound:.4f} s per token")

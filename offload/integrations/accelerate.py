@@ -58,7 +58,7 @@ _SOURCES = AutoSources(
            "total_steps": "prepare accelerate.utils.DummyScheduler(optimizer, total_num_steps=...)",
            "hidden_size": "use a model with config.hidden_size"},
     names={"micro_batch_size": "the DataLoader's batch_size",
-           "gradient_accumulation_steps": "OffloadAccelerator(gradient_accumulation_steps)",
+           "gradient_accumulation_steps": "OffloadAccelerator(gradient_accumulation_steps={})",
            "max_grad_norm": "Accelerate's DeepSpeed default", "fp16": "OffloadAccelerator(mixed_precision) fp16",
            "bf16": "OffloadAccelerator(mixed_precision) bf16",
            **{name: f"the prepared optimizer's {name}" for name in ("lr", "betas", "eps", "weight_decay")}})
@@ -78,7 +78,7 @@ class OffloadAccelerator(Accelerator):
         everything else: as for ``accelerate.Accelerator``.
 
     Raises TypeError for a keyword argument Accelerator does not take (naming the closest), ValueError
-    or OSError naming ``offload_config`` when it is missing or cannot be read.
+    or OSError naming ``offload_config`` when it is missing, cannot be read or holds a bad value.
     """
 
     def __init__(self, *args: Any, offload_config: Mapping[str, Any] | str | os.PathLike | None = None,

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import difflib
 import os
+import warnings
 from typing import Any, Collection, Mapping
 
 from torch import nn
 
-from offload.config import resolve_auto
+from offload.config import EngineConfig, resolve_auto
 from offload.config.auto import AutoSources
 from offload.config.parse import AUTO, AUTO_ARGUMENTS, read_config
 
@@ -91,14 +92,45 @@ def _replace_auto(config: dict[str, Any], key: str, value: Any) -> None:
 
 
 def read_argument(argument: str, config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
-    """`read_config` of a constructor's config argument, its errors prefixed with ``argument`` (such as
-    "OffloadTrainer(offload_config=...)"). Raises what read_config raises."""
+    """`read_config` of a constructor's config argument, checked at once as far as it can be before the
+    trainer fills its "auto" values (keys, types, ranges: `EngineConfig.from_dict` without the "auto"
+    keys and the batch sizes, which depend on the run). Errors are prefixed with ``argument`` (such as
+    "OffloadTrainer(offload_config=...)"). Raises what read_config and EngineConfig.from_dict raise."""
     try:
-        return read_config(config)
+        raw = read_config(config)
+        with warnings.catch_warnings():  # said once, when the engine starts
+            warnings.simplefilter("ignore")
+            EngineConfig.from_dict(_without_auto(raw), world_size=1)
     except OSError as exc:
         raise type(exc)(exc.errno, f"{argument}: {exc.strerror}") from None
     except ValueError as exc:
         raise ValueError(f"{argument}: {exc}") from None
+    return raw
+
+
+_PLACEHOLDERS = {"gradient_clipping": 1.0, "fp16.enabled": False, "bf16.enabled": False, "bfloat16.enabled": False,
+                 "optimizer.params.lr": 1e-3, "optimizer.params.betas": [0.9, 0.999], "optimizer.params.eps": 1e-8,
+                 "optimizer.params.weight_decay": 0.0, "scheduler.params.warmup_min_lr": 0.0,
+                 "scheduler.params.warmup_max_lr": 1e-3, "scheduler.params.warmup_num_steps": 1,
+                 "scheduler.params.total_num_steps": 2, "zero_optimization.reduce_bucket_size": 1,
+                 "zero_optimization.stage3_prefetch_bucket_size": 1,
+                 "zero_optimization.stage3_param_persistence_threshold": 1}
+"""A valid value in place of each "auto" a trainer fills, to check the rest of a config before it does."""
+
+
+def _without_auto(node: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``node`` with placeholders for the "auto" values a trainer fills, and without the batch sizes."""
+    out: dict[str, Any] = {}
+    for name, value in node.items():
+        key = f"{prefix}.{name}" if prefix else name
+        if key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+            continue
+        if isinstance(value, Mapping):
+            out[name] = _without_auto(value, key)
+        else:
+            auto = isinstance(value, str) and value == AUTO and key in _PLACEHOLDERS
+            out[name] = _PLACEHOLDERS[key] if auto else value
+    return out
 
 
 def check_keywords(owner: str, given: Mapping[str, Any], known: Collection[str]) -> None:

@@ -51,8 +51,8 @@ _SOURCES = AutoSources(
            "total_steps": "set Trainer(max_steps=...) or max_epochs",
            "hidden_size": "the model has no config.hidden_size to size it from"},
     names={"micro_batch_size": "the train DataLoader's batch_size",
-           "gradient_accumulation_steps": "Trainer(accumulate_grad_batches)",
-           "max_grad_norm": "Trainer(gradient_clip_val)", "fp16": "Trainer(precision) fp16",
+           "gradient_accumulation_steps": "Trainer(accumulate_grad_batches={})",
+           "max_grad_norm": "Trainer(gradient_clip_val={})", "fp16": "Trainer(precision) fp16",
            "bf16": "Trainer(precision) bf16", "total_steps": "Trainer's estimated_stepping_batches",
            **{name: f"configure_optimizers' {name}" for name in ("lr", "betas", "eps", "weight_decay")}})
 """Each "auto" value's source in Lightning's terms, for the messages."""
@@ -99,13 +99,16 @@ class OffloadStrategy(DDPStrategy):
     ranks, in memory or on NVMe.
 
     Args:
-        config: a DeepSpeed-format config (dict or JSON path); "auto" values are filled from the Trainer
-            (``accumulate_grad_batches``, ``gradient_clip_val``, precision). None: built from the others.
+        config: a DeepSpeed-format config (dict or JSON path); "auto" values are filled from Lightning's
+            settings (the loader's batch size, ``accumulate_grad_batches``, ``gradient_clip_val``, precision,
+            ``configure_optimizers``' hyperparameters; docs/lightning.md). None: built from the others.
         offload_params, offload_optimizer: "none", "cpu" or "nvme" (without ``config``).
         nvme_path: the swap directory with "nvme" (default ``./offload_nvme``, created).
 
-    Raises ValueError for a config that disagrees with the Trainer (naming the key), several optimizers,
-    clipping by value, or an unsupported precision.
+    Raises, when constructed: TypeError for an unknown keyword (naming the closest), ValueError naming
+    the argument for a bad device, an nvme_path without NVMe, config together with the keywords, or a
+    config that cannot be read or holds a bad value. When fitting: ValueError for a config that disagrees
+    with the Trainer (naming the key), several optimizers, clipping by value, or an unsupported precision.
     """
 
     strategy_name = "offload"
@@ -176,8 +179,8 @@ class OffloadStrategy(DDPStrategy):
         wants_total = self.config.get("scheduler", {}).get("params", {}).get("total_num_steps") == "auto"
         total = trainer.estimated_stepping_batches if wants_total else float("inf")
         # As Lightning's DeepSpeedStrategy: a micro batch the config writes out is kept, else the loader's.
-        micro = self._loader_batch_size(trainer) if self.config.get("train_micro_batch_size_per_gpu", "auto") == "auto" \
-            else None
+        written = self.config.get("train_micro_batch_size_per_gpu", "auto")
+        micro = self._loader_batch_size(trainer) if written == "auto" else None
         config = trainer_config(self.config, model=module, micro_batch_size=micro,
                                 gradient_accumulation_steps=trainer.accumulate_grad_batches,
                                 max_grad_norm=trainer.gradient_clip_val or 0.0, fp16=dtype == "fp16",

@@ -25,12 +25,24 @@ from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper, DeepSpeedSched
 from torch import nn
 from transformers import Trainer
 
-from offload.integrations.config import check_keywords, read_argument, trainer_config
+from offload.integrations.config import AutoSources, check_keywords, read_argument, trainer_config
 from offload.train.engine import Engine, initialize
 
 __all__ = ["OffloadTrainer"]
 
 log = logging.getLogger("offload")
+
+_ARGUMENTS = {"micro_batch_size": "per_device_train_batch_size", "gradient_accumulation_steps": "gradient_accumulation_steps",
+              "max_grad_norm": "max_grad_norm", "lr": "learning_rate", "betas": "adam_beta1",
+              "eps": "adam_epsilon", "weight_decay": "weight_decay", "warmup_steps": "warmup_steps",
+              "total_steps": "max_steps", "fp16": "fp16", "bf16": "bf16"}
+_SOURCES = AutoSources(
+    hints={**{name: f"set TrainingArguments({arg}=...)" for name, arg in _ARGUMENTS.items()},
+           "betas": "set TrainingArguments(adam_beta1=..., adam_beta2=...)",
+           "hidden_size": "use a model with config.hidden_size"},
+    names={**{name: f"TrainingArguments({arg}={{}})" for name, arg in _ARGUMENTS.items()},
+           "betas": "TrainingArguments(adam_beta1, adam_beta2) = {}"})
+"""Each "auto" value's source in TrainingArguments' terms, for the messages."""
 
 _TRAINER_KEYWORDS = {name for name, p in inspect.signature(Trainer.__init__).parameters.items()
                      if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and name != "self"}
@@ -53,8 +65,8 @@ class OffloadTrainer(Trainer):
     optimizer, the groups are still Trainer's: no weight decay on biases and norms.
 
     Raises TypeError for a keyword argument Trainer does not take (naming the closest), ValueError or
-    OSError naming ``offload_config`` when it is missing or cannot be read, and the engine's errors
-    (naming the config key) when training starts.
+    OSError naming ``offload_config`` when it is missing, cannot be read or holds a bad value, and the
+    engine's errors (naming the config key) when training starts.
     """
 
     def __init__(self, *args: Any, offload_config: Mapping[str, Any] | str | os.PathLike | None = None,
@@ -79,7 +91,7 @@ class OffloadTrainer(Trainer):
             gradient_accumulation_steps=args.gradient_accumulation_steps, max_grad_norm=args.max_grad_norm,
             lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
             weight_decay=args.weight_decay, warmup_steps=args.get_warmup_steps(max_steps), total_steps=max_steps,
-            fp16=args.fp16, bf16=args.bf16)
+            fp16=args.fp16, bf16=args.bf16, sources=_SOURCES)
         decay = set(self.get_decay_parameter_names(self.model))
         trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         client = groups = None
@@ -135,7 +147,7 @@ class OffloadTrainer(Trainer):
         with self.compute_loss_context_manager():
             loss = self.compute_loss(engine, inputs, num_items_in_batch=num_items_in_batch)
         del inputs
-        scaled = self.loss_is_scaled_for_ga
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)  # an attribute of Trainer from transformers 5.18
         if scaled is None:  # Trainer's rule: the loss is already divided when normalised by the batch's items
             scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None
         if not scaled:

@@ -150,13 +150,15 @@ def atomic_checkpoint(
             _unlock(save_dir, lock)
 
 
-def resolve_tag(load_dir: str | os.PathLike, tag: str | None = None) -> Path:
+def resolve_tag(load_dir: str | os.PathLike, tag: str | None = None, *, tag_argument: str = "tag=") -> Path:
     """The directory of checkpoint ``tag`` in ``load_dir``, or of the tag ``latest`` names when ``tag``
     is None.
 
-    Raises FileNotFoundError when ``load_dir``, ``latest`` or the tag directory is missing,
+    Raises FileNotFoundError when ``load_dir``, ``latest`` or the tag directory is missing (naming the
+    save_dirs inside ``load_dir`` when it is a folder of them, as a Trainer's output_dir is),
     NotADirectoryError when ``load_dir`` is not a directory, ValueError when ``latest`` is empty or
-    names a bad tag; each message names the path and the tags that exist.
+    names a bad tag; each message names the path and the tags that exist, and ``tag_argument`` is how
+    the caller's user passes a tag (a command says "--tag").
     """
     load_dir = Path(load_dir)
     if not load_dir.exists():
@@ -165,17 +167,24 @@ def resolve_tag(load_dir: str | os.PathLike, tag: str | None = None) -> Path:
         )
     if not load_dir.is_dir():
         raise NotADirectoryError(f"checkpoint directory {load_dir} is not a directory; pass the save_dir itself")
-    source = "tag="
+    source = tag_argument.split()[0]
     if tag is None:
         latest = load_dir / LATEST
         if not latest.is_file():
+            inner = sorted((entry for entry in load_dir.iterdir() if (entry / LATEST).is_file()), key=_step_order)
+            if inner:  # a folder of save_dirs (a Trainer's output_dir: checkpoint-10, checkpoint-20, ...)
+                raise FileNotFoundError(
+                    f"{load_dir} is not a checkpoint but holds {len(inner)}: {', '.join(e.name for e in inner)}; "
+                    f"pass one of them as the checkpoint directory, such as {inner[-1]}"
+                )
             raise FileNotFoundError(
-                f"{latest} does not exist, so there is no newest checkpoint to load; pass tag= (tags in "
+                f"{latest} does not exist, so there is no newest checkpoint to load; pass {tag_argument} (tags in "
                 f"{load_dir}: {_tags(load_dir)}) or save a checkpoint first"
             )
         tag = latest.read_text().strip()
         if not tag:
-            raise ValueError(f"{latest} is empty; write the tag to load into it or pass tag= ({_tags(load_dir)})")
+            raise ValueError(f"{latest} is empty; write the tag to load into it or pass {tag_argument} "
+                             f"({_tags(load_dir)})")
         source = f"{latest}"
     _check_tag(tag)
     path = load_dir / tag
@@ -215,6 +224,12 @@ def _failed_anywhere(failed: bool, distributed: bool, group: dist.ProcessGroup |
     flag = torch.tensor([float(failed)], device=collective_device(group))  # NCCL: a device tensor; gloo: a CPU one
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())
+
+
+def _step_order(entry: Path) -> tuple[int, str]:
+    """Sort key: checkpoint-10 before checkpoint-9 would be wrong; by the trailing number, then the name."""
+    digits = entry.name[len(entry.name.rstrip("0123456789")):]
+    return (int(digits) if digits else -1, entry.name)
 
 
 def _tags(directory: Path) -> str:

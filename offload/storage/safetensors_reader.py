@@ -230,9 +230,14 @@ class SafetensorsCheckpoint:
         found = sorted(os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".safetensors"))
         if len(found) == 1:
             return found, {}
+        pickled = sorted(f for f in os.listdir(directory) if f.endswith(".bin") and f.startswith("pytorch_model"))
+        convert = (f"; it holds {', '.join(pickled)} (pickle, which is never loaded here: it could run code): convert "
+                   f"it once with transformers.AutoModelForCausalLM.from_pretrained({directory!r})"
+                   f".save_pretrained({directory!r}), which writes {SINGLE_NAME} beside it") if pickled else ""
         raise FileNotFoundError(
             f"checkpoint {directory}: no {SINGLE_NAME} and no {INDEX_NAME}"
-            + (f" (and {len(found)} .safetensors files, so it is not clear which are the model)" if found else ""))
+            + (f" (and {len(found)} .safetensors files, so it is not clear which are the model)" if found else "")
+            + convert)
 
     def _read_file(self, path: str, handle: AioHandle) -> None:
         size = os.stat(path).st_size

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from offload.params import ParamRecord
+from offload.train.step.failure import checksum_error_in
 
 __all__ = ["check_distributed_arguments", "check_load_arguments", "config_from_arguments", "consolidated_state_dict",
            "engine_call", "guard_misuse", "in_optimizer_order", "optimizer_param_groups", "refuse_backward_outside",
@@ -235,6 +236,11 @@ def engine_call(method: _Method) -> _Method:
         engine._calls += 1
         try:
             return method(engine, *args, **kwargs)
+        except BaseException as error:
+            corrupt = checksum_error_in(error)
+            if corrupt is not None:  # given up as any failure above; then nothing on disk is trusted
+                engine._failure.corrupt(corrupt)
+            raise
         finally:
             engine._calls -= 1
 
@@ -248,7 +254,7 @@ def refuse_backward_outside(engine: Any) -> None:
     later call would fail with "a step is under way"). Raised at the first gradient, before any is taken."""
     ref = weakref.ref(engine)
 
-    def check(grad_outputs: Any) -> None:
+    def check(grad: torch.Tensor) -> None:
         live = ref()
         if live is not None and not live._calls:
             live._store.end_backward()  # what the backward gathered before reaching this gradient
@@ -257,8 +263,8 @@ def refuse_backward_outside(engine: Any) -> None:
                                "to their partitions and runs or hands over the update, then engine.step()")
 
     for rec in engine.records:
-        if rec.accumulator is not None:
-            rec.accumulator.register_prehook(check)
+        if rec.accumulator is not None:  # the parameter's own hook: autograd may replace its AccumulateGrad node
+            rec.param.register_hook(check)
 
 
 def refuse_optimizer_step_outside(engine: Any) -> None:
