@@ -12,7 +12,6 @@ from offload.device import cuda_available
 pytestmark = [pytest.mark.bench, pytest.mark.simulated]
 
 
-@pytest.mark.fio
 def test_gpu_train_benchmark_tiny_on_the_simulated_device(tmp_path, capsys):
     pytest.importorskip("transformers")
     from benchmarks.gpu import train

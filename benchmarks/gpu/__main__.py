@@ -1,7 +1,10 @@
-"""``python -m benchmarks.gpu [infer|train] [ARGS]``: the GPU benchmarks.
+"""``python -m benchmarks.gpu [infer|train|check] [ARGS]``: the GPU benchmarks.
 
     python -m benchmarks.gpu infer --dir /nvme/bench-gpu      # generation (benchmarks/gpu/infer.py)
     python -m benchmarks.gpu train ...                        # training (benchmarks/gpu/train.py)
+    python -m benchmarks.gpu check OUTDIR                     # the GPU machine's check: the gpu tests and
+                                                              # both benchmarks, logs and summary.md in OUTDIR
+                                                              # (benchmarks/gpu/check.py; exits 0 when all passed)
     python -m benchmarks.gpu --dir /nvme/bench-gpu            # both: generation with these arguments,
                                                               # then training with its defaults
 
@@ -13,7 +16,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-PARTS = ("infer", "train")
+PARTS = ("infer", "train", "check")
 
 
 def _part(name: str):
@@ -22,8 +25,8 @@ def _part(name: str):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run the part named first in ``argv`` with the rest, or both (see the module docstring);
-    return {part: its figures}."""
+    """Run the part named first in ``argv`` with the rest, or infer and train (see the module docstring);
+    return {part: its figures} (for check: its exit status)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in PARTS:
         return {argv[0]: _part(argv[0]).main(argv[1:])}
@@ -36,4 +39,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main().get("check", 0))

@@ -7,7 +7,8 @@ seconds per token against the tiers' bound, beside Accelerate with the same ``ma
 
 1. Writes, once, the random-weight bf16 Llama of benchmarks/infer_stream.py (``--scale 0.5``, 44
    layers: about 7 GB; reused by later runs).
-2. Measures fio's O_DIRECT read speed on the same disk, and the host-to-device speed of a plain
+2. Measures fio's O_DIRECT read speed on the same disk (where fio is missing, a tensorio sequential
+   write/read of the same size, and says so), and the host-to-device speed of a plain
    pinned copy through the device seam (the link's ceiling).
 3. Runs, each in a fresh process and a memory cgroup of its own (benchmarks/_peers.py): at equal
    memory, ours with ``max_memory={0: GPU budget, "cpu": "auto"}`` in a cgroup of the host budget +
@@ -40,9 +41,9 @@ import numpy as np
 
 from benchmarks._common import RssSampler, run_child
 from benchmarks._peers import PeerRunner, memory_note
-from benchmarks.infer_stream import (Spec, _Clock, _files, _gib, fio_read_speed, model_parser, parse_or_run_child,
-                                     write_checkpoint)
-from tensorio import parse_size
+from benchmarks.disk_floor import disk_rates
+from benchmarks.infer_stream import Spec, _Clock, _files, _gib, model_parser, parse_or_run_child, write_checkpoint
+from tensorio import AioConfig, parse_size
 
 TARGET_BOUND = 1.15
 TARGET_ACCELERATE = 2.0
@@ -162,8 +163,10 @@ def main(argv: list[str] | None = None) -> dict:
     size = sum(os.path.getsize(f) for f in _files(checkpoint) if f.endswith(".safetensors"))
     print(f"checkpoint: {checkpoint} ({size / 1e9:.3f} GB; the GPU budget is {gpu / size:.0%} of it)")
 
-    # 2. The links' speeds: fio on the disk, a plain pinned copy to the device.
-    fio_bps = fio_read_speed(InferenceConfig().aio, directory, args.fio_size)
+    # 2. The links' speeds: fio on the disk (tensorio where fio is missing), a plain pinned copy to the device.
+    disk = disk_rates(AioConfig.from_dict(InferenceConfig().aio.to_dict()), directory, parse_size(args.fio_size))
+    fio_bps = disk.read_bps
+    print(disk.describe())
     with device_for(args.device, simulated_host_tensors=True) as device:
         h2d_bps = copy_speed(device, min(parse_size(args.copy_size), gpu // 2))
     print(f"host->device: {h2d_bps / 1e9:.2f} GB/s, a plain pinned copy of {_gib(min(parse_size(args.copy_size), gpu // 2))}"
@@ -190,7 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
     print("targets:")
     for line in targets:
         print("  " + line)
-    figures = {"spec": asdict(spec), "checkpoint_bytes": size, "fio_bps": fio_bps, "h2d_bps": h2d_bps,
+    figures = {"spec": asdict(spec), "checkpoint_bytes": size, "fio_bps": fio_bps, "disk_source": disk.source,
+               "fio_missing": disk.fio_missing, "h2d_bps": h2d_bps,
                "device": args.device, "runs": runs, "defaults": defaults, "targets": targets}
     if args.out:
         Path(args.out).write_text(json.dumps(figures, indent=1))

@@ -11,7 +11,8 @@ steps, the median of ``--steps`` timed steps of the engine, and beside it:
 - model TFLOPS: 6 x parameters x tokens per step / step time (forward and backward, no attention term);
 - bytes moved per step: NVMe read and written (every swap file), host -> device and device -> host;
 - NVMe GB/s against fio (O_DIRECT, io_uring) reading and writing the same directory: the floor
-  "NVMe bytes / fio";
+  "NVMe bytes / fio" (where fio is missing, a tensorio sequential write/read of the same size stands
+  in, and the output says so: benchmarks/disk_floor.py);
 - host -> device GB/s against a plain copy from pinned memory of the largest partition's size: the
   floor "host-device bytes / pinned copy";
 - GPU compute: the same forward and backward in plain PyTorch with the model resident on the GPU
@@ -32,13 +33,15 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.fio import job_for_config, run_fio
 from benchmarks._common import RssSampler
+from benchmarks.disk_floor import disk_rates
 from offload.device import Device, SimulatedDevice, cuda_available, device_for
+from tensorio import AioConfig
 
 MODELS = {
     "gpt2": {"n_layer": 12, "n_embd": 768, "n_head": 12},
@@ -156,9 +159,9 @@ def run_model(name: str, model_config: dict, args: argparse.Namespace, device: D
 
 def _moved(engine: Any) -> tuple[int, int, int]:
     """(NVMe bytes read + written over every swap file, host -> device bytes, device -> host bytes) so far."""
-    nvme = sum(v["read"] + v["written"] for v in engine.stats().io.values())
-    gathers, buckets = engine._store.gathers, engine._reducer.device_buckets
-    return nvme, gathers.bytes_to_device, buckets.bytes_to_host
+    stats = engine.stats()
+    nvme = sum(v["read"] + v["written"] for v in stats.io.values())
+    return nvme, stats.device_bytes["to_device"], stats.device_bytes["to_host"]
 
 
 def _parameter_count(c: dict) -> int:
@@ -184,7 +187,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     ap.add_argument("--dir", default=None, help="directory on the NVMe to measure (default: a temporary one)")
     ap.add_argument("--block-size", type=int, default=1 << 20)
     ap.add_argument("--queue-depth", type=int, default=32)
-    ap.add_argument("--fio-size", type=int, default=1 << 30, help="bytes fio moves per direction")
+    ap.add_argument("--fio-size", type=int, default=1 << 30,
+                    help="bytes fio (or tensorio, where fio is missing) moves per direction for the disk's floor")
+    ap.add_argument("--out", default=None, help="write every figure to this JSON file (after each model)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not cuda_available():
         raise SystemExit("benchmarks.gpu.train: CUDA is not available here (torch "
@@ -204,16 +209,12 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
               f"warmup={args.warmup} steps={args.steps} block_size={args.block_size} queue_depth={args.queue_depth} "
               f"dir={directory}", flush=True)
 
-        class _Aio:  # the settings fio mirrors
-            block_size, queue_depth, thread_count, single_submit, overlap_events, direct = (
-                args.block_size, args.queue_depth, 1, False, True, True)
-        fio_size = max(args.fio_size, args.block_size)
+        aio = AioConfig(block_size=args.block_size, queue_depth=args.queue_depth)  # fio mirrors it (O_DIRECT)
+        disk = disk_rates(aio, directory, max(args.fio_size, args.block_size))
         largest = max(max(c["vocab_size"] * c["n_embd"], 4 * c["n_embd"] ** 2) for c in models.values())
-        rates = {"fio_read": run_fio(job_for_config(_Aio, directory=directory, rw="read", size=fio_size)).bw_bytes,
-                 "fio_write": run_fio(job_for_config(_Aio, directory=directory, rw="write", size=fio_size)).bw_bytes,
-                 "pinned_copy": pinned_copy_rate(device, largest * 2)}
-        print(f"fio: read {rates['fio_read'] / 1e9:.2f} GB/s, write {rates['fio_write'] / 1e9:.2f} GB/s; "
-              f"pinned host -> device copy {rates['pinned_copy'] / 1e9:.2f} GB/s", flush=True)
+        rates = {"fio_read": disk.read_bps, "fio_write": disk.write_bps, "pinned_copy": pinned_copy_rate(device, largest * 2)}
+        print(f"{disk.describe()}; pinned host -> device copy {rates['pinned_copy'] / 1e9:.2f} GB/s", flush=True)
+        results["floors"] = {"disk_source": disk.source, "fio_missing": disk.fio_missing, **rates}
         print(f"{'model':<12} {'params':>8} {'step (s)':>9} {'TFLOPS':>7} {'NVMe GB/step':>13} {'NVMe GB/s':>10} "
               f"{'H2D GB/s':>9} {'compute (s)':>12} {'bound (s)':>10} {'/bound':>7} {'dev peak':>9} {'host peak':>10}")
         for name, config in models.items():
@@ -223,6 +224,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
                   f"{r['nvme_bytes'] / 1e9:>13.2f} {r['nvme_gbps']:>10.2f} {r['to_device_gbps']:>9.2f} {compute:>12} "
                   f"{r['bound_s']:>10.3f} {r['over_bound']:>7.2f} {r['device_peak_bytes'] / 2**30:>8.2f}G "
                   f"{r['host_peak_rss'] / 2**30:>9.2f}G", flush=True)
+            if args.out:
+                Path(args.out).write_text(json.dumps({"device": device.name, **results}, indent=1))
     device.close()
     results["rates"] = rates
     return results

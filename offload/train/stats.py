@@ -5,6 +5,7 @@
     stats.io["params"]["read"]      # bytes read from the parameter swap file so far
     stats.buffers_held              # elements of on-disk partitions held in memory now
     stats.failure                   # Failure.NONE, or what the last error left behind
+    stats.device_bytes["to_device"] # bytes copied to the GPU so far (parameter gathers)
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from offload.storage import SwapFile
-from offload.train.failure import Failure
-from offload.train.update_mode import StepContext, UpdateMode, UpdatePath
+from offload.train.step.failure import Failure
+from offload.train.step.update_mode import StepContext, UpdateMode, UpdatePath
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,9 @@ class EngineStats:
     """Seconds backward was blocked in gradient reductions so far."""
     forwards_under_way: int
     """Module forwards begun and not ended (0 between passes)."""
+    device_bytes: dict[str, int]
+    """Bytes copied between host memory and a compute device with memory of its own (a GPU) so far:
+    "to_device" (parameter gathers), "to_host" (gradients); both 0 where compute runs on the host."""
 
 
 def collect_stats(ctx: StepContext, path: UpdatePath) -> EngineStats:
@@ -90,4 +94,6 @@ def collect_stats(ctx: StepContext, path: UpdatePath) -> EngineStats:
         handed_over=counts.handed_over, writes_in_flight=counts.writes_in_flight, uncommitted=counts.uncommitted,
         steps_in_forward=counts.steps_in_forward, grads_in_param_slots=reducer.param_slots,
         offloaded_grads=reducer.offloaded_places(), reduction_buckets=reducer.has_buckets, comm_seconds=reducer.comm_seconds,
-        forwards_under_way=len(store.forwards))
+        forwards_under_way=len(store.forwards),
+        device_bytes={"to_device": store.gathers.bytes_to_device if store.gathers is not None else 0,
+                      "to_host": reducer.device_buckets.bytes_to_host if reducer.device_buckets is not None else 0})
