@@ -6,6 +6,7 @@ loaded, and training resumed from that checkpoint is the uninterrupted run's. A 
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 
@@ -14,7 +15,7 @@ import torch
 
 from offload.train.engine import initialize
 from tensorio import ChecksumError, TensorIOError
-from tensorio.testing import FlipBit, flip_bit, inject_faults
+from tensorio.testing import Fail, FlipBit, flip_bit, inject_faults
 from test_engine import engine_config, mlp, mlp_batches, mlp_loss
 
 BATCHES = mlp_batches(4)
@@ -146,7 +147,7 @@ def test_a_bit_flipped_in_any_slot_is_named_and_never_trained_on(name, disk_dir,
             _same(_params(engine), reference[1])
         COVERED[name] = set(by_kind)
         assert not (tmp_path / "corrupt").exists()
-        assert engine._store.swap.bytes_verified == engine._store.swap.bytes_read > 0
+        assert engine.param_store.swap.bytes_verified == engine.param_store.swap.bytes_read > 0
     finally:
         engine.close()
 
@@ -181,7 +182,7 @@ def test_verify_false_checks_nothing(disk_dir, monkeypatch):
         _step(engine, BATCHES[0])
         with inject_faults(FlipBit(n=1, path=lambda p: "offload-params-" in p)):
             _step(engine, BATCHES[1])  # trained on: what the switch is for is measuring the checksums' cost
-        assert engine._store.swap.bytes_verified == 0 < engine._store.swap.bytes_read
+        assert engine.param_store.swap.bytes_verified == 0 < engine.param_store.swap.bytes_read
     finally:
         engine.close()
 
@@ -195,11 +196,9 @@ def test_a_read_of_a_range_whose_write_failed_is_refused(disk_dir):
         values = torch.arange(1024, dtype=torch.float32)
         offset = swap.allocate(values.nbytes)
         swap.write(values, offset).result()
-        original = swap._handle.write
-        swap._handle.write = lambda tensor, path, offset=0, **kw: original(tensor, "/dev/full", offset, **kw)
-        with pytest.raises(TensorIOError):
-            swap.write(values, offset).result()
-        swap._handle.write = original
+        with inject_faults(Fail(errno.ENOSPC, op="write", path=lambda path: path == swap.path)):
+            with pytest.raises(TensorIOError):
+                swap.write(values, offset).result()
         with pytest.raises(TensorIOError, match="the last write of these bytes failed"):
             swap.read(torch.empty_like(values), offset)
         with pytest.raises(RuntimeError, match="no checksummed write of that range"):

@@ -28,7 +28,7 @@ def main(save_dir: str) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     nvme = os.environ["OFFLOAD_TEST_NVME"]
     engine, *_ = initialize(model=gpt2(), config=config(nvme, "nvme", "nvme", world_size, 1, 0.5))
-    files = sorted(p for p in (engine._store.swap.path, engine.optimizer._swapper.path) if p)
+    files = sorted(p for p in (engine.param_store.swap.path, engine.optimizer.swap_path) if p)
     assert all(f"-{os.getpid()}-" in os.path.basename(p) for p in files), files
     losses = []
     for batch in batches(4):
@@ -39,7 +39,7 @@ def main(save_dir: str) -> None:
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world_size)
-    swap = engine._store.swap
+    swap = engine.param_store.swap
     verified = swap.bytes_verified == swap.bytes_read > 0  # another process writing into our slots would fail this
     params = dict(engine.full_parameters())
     path = engine.save_checkpoint(save_dir)
