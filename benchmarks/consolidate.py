@@ -69,8 +69,8 @@ def write_checkpoint(save_dir: Path, scale: str, world_size: int, layers: int | 
     from offload.storage import SafetensorsWriter
     from offload.storage.safetensors_writer import DirectSafetensorsWriter
     from tensorio import AioHandle
-    from offload.train.checkpoint import model_config
-    from offload.train.checkpoint_files import FORMAT, RANK_FILE_ALIGN, optimizer_file, params_file, states_file
+    from offload.train.checkpoint.rank_state import model_config
+    from offload.train.checkpoint.files import FORMAT, RANK_FILE_ALIGN, optimizer_file, params_file, states_file
 
     config = gpt2_config(scale, layers)
     with torch.device("meta"):
@@ -152,7 +152,7 @@ def train_tiny(save_dir: Path, swap: Path) -> torch.Tensor:
 def child(args: argparse.Namespace) -> None:
     """One consolidation in this (fresh) process; prints its figures as one JSON line."""
     from benchmarks._common import RssSampler
-    from offload.train.consolidate import convert_zero_checkpoint_to_fp32_state_dict
+    from offload.train.checkpoint.consolidate import convert_zero_checkpoint_to_fp32_state_dict
 
     with RssSampler(kernel_peak=True) as rss:
         start = time.perf_counter()
@@ -191,7 +191,7 @@ def check_output(output: Path, save_dir: Path, scale: str, logits: torch.Tensor 
     """Check the consolidated weights; return what was checked. Raises AssertionError."""
     from safetensors import safe_open
 
-    from offload.train.checkpoint_reader import CheckpointReader
+    from offload.train.checkpoint.reader import CheckpointReader
 
     index = output / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]

@@ -8,7 +8,9 @@ cpu and nvme (parameters and optimizer), and with DeepSpeed on the same JSON, si
 ``--clip`` (gradient_clipping; plain PyTorch calls clip_grad_norm_), ``--gas`` (gradient_accumulation_steps:
 a step is that many micro-batches; plain PyTorch backpropagates loss / gas) and ``--dtype bf16`` (the
 engines train bf16 weights with fp32 master weights in the optimizer; plain PyTorch runs the forward
-under bf16 autocast with fp32 weights) give every mode the same work. ``deepspeed`` runs DeepSpeed's
+under bf16 autocast with fp32 weights) give every mode the same work. ``nvme-unverified`` is ``nvme``
+with ``aio.verify: false`` (no checksums on the swap files; not run unless named): beside ``nvme``, what
+the checksums cost a step. ``deepspeed`` runs DeepSpeed's
 stage-3 engine (it must be installed; it JIT-builds its ops on first use) on the same JSON as ``nvme``,
 with the model built under its ``zero.Init`` (on the CPU it fails otherwise). Each step's global
 gradient norm is recorded: with ``--clip``, "clipped" counts the steps whose norm was above it, the
@@ -40,7 +42,7 @@ import time
 from bench.fio import fio_load, job_for_config, run_fio
 from benchmarks._common import RssSampler, run_child, traffic_at_pace
 
-MODES = ("torch", "none", "cpu", "nvme", "deepspeed", "torch+fio")
+MODES = ("torch", "none", "cpu", "nvme", "deepspeed", "torch+fio", "nvme-unverified")
 DEFAULT_MODEL = {"n_layer": 6, "n_embd": 512, "n_head": 8, "vocab_size": 8192, "n_positions": 256}
 
 
@@ -53,6 +55,9 @@ def _child(args: dict) -> None:
     proc = psutil.Process()
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # lazy imports (torch._dynamo) before the baseline
     mode, clip, gas, bf16 = args["mode"], args["clip"], args["gas"], args["dtype"] == "bf16"
+    aio = dict(args["aio"])
+    if mode == "nvme-unverified":  # nvme with the swap files' checksums off: what they cost
+        mode, aio["verify"] = "nvme", False
     if mode == "deepspeed":
         import deepspeed  # noqa: F401 (its import and accelerator setup before the baseline)
     baseline = proc.memory_info().rss
@@ -90,7 +95,7 @@ def _child(args: dict) -> None:
                                          buffer_count=args["buffer_count"], buffer_size=args["buffer_size"])
             zero["offload_optimizer"].update(device="nvme", nvme_path=args["dir"])  # the rest: each engine's defaults
         ds_config = {"train_micro_batch_size_per_gpu": args["batch"], "gradient_accumulation_steps": gas,
-                     "gradient_clipping": clip, "zero_optimization": zero, "aio": args["aio"],
+                     "gradient_clipping": clip, "zero_optimization": zero, "aio": aio,
                      "bf16": {"enabled": bf16}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
         if mode == "deepspeed":
             engine = _deepspeed_engine(config, ds_config)
@@ -123,7 +128,7 @@ def _child(args: dict) -> None:
     n = len(times)
     path = None
     auto = {}
-    if mode in MODES[1:4]:
+    if mode in ("none", "cpu", "nvme"):
         path = engine.stats().mode.value
         if engine.plan.max_in_cpu_source:  # max_in_cpu "auto": what it took, and from what
             auto = {"max_in_cpu": engine.plan.max_in_cpu, "max_in_cpu_source": engine.plan.max_in_cpu_source,
@@ -170,7 +175,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     """Run the benchmark; print the configuration, a table and the headline ratio; return the figures."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-config", type=json.loads, default=DEFAULT_MODEL, help="GPT2Config keys as JSON")
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
+    ap.add_argument("--modes", default=",".join(m for m in MODES if m != "nvme-unverified"),
+                    help=f"comma-separated subset of {MODES}")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=2)
@@ -282,6 +288,12 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
             print(f"{mode} / plain PyTorch step time = {ratio:.2f}  (nvme: project target <= 1.3); per repeat: "
                   + " ".join(f"{r:.2f}" for r in per_repeat))
             ratios[f"{mode}_over_torch"], ratios[key] = ratio, per_repeat
+    if "nvme" in results and "nvme-unverified" in results:
+        cost = results["nvme"]["step_s"] / results["nvme-unverified"]["step_s"]
+        per_repeat = [a["step_s"] / b["step_s"] for a, b in zip(runs["nvme"], runs["nvme-unverified"])]
+        print(f"nvme (checksums on) / nvme-unverified (aio.verify false) step time = {cost:.3f} (target <= 1.03); "
+              "per repeat: " + " ".join(f"{r:.3f}" for r in per_repeat))
+        ratios["verify_cost"], ratios["verify_cost_per_repeat"] = cost, per_repeat
     if "nvme" in results and "deepspeed" in results:
         speedup = results["deepspeed"]["step_s"] / results["nvme"]["step_s"]
         saved = results["deepspeed"]["peak_rss"] - results["nvme"]["peak_rss"]

@@ -86,7 +86,7 @@ def child(args: dict) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; print the configuration, the runs and the target; return every figure."""
     from offload.infer.config import InferenceConfig
-    from offload.infer.convert import drop_page_cache
+    from offload.infer.weights.convert import drop_page_cache
 
     ap = model_parser(__doc__, dir_help="working directory: the checkpoint (written once, reused) and the cache's files",
                       scale=0.1, layers=16, shards=4)  # scale 0.1: hidden 512

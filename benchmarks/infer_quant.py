@@ -196,7 +196,7 @@ def _divergence(paths: dict[str, Path]) -> dict[str, dict]:
 
 
 def _make_cold(directories: list[Path]) -> None:
-    from offload.infer.convert import drop_page_cache
+    from offload.infer.weights.convert import drop_page_cache
 
     for folder in directories:
         if folder.exists():

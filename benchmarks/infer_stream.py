@@ -92,7 +92,7 @@ def write_checkpoint(directory: Path, spec: Spec) -> Path:
     import torch
     import transformers
 
-    from offload.infer.convert import drop_page_cache
+    from offload.infer.weights.convert import drop_page_cache
     from offload.storage.safetensors_writer import atomic_safetensors
 
     marker = directory / MARKER
@@ -262,7 +262,7 @@ def floor_child(args: dict) -> dict:
     import transformers
 
     from offload.infer.config import WeightQuantization
-    from offload.infer.quantize import QuantLinear, block_linears, quantize_weight
+    from offload.infer.weights.quantize import QuantLinear, block_linears, quantize_weight
 
     config = Spec(**args["spec"]).config()
     config.num_hidden_layers = args["layers"]
@@ -347,7 +347,7 @@ def run_config(payload: dict) -> dict:
 
 
 def _gib(nbytes: float) -> str:
-    from offload.infer.plan import format_bytes
+    from offload.infer.plan.host import format_bytes
 
     return format_bytes(nbytes)
 
@@ -533,7 +533,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _make_cold(checkpoint: Path, offload_folder: Path) -> None:
     """Drop the checkpoint's files (and Accelerate's offload folder's) from the page cache."""
-    from offload.infer.convert import drop_page_cache
+    from offload.infer.weights.convert import drop_page_cache
 
     for path in _files(checkpoint) + (_files(offload_folder) if offload_folder.exists() else []):
         drop_page_cache(path)

@@ -96,7 +96,8 @@ def ds_config(spec: dict, nvme_dir: str) -> dict:
                               "buffer_count": spec["buffer_count"], "buffer_size": spec["buffer_size"]},
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": True, "buffer_count": 4},
         },
-        "aio": {"block_size": spec["block_size"], "queue_depth": spec["queue_depth"]},
+        "aio": {"block_size": spec["block_size"], "queue_depth": spec["queue_depth"],
+                **({"verify": False} if spec.get("no_verify") else {})},  # ours only: checksums off
     }
 
 
@@ -396,6 +397,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--malloc-mmap-threshold", type=int, default=131072,
                     help="glibc MALLOC_MMAP_THRESHOLD_ for the children, so that RSS follows live memory "
                          "(negative: glibc's default)")
+    ap.add_argument("--no-verify", action="store_true",
+                    help="aio.verify false: no checksums on the swap files (to measure what they cost)")
     ap.add_argument("--out", help="write every figure to this JSON file")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -418,7 +421,7 @@ def main(argv: list[str] | None = None) -> dict:
     ref_params = gpt2_parameters(spec["ref_layers"], spec["hidden"], spec["vocab"], spec["seq"])
     largest = max(spec["vocab"] * spec["hidden"], 4 * spec["hidden"] ** 2)
     spec.update(checkpointing=args.checkpointing, buffer_count=args.buffer_count, buffer_size=args.buffer_size or largest,
-                block_size=args.block_size, queue_depth=args.queue_depth)
+                block_size=args.block_size, queue_depth=args.queue_depth, no_verify=args.no_verify)
     mmap = args.malloc_mmap_threshold if args.malloc_mmap_threshold >= 0 else None
     rss_limit = int(args.rss_limit * GB) if args.rss_limit else int(0.85 * psutil.virtual_memory().total)
     state = STATE_BYTES * params

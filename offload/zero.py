@@ -25,7 +25,8 @@ from offload.device import Device, start_process_group
 from offload.params import ParamStore, Placement, Prefetcher, SwapBudget
 from offload.params.construct import BUILT, PartitionedBuild, built_store, discard_build, settle_for_gather
 from offload.params.pretrained import load_pretrained
-from offload.params.store import EXTERNAL, ParamRecord, find_record
+from offload.params.record import ParamRecord
+from offload.params.store import EXTERNAL, find_record
 from offload.storage import SwapFile
 from offload.train.setup import compute_device_of
 from offload.train.sizing import auto_max_in_cpu

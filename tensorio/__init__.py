@@ -5,6 +5,7 @@ It knows files, buffers and bytes, nothing of models. See docs/tensorio.md.
 
 from ._buffers import (HostRegistration, aligned_tensor, free_locked_tensor, in_locked_buffer, lock_status, locked_tensor,
                        prefault, set_host_registration)
+from ._checksum import ALGORITHM as CHECKSUM_ALGORITHM, ChecksumError, Checksums, checksum, checksum_chunks
 from ._config import AioConfig
 from ._errors import TensorIOError
 from ._fs import DIRECT_ALIGN, filesystem_type, probe_direct
@@ -19,11 +20,16 @@ __all__ = [
     "DIRECT_ALIGN",
     "AioConfig",
     "AioHandle",
+    "CHECKSUM_ALGORITHM",
+    "ChecksumError",
+    "Checksums",
     "BufferPool",
     "HostRegistration",
     "IOFuture",
     "TensorIOError",
     "aligned_tensor",
+    "checksum",
+    "checksum_chunks",
     "filesystem_type",
     "format_size",
     "free_locked_tensor",

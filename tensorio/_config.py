@@ -83,6 +83,10 @@ class AioConfig:
     direct: bool | str = "auto"
     """O_DIRECT: True requires it, False never uses it, "auto" uses it where the file system has it."""
 
+    verify: bool = True
+    """Checksum every write to offload's swap files and verify every read before its bytes are used
+    (xxh3, hashed in the I/O threads; docs/reliability.md, "Checksums"). False turns it off."""
+
     def __post_init__(self) -> None:
         self.block_size = _integral("block_size", self.block_size)
         self.queue_depth = _integral("queue_depth", self.queue_depth)
@@ -100,7 +104,7 @@ class AioConfig:
         for key in ("queue_depth", "thread_count"):
             if getattr(self, key) < 1:
                 raise ValueError(f"aio.{key}: {getattr(self, key)} is not allowed; use an integer >= 1")
-        for key in ("single_submit", "overlap_events"):
+        for key in ("single_submit", "overlap_events", "verify"):
             if not isinstance(getattr(self, key), bool):
                 value = getattr(self, key)
                 raise ValueError(f"aio.{key}: expected true or false, got {value!r} ({type(value).__name__})")

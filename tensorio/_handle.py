@@ -16,6 +16,7 @@ import weakref
 import torch
 
 from ._buffers import in_locked_buffer, locked_tensor, unlock_at
+from ._checksum import Checksums
 from ._config import MiB, AioConfig
 from ._errors import TensorIOError
 from ._files import FileTable, OpenFile
@@ -102,36 +103,46 @@ class AioHandle:
     # ---- the Pythonic surface -------------------------------------------------------------------
 
     def read(self, tensor: torch.Tensor, path: PathOrFd, offset: int = 0, file_offset: int | None = None, *,
-             validate: bool | None = None) -> IOFuture | int:
+             validate: bool | None = None, verify: Checksums | None = None, what: str = "") -> IOFuture | int:
         """Start filling ``tensor`` from ``path`` (a file name or an open fd) at byte ``offset``.
 
         Returns a future whose ``result()`` is the byte count, or raises TensorIOError (a short
         file, EIO, ...). Raises at once TypeError/ValueError for a bad tensor or offset and
         TensorIOError when the file cannot be opened. Do not touch ``tensor`` until it is done.
 
+        ``verify``: the `Checksums` the bytes read must have (those a write's ``future.checksums``
+        gave, ranges of the tensor's bytes). They are checked in the I/O thread before the future
+        resolves; a chunk that differs is read once more, and ``result()`` raises `ChecksumError`
+        (naming ``what``, the path, the chunk's offset and length, and both checksums) if it differs again.
+
         DeepSpeed's ``read(buffer, filename, validate, file_offset=0)`` works too: a bool third
         argument (or ``validate=``) makes it that synchronous call, which returns 0 once done.
         """
         if isinstance(offset, bool) or validate is not None or file_offset is not None:
             return self._deepspeed_read_write(False, tensor, path, offset, file_offset, validate)
-        return self._start(False, tensor, path, offset)
+        return self._start(False, tensor, path, offset, verify=verify, what=what)
 
     def write(self, tensor: torch.Tensor, path: PathOrFd, offset: int = 0, file_offset: int | None = None, *,
-              validate: bool | None = None) -> IOFuture | int:
+              validate: bool | None = None, checksum: int | None = None) -> IOFuture | int:
         """Start writing ``tensor``'s bytes to ``path`` (a file name or an open fd) at byte ``offset``.
 
         Returns a future whose ``result()`` is the byte count, or raises TensorIOError (ENOSPC, EIO,
         ...). Raises at once TypeError/ValueError for a bad tensor or offset and TensorIOError when
         the file cannot be created. Do not modify ``tensor`` until it is done.
 
+        ``checksum``: a chunk size in bytes; once the write has succeeded, ``future.checksums`` holds
+        the `Checksums` of its bytes in chunks of that size (hashed in the I/O thread, before the
+        future resolves), for a later ``read(..., verify=...)``.
+
         DeepSpeed's ``write(buffer, filename, validate, file_offset=0)`` works too: a bool third
         argument (or ``validate=``) makes it that synchronous call, which returns 0 once done.
         """
         if isinstance(offset, bool) or validate is not None or file_offset is not None:
             return self._deepspeed_read_write(True, tensor, path, offset, file_offset, validate)
-        return self._start(True, tensor, path, offset)
+        return self._start(True, tensor, path, offset, checksum=checksum)
 
-    def _start(self, write: bool, tensor: torch.Tensor, path: PathOrFd, offset: int) -> IOFuture:
+    def _start(self, write: bool, tensor: torch.Tensor, path: PathOrFd, offset: int, *, checksum: int | None = None,
+               verify: Checksums | None = None, what: str = "") -> IOFuture:
         # 1. Guard the boundary: nothing is opened or queued for a bad argument.
         if self._closed:
             raise RuntimeError("this AioHandle is closed")
@@ -139,6 +150,10 @@ class AioHandle:
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
             raise ValueError(f"file offset must be an integer >= 0, got {offset!r}")
         nbytes = tensor.numel() * tensor.element_size()
+        if checksum is not None and (isinstance(checksum, bool) or not isinstance(checksum, int) or checksum < 1):
+            raise ValueError(f"checksum is a chunk size in bytes (an integer >= 1), got {checksum!r}")
+        if verify is not None and (not isinstance(verify, Checksums) or verify.start + verify.nbytes > nbytes):
+            raise ValueError(f"verify must be Checksums of a range inside the {nbytes}-byte buffer, got {verify!r}")
         # 2. Take the file's shared descriptor (or the caller's fd), with or without O_DIRECT.
         file, name = self._open(write, path, offset, nbytes)
         # 3. Plan the pieces, as runs of equal ones; unaligned ones need the buffered companion descriptor.
@@ -153,7 +168,7 @@ class AioHandle:
                                     path=name, offset=offset, length=nbytes) from None
         # 4. Hand the runs to the backend; the request releases the file after its last piece.
         request = Request(write=write, path=name, tensor=tensor, offset=offset, file=file,
-                          pieces=sum(r.count for r in runs))
+                          pieces=sum(r.count for r in runs), checksum_chunk=checksum, verify=verify, what=what)
         if runs:
             self._backend.submit([Span(request, run) for run in runs])
         return request.future

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import threading
 from typing import Callable
 
 import torch
 
+from ._checksum import ChecksumError, Checksums, checksum, checksum_chunks
 from ._errors import TensorIOError, io_error
 from ._files import OpenFile
 from ._plan import Mode, Piece, Run
+
+log = logging.getLogger("tensorio")
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -28,13 +32,16 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
 class IOFuture:
     """The outcome of one read or write: ``result()`` waits and returns the bytes moved, or raises.
 
-    Raises TensorIOError from ``result()`` for a failed request, TimeoutError when ``timeout``
-    passes first. Callbacks added with ``add_done_callback`` run in the I/O thread that finished it.
+    Raises TensorIOError from ``result()`` for a failed request (`ChecksumError` for a read that failed
+    its verification), TimeoutError when ``timeout`` passes first. Callbacks added with
+    ``add_done_callback`` run in the I/O thread that finished it.
     """
 
-    __slots__ = ("_event", "_nbytes", "_error", "_callbacks", "_lock")
+    __slots__ = ("_event", "_nbytes", "_error", "_callbacks", "_lock", "checksums")
 
     def __init__(self) -> None:
+        self.checksums: Checksums | None = None
+        """A write's checksums, when it was started with ``checksum=``: set once it succeeded."""
         self._event = threading.Event()
         self._nbytes = 0
         self._error: BaseException | None = None
@@ -67,9 +74,9 @@ class IOFuture:
                 return
         fn(self)
 
-    def _resolve(self, nbytes: int, error: BaseException | None) -> None:
+    def _resolve(self, nbytes: int, error: BaseException | None, checksums: Checksums | None = None) -> None:
         with self._lock:
-            self._nbytes, self._error = nbytes, error
+            self._nbytes, self._error, self.checksums = nbytes, error, checksums
             self._event.set()
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
@@ -80,10 +87,11 @@ class Request:
     """One read or write of a whole tensor: holds its shared file until its last piece is done."""
 
     __slots__ = ("write", "path", "tensor", "memory", "address", "file", "offset", "nbytes", "future", "error",
-                 "_remaining", "_lock")
+                 "checksum_chunk", "verify", "what", "_remaining", "_lock")
 
     def __init__(self, *, write: bool, path: str, tensor: torch.Tensor, offset: int, file: OpenFile,
-                 pieces: int) -> None:
+                 pieces: int, checksum_chunk: int | None = None, verify: Checksums | None = None,
+                 what: str = "") -> None:
         self.write = write
         self.path = path
         self.tensor = tensor  # kept alive until the I/O is done
@@ -94,6 +102,9 @@ class Request:
         self.file = file  # released when the last piece finishes
         self.future = IOFuture()
         self.error: TensorIOError | None = None
+        self.checksum_chunk = checksum_chunk  # a write: hash its bytes in chunks of this size once written
+        self.verify = verify  # a read: the checksums its bytes must have
+        self.what = what  # the caller's name for the range, in a ChecksumError
         self._remaining = pieces
         self._lock = threading.Lock()
         if pieces == 0:
@@ -119,9 +130,40 @@ class Request:
             self._finish()
 
     def _finish(self) -> None:
+        # In the I/O thread that moved the last piece: hash or verify before the future resolves, so
+        # that whoever waits for it sees checked bytes (and the caller's thread never hashes).
+        error, checksums = self.error, None
+        if error is None and (self.checksum_chunk or self.verify is not None):
+            try:
+                if self.write:
+                    checksums = checksum_chunks(self.memory, self.checksum_chunk)
+                else:
+                    self._verify(self.verify)
+            except TensorIOError as exc:
+                error = exc
+            except Exception as exc:  # every failure is reported through the future, never lost
+                error = TensorIOError(getattr(exc, "errno", None) or errno.EIO, f"checksum failed ({exc})",
+                                      path=self.path, offset=self.offset, length=self.nbytes)
         self.file.release()
         self.tensor = self.memory = None  # the caller's memory is released with the last piece
-        self.future._resolve(0 if self.error else self.nbytes, self.error)
+        self.future._resolve(0 if error else self.nbytes, error, checksums)
+
+    def _verify(self, expected: Checksums) -> None:
+        """Raise ChecksumError unless every chunk read hashes to ``expected``; a mismatched chunk is read
+        once more through the page cache first (the first read's transfer may have been the fault)."""
+        for i, value in enumerate(expected.values):
+            first, length = expected.span(i)
+            window = self.memory[first:first + length]
+            if checksum(window) == value:
+                continue
+            _pread_all(self.file.buffered(), window, self.offset + first, self.path)
+            actual = checksum(window)
+            if actual != value:
+                raise ChecksumError(path=self.path, offset=self.offset + first, length=length, expected=value,
+                                    actual=actual, what=self.what)
+            log.warning("tensorio: %s at offset %d, length %d%s: checksum mismatch on the first read, the second "
+                        "read is good", self.path, self.offset + first, length,
+                        f" ({self.what})" if self.what else "")
 
 
 class RoundRobin:
@@ -297,6 +339,21 @@ class Task:
             _copy(self.staging, self.request.memory, self.buf_offset, self.length, to_staging=False)
         self.staging = None
         self.request.piece_finished(error)
+
+
+def _pread_all(fd: int, window: memoryview, offset: int, path: str) -> None:
+    """Fill ``window`` from ``fd`` at ``offset`` with blocking reads. Raises TensorIOError."""
+    done = 0
+    while done < len(window):
+        try:
+            moved = os.preadv(fd, [window[done:]], offset + done)
+        except OSError as exc:
+            raise io_error(exc.errno or errno.EIO, "read", path=path, offset=offset + done,
+                           length=len(window) - done) from None
+        if moved == 0:
+            raise TensorIOError(errno.EIO, "short read while checking a checksum", path=path, offset=offset + done,
+                                length=len(window) - done, name_errno=False)
+        done += moved
 
 
 def _address(view: memoryview) -> int:

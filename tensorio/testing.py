@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import errno as _errno
+import os
 import threading
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -32,7 +33,8 @@ from ._request import Span, Task
 from ._threads import ThreadBackend
 from ._uring import UringBackend
 
-__all__ = ["Delay", "Fail", "FailNth", "FaultInjector", "RequestInfo", "Rule", "ShortTransfer", "inject_faults"]
+__all__ = ["Delay", "Fail", "FailNth", "FaultInjector", "FlipBit", "RequestInfo", "Rule", "ShortTransfer", "flip_bit",
+           "inject_faults"]
 
 _BACKENDS = (ThreadBackend, UringBackend)
 
@@ -110,6 +112,48 @@ class ShortTransfer(Rule):
         if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1):
             raise ValueError(f"nbytes must be an integer >= 1 or None, got {nbytes!r}")
         self.nbytes = nbytes
+
+
+def flip_bit(path: str | os.PathLike, offset: int, bit: int = 0) -> None:
+    """Flip bit ``bit`` (0-7) of the byte at ``offset`` of the file at ``path``, in place (a corruption
+    at rest). Raises ValueError for an offset past the file's end."""
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        byte = os.pread(fd, 1, offset)
+        if len(byte) != 1:
+            raise ValueError(f"flip_bit: offset {offset} is past the end of {os.fspath(path)}")
+        os.pwrite(fd, bytes([byte[0] ^ (1 << bit)]), offset)
+    finally:
+        os.close(fd)
+
+
+class FlipBit(Rule):
+    """One bit of the bytes a selected read moves is flipped in its file just before the read starts
+    (between the write that put them there and this read): bit ``bit`` of the byte ``byte`` bytes
+    into the request (default: the middle byte), so that a checksum verification must name it.
+
+    ``transient``: the file is put back as soon as the piece holding the byte has been read, as if
+    the bit had flipped on its way (a bad transfer, a bad DIMM under the buffer): the verification's
+    second read gets the right bytes. Otherwise the flip stays (a corruption on the disk).
+    ``flipped`` lists (path, file offset) of each flip made.
+    """
+
+    def __init__(self, *, n: int | None = None, path: Callable[[str], bool] | None = None, byte: int | None = None,
+                 bit: int = 0, transient: bool = False) -> None:
+        super().__init__(n=n, path=path, op="read")
+        if not 0 <= bit <= 7:
+            raise ValueError(f"bit is 0..7, got {bit!r}")
+        self.byte, self.bit, self.transient = byte, bit, transient
+        self.flipped: list[tuple[str, int]] = []
+
+    def _flip(self, request) -> int:
+        """Flip the bit in ``request``'s file; return its offset in the request."""
+        at = request.nbytes // 2 if self.byte is None else self.byte
+        if not 0 <= at < request.nbytes:
+            raise ValueError(f"FlipBit: byte {at} is outside the {request.nbytes}-byte request")
+        flip_bit(request.path, request.offset + at, self.bit)
+        self.flipped.append((request.path, request.offset + at))
+        return at
 
 
 class Delay(Rule):
@@ -225,6 +269,7 @@ def _submit(backend, items: list[Span | Task]) -> None:
     fail: Fail | None = None
     short: ShortTransfer | None = None
     delay: Delay | None = None
+    flip: FlipBit | None = None
     with _state_lock:
         for injector in _active:
             injector.requests.append(info)
@@ -236,9 +281,18 @@ def _submit(backend, items: list[Span | Task]) -> None:
                         short = short or rule
                     elif isinstance(rule, Delay):
                         delay = delay or rule
-    if fail is not None or short is not None:  # a faulty request goes in piece by piece, as Tasks
+                    elif isinstance(rule, FlipBit):
+                        flip = flip or rule
+    restore = None
+    if flip is not None and request.nbytes:
+        at = flip._flip(request)
+        if flip.transient:
+            restore = (at, lambda: flip_bit(request.path, request.offset + at, flip.bit))
+    if fail is not None or short is not None or restore is not None:  # a faulty request goes in piece by piece
         tasks = [task for item in items for task in (item.tasks() if isinstance(item, Span) else [item])]
-        items = [_FaultyTask(task, fail.errno if fail is not None and i == 0 else 0, short)
+        items = [_FaultyTask(task, fail.errno if fail is not None and i == 0 else 0, short,
+                             restore if restore is not None and
+                             task.buf_offset <= restore[0] < task.buf_offset + task.length else None)
                  for i, task in enumerate(tasks)]
     if delay is None or not delay._hold(backend, items):
         _ORIGINAL_SUBMIT[type(backend)](backend, items)
@@ -256,13 +310,19 @@ def _close(backend) -> None:
 class _FaultyTask:
     """A Task whose first system call fails or comes back short; everything else is the Task's own."""
 
-    __slots__ = ("_task", "_errno", "_short", "_calls")
+    __slots__ = ("_task", "_errno", "_short", "_calls", "_restore")
 
-    def __init__(self, task: Task, errno: int, short: ShortTransfer | None) -> None:
+    def __init__(self, task: Task, errno: int, short: ShortTransfer | None, restore=None) -> None:
         self._task = task
         self._errno = errno
         self._short = short
         self._calls = 0
+        self._restore = restore  # (byte, undo): a transient FlipBit's byte lies in this piece
+
+    def finish(self, error) -> None:
+        if self._restore is not None:  # the piece is read: put the file back before its verification
+            self._restore[1]()
+        self._task.finish(error)
 
     def __getattr__(self, name: str):
         return getattr(self._task, name)

@@ -15,7 +15,7 @@ from test_engine import engine_config, gpt2, gpt2_batches, gpt2_loss
 
 from offload.checkpoint import main as checkpoint_command
 from offload.storage.safetensors_reader import SafetensorsError
-from offload.train.consolidate import (DTYPES, convert_zero_checkpoint_to_fp32_state_dict,
+from offload.train.checkpoint.consolidate import (DTYPES, convert_zero_checkpoint_to_fp32_state_dict,
                                        get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint)
 from offload.train.engine import initialize
 

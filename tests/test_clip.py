@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from offload.train.clip import clip_grad_norm_, grad_norm
 from offload.params.partition import partition_bounds
+from offload.train.grads.clip import clip_grad_norm_, grad_norm
 
 SIZES = [(1,), (4095,), (3, 4096 * 10 + 1), (7, 5)]
 

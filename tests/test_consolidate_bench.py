@@ -28,7 +28,7 @@ def test_the_directly_written_layout_is_the_engines(disk_dir):
     import torch
     import transformers
 
-    from offload.train.consolidate import get_fp32_state_dict_from_zero_checkpoint
+    from offload.train.checkpoint.consolidate import get_fp32_state_dict_from_zero_checkpoint
     from offload.train.engine import initialize
 
     consolidate.write_checkpoint(disk_dir / "ckpt", "tiny", world_size=2)

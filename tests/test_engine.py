@@ -104,7 +104,7 @@ def reference_16bit(model, batches, loss_fn, gas, dtype, clip=0.0, loss_scale=1.
     """Plain PyTorch with 16-bit weights and fp32 master weights (DeepSpeed's bf16/fp16 semantics): the
     16-bit gradients accumulated in fp32, unscaled and clipped by one multiply (the norm taken as the
     engine takes it, one partition at a time), torch.optim.AdamW (fused) on the fp32 masters, copied back."""
-    from offload.train.clip import clip_coefficient, total_norm
+    from offload.train.grads.clip import clip_coefficient, total_norm
 
     model = model.to(dtype)
     params = list(model.parameters())
@@ -258,7 +258,7 @@ def test_a_failed_parameter_write_back_raises_and_leaks_no_buffer(disk_dir, tmp_
     step() refuses only the lost gradients, and once the disk is back training goes on without a load,
     exactly as from the last checkpoint."""
     import errno
-    from offload.train.checkpoint import sized_partitions as _sized
+    from offload.train.checkpoint.rank_state import sized_partitions as _sized
     from tensorio import TensorIOError
 
     def optimizer_state():
@@ -274,7 +274,7 @@ def test_a_failed_parameter_write_back_raises_and_leaks_no_buffer(disk_dir, tmp_
     params_before = dict(engine.full_parameters())
     swap = engine._store.swap
     original = swap._handle.write
-    swap._handle.write = lambda tensor, path, offset=0: original(tensor, "/dev/full", offset)
+    swap._handle.write = lambda tensor, path, offset=0, **checksum: original(tensor, "/dev/full", offset, **checksum)
     with pytest.raises(TensorIOError) as info:
         train(engine, batches[2:3], gpt2_loss)
     assert info.value.errno == errno.ENOSPC

@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 
-from offload.train.checkpoint import decode_state, encode_state
+from offload.train.checkpoint.rank_state import decode_state, encode_state
 from offload.train.engine import initialize
 from test_engine import engine_config, mlp, mlp_batches, mlp_loss, train
 

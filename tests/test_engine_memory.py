@@ -106,8 +106,8 @@ def test_peak_host_memory_is_bounded_by_the_buffers(disk_dir, clipping):
         held = param_buffers + largest_layer + handed_over + lent
     else:
         # Clipping needs every gradient first: backward holds the budget, a layer gathered on demand
-        # and the gradient partitions being written behind (offload/train/grads.py). The next forward
-        # runs the updates (offload/train/deferred.py): the budget (which holds the partitions handed
+        # and the gradient partitions being written behind (offload/train/grads/reduce.py). The next forward
+        # runs the updates (offload/train/step/deferred.py): the budget (which holds the partitions handed
         # over until used), a layer gathered on demand, gradients read back ahead (at most the budget,
         # fp32), those of the partitions being updated (at most offload_param.buffer_size plus one
         # partition) and the optimizer's read-ahead into spare memory: the state read ahead in

@@ -1,12 +1,12 @@
-"""`engine.stats()` and the engine's failure state (`offload.train.failure`)."""
+"""`engine.stats()` and the engine's failure state (`offload.train.step.failure`)."""
 
 from __future__ import annotations
 
 import pytest
 
 from offload.train.engine import initialize
-from offload.train.failure import Failure, FailureState
-from offload.train.update_mode import UpdateMode
+from offload.train.step.failure import Failure, FailureState
+from offload.train.step.update_mode import UpdateMode
 from test_engine import engine_config, mlp, mlp_batches, mlp_loss, train
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from offload.train.engine import initialize
-from offload.train.update_mode import UpdateMode
+from offload.train.step.update_mode import UpdateMode
 
 from tests.test_engine import LR, WD, engine_config, gpt2, gpt2_batches, gpt2_loss, mlp, mlp_batches, mlp_loss
 

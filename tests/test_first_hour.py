@@ -19,7 +19,7 @@ from test_engine import engine_config, gpt2, gpt2_batches, gpt2_loss
 from test_infer_generate import saved_model
 
 from offload.infer import init_inference
-from offload.infer.plan import BudgetError, UnitSize, format_bytes, make_plan
+from offload.infer.plan.host import BudgetError, UnitSize, format_bytes, make_plan
 from offload.train.engine import initialize
 
 REPO = Path(__file__).resolve().parent.parent

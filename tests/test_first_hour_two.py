@@ -22,7 +22,7 @@ from offload.config import EngineConfig, resolve_auto
 from offload.infer import init_inference
 from offload.infer.cli import _report
 from offload.infer.cli import main as generate_command
-from offload.infer.plan import BudgetError, UnitSize, make_plan
+from offload.infer.plan.host import BudgetError, UnitSize, make_plan
 from offload.train.engine import initialize
 
 REPO = Path(__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ from offload.device import AUTO_MARGIN_BYTES, AUTO_MARGIN_SHARE, HostMemory, Sim
 from offload.infer import init_inference
 from offload.infer.cli import main
 from offload.infer.config import InferenceConfig
-from offload.infer.plan import BudgetError
+from offload.infer.plan.host import BudgetError
 
 GiB = 1 << 30
 

@@ -22,7 +22,7 @@ from test_infer_generate import (NEW_TOKENS, PAD, assert_same_generation, build_
 
 from offload.device import DeviceSyncError, SimulatedDevice, cuda_available, device_for
 from offload.infer import BudgetError, init_inference
-from offload.infer.device_ring import DeviceRing
+from offload.infer.stream.device_ring import DeviceRing
 
 TOKENS = 8 + NEW_TOKENS
 

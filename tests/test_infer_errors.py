@@ -78,7 +78,7 @@ def test_shard_truncated_while_generating_raises_and_the_engine_recovers(checkpo
     """The last shard holds streamed layers and the resident final norm. Truncated after the resident
     weights are in, or before the background load has read them (held until then): generating raises
     naming the file, and once the file is back the next generation is exact."""
-    from offload.infer import stream
+    from offload.infer.stream import streamer as stream
 
     victim, truncated, read_windows = _shards(checkpoint)[-1], threading.Event(), stream.read_windows
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import logging
 import shutil
 import tempfile
 import threading
@@ -258,7 +259,7 @@ def test_kv_cache_counts_against_the_budget_and_layers_move(models):
         assert set(engine.plan.resident) == resident_at_1  # back when the cache shrinks
 
 
-def test_other_dtype_streams_from_a_converted_copy_written_once(models, tmp_path):
+def test_other_dtype_streams_from_a_converted_copy_written_once(models, tmp_path, caplog):
     directory, model = models["llama", torch.float32]
     settings = dict(dtype="bfloat16", max_in_cpu="50KiB", nvme_path=str(tmp_path), disk_gbps=1.0)
     ref = reference(copy.deepcopy(model).to(torch.bfloat16), 1, do_sample=False).sequences.tolist()  # the shared model stays fp32
@@ -275,6 +276,16 @@ def test_other_dtype_streams_from_a_converted_copy_written_once(models, tmp_path
             written = marker.stat().st_mtime_ns
         assert marker.stat().st_mtime_ns == written  # the second run reused the copy
     assert json.loads(marker.read_text())["dtype"] == "bfloat16"
+    # A bit flipped in the copy is named when it is reused, and the copy is written again.
+    shard = sorted(converted.glob("*.safetensors"))[-1]
+    from tensorio.testing import flip_bit
+    flip_bit(shard, shard.stat().st_size - 5)
+    with caplog.at_level(logging.WARNING, logger="offload.infer"):
+        with init_inference(directory, **settings) as engine:
+            ours = engine.generate(prompts(1)[0], attention_mask=prompts(1)[1], max_new_tokens=NEW_TOKENS,
+                                   pad_token_id=PAD, do_sample=False)
+    assert f"the cache {converted} is corrupt (checksum mismatch (tensor " in caplog.text
+    assert ours.tolist() == ref and marker.stat().st_mtime_ns != written
 
 
 def test_io_bytes_close_and_context_manager(models):
@@ -320,7 +331,7 @@ def test_the_output_head_gets_a_contiguous_input(models, kind):
 def test_the_first_forward_runs_while_the_resident_weights_load(models, monkeypatch):
     """The last resident layer's memory is only faulted in once the forward has reached the layer
     before it: the forward started before the load finished, and its output is still exact."""
-    from offload.infer import stream
+    from offload.infer.stream import streamer as stream
 
     directory, model = models["llama", torch.float32]
     reached, prefault = threading.Event(), stream.prefault
@@ -352,7 +363,7 @@ def test_with_a_ring_the_load_reads_its_layers_only_after_the_first_forward(mode
     load takes on only what cannot stream (embeddings, norm), so that forward reads layers 0 and 2
     through the ring, with the disk and the cores to itself; the load reads them once it is done.
     The generation is exact."""
-    from offload.infer import stream
+    from offload.infer.stream import streamer as stream
 
     directory, model = models["llama", torch.float32]
     required, kv, _ = required_and_kv(directory, 1)

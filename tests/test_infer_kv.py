@@ -11,8 +11,8 @@ import torch
 
 from offload.infer import init_inference
 from offload.infer.config import InferenceConfig
-from offload.infer.kvcache import CACHE_KEYWORD, OffloadedKVCache
-from offload.infer.plan import BudgetError, UnitSize, place_kv
+from offload.infer.kv.cache import CACHE_KEYWORD, OffloadedKVCache
+from offload.infer.plan.host import BudgetError, UnitSize, place_kv
 from tensorio import AioHandle
 
 from test_infer_generate import PAD, build_model, one_thread, prompts, save_checkpoint, scratch_dir  # noqa: F401

@@ -12,8 +12,8 @@ from transformers import DynamicCache
 
 from offload.infer import init_inference
 from offload.infer.config import InferenceConfig, KVQuantization
-from offload.infer.kvcache import OffloadedKVCache
-from offload.infer.kvquant import KVCodec
+from offload.infer.kv.cache import OffloadedKVCache
+from offload.infer.kv.quant import KVCodec
 from tensorio import AioHandle
 
 from test_infer_generate import PAD, build_model, one_thread, prompts, save_checkpoint, scratch_dir  # noqa: F401

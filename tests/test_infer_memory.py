@@ -14,7 +14,7 @@ import pytest
 from test_infer_generate import saved_model
 
 from benchmarks.infer_stream import _files, meminfo_cached, page_cache_bytes, run_config
-from offload.infer.convert import drop_page_cache
+from offload.infer.weights.convert import drop_page_cache
 
 SLACK = 32 << 20
 BUDGET = 48 << 20

@@ -22,8 +22,8 @@ from offload.device import CPU_KERNELS, CpuDevice, DeviceSyncError, SimulatedDev
 from offload.device._cuda import CudaPackedKernels
 from offload.infer import init_inference
 from offload.infer.config import WeightQuantization
-from offload.infer.plan import format_bytes
-from offload.infer.quantize import QuantLinear, quantize_weight, quantized_layout
+from offload.infer.plan.host import format_bytes
+from offload.infer.weights.quantize import QuantLinear, quantize_weight, quantized_layout
 
 NEW = 8
 TOKENS = 8 + NEW

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import shutil
 
 import pytest
@@ -22,7 +23,8 @@ from test_infer_generate import PAD, build_model, prompts, save_checkpoint, scra
 from offload.infer import InferenceConfig, init_inference
 from offload.infer.cli import main
 from offload.infer.config import WeightQuantization
-from offload.infer.quantize import QuantLinear, quantize_weight
+from offload.infer.weights.quantize import QuantLinear, quantize_weight
+from tensorio.testing import flip_bit
 
 SPECS = [WeightQuantization(num_bits=8), WeightQuantization(num_bits=8, symmetric=False),
          WeightQuantization(num_bits=4, group_size=32), WeightQuantization(num_bits=4, group_size=64, symmetric=True)]
@@ -201,3 +203,25 @@ def test_held_out_perplexity_deltas_on_a_tiny_trained_model(tmp_path):
     assert int8["perplexity"] / base["perplexity"] - 1 <= 0.005
     assert int4["perplexity"] / base["perplexity"] - 1 <= 0.04
     assert 0 < int8["kl"] < int4["kl"]
+
+
+def test_a_corrupt_cache_is_named_and_written_again(llama, caplog):
+    directory, _, root = llama
+    ids, mask = prompts(1)
+
+    def generate():
+        with init_inference(directory, weight_quantization="int8", nvme_path=str(root), max_in_cpu=tight_budget(directory),
+                            disk_gbps=1.0) as engine:
+            return engine(ids, attention_mask=mask).logits, engine.checkpoint.directory
+
+    before, cache = generate()
+    path = os.path.join(cache, "model.safetensors")
+    raw = open(path, "rb").read()
+    length = int.from_bytes(raw[:8], "little")
+    name = next(n for n in json.loads(raw[8:8 + length]) if "q_proj" in n)
+    first, _ = json.loads(raw[8:8 + length])[name]["data_offsets"]
+    flip_bit(path, 8 + length + first + 3)
+    with caplog.at_level(logging.WARNING, logger="offload.infer"):
+        after, again = generate()
+    assert again == cache and f"the cache {cache} is corrupt (checksum mismatch (tensor {name!r}): {path}" in caplog.text
+    assert "writing the" in caplog.text and torch.equal(before, after)

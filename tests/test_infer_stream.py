@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from offload.infer.stream import LayerStreamer, ParamRef, Unit
+from offload.infer.stream.streamer import LayerStreamer
+from offload.infer.stream.unit import ParamRef, Unit
 from offload.storage.safetensors_reader import SafetensorsCheckpoint
 from tensorio import AioHandle, TensorIOError
 
@@ -79,7 +80,7 @@ def test_nested_call_of_the_same_layer(ring):
 
 
 def test_resident_load_faults_each_buffer_in_before_its_reads_and_binds_a_unit_when_it_is_used(ring, monkeypatch):
-    from offload.infer import stream
+    from offload.infer.stream import streamer as stream
 
     modules, units, streamer, weights = ring
     streamer.set_units([], 0)
@@ -105,7 +106,7 @@ def test_resident_load_faults_each_buffer_in_before_its_reads_and_binds_a_unit_w
 
 
 def test_a_unit_whose_load_failed_is_read_again_by_the_forward_that_needs_it(ring, monkeypatch):
-    from offload.infer import stream
+    from offload.infer.stream import streamer as stream
 
     modules, units, streamer, weights = ring
     streamer.set_units([], 0)
@@ -132,7 +133,7 @@ def test_a_unit_whose_load_failed_is_read_again_by_the_forward_that_needs_it(rin
 
 
 def test_resident_load_read_error_names_the_file_and_the_next_forward_tries_again(ring, disk_dir):
-    from offload.infer import stream
+    from offload.infer.stream import streamer as stream
 
     modules, units, streamer, weights = ring
     streamer.set_units([], 0)
@@ -156,7 +157,7 @@ def test_resident_load_read_error_names_the_file_and_the_next_forward_tries_agai
 
 
 def test_closing_a_load_stops_it_and_waits_for_its_reads(ring, monkeypatch):
-    from offload.infer import stream
+    from offload.infer.stream import streamer as stream
 
     modules, units, streamer, weights = ring
     streamer.set_units([], 0)
@@ -183,7 +184,7 @@ def test_closing_a_load_stops_it_and_waits_for_its_reads(ring, monkeypatch):
 
 
 def test_dropping_a_unit_the_load_has_not_reached_does_not_wait_for_it(ring, monkeypatch):
-    from offload.infer import stream
+    from offload.infer.stream import streamer as stream
 
     modules, units, streamer, weights = ring
     streamer.set_units([], 0)
@@ -210,7 +211,7 @@ def test_dropping_a_unit_the_load_has_not_reached_does_not_wait_for_it(ring, mon
 
 
 def test_the_ring_works_while_its_buffers_are_still_being_made(ring, monkeypatch):
-    from offload.infer import stream
+    from offload.infer.stream import streamer as stream
 
     modules, units, streamer, weights = ring
     streamer.close()
@@ -239,7 +240,7 @@ def test_a_forward_reads_the_units_its_load_has_not_taken_on_through_the_ring(ri
     """Units 1, 3 and 4 load in the order 4, 1, 3 while 0 and 2 stream: the load is held at unit 4
     until the forward gets to unit 3, so the forward must read 1 and 3 through the ring; the load
     takes them on afterwards."""
-    from offload.infer import stream
+    from offload.infer.stream import streamer as stream
 
     modules, units, streamer, weights = ring
     streamer.reset()
@@ -270,7 +271,7 @@ def test_a_forward_reads_the_units_its_load_has_not_taken_on_through_the_ring(ri
 
 
 def test_a_held_load_takes_on_only_what_a_forward_waits_for_until_released(ring, monkeypatch):
-    from offload.infer import stream
+    from offload.infer.stream import streamer as stream
 
     modules, units, streamer, weights = ring
     streamer.set_units([], 0)
@@ -295,7 +296,7 @@ def test_a_held_unit_waits_for_the_ring_being_made_rather_than_for_its_load(ring
     """The first forward reaches a held unit before the ring's first buffer is made: it waits for
     that buffer and reads the unit through it (both are fresh memory, and the ring's is on its way),
     instead of asking the load to take the unit on before the first forward is done."""
-    from offload.infer import stream
+    from offload.infer.stream import streamer as stream
 
     modules, units, streamer, weights = ring
     streamer.close()
@@ -329,7 +330,7 @@ def test_a_held_unit_waits_for_the_ring_being_made_rather_than_for_its_load(ring
 
 
 def test_closing_a_held_load_gives_its_units_up(ring):
-    from offload.infer import stream
+    from offload.infer.stream import streamer as stream
 
     modules, units, streamer, weights = ring
     streamer.set_units([], 0)
@@ -343,7 +344,7 @@ def test_closing_a_held_load_gives_its_units_up(ring):
 def test_the_load_keeps_the_callers_cpu_priority_held_and_released(ring, monkeypatch):
     """A load at a lower priority stalls the forward on a busy machine (the GIL goes to a thread that
     is rarely scheduled): its fault threads run at the caller's priority, held and released."""
-    from offload.infer import stream
+    from offload.infer.stream import streamer as stream
 
     modules, units, streamer, weights = ring
     streamer.set_units([], 0)

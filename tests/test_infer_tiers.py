@@ -16,7 +16,7 @@ from offload.device import SimulatedDevice, cuda_available
 from offload.infer import BudgetError, InferenceConfig, UnitSize, init_inference, make_plan
 from offload.infer.cli import main, parse_max_memory
 from offload.infer.config import MaxMemory
-from offload.infer.tiers import place_device
+from offload.infer.plan.device import place_device
 
 KiB = 1 << 10
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from offload.config import Fp16Config
-from offload.train.loss_scaler import DynamicLossScaler, StaticLossScaler, build_loss_scaler
+from offload.train.grads.loss_scaler import DynamicLossScaler, StaticLossScaler, build_loss_scaler
 
 
 def run(scaler, outcomes):

@@ -278,9 +278,9 @@ def _fail_writes_after(opt, good_writes):
     original = handle.write
     calls = []
 
-    def write(tensor, path, offset=0):
+    def write(tensor, path, offset=0, **checksum):
         calls.append(offset)
-        return original(tensor, path if len(calls) <= good_writes else "/dev/full", offset)
+        return original(tensor, path if len(calls) <= good_writes else "/dev/full", offset, **checksum)
     handle.write = write
 
 
@@ -366,7 +366,7 @@ def test_reap_frees_only_finished_writes_and_waits_count():
         swapper.start_read(rec)
         swapper.wait_read(rec)
         if rec is first:  # still in flight as far as reap can tell
-            swapper._file.write = lambda buffer, offset: _Pending(write(buffer, offset))
+            swapper._file.write = lambda buffer, offset, **chunk: _Pending(write(buffer, offset, **chunk))
         swapper.start_write(rec)
         swapper._file.write = write
     second.futures[0].result()

@@ -94,7 +94,7 @@ def test_failed_write_in_backward_raises_and_commits_nothing(tmp_path):
     before = opt.state_dict()
     handle = opt._swapper._file._handle
     original = handle.write
-    handle.write = lambda tensor, path, offset=0: original(tensor, "/dev/full", offset)
+    handle.write = lambda tensor, path, offset=0, **checksum: original(tensor, "/dev/full", offset, **checksum)
     with pytest.raises(TensorIOError) as info:
         _steps(model, opt, 2)
     assert info.value.errno == errno.ENOSPC

@@ -1,15 +1,21 @@
 """``python -m offload.checkpoint consolidate SAVE_DIR OUTPUT_DIR``: a checkpoint of
-``engine.save_checkpoint`` (saved by any number of ranks) into weights that ``from_pretrained`` loads.
+``engine.save_checkpoint`` (saved by any number of ranks) into weights that ``from_pretrained`` loads;
+``python -m offload.checkpoint verify CKPT``: every byte of a checkpoint checked against the checksums
+its JSON records, without loading it.
 
     python -m offload.checkpoint consolidate ckpt/ out/ [--tag global_step100] [--dtype fp32|bf16|fp16]
                                              [--max-shard-size 5GB] [--exclude-frozen-parameters] [--debug]
+    python -m offload.checkpoint verify ckpt/ [--tag global_step100]      # or verify ckpt/global_step100
+
+``consolidate`` verifies what it reads too. ``verify`` prints a line per file checked and exits 0; a
+corrupt byte, a missing file or a path that is not a checkpoint ends in one line and exit status 2.
 
 Streams in runs of 64 MiB, reading ahead while it writes (memory under 1 GB whatever the model's size
 or its largest tensor), with a progress bar. User errors end in one line; ``--debug`` (or ``OFFLOAD_DEBUG=1``) shows their traceback.
 
 The Python functions, with DeepSpeed's names (``deepspeed.utils.zero_to_fp32``), are here too:
 ``get_fp32_state_dict_from_zero_checkpoint``, ``convert_zero_checkpoint_to_fp32_state_dict``,
-``load_state_dict_from_zero_checkpoint`` (see `offload.train.consolidate`).
+``load_state_dict_from_zero_checkpoint`` (see `offload.train.checkpoint.consolidate`).
 """
 
 from __future__ import annotations
@@ -19,12 +25,13 @@ import sys
 
 from offload.cli_errors import add_debug_flag, run_command
 from offload.storage import resolve_tag
-from offload.train.consolidate import (DTYPES, convert_zero_checkpoint_to_fp32_state_dict,
-                                       get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint,
-                                       parse_size)
+from offload.train.checkpoint.consolidate import (DTYPES, convert_zero_checkpoint_to_fp32_state_dict,
+                                                  get_fp32_state_dict_from_zero_checkpoint,
+                                                  load_state_dict_from_zero_checkpoint, parse_size)
+from offload.train.checkpoint.verify import verify_checkpoint
 
 __all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint",
-           "load_state_dict_from_zero_checkpoint", "main"]
+           "load_state_dict_from_zero_checkpoint", "main", "verify_checkpoint"]
 
 PROG = "python -m offload.checkpoint"
 
@@ -42,7 +49,18 @@ def _consolidate(argv: list[str]) -> None:
     p.add_argument("--exclude-frozen-parameters", action="store_true", help="leave out parameters not trained")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_debug_flag(p)
+    v = commands.add_parser("verify", help="check every byte of a checkpoint against its checksums")
+    v.add_argument("checkpoint", help="a tag directory, or the save_dir holding it (with `latest` or --tag)")
+    v.add_argument("--tag", help="the checkpoint tag in a save_dir (default: the one `latest` names)")
+    add_debug_flag(v)
     args = ap.parse_args(argv)
+    if args.command == "verify":
+        files = verify_checkpoint(args.checkpoint, args.tag)
+        for file in files:
+            print(f"ok {file.path} ({file.nbytes / 1e6:.1f} MB)")
+        print(f"verified {len(files)} files, {sum(f.nbytes for f in files) / 1e9:.3f} GB: every checksum matches",
+              file=sys.stderr)
+        return
     parse_size(args.max_shard_size, "--max-shard-size")
     resolve_tag(args.checkpoint_dir, args.tag, tag_argument="--tag TAG")  # the errors in the command's words
     convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_dir, args.max_shard_size,

@@ -1,7 +1,7 @@
 """Packed-int kernels: the int8 / int4 weight-only matrix products a device runs, and the layout its
 int4 weights are stored in (docs/device.md, "Packed-int kernels").
 
-Quantized weights (offload/infer/quantize.py) are stored, streamed and copied to the device in the
+Quantized weights (offload/infer/weights/quantize.py) are stored, streamed and copied to the device in the
 layout its kernel takes, so that the products run on the bytes as they arrive. int8 weights are
 int8 [out, in] with one scale per output channel everywhere (``torch._weight_int8pack_mm``, which
 has CPU and CUDA kernels). int4 layouts differ: the CPU's kernel (``_weight_int4pack_mm_for_cpu``)

@@ -7,7 +7,7 @@ the ones that fit in the budget once, the rest streamed layer by layer with pref
 
 from offload.infer.config import InferenceConfig
 from offload.infer.engine import CheckpointMismatchError, InferenceEngine, init_inference
-from offload.infer.plan import BudgetError, Plan, UnitSize, make_plan
+from offload.infer.plan.host import BudgetError, Plan, UnitSize, make_plan
 
 __all__ = [
     "BudgetError",

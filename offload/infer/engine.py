@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import re
 import time
 from collections.abc import Iterator
 from typing import Any, Mapping
@@ -15,34 +14,30 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from offload.device import Device, auto_budget, device_for, host_memory
+from offload.device import Device, auto_budget, host_memory
+from offload.infer.build import (CheckpointMismatchError, build_units, checkpoint_directory, compute_device_for,
+                                  contiguous_head_input, decoder_blocks, device_budget, materialize_buffers,
+                                  measure_disk, meta_skeleton)
 from offload.infer.config import InferenceConfig
-from offload.infer.convert import converted_copy
-from offload.infer.device_kv import KVStager, StagedKVLayer
-from offload.infer.device_ring import DeviceRing
-from offload.infer.kvcache import CACHE_KEYWORD, MicroBatchedLayer, NvmeKVLayer, OffloadedKVCache
-from offload.infer.kvquant import KVCodec
-from offload.infer.plan import BudgetError, KVPlacement, Plan, UnitSize, format_bytes, make_plan, place_kv
-from offload.infer.qcache import PAD_PREFIX, quantized_cache
-from offload.infer.quantize import block_linears, swap_linears
+from offload.infer.kv.cache import CACHE_KEYWORD, MicroBatchedLayer, NvmeKVLayer, OffloadedKVCache
+from offload.infer.kv.device import KVStager, StagedKVLayer
+from offload.infer.kv.quant import KVCodec
+from offload.infer.plan.device import place_device
+from offload.infer.plan.host import (BudgetError, KVPlacement, Plan, UnitSize, format_bytes, kv_in_memory, make_plan,
+                                    place_kv)
 from offload.infer.schedule import BlockSchedule, micro_batch_size
-from offload.infer.stream import LayerStreamer, ParamRef, ResidentLoad, Unit
-from offload.infer.tiers import place_device
-from offload.storage.safetensors_reader import SafetensorsCheckpoint, read_windows, tensor_views, windows_nbytes
-from tensorio import AioHandle, aligned_tensor
+from offload.infer.stream.device_ring import DeviceRing
+from offload.infer.stream.streamer import LayerStreamer, ResidentLoad
+from offload.infer.stream.unit import Unit
+from offload.infer.weights.convert import converted_copy
+from offload.infer.weights.qcache import quantized_cache
+from offload.infer.weights.quantize import block_linears, swap_linears
+from offload.storage.safetensors_reader import SafetensorsCheckpoint
+from tensorio import AioHandle
 
 __all__ = ["CheckpointMismatchError", "InferenceEngine", "init_inference"]
 
 log = logging.getLogger("offload.infer")
-
-# Modules outside the repeated blocks that may be streamed (the output head); the rest stays resident.
-_STREAMABLE_OUTSIDE = (nn.Linear,)
-_STREAMABLE_OUTSIDE_NAMES = ("Conv1D",)
-_DISK_PROBE_BYTES = 256 << 20
-
-
-class CheckpointMismatchError(ValueError):
-    """The checkpoint and the model disagree: a missing or unexpected tensor, or a shape; names it."""
 
 
 def init_inference(model: str | os.PathLike | nn.Module, config: Mapping[str, Any] | str | os.PathLike | None = None,
@@ -78,11 +73,11 @@ class InferenceEngine:
     def __init__(self, model: str | os.PathLike | nn.Module, settings: InferenceConfig, *,
                  checkpoint: str | os.PathLike | None = None, compute: Device | None = None) -> None:
         self.settings = settings
-        self.compute = compute or _compute_device(settings)
+        self.compute = compute or compute_device_for(settings)
         """Where the model computes (offload/device); ``device`` is its torch device."""
         self._owns_compute = compute is None
         try:
-            self._device_budget = _device_budget(self.compute, settings)
+            self._device_budget = device_budget(self.compute, settings)
         except BaseException:
             if self._owns_compute:
                 self.compute.close()
@@ -99,16 +94,16 @@ class InferenceEngine:
         # 1. The reads' handle, and the checkpoint's headers (every file checked before any tensor is read).
         self.handle = AioHandle.from_config(settings.aio)
         try:
-            directory = _checkpoint_directory(model, checkpoint)
+            directory = checkpoint_directory(model, checkpoint)
             self.checkpoint = SafetensorsCheckpoint(directory, self.handle)
             # 2. The model's skeleton on the meta device, in the compute dtype (the checkpoint's by default).
             self.dtype = settings.dtype or self.checkpoint.dominant_dtype() or torch.float32
-            self.module = _skeleton(model, directory, self.dtype)
-            _contiguous_head_input(self.module)
+            self.module = meta_skeleton(model, directory, self.dtype)
+            contiguous_head_input(self.module)
             self.device = self.compute.torch_device
             # 3. One record per unit, its tensors matched to the checkpoint's (names, shapes).
-            self.units = _units(self.module, self.checkpoint)
-            self._load_bytes = _materialize_buffers(self.module, self.checkpoint, self.handle, self.device)
+            self.units = build_units(self.module, self.checkpoint)
+            self._load_bytes = materialize_buffers(self.module, self.checkpoint, self.handle, self.device)
             self._unquantized_sizes: list[UnitSize] | None = None
             if settings.weight_quantization is not None:  # packed linear layers, read from the quantized cache
                 self._quantize(directory)
@@ -119,7 +114,7 @@ class InferenceEngine:
             if any(self._needs_conversion(u) for u in self._read_in_place()):
                 self._use_converted_copy()
             if self.plan.streamed and settings.disk_gbps is None:
-                self.plan = self._make_plan(0, (0, 0), disk=_measure_disk(self.handle, self.checkpoint))
+                self.plan = self._make_plan(0, (0, 0), disk=measure_disk(self.handle, self.checkpoint))
             # 5. Resident weights read once, in the background; the streamer's hooks on every unit that may stream.
             self.streamer = LayerStreamer(self.handle, buffer_count=settings.buffer_count)
             for unit in self.units:
@@ -127,7 +122,7 @@ class InferenceEngine:
                     self.streamer.attach(unit)
             self.schedule = BlockSchedule()
             """Micro-batches through each decoder layer (`generate` sets them from the plan)."""
-            self.schedule.install(self.module.get_submodule(_blocks(self.module)))
+            self.schedule.install(self.module.get_submodule(decoder_blocks(self.module)))
             self._release_hook = self.module.register_forward_hook(lambda *_: self._release_loads())
             """Until the first forward is done (then None), loads hold their streamable units back."""
             self._apply(self.plan)
@@ -234,7 +229,7 @@ class InferenceEngine:
                              kv_shape=(batch, tokens), micro_batches=batch // micro)
         kv = placement.memory_bytes
         plan = dataclasses.replace(self._make_plan(kv, (batch, tokens), disk=(self.plan.disk_bps, self.plan.disk_source),
-                                                   kv_what=_kv_in_memory(placement)), kv=placement)
+                                                   kv_what=kv_in_memory(placement)), kv=placement)
         total = host_memory().total  # the cgroup's limit where smaller
         activations = self.activation_bytes(micro, tokens)
         need = plan.memory_bytes + activations
@@ -254,7 +249,7 @@ class InferenceEngine:
         """`reserve` where compute has memory of its own: the activations on the device, and the KV cache
         there while the budget holds it (``kv_offload.device`` "auto"); else, or with "cpu" / "nvme", the
         cache on the host (in memory or on NVMe, as `place_kv` places it there), each layer's copied to
-        the device per token through two device buffers (offload/infer/device_kv.py)."""
+        the device per token through two device buffers (offload/infer/kv/device.py)."""
         setting = self.settings.kv_offload
         layers = self._text_config().num_hidden_layers
         kv, shape, parts = self.kv_bytes(batch, tokens), (batch, tokens), batch // micro
@@ -492,7 +487,7 @@ class InferenceEngine:
         refusal = kernels.unsupported(spec.num_bits, self.dtype)
         if refusal is not None:
             raise ValueError(f"weight_quantization: {spec.name} cannot compute on the {self.compute.name} device: {refusal}")
-        targets = {path: self.module.get_submodule(path) for path in block_linears(self.module, _blocks(self.module), spec)}
+        targets = {path: self.module.get_submodule(path) for path in block_linears(self.module, decoder_blocks(self.module), spec)}
         if not targets:
             raise ValueError(f"weight_quantization: {type(self.module).__name__} has no nn.Linear in its decoder layers "
                              f"that the int{spec.num_bits} kernel takes (int8: in features a multiple of 16; int4: out "
@@ -503,7 +498,7 @@ class InferenceEngine:
                                 self.settings.nvme_path or directory, self.handle, kernels=kernels)
         swap_linears(self.module, list(targets), spec, self.dtype, kernels)
         self.checkpoint = SafetensorsCheckpoint(cache, self.handle)
-        self.units = _units(self.module, self.checkpoint)
+        self.units = build_units(self.module, self.checkpoint)
 
     def _check_budget_before_quantizing(self) -> None:
         """Raise the plan's BudgetError before the quantized cache is written (minutes for a large model)
@@ -603,248 +598,3 @@ class InferenceEngine:
     def _on_device(self, value: Any) -> Any:
         """A tensor argument moved to where compute runs (itself where it is there)."""
         return value.to(self.device) if isinstance(value, torch.Tensor) else value
-
-
-# ---- building the engine: the skeleton, the units, the buffers, the disk ---------------------------
-
-
-def _compute_device(settings: InferenceConfig) -> Device:
-    """The device ``compute_device`` names, with ``max_memory``'s device budget (checked against its
-    free memory). Raises ValueError naming the setting."""
-    tiers = settings.max_memory
-    # Generation has not moved to the simulated device's own device type yet (docs/device.md): its
-    # buffers are CPU tensors there.
-    device = device_for(settings.compute_device, simulated_host_tensors=True)
-    if tiers is None or tiers.device_bytes in (None, "auto") or not device.separate_memory:
-        return device  # a device budget with compute on the CPU is refused by `_device_budget`, naming it
-    device.close()
-    return device_for(settings.compute_device, budget_bytes=tiers.device_bytes, budget_setting=tiers.device_key,
-                      simulated_host_tensors=True)
-
-
-def _device_budget(compute: Device, settings: InferenceConfig) -> tuple[int, str] | None:
-    """(bytes, setting) of the device tier where ``compute`` has memory of its own: its budget, else
-    90% of its free memory (Accelerate's headroom); None on the CPU, whose device tier is the host.
-    Raises ValueError naming ``max_memory[i]`` where it cannot apply."""
-    tiers = settings.max_memory
-    given = tiers.device_bytes if tiers is not None else None
-    auto = given == "auto"
-    given = None if auto else given
-    if not compute.separate_memory:
-        if given is not None or auto:
-            raise ValueError(f"{tiers.device_key}: a device budget, but compute is on the {compute.name} device, whose "
-                             f"memory is the host's; leave {tiers.device_key} out (max_memory['cpu'] or max_in_cpu is the "
-                             f"budget), or compute on a GPU (compute_device)")
-        return None
-    if given is not None and compute.budget_bytes != given:
-        raise ValueError(f"{tiers.device_key}: {given} bytes, but the device passed as compute_device has a budget of "
-                         f"{compute.budget_bytes} bytes; give the budget once (to the device, or as {tiers.device_key})")
-    if compute.budget_bytes is not None:
-        return compute.budget_bytes, compute.budget_setting
-    free, _ = compute.memory_info()
-    key = tiers.device_key if tiers is not None and tiers.device_index is not None else "max_memory[0]"
-    return int(free * 0.9), (f"{key} \"auto\": 90% of the {compute.name} device's free {format_bytes(free)}, 10% "
-                             f"kept for the device runtime and its allocator")
-
-
-def _checkpoint_directory(model: Any, checkpoint: Any) -> str:
-    if isinstance(model, (str, os.PathLike)):
-        if checkpoint is not None:
-            raise ValueError("checkpoint: give the checkpoint either as `model` or as `checkpoint=`, not both")
-        return os.fspath(model)
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a checkpoint directory or a transformers model on the meta device, "
-                        f"got {type(model).__name__}")
-    if checkpoint is not None:
-        return os.fspath(checkpoint)
-    name = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
-    if name and os.path.isdir(name):
-        return name
-    raise ValueError("checkpoint: the model does not say where its checkpoint is (config._name_or_path is "
-                     f"{name!r}); pass checkpoint=DIRECTORY")
-
-
-def _skeleton(model: Any, directory: str, dtype: torch.dtype) -> nn.Module:
-    """The transformers model on the meta device (no memory), its parameters in ``dtype``."""
-    import transformers
-
-    if isinstance(model, nn.Module):
-        real = [name for name, p in model.named_parameters() if p.device.type != "meta"]
-        if real:
-            raise ValueError(f"model: parameter {real[0]!r} is on {model.get_parameter(real[0]).device}, not on the "
-                             f"meta device; build the model under `with torch.device('meta'):` so that no weight is "
-                             f"in memory before the engine reads it")
-        for module in model.modules():  # parameters only: buffers (rotary frequencies) keep their dtype
-            for attr, param in list(module._parameters.items()):
-                if param is not None and param.is_floating_point() and param.dtype != dtype:
-                    module._parameters[attr] = nn.Parameter(param.to(dtype), requires_grad=False)
-        return model.eval()
-    if not os.path.isfile(os.path.join(directory, "config.json")):
-        raise FileNotFoundError(f"checkpoint {directory}: no config.json, so the model's architecture is unknown")
-    config = transformers.AutoConfig.from_pretrained(directory)
-    with torch.device("meta"):
-        module = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if os.path.isfile(os.path.join(directory, "generation_config.json")):
-        module.generation_config = transformers.GenerationConfig.from_pretrained(directory)
-    module.config._name_or_path = directory
-    return module.eval()
-
-
-def _kv_in_memory(placement: KVPlacement) -> str:
-    """What of the KV cache the budget holds, for the errors, when some of it is on NVMe ("" otherwise)."""
-    if not placement.nvme_layers:
-        return ""
-    ring = (f"read-ahead ring, {placement.buffer_count} x {format_bytes(placement.slot_nbytes)} "
-            f"(kv_offload.buffer_count, --kv-buffer-count: 1 halves it)")
-    if placement.memory_layers:
-        return (f"the KV cache's {placement.memory_layers} layers kept in memory and its {ring}, its other "
-                f"{len(placement.nvme_layers)} layers ({format_bytes(placement.nvme_bytes)}) being on NVMe")
-    return f"the KV cache's {ring}, the cache itself ({format_bytes(placement.nvme_bytes)}) being on NVMe"
-
-
-def _contiguous_head_input(module: nn.Module) -> None:
-    """Give the output head its input contiguous (a forward pre-hook; a copy of batch x hidden values).
-
-    ``generate`` hands it the last position's hidden states, a slice ``hidden[:, -1:, :]`` that is
-    not contiguous. torch.matmul multiplies such an input by a weight that does not require grad
-    (ours never do: they are views into our buffers) with bmm on the weight expanded to the batch
-    and made contiguous: a copy of batch x the head (5 GB for Llama-13B's
-    32000 x 5120 head at batch 16) at every prefill. A contiguous input is folded into one mm.
-    """
-    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
-    if isinstance(head, nn.Linear):
-        head.register_forward_pre_hook(lambda _, args: (args[0].contiguous(), *args[1:]) if args else None)
-
-
-def _blocks(module: nn.Module) -> str | None:
-    """The path of the ModuleList holding the most parameters: the decoder layers."""
-    best, most = None, 0
-    for name, child in module.named_modules():
-        if isinstance(child, nn.ModuleList):
-            count = sum(p.numel() for p in child.parameters())
-            if count > most:
-                best, most = name, count
-    return best
-
-
-def _candidates(name: str, prefix: str) -> tuple[str, ...]:
-    """Checkpoint names a parameter may have: its own, without or with the base model's prefix."""
-    if prefix and name.startswith(prefix + "."):
-        return name, name[len(prefix) + 1:]
-    return (name, f"{prefix}.{name}") if prefix else (name,)
-
-
-def _units(module: nn.Module, checkpoint: SafetensorsCheckpoint) -> list[Unit]:
-    """One `Unit` per decoder layer and per other module with parameters, in forward order, each
-    parameter matched to its checkpoint tensor. Raises CheckpointMismatchError naming the tensor."""
-    blocks = _blocks(module)
-    prefix = getattr(module, "base_model_prefix", "") or ""
-    aliases: dict[int, list[str]] = {}
-    params: dict[int, nn.Parameter] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(param), []).append(name)
-        params[id(param)] = param
-    where = checkpoint.index_path or checkpoint.directory
-    consumed: set[str] = set()
-    members: dict[str, list[ParamRef]] = {}
-    kinds: dict[str, tuple[nn.Module, bool]] = {}
-    for pid, names in aliases.items():
-        param = params[pid]
-        found = [key for name in names for key in _candidates(name, prefix) if key in checkpoint]
-        if not found:
-            raise CheckpointMismatchError(
-                f"parameter {names[0]!r} of {type(module).__name__} is not in the checkpoint ({where}); the "
-                f"checkpoint is for another model, or incomplete")
-        consumed.update(found)
-        entry = checkpoint[found[0]]
-        if tuple(entry.shape) != tuple(param.shape):
-            raise CheckpointMismatchError(
-                f"tensor {entry.name!r} in {entry.path} has shape {list(entry.shape)}, but parameter {names[0]!r} of "
-                f"{type(module).__name__} has shape {list(param.shape)}; the checkpoint and config.json disagree")
-        owners = tuple((module.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in names)
-        placeholder = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False)
-        owner_path = names[0].rpartition(".")[0]
-        match = re.match(rf"{re.escape(blocks)}\.\d+(?=\.)", names[0]) if blocks else None
-        unit = match.group(0) if match and len(names) == 1 else owner_path
-        streamable = len(names) == 1 and (match is not None or (
-            isinstance(owners[0][0], _STREAMABLE_OUTSIDE) or type(owners[0][0]).__name__ in _STREAMABLE_OUTSIDE_NAMES))
-        members.setdefault(unit, []).append(ParamRef(owners, entry.name, placeholder))
-        old = kinds.get(unit)
-        kinds[unit] = (module.get_submodule(unit), streamable and (old is None or old[1]))
-        for ref_owner, attr in owners:  # meta placeholder until the plan decides
-            ref_owner._parameters[attr] = placeholder
-    _check_unexpected(module, checkpoint, consumed, prefix)
-    units = []
-    for name, refs in members.items():
-        unit_module, streamable = kinds[name]
-        nbytes = sum(ref.placeholder.numel() * ref.placeholder.element_size() for ref in refs)
-        units.append(Unit(name, unit_module, tuple(refs), checkpoint.windows([r.tensor for r in refs]), nbytes, streamable))
-    return units
-
-
-def _check_unexpected(module: nn.Module, checkpoint: SafetensorsCheckpoint, consumed: set[str], prefix: str) -> None:
-    buffers = {key for name, _ in module.named_buffers() for key in _candidates(name, prefix)}
-    ignore = [re.compile(p) for p in (getattr(module, "_keys_to_ignore_on_load_unexpected", None) or [])]
-    ignore.append(re.compile(r"rotary_emb\.inv_freq"))
-    ignore.append(re.compile(rf"^{re.escape(PAD_PREFIX)}"))  # the quantized cache's alignment padding
-    extra = [name for name in checkpoint.entries
-             if name not in consumed and name not in buffers and not any(p.search(name) for p in ignore)]
-    if extra:
-        entry = checkpoint[extra[0]]
-        more = f" (and {len(extra) - 1} more: {', '.join(extra[1:4])}{', ...' if len(extra) > 4 else ''})" if len(extra) > 1 else ""
-        raise CheckpointMismatchError(
-            f"tensor {entry.name!r} in {entry.path} has no parameter or buffer in {type(module).__name__}{more}; the "
-            f"checkpoint is for another model or config.json is wrong")
-
-
-def _materialize_buffers(module: nn.Module, checkpoint: SafetensorsCheckpoint, handle: AioHandle,
-                         device: torch.device) -> int:
-    """Give every meta buffer real memory: persistent ones from the checkpoint, the others (rotary
-    frequencies) computed by transformers' own initialisation. Returns bytes read."""
-    prefix = getattr(module, "base_model_prefix", "") or ""
-    nbytes = 0
-    to_init = []
-    for name, buffer in list(module.named_buffers()):
-        if buffer.device.type != "meta":
-            continue
-        owner_path, _, attr = name.rpartition(".")
-        owner = module.get_submodule(owner_path)
-        key = next((k for k in _candidates(name, prefix) if k in checkpoint), None)
-        if key is not None:
-            windows = checkpoint.windows([key])
-            raw = aligned_tensor(windows_nbytes(windows), torch.uint8)
-            nbytes += sum(f.result() for f in read_windows(handle, windows, raw))
-            owner._buffers[attr] = tensor_views(windows, raw)[key].to(device=device, dtype=buffer.dtype).clone()
-        else:
-            owner._buffers[attr] = torch.empty_like(buffer, device=device)
-            to_init.append(owner)
-    init = getattr(module, "_init_weights", None)
-    for owner in dict.fromkeys(to_init):
-        if init is None or any(True for _ in owner.parameters(recurse=False)):
-            raise ValueError(f"buffer of {type(owner).__name__} is neither in the checkpoint nor computable here")
-        init(owner)
-    return nbytes
-
-
-def _measure_disk(handle: AioHandle, checkpoint: SafetensorsCheckpoint) -> tuple[float, str]:
-    """Read up to 256 MiB of the checkpoint's largest files with O_DIRECT, 64 MiB per request;
-    (bytes per second, description)."""
-    files = sorted(checkpoint.files, key=checkpoint.file_sizes.__getitem__, reverse=True)
-    chunk = min(64 << 20, _DISK_PROBE_BYTES)
-    buffer = aligned_tensor(min(chunk, checkpoint.file_sizes[files[0]]) // 4096 * 4096, torch.uint8)
-    if buffer.numel() == 0:
-        return 0.0, "not measured: the checkpoint is smaller than a page"
-    moved, used = 0, []
-    start = time.perf_counter()
-    for path in files:
-        size = checkpoint.file_sizes[path] // 4096 * 4096  # whole pages: every read is O_DIRECT
-        for offset in range(0, size, buffer.numel()):
-            if moved >= _DISK_PROBE_BYTES:
-                break
-            moved += handle.read(buffer[: min(buffer.numel(), size - offset)], path, offset).result()
-        used.append(os.path.basename(path))
-        if moved >= _DISK_PROBE_BYTES:
-            break
-    seconds = time.perf_counter() - start
-    where = used[0] if len(used) == 1 else f"{len(used)} files"
-    return moved / seconds, f"measured: {format_bytes(moved)} of {where} read with O_DIRECT"

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from offload.infer.kvcache import OffloadedKVCache
+from offload.infer.kv.cache import OffloadedKVCache
 
 __all__ = ["BlockSchedule", "micro_batch_size"]
 

@@ -12,7 +12,7 @@ import torch
 
 from offload.optim.kernel import ParamState
 from offload.optim.subgroups import SubGroupPlan
-from offload.optim.swapper import StateSwapper
+from offload.optim.swapper import StateSwapper, Where
 
 
 class OptimizerState:
@@ -145,7 +145,9 @@ class OptimizerState:
             for plan in self.plans:
                 if plan.offloaded:
                     rec = self.swapper.records[plan.index]
-                    fill(plan, self.swapper.read_now(rec), steps, get, self.params)
+                    # Every element is written: the state on disk is not read (it may be what failed).
+                    regions = self.swapper.blank(rec) if rec.where is Where.ON_DISK else self.swapper.read_now(rec)
+                    fill(plan, regions, steps, get, self.params)
                     self.swapper.start_write(rec)
             self.swapper.drain()
         except BaseException:

@@ -205,7 +205,8 @@ class StateSwapper:
                 region.zero_()
             rec.where = Where.RESIDENT
             return
-        rec.futures = self._transfer(rec, rec.slots.newest_offset, self._file.read)
+        rec.futures = self._transfer(rec, rec.slots.newest_offset, self._file.read,
+                                     what=f"{_describe(rec)}, slot {'AB'[rec.slots.newest_slot]}")
         rec.where = Where.READING
 
     def wait_read(self, rec: SwapRecord) -> list[torch.Tensor]:
@@ -226,6 +227,17 @@ class StateSwapper:
         if rec.where is Where.ON_DISK:
             self.start_read(rec)
         return self.wait_read(rec)
+
+    def blank(self, rec: SwapRecord) -> list[torch.Tensor]:
+        """Memory for ``rec``'s state, zeroed, without reading it: for a load, which overwrites it all (and
+        must work when what is on disk is corrupt). Its state must be on disk (sync point: may wait for a
+        write to free a buffer)."""
+        _expect(rec, Where.ON_DISK, "overwrite")
+        self._acquire(rec, spare=False)
+        for region in rec.regions:
+            region.zero_()
+        rec.where = Where.RESIDENT
+        return rec.regions
 
     def start_write(self, rec: SwapRecord) -> None:
         """Start writing ``rec``'s state to its uncommitted slot; its memory is freed when it is done."""
@@ -284,13 +296,15 @@ class StateSwapper:
 
     # ---- internals ------------------------------------------------------------------------------------
 
-    def _transfer(self, rec: SwapRecord, offset: int, move) -> list[IOFuture]:
+    def _transfer(self, rec: SwapRecord, offset: int, move, **what) -> list[IOFuture]:
         """Start reading or writing (``move``) ``rec``'s regions at the slot at ``offset``: one request per
-        fixed buffer (the regions are back to back there as in the file), else one per region."""
-        if rec.buffer is not None:
-            return [move(rec.buffer, offset)]
+        fixed buffer (the regions are back to back there as in the file), else one per region. Checksummed
+        per region either way, so that a read verifies whichever way the write went."""
         region_bytes = rec.plan.region * 4
-        return [move(region, offset + r * region_bytes) for r, region in enumerate(rec.regions)]
+        if rec.buffer is not None:
+            return [move(rec.buffer, offset, chunk=region_bytes, **what)]
+        return [move(region, offset + r * region_bytes, chunk=region_bytes, **what)
+                for r, region in enumerate(rec.regions)]
 
     def _acquire(self, rec: SwapRecord, *, spare: bool) -> None:
         """Give ``rec`` memory: a fixed buffer free now, else spare memory (first if ``spare``), else the
@@ -334,6 +348,13 @@ class StateSwapper:
             yield
         finally:
             self.wait_seconds += time.perf_counter() - start
+
+
+def _describe(rec: SwapRecord) -> str:
+    """How errors name ``rec``'s state on disk."""
+    members = rec.plan.members
+    params = f"parameters {members[0].param}..{members[-1].param}" if members else "no parameters"
+    return f"optimizer state of sub-group {rec.plan.index} ({params}; exp_avg, exp_avg_sq{', master' if rec.plan.regions > 2 else ''})"
 
 
 def _check_count(moved: Any, rec: SwapRecord, verb: str) -> None:

@@ -9,14 +9,24 @@ last writes of a step may land during the next forward (write-behind): the step 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 from offload.optim.kernel import ParamState, StepInputs
 from offload.optim.schedule import SwapSchedule
 from offload.optim.swapper import StateSwapper
 
-if TYPE_CHECKING:
-    from offload.optim.overlap import BackwardUpdates
+
+class Background(Protocol):
+    """The updates during backward (`offload.optim.overlap.BackwardUpdates`), as the transaction waits for them."""
+
+    def join(self) -> None:
+        """Wait for the thread's queued updates; raise the first one's error."""
+
+    def wait_dependents(self) -> None:
+        """Wait for the writes the update callbacks started; raise the first one's error."""
+
+    def forget(self) -> None:
+        """Drop the aborted step's hand-offs once the writes its callbacks started are done."""
 
 
 class StepTransaction:
@@ -25,7 +35,7 @@ class StepTransaction:
     def __init__(self, swapper: StateSwapper, params: list[ParamState], schedule: SwapSchedule,
                  inputs: StepInputs) -> None:
         self._swapper, self._params, self._schedule, self._inputs = swapper, params, schedule, inputs
-        self.background: BackwardUpdates | None = None
+        self.background: Background | None = None
         """The updates during backward, whose thread and callbacks' writes belong to the step (overlap_backward)."""
         self.uncommitted = False
         """Writes of the last step still in flight (overlap_backward)."""

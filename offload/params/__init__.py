@@ -9,7 +9,8 @@ budget). An inference engine can use it read-only.
 from offload.params.partition import owned_numel, padded_numel, partition_bounds, partition_numel
 from offload.params.placement import Placement, build_records
 from offload.params.prefetch import Prefetcher, SwapBudget
-from offload.params.store import ParamRecord, ParamStore
+from offload.params.record import ParamRecord
+from offload.params.store import ParamStore
 
 __all__ = [
     "ParamRecord",

@@ -34,7 +34,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload.params.placement import Placement
-from offload.params.store import ParamRecord, ParamStore, find_record
+from offload.params.record import ParamRecord
+from offload.params.store import ParamStore, find_record
 
 __all__ = ["BUILT", "PartitionedBuild", "built_store", "discard_build", "settle_for_gather"]
 

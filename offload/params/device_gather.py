@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,9 +32,16 @@ import torch.distributed as dist
 from tensorio import storage_references
 
 from offload.device import Device, Event
+from offload.params.record import ParamRecord
 
-if TYPE_CHECKING:
-    from offload.params.store import ParamRecord, ParamStore
+
+class HostPartitions(Protocol):
+    """What `DeviceGathers.copy_ahead` reads of its owner (the `ParamStore`)."""
+
+    records: list[ParamRecord]
+
+    def host_partition(self, rec: ParamRecord) -> torch.Tensor | None:
+        """``rec``'s partition in host memory now, or None where it is not there."""
 
 
 @dataclass(slots=True, eq=False)
@@ -143,7 +150,7 @@ class DeviceGathers:
         self._resident.clear()
         self.drop_all()
 
-    def copy_ahead(self, store: "ParamStore", upcoming: list[int]) -> None:
+    def copy_ahead(self, store: HostPartitions, upcoming: list[int]) -> None:
         """Start copying the partitions of ``upcoming`` (record indices, next first) that are not on the
         device yet, up to ``ahead_elements``, where their host data is there without waiting."""
         ahead = sum(copy.buffer.numel() for copy in self._ahead.values())

@@ -15,7 +15,7 @@ from torch import nn
 from tensorio import aligned_tensor
 
 from offload.params.partition import partition_bounds, partition_numel
-from offload.params.store import ParamRecord
+from offload.params.record import ParamRecord
 from offload.storage.slotted import allocate_pair
 from offload.storage.swapfile import SwapFile
 from offload.storage.write_queue import WriteQueue

@@ -14,7 +14,8 @@ from tensorio import AioConfig, AioHandle, aligned_tensor, locked_tensor
 
 from offload.params.partition import partition_bounds
 from offload.params.placement import parameter_names
-from offload.params.store import ParamRecord, ParamStore
+from offload.params.record import ParamRecord
+from offload.params.store import ParamStore
 from offload.storage.safetensors_reader import SafetensorsCheckpoint, read_windows, tensor_views, windows_nbytes
 
 __all__ = ["load_pretrained"]

@@ -1,7 +1,7 @@
-"""Parameter records and the hooks that gather a module's parameters around its use.
+"""The parameter store: records and the hooks that gather a module's parameters around its use.
 
-One `ParamRecord` per distinct ``nn.Parameter`` (tied parameters share one) holds everything about
-it: its rank's partition (the tensor the optimizer steps), where that partition lives (memory or
+One `ParamRecord` (offload/params/record.py) per distinct ``nn.Parameter`` (tied parameters share
+one) holds everything about it: its rank's partition (the tensor the optimizer steps), where that partition lives (memory or
 NVMe, and whether a read is in flight) and the gathered full tensor while in use. Nothing is glued onto the parameter: between uses its ``.data`` is an empty
 placeholder and the record is the only place that knows where its values are.
 
@@ -21,11 +21,9 @@ commit rule belong to `offload.train`, which plugs in through two small protocol
 from __future__ import annotations
 
 import functools
-
 import itertools
 import weakref
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -38,76 +36,9 @@ from offload.device import CpuDevice, Device
 from offload.params.device_gather import DeviceGathers
 from offload.params.partition import partition_bounds
 from offload.params.prefetch import Prefetcher, SwapBudget
-from offload.storage.slotted import SlotPair, SlottedRegion
+from offload.params.record import BufferKeeper, ParamRecord, PendingUpdates
+from offload.storage.slotted import SlottedRegion
 from offload.storage.swapfile import SwapFile
-
-
-@dataclass(slots=True, eq=False)
-class ParamRecord:
-    """Everything about one (possibly tied) parameter."""
-
-    index: int
-    names: list[str]
-    param: nn.Parameter
-    shape: torch.Size
-    numel: int
-    partition: nn.Parameter
-    """This rank's flat partition, ``partition_numel`` elements; an empty placeholder while on disk."""
-    partition_numel: int
-    keep_full: bool
-    """Never released: persistent (small) parameters, and at world size 1 those in memory (the
-    partition is then a view of the parameter itself)."""
-    slots: SlotPair | None = None
-    """The partition's two slots in the parameter swap file (NVMe records only): reads take the newest,
-    a training step writes the other and commits or rolls back (`offload.storage.slotted`)."""
-    buffer: torch.Tensor | None = None
-    """The page-aligned buffer a read fills, counted in the swap budget until dropped."""
-    read: IOFuture | None = None
-    full: torch.Tensor | None = None
-    """The gathered flat parameter (``numel`` elements) while in use."""
-    users: int = 0
-    """Modules whose forward is using the gathered parameter now."""
-    saved: int = 0
-    """Tokens saved for backward and not yet unpacked."""
-    accumulator: object = None
-    """The parameter's AccumulateGrad node, held so that its hooks stay registered."""
-
-    @property
-    def name(self) -> str:
-        return self.names[0]
-
-    @property
-    def on_disk(self) -> bool:
-        return self.slots is not None
-
-
-class BufferKeeper(Protocol):
-    """Which on-disk partitions' buffers stay in memory when their parameter is released (`ParamStore.keeper`)."""
-
-    def keeps(self, rec: ParamRecord) -> bool:
-        """Whether ``rec``'s buffer stays when its parameter is released."""
-
-    def reset(self, *, end_of_backward: bool) -> None:
-        """The store releases everything (`ParamStore.release_all`): at the end of a backward, or for good."""
-
-
-class PendingUpdates(Protocol):
-    """A training step whose updates run during the passes (`ParamStore.updates`; the engine's
-    ``DeferredStep``): what the store asks it before reading or gathering a partition."""
-
-    def values(self, rec: ParamRecord) -> torch.Tensor | None:
-        """Wait for ``rec``'s pending update (sync point); its updated values when the step holds them
-        (None: gather as usual). Raises the update's error."""
-
-    def holds(self, rec: ParamRecord) -> bool:
-        """Whether the step holds ``rec``'s values (the store must not read it)."""
-
-    def overwrites(self, rec: ParamRecord) -> bool:
-        """Whether ``rec``'s pending update writes every element without reading it (no read needed)."""
-
-    def settled(self, rec: ParamRecord) -> bool:
-        """Whether ``rec``'s values are final for this pass without waiting (no update pending, or it has
-        run): what a copy ahead may read."""
 
 
 @dataclass(slots=True, eq=False)
@@ -322,7 +253,11 @@ class ParamStore:
             self.demand_reads += 1
         self._prefetch()
         if rec.read is not None:
-            rec.read.result()
+            try:
+                rec.read.result()
+            except BaseException:
+                self.drop_buffer(rec)  # a failed read is not kept: the next gather reads again
+                raise
         rec.read = None
 
     def start_read(self, rec: ParamRecord) -> None:
@@ -335,7 +270,8 @@ class ParamStore:
             rec.buffer = self.swap.buffer(rec.partition_numel, rec.partition.dtype)
             self.skipped_reads += 1
         else:
-            rec.buffer, rec.read = self.region.read_new(rec.slots, rec.partition_numel, rec.partition.dtype)
+            rec.buffer, rec.read = self.region.read_new(rec.slots, rec.partition_numel, rec.partition.dtype,
+                                                        what=self.describe(rec))
         self.budget.held += rec.partition_numel
 
     def prefetch_from_start(self) -> None:
@@ -437,9 +373,14 @@ class ParamStore:
         """A copy of ``rec``'s partition (read from NVMe when it is there: sync point)."""
         if not rec.on_disk:
             return rec.partition.detach().clone()
-        buffer, future = self.region.read_new(rec.slots, rec.partition_numel, rec.partition.dtype)
+        buffer, future = self.region.read_new(rec.slots, rec.partition_numel, rec.partition.dtype,
+                                              what=self.describe(rec))
         future.result()
         return buffer
+
+    def describe(self, rec: ParamRecord) -> str:
+        """How errors name ``rec``'s partition on disk."""
+        return f"parameter {rec.name!r}, partition of rank {self.rank}"
 
     def write_partition(self, rec: ParamRecord, values: torch.Tensor) -> IOFuture:
         """Start writing ``values`` (``partition_numel`` elements, page-aligned, kept unchanged until the

@@ -21,6 +21,7 @@ import torch
 from tensorio import DIRECT_ALIGN, AioHandle, IOFuture, aligned_tensor
 
 from offload.storage.checkpoint_dir import fsync_dir
+from offload.storage.file_checksums import FileChecksums, TensorHasher
 
 __all__ = ["SAFETENSORS_DTYPES", "DirectSafetensorsWriter", "SafetensorsWriter", "atomic_safetensors",
            "save_tensors_safetensors"]
@@ -46,17 +47,19 @@ def save_tensors_safetensors(
 
 @contextmanager
 def atomic_safetensors(path: str | os.PathLike, layout: Mapping[str, tuple[torch.dtype, Sequence[int]]],
-                       metadata: Mapping[str, str] | None = None, *, data_align: int = 8) -> Iterator["SafetensorsWriter"]:
+                       metadata: Mapping[str, str] | None = None, *, data_align: int = 8,
+                       checksums: bool = False) -> Iterator["SafetensorsWriter"]:
     """A `SafetensorsWriter` on a hidden temporary file beside ``path``, fsynced and renamed over
     ``path`` when the block ends without an error; on an error the temporary file is removed and
-    ``path`` is untouched. Raises FileNotFoundError if the parent directory is missing."""
+    ``path`` is untouched (``checksums``: the writer's `SafetensorsWriter.checksums` are set once the
+    block has ended). Raises FileNotFoundError if the parent directory is missing."""
     path = Path(path)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"{path}: directory {path.parent} does not exist; create it first")
     descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(descriptor)
     try:
-        with SafetensorsWriter(temporary, layout, metadata, data_align=data_align) as out:
+        with SafetensorsWriter(temporary, layout, metadata, data_align=data_align, checksums=checksums) as out:
             yield out
         os.replace(temporary, path)
     except BaseException:
@@ -86,11 +89,16 @@ class SafetensorsWriter:
     """
 
     def __init__(self, path: str | os.PathLike, layout: Mapping[str, tuple[torch.dtype, Sequence[int]]],
-                 metadata: Mapping[str, str] | None = None, *, data_align: int = 8) -> None:
+                 metadata: Mapping[str, str] | None = None, *, data_align: int = 8, checksums: bool = False) -> None:
         head, self._places, end = _header(layout, metadata, data_align)
         self._data = len(head)
         self.path = os.fspath(path)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._hasher = TensorHasher({name: (self._data + start, numel * _itemsize(dtype))
+                                     for name, (dtype, start, numel) in self._places.items()}, head) if checksums else None
+        self.checksums: FileChecksums | None = None
+        """With ``checksums``: the header's and each tensor's chunk checksums, once closed
+        (`offload.storage.file_checksums`); tensors written front to back are hashed as they are written."""
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             _pwrite_all(self._fd, head, 0)
             os.ftruncate(self._fd, self._data + end)
@@ -111,11 +119,15 @@ class SafetensorsWriter:
                              f"of {numel} elements")
         raw = flat.contiguous().view(torch.uint8).numpy()
         _pwrite_all(self._fd, raw, self._data + start + first * flat.element_size())
+        if self._hasher is not None:
+            self._hasher.feed(name, first * flat.element_size(), memoryview(raw).cast("B"))
 
     def close(self) -> None:
-        """Flush the file to the disk (fsync) and close it."""
+        """Flush the file to the disk (fsync) and close it (with ``checksums``: finish them first)."""
         if self._fd >= 0:
             try:
+                if self._hasher is not None:
+                    self.checksums = self._hasher.finish(self._fd)
                 os.fsync(self._fd)
             finally:
                 os.close(self._fd)
@@ -319,6 +331,10 @@ def _header(layout: Mapping[str, tuple[torch.dtype, Sequence[int]]], metadata: M
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-(8 + len(encoded)) % data_align)
     return struct.pack("<Q", len(encoded)) + encoded, places, end
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _pwrite_all(fd: int, data, offset: int) -> None:

@@ -69,11 +69,15 @@ def allocate_pair(file: SwapFile, nbytes: int) -> SlotPair:
     return SlotPair(offset=file.allocate(nbytes, slots=2), slot_bytes=aligned_size(nbytes))
 
 
+def _in_slot(what: str, slot: int) -> str:
+    return f"{what}, slot {'AB'[slot]}" if what else ""
+
+
 class SlottedRegion:
     """The slot pairs of one swap file and the step's commit rule over all of them (module docstring).
 
     Not thread-safe by itself: a step stages from one thread at a time, and commits or rolls back once its
-    writes are done (the caller orders these; see `offload.train.rollback`)."""
+    writes are done (the caller orders these; see `offload.train.step.rollback`)."""
 
     def __init__(self, file: SwapFile, pairs: list[SlotPair] | None = None) -> None:
         self.file = file
@@ -89,13 +93,16 @@ class SlottedRegion:
         """Take in a pair allocated in this region's file by `allocate_pair` (placed before the region existed)."""
         self.pairs.append(pair)
 
-    def read(self, pair: SlotPair, buffer: torch.Tensor, *, at: int = 0) -> IOFuture:
-        """Start filling ``buffer`` from ``pair``'s newest values, ``at`` bytes into the slot."""
-        return self.file.read(buffer, pair.newest_offset + at)
+    def read(self, pair: SlotPair, buffer: torch.Tensor, *, at: int = 0, chunk: int | None = None,
+             what: str = "") -> IOFuture:
+        """Start filling ``buffer`` from ``pair``'s newest values, ``at`` bytes into the slot, verified against
+        the checksums of their write in chunks of ``chunk`` bytes (`SwapFile.read`); ``what`` names them."""
+        return self.file.read(buffer, pair.newest_offset + at, chunk=chunk, what=_in_slot(what, pair.newest_slot))
 
-    def read_new(self, pair: SlotPair, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, IOFuture]:
-        """Start reading ``pair``'s newest values (``numel`` elements of ``dtype``) into a new page-aligned buffer."""
-        return self.file.read_new(numel, dtype, pair.newest_offset)
+    def read_new(self, pair: SlotPair, numel: int, dtype: torch.dtype, *, what: str = "") -> tuple[torch.Tensor, IOFuture]:
+        """Start reading ``pair``'s newest values (``numel`` elements of ``dtype``) into a new page-aligned buffer,
+        verified (`SwapFile.read`)."""
+        return self.file.read_new(numel, dtype, pair.newest_offset, what=_in_slot(what, pair.newest_slot))
 
     def write_in_place(self, pair: SlotPair, values: torch.Tensor) -> IOFuture:
         """Start writing ``values`` over ``pair``'s newest slot, outside a step (placing, loading weights):
@@ -110,9 +117,10 @@ class SlottedRegion:
         pair.staged = True
         return pair.slot_offset(1 - pair.committed)
 
-    def stage(self, pair: SlotPair, values: torch.Tensor, *, at: int = 0) -> IOFuture:
-        """Start writing a step's ``values`` to ``pair``'s uncommitted slot, ``at`` bytes into it (`stage_offset`)."""
-        return self.file.write(values, self.stage_offset(pair) + at)
+    def stage(self, pair: SlotPair, values: torch.Tensor, *, at: int = 0, chunk: int | None = None) -> IOFuture:
+        """Start writing a step's ``values`` to ``pair``'s uncommitted slot, ``at`` bytes into it (`stage_offset`),
+        checksummed in chunks of ``chunk`` bytes (`SwapFile.write`)."""
+        return self.file.write(values, self.stage_offset(pair) + at, chunk=chunk)
 
     def commit(self) -> None:
         """Every staged write has landed and the step is final: the staged slots become the committed ones."""

@@ -6,6 +6,13 @@ created with mode 0600 in the configured directory, and holds extents at page-al
 outlive the process: it is removed by `close`, and a file left by a process that was killed is
 reclaimed by the next `SwapFile` made in the same directory (see `stale_swap_files`).
 
+Checksums (``aio.verify``, on by default): every write records the xxh3 checksum of its bytes, in
+chunks the caller chooses (the optimizer's state regions; a whole partition otherwise), hashed in the
+I/O thread once the write has landed; every read is verified against the last write of the same range
+before its future resolves, and a mismatch (read twice) is a `tensorio.ChecksumError` naming the file,
+offset, length, what the range holds and both checksums. The checksums live in memory only, like the
+file itself.
+
 Liveness: the owning process holds an exclusive ``flock`` on its swap file for as long as the file
 exists. A swap file nobody holds a lock on is stale when its named process is not running, or runs
 but started after the file was last written (its pid was reused). ``python -m offload.swapfiles DIR``
@@ -25,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tensorio import DIRECT_ALIGN, AioConfig, AioHandle, BufferPool, IOFuture, aligned_tensor
+from tensorio import DIRECT_ALIGN, AioConfig, AioHandle, BufferPool, Checksums, IOFuture, TensorIOError, aligned_tensor
 
 __all__ = ["PAGE", "SwapFile", "StaleSwapFile", "check_swap_directory", "is_swap_file_name",
            "remove_stale_swap_files", "stale_swap_files"]
@@ -90,6 +97,12 @@ class SwapFile:
         self._end = 0
         self.bytes_read = 0
         self.bytes_written = 0
+        self.verify = aio.verify
+        """Whether writes are checksummed and reads verified (``aio.verify``)."""
+        self.bytes_verified = 0
+        """Bytes read whose checksums were checked (all of `bytes_read` when `verify`)."""
+        self._written: dict[int, tuple[IOFuture, int, int]] = {}
+        """file offset of a checksummed chunk -> (the last write there, the chunk's index in it, its length)."""
 
     def allocate(self, nbytes: int, slots: int = 1) -> int:
         """Reserve ``slots`` page-aligned slots of ``nbytes`` at the end of the file; return the offset
@@ -103,25 +116,61 @@ class SwapFile:
         """Bytes reserved so far: the file's size once every extent is written."""
         return self._end
 
-    def read(self, buffer: torch.Tensor, offset: int) -> IOFuture:
-        """Start filling ``buffer`` (contiguous, CPU) from ``offset``."""
+    def read(self, buffer: torch.Tensor, offset: int, *, chunk: int | None = None, what: str = "") -> IOFuture:
+        """Start filling ``buffer`` (contiguous, CPU) from ``offset``, verified (with `verify`) against the
+        checksums of the writes of the same range in chunks of ``chunk`` bytes (default: the whole buffer), as
+        they were written; ``what`` names the range in a `tensorio.ChecksumError`. Raises RuntimeError (at once)
+        for a range not written that way, TensorIOError for one whose last write failed."""
         self.bytes_read += buffer.nbytes
-        return self._io().read(buffer, self.path, offset)
+        if not self.verify or not buffer.nbytes:
+            return self._io().read(buffer, self.path, offset)
+        expected = self._expected(offset, buffer.nbytes, chunk or buffer.nbytes, what)
+        future = self._io().read(buffer, self.path, offset, verify=expected, what=what)
+        self.bytes_verified += buffer.nbytes
+        return future
+
+    def _expected(self, offset: int, nbytes: int, chunk: int, what: str) -> Checksums:
+        """The checksums the bytes at ``offset`` must have: those of the last writes there (sync point: waits
+        for a write still in flight, which callers never read over)."""
+        values = []
+        for first in range(0, nbytes, chunk):
+            length = min(chunk, nbytes - first)
+            entry = self._written.get(offset + first)
+            if entry is None or entry[2] != length:
+                raise RuntimeError(f"internal error: {what or 'a read'} at byte {offset + first} of {self.path} "
+                                   f"({length} bytes) has no checksummed write of that range to verify against")
+            future, index, _ = entry
+            error = future.exception()
+            if error is not None or future.checksums is None:
+                raise TensorIOError(getattr(error, "errno", None) or errno.EIO, "the last write of these bytes failed, so "
+                                    "they cannot be trusted", path=self.path, offset=offset + first, length=length,
+                                    name_errno=False, hint=f"{what}; write them again (load a checkpoint)")
+            values.append(future.checksums.values[index])
+        return Checksums(tuple(values), chunk, nbytes)
 
     def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A page-aligned buffer of ``numel`` elements for this file's I/O (O_DIRECT), contents
         unspecified: from the file's pool when it has one, so that its memory is not faulted in anew."""
         return self.pool.take(numel, dtype) if self.pool is not None else aligned_tensor(numel, dtype)
 
-    def read_new(self, numel: int, dtype: torch.dtype, offset: int) -> tuple[torch.Tensor, IOFuture]:
-        """Start reading ``numel`` elements at ``offset`` into a new page-aligned buffer (`buffer`)."""
+    def read_new(self, numel: int, dtype: torch.dtype, offset: int, *, what: str = "") -> tuple[torch.Tensor, IOFuture]:
+        """Start reading ``numel`` elements at ``offset`` into a new page-aligned buffer (`buffer`), verified
+        as `read` does."""
         buffer = self.buffer(numel, dtype)
-        return buffer, self.read(buffer, offset)
+        return buffer, self.read(buffer, offset, what=what)
 
-    def write(self, tensor: torch.Tensor, offset: int) -> IOFuture:
-        """Start writing ``tensor`` (contiguous, CPU) at ``offset``; keep it unchanged until done."""
+    def write(self, tensor: torch.Tensor, offset: int, *, chunk: int | None = None) -> IOFuture:
+        """Start writing ``tensor`` (contiguous, CPU) at ``offset``; keep it unchanged until done. With
+        `verify` its checksums are recorded in chunks of ``chunk`` bytes (default: one for the whole
+        tensor), to verify the reads of the same range in the same chunks."""
         self.bytes_written += tensor.nbytes
-        return self._io().write(tensor, self.path, offset)
+        if not self.verify or not tensor.nbytes:
+            return self._io().write(tensor, self.path, offset)
+        chunk = chunk or tensor.nbytes
+        future = self._io().write(tensor, self.path, offset, checksum=chunk)
+        for index, first in enumerate(range(0, tensor.nbytes, chunk)):
+            self._written[offset + first] = (future, index, min(chunk, tensor.nbytes - first))
+        return future
 
     @staticmethod
     def io_bytes_of(file: "SwapFile | None") -> dict[str, int]:

@@ -6,9 +6,9 @@ backward; `loss_scaler`, `schedulers`, `clip` and `timers` are the DeepSpeed fea
 names.
 """
 
-from offload.train.clip import clip_grad_norm_, grad_norm
 from offload.train.engine import Engine, initialize
-from offload.train.loss_scaler import DynamicLossScaler, LossScaler, StaticLossScaler, build_loss_scaler
+from offload.train.grads.clip import clip_grad_norm_, grad_norm
+from offload.train.grads.loss_scaler import DynamicLossScaler, LossScaler, StaticLossScaler, build_loss_scaler
 from offload.train.schedulers import WarmupDecayLR, WarmupLR, build_scheduler
 from offload.train.timers import PhaseTimers
 

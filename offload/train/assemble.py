@@ -31,22 +31,22 @@ from offload.params import (ParamRecord, ParamStore, Placement, Prefetcher, Swap
 from offload.params.construct import BUILT, built_store
 from offload.params.placement import attach_accumulator, parameter_names, pin_partition
 from offload.storage import SwapFile
-from offload.train.checkpoint import sized_partitions
-from offload.train.deferred import DeferredStep
-from offload.train.failure import FailureState, StepCounters
-from offload.train.grads import GradReducer
-from offload.train.kept_buffers import KeptBuffers
-from offload.train.loss_scaler import build_loss_scaler
-from offload.train.rollback import StepRollback
+from offload.train.checkpoint.rank_state import sized_partitions
+from offload.train.grads.loss_scaler import build_loss_scaler
+from offload.train.grads.reduce import GradReducer
+from offload.train.plan import training_plan
 from offload.train.sizing import StepSizes, auto_max_in_cpu, plan_sizes
 from offload.train.space import check_swap_space, swap_space_needed
-from offload.train.step_after_backward import UpdateAfterBackward
-from offload.train.step_in_backward import UpdateDuringBackward
-from offload.train.step_in_forward import UpdateInNextForward
-from offload.train.plan import training_plan
+from offload.train.step.after_backward import UpdateAfterBackward
+from offload.train.step.deferred import DeferredStep
+from offload.train.step.failure import FailureState, StepCounters
+from offload.train.step.in_backward import UpdateDuringBackward
+from offload.train.step.in_forward import UpdateInNextForward
+from offload.train.step.kept_buffers import KeptBuffers
+from offload.train.step.rollback import StepRollback
+from offload.train.step.update_mode import StepContext, UpdateMode, UpdatePath, choose_update_mode, fast_optimizer
+from offload.train.step.writeback import PartitionWriteBack
 from offload.train.surface import in_optimizer_order, optimizer_param_groups
-from offload.train.update_mode import StepContext, UpdateMode, UpdatePath, choose_update_mode, fast_optimizer
-from offload.train.writeback import PartitionWriteBack
 from tensorio import BufferPool, locked_tensor
 
 __all__ = ["assemble"]

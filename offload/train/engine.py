@@ -28,17 +28,17 @@ from torch.utils._pytree import tree_map
 from offload.config import EngineConfig
 from offload.device import Device
 from offload.params import ParamRecord, ParamStore
-from offload.train.grad_norm import GlobalGradNorm
-from offload.train.grads import GradReducer
+from offload.train.grads.norm import GlobalGradNorm
+from offload.train.grads.reduce import GradReducer
 from offload.train.plan import TrainingPlan
-from offload.train.save_load import (gathered_parameters, load_engine_checkpoint, load_pretrained_weights,
+from offload.train.checkpoint.save_load import (gathered_parameters, load_engine_checkpoint, load_pretrained_weights,
                                      save_engine_16bit_model, save_engine_checkpoint)
 from offload.train.setup import engine_from_arguments
 from offload.train.stats import EngineStats, collect_stats
-from offload.train.failure import CounterAttribute
+from offload.train.step.failure import CounterAttribute
+from offload.train.step.update_mode import StepContext, UpdatePath
 from offload.train.surface import consolidated_state_dict, engine_call, guard_misuse, step_scheduler
 from offload.train.timers import PhaseTimers
-from offload.train.update_mode import StepContext, UpdatePath
 
 __all__ = ["Engine", "initialize"]
 
@@ -324,7 +324,7 @@ class Engine:
                         exclude_frozen_parameters: bool = False) -> str:
         """Save this rank's parameter partitions, optimizer state (offloaded included), loss scale,
         scheduler, counters and ``client_state`` under ``save_dir/tag`` (default tag
-        ``global_step<N>``); return the path. Layout and guarantees: `offload.train.checkpoint`.
+        ``global_step<N>``); return the path. Layout and guarantees: `offload.train.checkpoint.rank_state`.
 
         Streamed: one partition and one optimizer sub-group in memory at a time, whatever the model's
         size. Written atomically: until the new tag is complete the previous checkpoint and ``latest``

@@ -12,7 +12,7 @@ from offload.config import EngineConfig
 from offload.device import HostMemory, auto_budget, host_memory
 from offload.optim.subgroups import choose_buffer_count, choose_sub_group_size, host_memory_bytes
 from offload.params import ParamRecord, SwapBudget
-from offload.train.update_mode import UpdateMode
+from offload.train.step.update_mode import UpdateMode
 
 log = logging.getLogger("offload")
 

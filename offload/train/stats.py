@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from offload.storage import SwapFile
-from offload.train.failure import Failure
-from offload.train.update_mode import StepContext, UpdateMode, UpdatePath
+from offload.train.step.failure import Failure
+from offload.train.step.update_mode import StepContext, UpdateMode, UpdatePath
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from offload.params import ParamRecord
+from offload.train.step.failure import checksum_error_in
 
 __all__ = ["check_distributed_arguments", "check_load_arguments", "config_from_arguments", "consolidated_state_dict",
            "engine_call", "guard_misuse", "in_optimizer_order", "optimizer_param_groups", "refuse_backward_outside",
@@ -235,6 +236,11 @@ def engine_call(method: _Method) -> _Method:
         engine._calls += 1
         try:
             return method(engine, *args, **kwargs)
+        except BaseException as error:
+            corrupt = checksum_error_in(error)
+            if corrupt is not None:  # given up as any failure above; then nothing on disk is trusted
+                engine._failure.corrupt(corrupt)
+            raise
         finally:
             engine._calls -= 1
 

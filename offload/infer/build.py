@@ -1,0 +1,262 @@
+"""Building an inference engine: the compute device and its budget, the model's skeleton on the meta
+device, its units matched to the checkpoint's tensors, the buffers, and the disk's measured speed."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from offload.device import Device, device_for
+from offload.infer.config import InferenceConfig
+from offload.infer.plan.units import format_bytes
+from offload.infer.stream.unit import ParamRef, Unit
+from offload.infer.weights.qcache import PAD_PREFIX
+from offload.storage.safetensors_reader import SafetensorsCheckpoint, read_windows, tensor_views, windows_nbytes
+from tensorio import AioHandle, aligned_tensor
+
+__all__ = ["CheckpointMismatchError", "build_units", "checkpoint_directory", "compute_device_for", "contiguous_head_input",
+           "decoder_blocks", "device_budget", "materialize_buffers", "measure_disk", "meta_skeleton"]
+
+# Modules outside the repeated blocks that may be streamed (the output head); the rest stays resident.
+_STREAMABLE_OUTSIDE = (nn.Linear,)
+_STREAMABLE_OUTSIDE_NAMES = ("Conv1D",)
+_DISK_PROBE_BYTES = 256 << 20
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint and the model disagree: a missing or unexpected tensor, or a shape; names it."""
+
+
+def compute_device_for(settings: InferenceConfig) -> Device:
+    """The device ``compute_device`` names, with ``max_memory``'s device budget (checked against its
+    free memory). Raises ValueError naming the setting."""
+    tiers = settings.max_memory
+    # Generation has not moved to the simulated device's own device type yet (docs/device.md): its
+    # buffers are CPU tensors there.
+    device = device_for(settings.compute_device, simulated_host_tensors=True)
+    if tiers is None or tiers.device_bytes in (None, "auto") or not device.separate_memory:
+        return device  # a device budget with compute on the CPU is refused by `device_budget`, naming it
+    device.close()
+    return device_for(settings.compute_device, budget_bytes=tiers.device_bytes, budget_setting=tiers.device_key,
+                      simulated_host_tensors=True)
+
+
+def device_budget(compute: Device, settings: InferenceConfig) -> tuple[int, str] | None:
+    """(bytes, setting) of the device tier where ``compute`` has memory of its own: its budget, else
+    90% of its free memory (Accelerate's headroom); None on the CPU, whose device tier is the host.
+    Raises ValueError naming ``max_memory[i]`` where it cannot apply."""
+    tiers = settings.max_memory
+    given = tiers.device_bytes if tiers is not None else None
+    auto = given == "auto"
+    given = None if auto else given
+    if not compute.separate_memory:
+        if given is not None or auto:
+            raise ValueError(f"{tiers.device_key}: a device budget, but compute is on the {compute.name} device, whose "
+                             f"memory is the host's; leave {tiers.device_key} out (max_memory['cpu'] or max_in_cpu is the "
+                             f"budget), or compute on a GPU (compute_device)")
+        return None
+    if given is not None and compute.budget_bytes != given:
+        raise ValueError(f"{tiers.device_key}: {given} bytes, but the device passed as compute_device has a budget of "
+                         f"{compute.budget_bytes} bytes; give the budget once (to the device, or as {tiers.device_key})")
+    if compute.budget_bytes is not None:
+        return compute.budget_bytes, compute.budget_setting
+    free, _ = compute.memory_info()
+    key = tiers.device_key if tiers is not None and tiers.device_index is not None else "max_memory[0]"
+    return int(free * 0.9), (f"{key} \"auto\": 90% of the {compute.name} device's free {format_bytes(free)}, 10% "
+                             f"kept for the device runtime and its allocator")
+
+
+def checkpoint_directory(model: Any, checkpoint: Any) -> str:
+    if isinstance(model, (str, os.PathLike)):
+        if checkpoint is not None:
+            raise ValueError("checkpoint: give the checkpoint either as `model` or as `checkpoint=`, not both")
+        return os.fspath(model)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a checkpoint directory or a transformers model on the meta device, "
+                        f"got {type(model).__name__}")
+    if checkpoint is not None:
+        return os.fspath(checkpoint)
+    name = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    if name and os.path.isdir(name):
+        return name
+    raise ValueError("checkpoint: the model does not say where its checkpoint is (config._name_or_path is "
+                     f"{name!r}); pass checkpoint=DIRECTORY")
+
+
+def meta_skeleton(model: Any, directory: str, dtype: torch.dtype) -> nn.Module:
+    """The transformers model on the meta device (no memory), its parameters in ``dtype``."""
+    import transformers
+
+    if isinstance(model, nn.Module):
+        real = [name for name, p in model.named_parameters() if p.device.type != "meta"]
+        if real:
+            raise ValueError(f"model: parameter {real[0]!r} is on {model.get_parameter(real[0]).device}, not on the "
+                             f"meta device; build the model under `with torch.device('meta'):` so that no weight is "
+                             f"in memory before the engine reads it")
+        for module in model.modules():  # parameters only: buffers (rotary frequencies) keep their dtype
+            for attr, param in list(module._parameters.items()):
+                if param is not None and param.is_floating_point() and param.dtype != dtype:
+                    module._parameters[attr] = nn.Parameter(param.to(dtype), requires_grad=False)
+        return model.eval()
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        raise FileNotFoundError(f"checkpoint {directory}: no config.json, so the model's architecture is unknown")
+    config = transformers.AutoConfig.from_pretrained(directory)
+    with torch.device("meta"):
+        module = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if os.path.isfile(os.path.join(directory, "generation_config.json")):
+        module.generation_config = transformers.GenerationConfig.from_pretrained(directory)
+    module.config._name_or_path = directory
+    return module.eval()
+
+
+def contiguous_head_input(module: nn.Module) -> None:
+    """Give the output head its input contiguous (a forward pre-hook; a copy of batch x hidden values).
+
+    ``generate`` hands it the last position's hidden states, a slice ``hidden[:, -1:, :]`` that is
+    not contiguous. torch.matmul multiplies such an input by a weight that does not require grad
+    (ours never do: they are views into our buffers) with bmm on the weight expanded to the batch
+    and made contiguous: a copy of batch x the head (5 GB for Llama-13B's
+    32000 x 5120 head at batch 16) at every prefill. A contiguous input is folded into one mm.
+    """
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    if isinstance(head, nn.Linear):
+        head.register_forward_pre_hook(lambda _, args: (args[0].contiguous(), *args[1:]) if args else None)
+
+
+def decoder_blocks(module: nn.Module) -> str | None:
+    """The path of the ModuleList holding the most parameters: the decoder layers."""
+    best, most = None, 0
+    for name, child in module.named_modules():
+        if isinstance(child, nn.ModuleList):
+            count = sum(p.numel() for p in child.parameters())
+            if count > most:
+                best, most = name, count
+    return best
+
+
+def _candidates(name: str, prefix: str) -> tuple[str, ...]:
+    """Checkpoint names a parameter may have: its own, without or with the base model's prefix."""
+    if prefix and name.startswith(prefix + "."):
+        return name, name[len(prefix) + 1:]
+    return (name, f"{prefix}.{name}") if prefix else (name,)
+
+
+def build_units(module: nn.Module, checkpoint: SafetensorsCheckpoint) -> list[Unit]:
+    """One `Unit` per decoder layer and per other module with parameters, in forward order, each
+    parameter matched to its checkpoint tensor. Raises CheckpointMismatchError naming the tensor."""
+    blocks = decoder_blocks(module)
+    prefix = getattr(module, "base_model_prefix", "") or ""
+    aliases: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+        params[id(param)] = param
+    where = checkpoint.index_path or checkpoint.directory
+    consumed: set[str] = set()
+    members: dict[str, list[ParamRef]] = {}
+    kinds: dict[str, tuple[nn.Module, bool]] = {}
+    for pid, names in aliases.items():
+        param = params[pid]
+        found = [key for name in names for key in _candidates(name, prefix) if key in checkpoint]
+        if not found:
+            raise CheckpointMismatchError(
+                f"parameter {names[0]!r} of {type(module).__name__} is not in the checkpoint ({where}); the "
+                f"checkpoint is for another model, or incomplete")
+        consumed.update(found)
+        entry = checkpoint[found[0]]
+        if tuple(entry.shape) != tuple(param.shape):
+            raise CheckpointMismatchError(
+                f"tensor {entry.name!r} in {entry.path} has shape {list(entry.shape)}, but parameter {names[0]!r} of "
+                f"{type(module).__name__} has shape {list(param.shape)}; the checkpoint and config.json disagree")
+        owners = tuple((module.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in names)
+        placeholder = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False)
+        owner_path = names[0].rpartition(".")[0]
+        match = re.match(rf"{re.escape(blocks)}\.\d+(?=\.)", names[0]) if blocks else None
+        unit = match.group(0) if match and len(names) == 1 else owner_path
+        streamable = len(names) == 1 and (match is not None or (
+            isinstance(owners[0][0], _STREAMABLE_OUTSIDE) or type(owners[0][0]).__name__ in _STREAMABLE_OUTSIDE_NAMES))
+        members.setdefault(unit, []).append(ParamRef(owners, entry.name, placeholder))
+        old = kinds.get(unit)
+        kinds[unit] = (module.get_submodule(unit), streamable and (old is None or old[1]))
+        for ref_owner, attr in owners:  # meta placeholder until the plan decides
+            ref_owner._parameters[attr] = placeholder
+    _check_unexpected(module, checkpoint, consumed, prefix)
+    units = []
+    for name, refs in members.items():
+        unit_module, streamable = kinds[name]
+        nbytes = sum(ref.placeholder.numel() * ref.placeholder.element_size() for ref in refs)
+        units.append(Unit(name, unit_module, tuple(refs), checkpoint.windows([r.tensor for r in refs]), nbytes, streamable))
+    return units
+
+
+def _check_unexpected(module: nn.Module, checkpoint: SafetensorsCheckpoint, consumed: set[str], prefix: str) -> None:
+    buffers = {key for name, _ in module.named_buffers() for key in _candidates(name, prefix)}
+    ignore = [re.compile(p) for p in (getattr(module, "_keys_to_ignore_on_load_unexpected", None) or [])]
+    ignore.append(re.compile(r"rotary_emb\.inv_freq"))
+    ignore.append(re.compile(rf"^{re.escape(PAD_PREFIX)}"))  # the quantized cache's alignment padding
+    extra = [name for name in checkpoint.entries
+             if name not in consumed and name not in buffers and not any(p.search(name) for p in ignore)]
+    if extra:
+        entry = checkpoint[extra[0]]
+        more = f" (and {len(extra) - 1} more: {', '.join(extra[1:4])}{', ...' if len(extra) > 4 else ''})" if len(extra) > 1 else ""
+        raise CheckpointMismatchError(
+            f"tensor {entry.name!r} in {entry.path} has no parameter or buffer in {type(module).__name__}{more}; the "
+            f"checkpoint is for another model or config.json is wrong")
+
+
+def materialize_buffers(module: nn.Module, checkpoint: SafetensorsCheckpoint, handle: AioHandle,
+                         device: torch.device) -> int:
+    """Give every meta buffer real memory: persistent ones from the checkpoint, the others (rotary
+    frequencies) computed by transformers' own initialisation. Returns bytes read."""
+    prefix = getattr(module, "base_model_prefix", "") or ""
+    nbytes = 0
+    to_init = []
+    for name, buffer in list(module.named_buffers()):
+        if buffer.device.type != "meta":
+            continue
+        owner_path, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_path)
+        key = next((k for k in _candidates(name, prefix) if k in checkpoint), None)
+        if key is not None:
+            windows = checkpoint.windows([key])
+            raw = aligned_tensor(windows_nbytes(windows), torch.uint8)
+            nbytes += sum(f.result() for f in read_windows(handle, windows, raw))
+            owner._buffers[attr] = tensor_views(windows, raw)[key].to(device=device, dtype=buffer.dtype).clone()
+        else:
+            owner._buffers[attr] = torch.empty_like(buffer, device=device)
+            to_init.append(owner)
+    init = getattr(module, "_init_weights", None)
+    for owner in dict.fromkeys(to_init):
+        if init is None or any(True for _ in owner.parameters(recurse=False)):
+            raise ValueError(f"buffer of {type(owner).__name__} is neither in the checkpoint nor computable here")
+        init(owner)
+    return nbytes
+
+
+def measure_disk(handle: AioHandle, checkpoint: SafetensorsCheckpoint) -> tuple[float, str]:
+    """Read up to 256 MiB of the checkpoint's largest files with O_DIRECT, 64 MiB per request;
+    (bytes per second, description)."""
+    files = sorted(checkpoint.files, key=checkpoint.file_sizes.__getitem__, reverse=True)
+    chunk = min(64 << 20, _DISK_PROBE_BYTES)
+    buffer = aligned_tensor(min(chunk, checkpoint.file_sizes[files[0]]) // 4096 * 4096, torch.uint8)
+    if buffer.numel() == 0:
+        return 0.0, "not measured: the checkpoint is smaller than a page"
+    moved, used = 0, []
+    start = time.perf_counter()
+    for path in files:
+        size = checkpoint.file_sizes[path] // 4096 * 4096  # whole pages: every read is O_DIRECT
+        for offset in range(0, size, buffer.numel()):
+            if moved >= _DISK_PROBE_BYTES:
+                break
+            moved += handle.read(buffer[: min(buffer.numel(), size - offset)], path, offset).result()
+        used.append(os.path.basename(path))
+        if moved >= _DISK_PROBE_BYTES:
+            break
+    seconds = time.perf_counter() - start
+    where = used[0] if len(used) == 1 else f"{len(used)} files"
+    return moved / seconds, f"measured: {format_bytes(moved)} of {where} read with O_DIRECT"

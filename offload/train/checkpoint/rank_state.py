@@ -1,0 +1,358 @@
+"""The engine's checkpoints: each rank's partitions, optimizer state and counters, streamed, and
+nothing in them that runs code when loaded.
+
+Layout of ``save_dir/<tag>/`` (see docs/engine.md, "Checkpoints"; file names in
+`offload.train.checkpoint.files`); per rank ``r`` (5 digits):
+
+    rank<r>_params.safetensors     this rank's parameter partitions, flat, by parameter name
+    rank<r>_optimizer.safetensors  this rank's optimizer state, flat fp32, "<index>.<key>"
+    rank<r>_states.json            counters, loss scale, schedule, optimizer steps and param groups,
+                                   the parameters' names and shapes, and the caller's ``client_state``
+    rank<r>_client.safetensors     tensors of ``client_state``, when it holds any
+
+and once: ``config.json`` (the model's, when it has a transformers config) and ``zero_to_fp32.py``
+(runs `offload.train.checkpoint.consolidate` on this tag: ``python zero_to_fp32.py OUTPUT_DIR``).
+
+JSON and safetensors only: loading a checkpoint never unpickles, so a checkpoint from someone else
+cannot execute anything. ``client_state`` may hold what JSON holds (dicts with str keys, lists,
+str, int, float, bool, None) and tensors; tuples come back as lists.
+
+A checkpoint loads at any world size: each rank reads its partition of every tensor from the saved
+ranks' files that hold it (`offload.train.checkpoint.reader`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tensorio import aligned_tensor
+
+from offload.params import ParamRecord, ParamStore
+from offload.params.partition import partition_numel
+from offload.storage import SafetensorsWriter, atomic_checkpoint, atomic_safetensors, resolve_tag
+from offload.train.checkpoint.files import (FORMAT, RANK_FILE_ALIGN, client_file, decode_state, encode_state,
+                                            optimizer_file, params_file, states_file, write_json)
+from offload.train.checkpoint.reader import CheckpointReader
+from offload.train.surface import in_optimizer_order
+
+__all__ = ["CheckpointLoad", "decode_state", "encode_state", "model_config", "save_16bit_model", "save_checkpoint"]
+
+CONFIG_NAME = "config.json"
+SCRIPT_NAME = "zero_to_fp32.py"
+
+_SCRIPT = '''#!/usr/bin/env python
+"""Consolidate the checkpoint in this directory into one set of weights that from_pretrained loads.
+
+    python zero_to_fp32.py OUTPUT_DIR [--dtype fp32|bf16|fp16] [--max-shard-size 5GB]
+
+The same as `python -m offload.checkpoint consolidate SAVE_DIR OUTPUT_DIR --tag TAG`; needs the
+tensorio-offload package (pip install tensorio-offload). Streams tensor by tensor: memory stays
+bounded by the largest tensor, whatever the model's size.
+"""
+import os
+import sys
+
+from offload.checkpoint import main
+
+tag_dir = os.path.dirname(os.path.abspath(__file__))
+sys.exit(main(["consolidate", os.path.dirname(tag_dir), *sys.argv[1:], "--tag", os.path.basename(tag_dir)]))
+'''
+
+
+def save_checkpoint(save_dir: str | os.PathLike, tag: str, *, rank: int, group: Any, store: ParamStore,
+                    optimizer: Any, state: Mapping[str, Any], model: nn.Module | None = None,
+                    update_latest: bool = True, exclude_frozen: bool = False) -> str:
+    """Write this rank's partitions, optimizer state and ``state`` (JSON-able plus tensors) under
+    ``save_dir/tag`` atomically with the other ranks; rank 0 also writes ``model``'s config.json
+    (when it has a transformers config) and zero_to_fp32.py. Return the tag's path.
+
+    ``update_latest`` False leaves ``latest`` alone; ``exclude_frozen`` leaves out the partitions of
+    parameters that do not require gradients.
+    One partition and one optimizer sub-group in memory at a time. Raises TypeError naming the
+    entry of ``state`` that is neither JSON nor a tensor (before anything is written), OSError
+    naming the file for ENOSPC and the like, TensorIOError for the swap files.
+    """
+    records = store.records
+    encoded, tensors = encode_state({**state, "parameters": _parameter_list(records, optimizer)})
+    saved = [rec for rec in records if rec.param.requires_grad or not exclude_frozen]
+    # One staging directory for all ranks; the tag commits only once every rank's files are in
+    # place, and if any rank fails nothing becomes visible and every rank raises.
+    with atomic_checkpoint(save_dir, tag, all_ranks=True, group=group, update_latest=update_latest) as staging:
+        # 1. Parameters, one partition at a time.
+        # Each tensor file's checksums (hashed as it is written) go into the JSON (docs/reliability.md).
+        checksums = encoded["checksums"] = {}
+        layout = {rec.name: (rec.partition.dtype, (rec.partition_numel,)) for rec in saved}
+        with _naming_the_file(staging / params_file(rank)) as path, \
+                SafetensorsWriter(path, layout, data_align=RANK_FILE_ALIGN, checksums=True) as out:
+            for rec in saved:
+                out.write(rec.name, store.read_partition(rec))
+        checksums[params_file(rank)] = out.checksums.to_json()
+        # 2. The optimizer state, one sub-group at a time.
+        with sized_partitions([rec for rec in records if rec.param.requires_grad]):
+            layout = {name: (torch.float32, (numel,)) for name, numel in optimizer.state_layout().items()}
+            with _naming_the_file(staging / optimizer_file(rank)) as path, \
+                    SafetensorsWriter(path, layout, data_align=RANK_FILE_ALIGN, checksums=True) as out:
+                encoded["optimizer"] = optimizer.save_state(lambda name, first, values: out.write(name, values, first))
+            checksums[optimizer_file(rank)] = out.checksums.to_json()
+        # 3. The rest, small: JSON, and the client's tensors beside it.
+        if tensors:
+            with _naming_the_file(staging / client_file(rank)) as path:
+                with SafetensorsWriter(path, {k: (t.dtype, t.shape) for k, t in tensors.items()}, checksums=True) as out:
+                    for name, tensor in tensors.items():
+                        out.write(name, tensor)
+            checksums[client_file(rank)] = out.checksums.to_json()
+        with _naming_the_file(staging / states_file(rank)) as path, open(path, "w") as file:
+            json.dump({"format": FORMAT, **encoded}, file, allow_nan=True)
+        if rank == 0:
+            _write_beside(staging, model)
+    return os.path.join(os.fspath(save_dir), tag)
+
+
+class CheckpointLoad:
+    """A checkpoint opened and checked against the model and optimizer; nothing has changed yet.
+    `apply` loads it. Use as a context manager (closes its files).
+
+    Any world size loads: with another than the one that saved it, each parameter's partition, fp32
+    master and moments are cut from the saved ranks' files (the padding past the tensor's end is
+    zero, as a fresh partition's).
+
+    Raises (on opening, before anything changes) FileNotFoundError for a missing checkpoint or file
+    and SafetensorsError for a truncated or damaged one, each naming it; ValueError naming the file
+    when it was saved for another model or by a version that pickled its state.
+
+    ``optimizer`` None leaves the optimizer's state as it is. Frozen parameters missing from the
+    checkpoint (saved with ``exclude_frozen``) keep their values.
+    """
+
+    def __init__(self, load_dir: str | os.PathLike, tag: str | None, *, rank: int, world_size: int,
+                 store: ParamStore, optimizer: Any) -> None:
+        self.path = str(resolve_tag(load_dir, tag))
+        self.rank, self.world_size, self.store, self.optimizer = rank, world_size, store, optimizer
+        self.reader = CheckpointReader(self.path)
+        try:
+            self.state = dict(self.reader.rank_state(rank))
+            self.saved_world_size = self.reader.world_size
+            self._trainable = (_optimizer_order(store.records, optimizer) if optimizer is not None else
+                               [rec for rec in store.records if rec.param.requires_grad])
+            self._check_params()
+            if optimizer is not None:
+                self._check_optimizer()
+        except BaseException:
+            self.reader.close()
+            raise
+
+    def __enter__(self) -> "CheckpointLoad":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.reader.close()
+
+    def apply(self) -> dict[str, Any]:
+        """Load the partitions, then the optimizer state; return the rest of the saved state
+        (counters, schedule, client state). An error here (TensorIOError, the optimizer's
+        ValueError) may leave some partitions loaded: the caller must not train on."""
+        same = self.saved_world_size == self.world_size
+        saved_names = set(self.reader.names("params"))
+        records = [rec for rec in self.store.records if rec.name in saved_names]  # frozen ones may be left out
+        # 1. Parameters first, one at a time, the next one read meanwhile (a few writes in flight):
+        #    a 16-bit parameter's optimizer state may take its master copy from it.
+        writes: list = []
+        pending = self._read_partition(records[0], same) if records else None
+        for i, rec in enumerate(records):
+            values = pending.result()
+            pending = self._read_partition(records[i + 1], same) if i + 1 < len(records) else None
+            if rec.on_disk:
+                staged = aligned_tensor(rec.partition_numel, rec.partition.dtype)  # O_DIRECT from it
+                staged.copy_(values)
+                writes.append(self.store.write_partition(rec, staged))  # the request keeps ``staged`` alive
+                if len(writes) > 2:
+                    writes.pop(0).result()  # sync point: bounds the memory in flight
+            else:
+                rec.partition.data.copy_(values)
+            self.store.refresh(rec)
+        for future in writes:  # sync point
+            future.result()
+        # 2. Then the optimizer, its state cut the same way.
+        state = dict(self.state)
+        saved = state.pop("optimizer")
+        state.pop("parameters", None)
+        state.pop("checksums", None)
+        if self.optimizer is None:
+            return state
+        names = self.reader.names("optimizer")
+        layout = {name: self._trainable[int(name.split(".")[0])].partition_numel for name in names}
+
+        def read(name: str, start: int, stop: int) -> torch.Tensor:
+            rec = self._trainable[int(name.split(".")[0])]
+            base = self.rank * rec.partition_numel
+            return self.reader.read("optimizer", name, base + start, base + stop,
+                                    numel=None if same else rec.numel).result()
+
+        with sized_partitions(self._trainable):
+            try:
+                self.optimizer.load_state(saved, layout, read)
+            except ValueError as error:
+                saved_by = self.rank if self.rank < self.saved_world_size else 0
+                raise ValueError(f"{os.path.join(self.path, states_file(saved_by))}: {error}") from error
+        return state
+
+    def _read_partition(self, rec: ParamRecord, same: bool):
+        start = self.rank * rec.partition_numel
+        return self.reader.read("params", rec.name, start, start + rec.partition_numel,
+                                numel=None if same else rec.numel)
+
+    def _check_params(self) -> None:
+        file = os.path.join(self.path, params_file(0))
+        names = set(self.reader.names("params"))
+        ours = {rec.name for rec in self.store.records}
+        missing = {rec.name for rec in self._trainable} - names  # frozen ones may be left out (exclude_frozen)
+        if missing or names - ours:
+            raise ValueError(f"{file}: the checkpoint's parameters differ from the model's "
+                             f"(missing: {sorted(missing)[:5]}, unexpected: {sorted(names - ours)[:5]})")
+        records = [rec for rec in self.store.records if rec.name in names]
+        for rec in records:
+            saved = self.reader.tensor("params", rec.name).shape[0]
+            if saved != partition_numel(rec.numel, self.saved_world_size):
+                raise ValueError(f"{file}: parameter {rec.name!r} has {saved} elements per rank of "
+                                 f"{self.saved_world_size}, the model's {rec.numel} elements would have "
+                                 f"{partition_numel(rec.numel, self.saved_world_size)}; load it into the same model")
+
+    def _check_optimizer(self) -> None:
+        file = os.path.join(self.path, optimizer_file(0))
+        saved = self.state["optimizer"]
+        for name in self.reader.names("optimizer"):
+            index = int(name.split(".")[0])
+            if not 0 <= index < len(self._trainable):
+                raise ValueError(f"{file}: state {name!r} is for parameter {index}; the model has "
+                                 f"{len(self._trainable)} trainable parameters")
+            rec = self._trainable[index]
+            size = self.reader.tensor("optimizer", name).shape[0]
+            if size != partition_numel(rec.numel, self.saved_world_size):
+                raise ValueError(f"{file}: state {name!r} has {size} elements per rank, the model's {rec.name!r} "
+                                 f"({rec.numel} elements) would have {partition_numel(rec.numel, self.saved_world_size)}")
+        groups, ours = saved["param_groups"], self.optimizer.param_groups
+        states = os.path.join(self.path, states_file(0))
+        if len(groups) != len(ours) or any(len(g["params"]) != len(o["params"]) for g, o in zip(groups, ours)):
+            raise ValueError(f"{states}: the optimizer's param groups hold {[len(g['params']) for g in groups]} "
+                             f"parameters, this optimizer's {[len(o['params']) for o in ours]}; load it with the "
+                             f"same parameter groups")
+        names = set(self.reader.names("optimizer"))
+        for index in saved["steps"]:
+            for key in ("exp_avg", "exp_avg_sq"):
+                if f"{index}.{key}" not in names:
+                    raise ValueError(f"{file}: no {key} for parameter {index}, which has a step count")
+
+
+def model_config(model: nn.Module | None) -> dict[str, Any] | None:
+    """``model``'s transformers config as config.json holds it (with ``architectures``), or None
+    for a model without one."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_json_string"):
+        return None
+    values = json.loads(config.to_json_string(use_diff=False))
+    values["architectures"] = [type(model).__name__]
+    return values
+
+
+def save_16bit_model(save_dir: str | os.PathLike, save_filename: str, *, rank: int, world_size: int,
+                     group: Any, store: ParamStore, model: nn.Module | None = None) -> None:
+    """Write the whole model's weights (gathered across ranks, in the training dtype) to
+    ``save_dir/save_filename`` as safetensors with ``format: pt`` metadata, and ``model``'s
+    config.json beside it (when it has a transformers config), so that ``from_pretrained(save_dir)``
+    loads it as written; rank 0 writes. Every rank must call it.
+
+    One gathered parameter in memory at a time; each file appears whole or not at all. Raises
+    ValueError for a ``save_filename`` that is not a plain file name (it would leave ``save_dir``),
+    OSError naming the file when it cannot be written.
+    """
+    if os.path.basename(save_filename) != save_filename or save_filename in ("", ".", ".."):
+        raise ValueError(f"save_filename {save_filename!r}: use a plain file name; it is written inside "
+                         f"save_dir {os.fspath(save_dir)!r}")
+    records = store.records
+    writer: Any = contextlib.nullcontext()
+    if rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        target = os.path.join(os.fspath(save_dir), save_filename)
+        writer = _naming_the_file(target, atomic_safetensors(
+            target, {rec.name: (rec.param.dtype, rec.shape) for rec in records}, {"format": "pt"}))
+    with writer as out:
+        for rec in records:  # every rank gathers (a collective); rank 0 writes
+            kept = rec.full is not None
+            full = store.gather(rec)
+            if out is not None:
+                out.write(rec.name, full.view(rec.shape).cpu())  # from the device where compute runs there
+            if not kept:
+                store.release(rec)
+    if rank == 0:
+        _write_config(save_dir, model)
+    if world_size > 1:
+        dist.barrier(group=group)
+
+
+class sized_partitions:
+    """Give on-disk partitions an uninitialised tensor of their size (virtual memory only) meanwhile:
+    the optimizer plans and streams its state by its parameters' sizes."""
+
+    def __init__(self, recs: list[ParamRecord]) -> None:
+        self.recs = [rec for rec in recs if rec.on_disk and rec.partition.numel() != rec.partition_numel]
+
+    def __enter__(self) -> None:
+        for rec in self.recs:
+            rec.partition.data = torch.empty(rec.partition_numel, dtype=rec.partition.dtype)
+
+    def __exit__(self, *exc: object) -> None:
+        for rec in self.recs:
+            rec.partition.data = torch.empty(0, dtype=rec.partition.dtype)
+
+
+def _parameter_list(records: list[ParamRecord], optimizer: Any) -> list[dict[str, Any]]:
+    """Each parameter's names, shape, dtype and optimizer index (None when frozen): what the offline
+    consolidation needs to rebuild full tensors."""
+    index = {id(rec): i for i, rec in enumerate(_optimizer_order(records, optimizer))}
+    return [{"name": rec.name, "names": list(rec.names), "shape": list(rec.shape),
+             "dtype": str(rec.partition.dtype).removeprefix("torch."), "optimizer_index": index.get(id(rec))}
+            for rec in records]
+
+
+def _optimizer_order(records: list[ParamRecord], optimizer: Any) -> list[ParamRecord]:
+    """The trainable records in the order the optimizer numbers its parameters (its param groups, one
+    after the other): the index its saved state is keyed by."""
+    return in_optimizer_order([rec for rec in records if rec.param.requires_grad], optimizer.param_groups)
+
+
+def _write_beside(staging: Any, model: nn.Module | None) -> None:
+    """config.json (when the model has one) and zero_to_fp32.py, into the tag being saved."""
+    _write_config(staging, model)
+    with _naming_the_file(os.path.join(staging, SCRIPT_NAME)) as path, open(path, "w") as file:
+        file.write(_SCRIPT)
+
+
+def _write_config(directory: str | os.PathLike, model: nn.Module | None) -> None:
+    config = model_config(model)
+    if config is None:
+        return
+    target = os.path.join(os.fspath(directory), CONFIG_NAME)
+    with _naming_the_file(target):
+        write_json(target, config)
+
+
+@contextlib.contextmanager
+def _naming_the_file(path: str | os.PathLike, inner: Any = None) -> Iterator[Any]:
+    """Yield ``inner``'s value (or ``path``); an OSError without a file name gets ``path`` as its file name."""
+    try:
+        if inner is None:
+            yield path
+        else:
+            with inner as value:
+                yield value
+    except OSError as error:
+        if error.filename is None and error.errno is not None:
+            raise type(error)(error.errno, error.strerror, os.fspath(path)) from error
+        raise

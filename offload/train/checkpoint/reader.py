@@ -1,0 +1,237 @@
+"""A checkpoint of `offload.train.checkpoint.rank_state` read at any world size, element range by element range.
+
+Every rank file holds, per tensor, that rank's flat partition of the tensor padded at its end to
+``world_size x partition`` elements (`offload.params.partition`, alignment 1). Element ``g`` of a
+flat tensor saved by ``W`` ranks with partitions of ``P`` elements lives in rank ``g // P``'s file at
+``g % P``. So any range of the flat tensor, and so any rank's partition at another world size, reads
+from at most a few files: the loader repartitions on load (2 -> 1, 1 -> 3, ...) and the offline
+consolidation (`offload.train.checkpoint.consolidate`) reads whole tensors the same way.
+
+Reads go through tensorio with O_DIRECT (a page-aligned window around the range), never through a
+memory map: reading a checkpoint larger than memory grows neither the process (mapped pages count
+as its memory) nor the page cache. Opening checks every file's header, and that each file is long
+enough for the tensors it lists, before anything is read: a truncated or empty file is an error
+naming it.
+
+Checksums (`offload.storage.file_checksums`, recorded in each rank's JSON): opening checks each file's
+header against its record; every read is widened to whole checksum chunks of its tensor and verified in
+tensorio's I/O threads as it completes, so a flipped bit is a `tensorio.ChecksumError` naming the file,
+the tensor, the offset and both checksums. A checkpoint saved before checksums were recorded is read
+unverified, with one warning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tensorio import DIRECT_ALIGN, AioHandle, BufferPool, ChecksumError, Checksums, IOFuture
+
+from offload.storage.file_checksums import FileChecksums, header_checksum
+from offload.storage.safetensors_reader import SafetensorsCheckpoint, TensorEntry
+from offload.train.checkpoint.files import optimizer_file, params_file, read_checksums, read_states, require_file
+
+log = logging.getLogger("offload")
+
+__all__ = ["READ_BUFFER_BYTES", "CheckpointReader", "PendingRead"]
+
+_BLOCK = 8 << 20
+"""Bytes per read request: large sequential reads, 8 in flight."""
+
+_POOL_BYTES = 512 << 20
+"""Read buffers kept for reuse at most (`CheckpointReader.pool`)."""
+
+READ_BUFFER_BYTES = (64 << 20) + 2 * DIRECT_ALIGN
+"""Read buffers are taken in multiples of this size (64 MiB and the window's alignment slack), so that
+the reads of a streamed copy, 64 MiB runs whatever their tensor, all share them."""
+
+
+@dataclass
+class PendingRead:
+    """Elements being read; `result` waits for them (sync point) and returns the tensor."""
+
+    out: torch.Tensor | None
+    """The result's storage when it is assembled from several pieces (else None: ``pieces[0]`` is it)."""
+    pieces: list[tuple[int, IOFuture, torch.Tensor, int, int, torch.dtype]]
+    """(first element in the result, the read, its buffer, first byte in it, bytes, dtype) per piece."""
+    count: int
+    dtype: torch.dtype
+
+    def result(self) -> torch.Tensor:
+        """Wait for the reads; return the elements (a tensor of ``count`` elements). Raises TensorIOError."""
+        single = None
+        for first, future, buffer, skip, nbytes, dtype in self.pieces:
+            future.result()
+            values = _view(buffer, skip, nbytes, dtype)
+            if self.out is None:
+                single = values
+            else:
+                self.out[first:first + values.numel()] = values
+        if self.out is None:
+            return single if single is not None else torch.zeros(self.count, dtype=self.dtype)
+        return self.out
+
+
+class CheckpointReader:
+    """The files of one checkpoint tag (``save_dir/<tag>``), saved by any number of ranks.
+
+    ``tensor(kind, name)`` is the entry of rank 0's file of ``kind`` ("params" or "optimizer");
+    `read` returns any element range of a tensor's flat (unpartitioned) form. Use as a context
+    manager, or `close` it, to close its I/O handle.
+
+    Raises FileNotFoundError naming a missing file, SafetensorsError naming a file with a bad
+    header or a truncated one, ValueError naming the file for a state file that is not one, or for
+    rank files that disagree (tensors, sizes).
+    """
+
+    def __init__(self, path: str | os.PathLike, handle: AioHandle | None = None, *,
+                 pool_bytes: int = _POOL_BYTES) -> None:
+        self.path = os.fspath(path)
+        self.pool = BufferPool(pool_bytes)
+        """The read buffers, reused once dropped (tensors of one size recur in every layer): memory
+        faulted in once, not for every tensor."""
+        self._own_handle = handle is None
+        self.handle = handle if handle is not None else AioHandle(block_size=_BLOCK, queue_depth=8)
+        self.file_sizes: dict[str, int] = {}
+        self.checksums: dict[str, FileChecksums] = {}
+        """Each tensor file's checksums, by path (empty for a checkpoint saved without them)."""
+        try:
+            self.state = read_states(self.path, 0)
+            self.world_size = int(self.state["world_size"])
+            for rank in range(self.world_size):
+                self.checksums.update(read_checksums(self.path, rank))
+            if not self.checksums:
+                log.warning("%s: saved without checksums (before they were recorded): read without verifying its "
+                            "bytes", self.path)
+            self.files = {"params": self._open_all(params_file), "optimizer": self._open_all(optimizer_file)}
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the I/O handle this reader made (not one it was given)."""
+        if self._own_handle and self.handle is not None:
+            self.handle.close()
+        self.handle = None
+
+    def rank_state(self, rank: int) -> dict[str, Any]:
+        """The counters, schedule and client state that ``rank`` saved; rank 0's for a rank the
+        checkpoint does not have (a world size larger than the one that saved it)."""
+        if rank == 0 or rank >= self.world_size:
+            return self.state
+        return read_states(self.path, rank)
+
+    def names(self, kind: str) -> list[str]:
+        """The tensors of ``kind`` ("params" or "optimizer"), in file order."""
+        return list(self.files[kind][0].entries)
+
+    def tensor(self, kind: str, name: str) -> TensorEntry:
+        """Rank 0's entry for ``name``: its dtype, and the saved partition's size (``shape[0]``)."""
+        return self.files[kind][0][name]
+
+    def model_config(self) -> dict[str, Any] | None:
+        """The model's ``config.json`` saved beside the rank files, or None."""
+        config = os.path.join(self.path, "config.json")
+        if not os.path.isfile(config):
+            return None
+        with open(config, encoding="utf-8") as file:
+            try:
+                return json.load(file)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{config}: not a JSON model config ({error})") from None
+
+    def read(self, kind: str, name: str, start: int, stop: int, *, numel: int | None = None) -> PendingRead:
+        """Start reading elements ``[start, stop)`` of tensor ``name``'s flat form as saved (each rank's
+        partition back to back). Elements at or past ``numel`` (the tensor's real size) read as zeros;
+        None keeps the saved padding. Returns a `PendingRead` (``result()`` waits). Raises KeyError
+        for an unknown tensor, TensorIOError at once when a file cannot be opened."""
+        files = self.files[kind]
+        entry = files[0][name]
+        size = entry.shape[0]
+        stop_data = min(stop, self.world_size * size if numel is None else numel)
+        count = stop - start
+        pieces = []
+        for rank in range(max(0, start // size) if size else 0, self.world_size):
+            lo, hi = max(start, rank * size), min(stop_data, (rank + 1) * size)
+            if lo >= hi:
+                if rank * size >= stop_data:
+                    break
+                continue
+            piece = files[rank][name]
+            first_byte = piece.offset + (lo - rank * size) * _itemsize(piece.dtype)
+            pieces.append((lo - start, *self._start(piece, first_byte, (hi - lo) * _itemsize(piece.dtype)),
+                           piece.dtype))
+        whole = len(pieces) == 1 and pieces[0][0] == 0 and stop_data - start == count
+        out = None
+        if pieces and not whole:  # assembled from several files, or with zeros past the tensor's end
+            nbytes = count * _itemsize(entry.dtype)
+            out = self.pool.take(-(-nbytes // READ_BUFFER_BYTES) * READ_BUFFER_BYTES, torch.uint8)[:nbytes].view(entry.dtype)
+            out[stop_data - start:] = 0
+        return PendingRead(out, pieces, count, entry.dtype)
+
+    def _start(self, piece: TensorEntry, first_byte: int, nbytes: int) -> tuple[IOFuture, torch.Tensor, int, int]:
+        path = piece.path
+        sums = self.checksums.get(path)
+        lo, hi = first_byte, first_byte + nbytes
+        if sums is not None:  # widened to the tensor's whole checksum chunks, verified as the read completes
+            chunk_lo, chunk_hi, values = sums.chunks(piece.name, lo - piece.offset, hi - piece.offset, piece.nbytes)
+            lo, hi = piece.offset + chunk_lo, piece.offset + chunk_hi
+        begin = lo // DIRECT_ALIGN * DIRECT_ALIGN
+        end = -(-hi // DIRECT_ALIGN) * DIRECT_ALIGN
+        size = self.file_sizes[path]
+        length = min(end, size) - begin  # a window may end at the end of the file, unaligned
+        buffer = self.pool.take(-(-(end - begin) // READ_BUFFER_BYTES) * READ_BUFFER_BYTES, torch.uint8)
+        verify = Checksums(values, sums.chunk, hi - lo, start=lo - begin) if sums is not None else None
+        future = self.handle.read(buffer[:length] if length < buffer.numel() else buffer, path, begin, verify=verify,
+                                  what=f"tensor {piece.name!r}")
+        return future, buffer, first_byte - begin, nbytes
+
+    def _open_all(self, name_of) -> list[SafetensorsCheckpoint]:
+        files = []
+        for rank in range(self.world_size):
+            path = require_file(self.path, name_of(rank))
+            sums = self.checksums.get(path)
+            if sums is not None:  # before its header is parsed: a flipped bit there is named as such
+                try:
+                    actual, length = header_checksum(path)
+                except OSError:  # shorter than its header: the parse below names what is wrong
+                    actual, length = sums.header, 0
+                if actual != sums.header:
+                    raise ChecksumError(path=path, offset=0, length=length, expected=sums.header, actual=actual,
+                                        what="the safetensors header")
+            files.append(SafetensorsCheckpoint(path, self.handle))
+            if sums is not None and set(sums.tensors) != set(files[-1].entries):
+                raise ValueError(f"{path}: holds other tensors than its checksums in {self.path}'s JSON list; the "
+                                 f"file and the JSON are from different checkpoints")
+        for file in files:
+            self.file_sizes.update(file.file_sizes)
+        first = files[0]
+        for rank, file in enumerate(files[1:], start=1):
+            if {n: e.shape for n, e in file.entries.items()} != {n: e.shape for n, e in first.entries.items()}:
+                raise ValueError(f"{file.files[0]}: holds other tensors or sizes than {first.files[0]}; the rank files "
+                                 f"are from different checkpoints")
+        return files
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _view(buffer: torch.Tensor, skip: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+    """``nbytes`` bytes of ``buffer`` from byte ``skip`` as ``dtype`` (a view when aligned for it, else a copy)."""
+    raw = buffer[skip:skip + nbytes]
+    if skip % _itemsize(dtype):
+        raw = raw.clone()
+    return raw.view(dtype)
+

@@ -1,0 +1,159 @@
+"""Checksums in checkpoints: each rank's JSON records its tensor files' checksums (header, and each
+tensor in 8 MiB chunks); one bit flipped at rest in any file is named (file, tensor, offset, both
+checksums) by ``python -m offload.checkpoint verify``, by a load and by ``consolidate``; the same
+checkpoint with the bit put back loads and training resumes as if uninterrupted; a checkpoint from
+before checksums loads with one warning; verify on something that is not a checkpoint ends in one line,
+exit status 2."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from offload.checkpoint import main as checkpoint_command
+from offload.storage.file_checksums import CHUNK, FileChecksums
+from offload.train.engine import initialize
+from tensorio import ChecksumError
+from tensorio.testing import flip_bit
+from test_engine import engine_config, gpt2, gpt2_batches, gpt2_loss
+
+BATCHES = gpt2_batches(4)
+
+
+def _engine(tmp):
+    engine, *_ = initialize(model=gpt2(0.0), config=engine_config(tmp, "nvme", "nvme", micro=2))
+    return engine
+
+
+def _step(engine, batch):
+    loss = gpt2_loss(engine, batch)
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def _tensor_at(path, name):
+    """(absolute offset, bytes) of tensor ``name`` in the safetensors file at ``path``."""
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    begin, end = json.loads(raw[8:8 + length])[name]["data_offsets"]
+    return 8 + length + begin, end - begin
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A checkpoint after 2 steps (with a client tensor), and the losses and parameters of steps 3 and 4."""
+    tmp = tmp_path_factory.mktemp("ckpt")
+    engine = _engine(tmp)
+    for batch in BATCHES[:2]:
+        _step(engine, batch)
+    engine.save_checkpoint(tmp / "ckpt", client_state={"ema": torch.arange(10.0)})
+    reference = [_step(engine, BATCHES[2]), _step(engine, BATCHES[3])], dict(engine.full_parameters())
+    engine.close()
+    return tmp / "ckpt" / "global_step2", reference
+
+
+def test_the_json_records_every_tensor_file_and_verify_passes(saved, capsys):
+    tag, _ = saved
+    states = json.loads((tag / "rank00000_states.json").read_text())
+    records = states["checksums"]
+    assert set(records) == {"rank00000_params.safetensors", "rank00000_optimizer.safetensors",
+                            "rank00000_client.safetensors"}
+    params = FileChecksums.from_json(records["rank00000_params.safetensors"], "test")
+    assert params.chunk == CHUNK and "transformer.wte.weight" in params.tensors
+    assert checkpoint_command(["verify", str(tag)]) == 0
+    assert checkpoint_command(["verify", str(tag.parent)]) == 0  # the save_dir, through `latest`
+    out = capsys.readouterr()
+    assert out.out.count("ok ") == 6 and "every checksum matches" in out.err
+
+
+@pytest.mark.parametrize("where", ["params tensor", *(pytest.param(w, marks=pytest.mark.slow) for w in
+                                                       ("params header", "optimizer tensor", "client tensor"))])
+def test_a_bit_flipped_at_rest_is_named_by_verify_load_and_consolidate(saved, where, disk_dir, capsys):
+    tag, reference = saved
+    file, tensor = {"params tensor": ("rank00000_params.safetensors", "transformer.h.1.mlp.c_fc.weight"),
+                    "params header": ("rank00000_params.safetensors", None),
+                    "optimizer tensor": ("rank00000_optimizer.safetensors", "3.exp_avg_sq"),
+                    "client tensor": ("rank00000_client.safetensors", "t0")}[where]
+    path = tag / file
+    offset = 20 if tensor is None else sum(_tensor_at(path, tensor)) - 3  # in the tensor's last chunk
+    flip_bit(path, offset, 5)
+    try:
+        what = "the safetensors header" if tensor is None else f"tensor {tensor!r}"
+        # 1. verify names it, in one line, exit status 2.
+        assert checkpoint_command(["verify", str(tag)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"checksum mismatch ({what}): {path}" in err and "expected" in err
+        # 2. A load refuses it, naming the file and the tensor; the engine does not train on.
+        engine = _engine(disk_dir)
+        try:
+            _step(engine, BATCHES[0])
+            with pytest.raises(ChecksumError, match=f"checksum mismatch \\({what}\\): {path}"):
+                engine.load_checkpoint(tag.parent)
+            if tensor is not None and where != "client tensor":
+                with pytest.raises(RuntimeError, match="load_checkpoint of .* failed part way"):
+                    engine.step()
+            # 3. consolidate verifies as it copies (the parameters, and the master weights it may take).
+            if where.startswith("params"):
+                assert checkpoint_command(["consolidate", str(tag.parent), str(disk_dir / "out"), "--no-progress"]) == 2
+                assert f"checksum mismatch ({what}): {path}" in capsys.readouterr().err
+                assert not (disk_dir / "out" / "model.safetensors").exists()
+            # 4. With the bit put back the checkpoint loads, and training resumes as if never interrupted.
+            flip_bit(path, offset, 5)
+            offset = None
+            engine.load_checkpoint(tag.parent)
+            assert [_step(engine, BATCHES[2]), _step(engine, BATCHES[3])] == reference[0]
+            params = dict(engine.full_parameters())
+            assert all(torch.equal(params[name], value) for name, value in reference[1].items())
+        finally:
+            engine.close()
+    finally:
+        if offset is not None:
+            flip_bit(path, offset, 5)
+
+
+def test_a_checkpoint_from_before_checksums_loads_with_one_warning(saved, disk_dir, caplog):
+    tag, reference = saved
+    old = disk_dir / "old"
+    import shutil
+
+    shutil.copytree(tag.parent, old)
+    states = old / "global_step2" / "rank00000_states.json"
+    value = json.loads(states.read_text())
+    del value["checksums"]
+    states.write_text(json.dumps(value))
+    engine = _engine(disk_dir)
+    try:
+        with caplog.at_level(logging.WARNING, logger="offload"):
+            engine.load_checkpoint(old)
+        warnings = [r.getMessage() for r in caplog.records if "without checksums" in r.getMessage()]
+        assert warnings == [f"{old / 'global_step2'}: saved without checksums (before they were recorded): read "
+                            f"without verifying its bytes"]
+        assert [_step(engine, BATCHES[2]), _step(engine, BATCHES[3])] == reference[0]
+    finally:
+        engine.close()
+    assert checkpoint_command(["verify", str(old)]) == 2
+
+
+@pytest.mark.parametrize("bad", ["missing", "a file", "not a checkpoint", "missing rank file"])
+def test_verify_on_what_is_not_a_checkpoint_is_one_line_and_exit_2(saved, bad, disk_dir, capsys):
+    tag, _ = saved
+    if bad == "missing":
+        target, expected = disk_dir / "nothing", "does not exist"
+    elif bad == "a file":
+        target, expected = tag / "rank00000_params.safetensors", "is a file, not a checkpoint"
+    elif bad == "not a checkpoint":
+        target, expected = disk_dir, "is not a checkpoint"
+    else:
+        import shutil
+
+        target = disk_dir / "partial"
+        shutil.copytree(tag, target)
+        (target / "rank00000_optimizer.safetensors").unlink()
+        expected = "rank00000_optimizer.safetensors: missing from the checkpoint"
+    assert checkpoint_command(["verify", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err and str(target) in err

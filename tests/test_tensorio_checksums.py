@@ -1,0 +1,87 @@
+"""tensorio's checksums: a write's ``checksum=`` chunks hash what is on the disk (checked against an
+independent read of the file), a read's ``verify=`` passes good bytes, reads a flipped chunk once more
+and raises ChecksumError naming it when it stays wrong, and bad arguments are refused before any I/O."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import xxhash
+
+import tensorio
+from tensorio import AioHandle, ChecksumError, Checksums, TensorIOError
+from tensorio.testing import FlipBit, flip_bit, inject_faults
+
+
+@pytest.fixture(params=["threads", "io_uring"])
+def handle(request):
+    if request.param == "io_uring" and not tensorio.probe_io_uring()[0]:
+        pytest.skip(f"io_uring cannot run here: {tensorio.probe_io_uring()[1]}")
+    with AioHandle(block_size=1 << 16, queue_depth=4, backend=request.param) as h:
+        yield h
+
+
+@pytest.mark.parametrize("nbytes,chunk,offset", [(1, 1, 0), (4095, 1000, 4096), (4096 * 10 + 1, 4096, 13),
+                                                (3 << 20, 1 << 20, 0)])
+def test_write_checksums_hash_the_bytes_on_disk(handle, disk_dir, nbytes, chunk, offset):
+    path = disk_dir / "f.bin"
+    data = tensorio.aligned_tensor(nbytes, torch.uint8).random_(0, 256)
+    future = handle.write(data, path, offset, checksum=chunk)
+    assert future.result() == nbytes
+    sums = future.checksums
+    on_disk = path.read_bytes()[offset:offset + nbytes]
+    assert sums == Checksums(tuple(xxhash.xxh3_64_intdigest(on_disk[i:i + chunk]) for i in range(0, nbytes, chunk)),
+                             chunk, nbytes)
+    back = torch.empty_like(data)
+    assert handle.read(back, path, offset, verify=sums).result() == nbytes
+    assert torch.equal(back, data)
+
+
+def test_a_flipped_bit_is_named_and_a_transient_one_is_read_again(handle, disk_dir, caplog):
+    path = disk_dir / "f.bin"
+    data = tensorio.aligned_tensor(3 << 16, torch.uint8).random_(0, 256)
+    written = handle.write(data, path, 0, checksum=1 << 16)
+    written.result()
+    sums = written.checksums
+    back = torch.empty_like(data)
+    with caplog.at_level(logging.WARNING, logger="tensorio"), inject_faults(FlipBit(transient=True, byte=70000)):
+        handle.read(back, path, 0, verify=sums, what="chunk test").result()
+    assert torch.equal(back, data) and "the second read is good" in caplog.text
+    flip = FlipBit(byte=(2 << 16) + 5, bit=7)
+    with inject_faults(flip), pytest.raises(ChecksumError) as raised:
+        handle.read(back, path, 0, verify=sums, what="chunk test").result()
+    error = raised.value
+    assert (error.path, error.offset, error.length, error.what) == (str(path), 2 << 16, 1 << 16, "chunk test")
+    assert error.expected == sums.values[2] != error.actual == xxhash.xxh3_64_intdigest(path.read_bytes()[2 << 16:])
+    assert isinstance(error, TensorIOError) and str(error).startswith("checksum mismatch (chunk test): ")
+    assert f"expected {error.expected:016x}, read {error.actual:016x} twice" in str(error)
+    assert flip.flipped == [(str(path), (2 << 16) + 5)]
+
+
+def test_verify_a_range_inside_a_larger_read(handle, disk_dir):
+    path = disk_dir / "f.bin"
+    data = tensorio.aligned_tensor(3 * 4096, torch.uint8).random_(0, 256)
+    handle.write(data, path, 0).result()
+    inner = tensorio.checksum_chunks(memoryview(data.numpy()), 1000, start=100, nbytes=5000)
+    handle.read(torch.empty_like(data), path, 0, verify=inner).result()
+    with inject_faults(FlipBit(byte=3000)), pytest.raises(ChecksumError) as raised:
+        handle.read(torch.empty_like(data), path, 0, verify=inner).result()
+    assert (raised.value.offset, raised.value.length) == (2100, 1000)
+    flip_bit(path, 3000)  # put back
+    with inject_faults(FlipBit(byte=9000)):  # outside the verified range: not checked
+        handle.read(torch.empty_like(data), path, 0, verify=inner).result()
+
+
+def test_bad_checksum_arguments_are_refused_before_any_io(handle, disk_dir):
+    path = disk_dir / "f.bin"
+    data = torch.zeros(100, dtype=torch.uint8)
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="checksum is a chunk size in bytes"):
+            handle.write(data, path, checksum=bad)
+    with pytest.raises(ValueError, match="verify must be Checksums of a range inside the 100-byte buffer"):
+        handle.read(data, path, verify=Checksums((1, 2), 64, 128))
+    with pytest.raises(ValueError, match="3 values for 100 bytes in chunks of 64"):
+        Checksums((1, 2, 3), 64, 100)
+    assert not path.exists()
