@@ -73,9 +73,15 @@ class PeerRunner:
             print(f"memory cgroup: not used for this run ({group}); {UNBOUNDED}")
             group = None
         figures: dict = {"row": row, "setting": payload.get("setting")}
-        try:
-            if group is not None:
+        if group is not None:
+            try:
                 group.set_limit(limit)
+            except OSError as exc:
+                print(f"memory cgroup: the limit of {limit} bytes cannot be set on {group.path} ({exc.strerror or exc}); "
+                      f"this run goes without it, labelled \"{UNBOUNDED}\"")
+                group.close()
+                group = None
+        try:
             try:
                 figures.update(self._run_child(payload, group))
             except ChildError as exc:

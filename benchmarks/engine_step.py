@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         if r.get("path"):
             print(f"{mode}: the update ran {r['path']}")
         if r.get("max_in_cpu_source"):
-            print(f"{mode}: max_in_cpu \"auto\" took {r['max_in_cpu']:,} elements ({r['in_memory_bytes'] / 1e6:.0f} MB "
+            print(f"{mode}: max_in_cpu \"auto\" took {int(r['max_in_cpu']):,} elements ({r['in_memory_bytes'] / 1e6:.0f} MB "
                   f"of partitions in memory, {r['on_disk_bytes'] / 1e6:.0f} MB on NVMe) = {r['max_in_cpu_source']}")
         if args.clip and r["norms"]:
             print(f"{mode}: global gradient norm above gradient_clipping {args.clip} in {r['clipped']} of "

@@ -22,7 +22,7 @@ import tempfile
 import torch
 
 import tensorio
-from bench._units import parse_size
+from tensorio import parse_size
 from bench.fio import FioJob, FioNotFound, fio_path, run_fio
 from bench.measure import timed_transfer
 

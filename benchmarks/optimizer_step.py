@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         opt = OffloadAdam(params, lr=1e-4, nvme_offload_fraction=1.0, nvme_offload_dir=directory,
                           sub_group_size=args.sub_group_size, buffer_count=args.buffer_count, aio=aio)
         offloaded = statistics.median(_time_steps(opt, args.warmup, args.steps))
-        state_bytes = sum(r.plan.state_bytes for r in opt._swapper.records.values())
+        state_bytes = sum(r.plan.state_bytes for r in opt.swapper.records.values())
         buffers = opt.host_state_bytes()["buffers"]
         opt.close()
         read_bws.append(fio("read"))

@@ -474,7 +474,7 @@ def main(argv: list[str] | None = None) -> dict:
     return results
 
 
-def _io_beside(run: dict, row: dict) -> float:
+def io_seconds_beside(run: dict, row: dict) -> float:
     """Seconds ``row``'s bytes take at fio's speed measured just before and just after it (the faster of
     each)."""
     index = run["steps"].index(row)
@@ -543,7 +543,7 @@ def summarize(results: dict) -> dict:
             io_s = read / fio["read"] + written / fio["write"]
             compute = ref["seconds"][str(batch)] * scale if scale else None
             strict = max(io_s, compute or 0.0)
-            beside = [_io_beside(run, r) for r in rows]
+            beside = [io_seconds_beside(run, r) for r in rows]
             io_beside = statistics.median(beside)
             ratio = statistics.median(r["seconds"] / max(io, compute or 0.0) for r, io in zip(rows, beside))
             param = ((statistics.median(r["param_read"] for r in rows), statistics.median(r["param_written"] for r in rows))

@@ -40,3 +40,26 @@ def test_a_child_over_its_cgroups_limit_is_stopped_and_counted():
     finally:
         group.close()
     assert not os.path.exists(group.path)
+
+
+class _Unlimitable:
+    """A cgroup whose limit the kernel refuses (as v2 does without delegation)."""
+
+    path = "/sys/fs/cgroup/x"
+
+    def set_limit(self, nbytes):
+        raise PermissionError(13, "Permission denied")
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_limit_that_cannot_be_set_is_said_and_the_run_labelled(monkeypatch, capsys):
+    import benchmarks._peers as peers
+
+    group = _Unlimitable()
+    monkeypatch.setattr(peers.MemoryCgroup, "create", classmethod(lambda cls, name, **kw: group))
+    runner = PeerRunner(lambda payload, cgroup: {"kind": payload["kind"], "in_group": cgroup is not None})
+    result = runner.run({"kind": "accelerate-auto"}, 1 << 30, "equal")
+    assert result["in_group"] is False and result["memory_label"] == UNBOUNDED and group.closed
+    assert "cannot be set on /sys/fs/cgroup/x (Permission denied); this run goes without it" in capsys.readouterr().out

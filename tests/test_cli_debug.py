@@ -25,10 +25,10 @@ def test_help_lists_debug(main, argv, capsys):
     assert "--debug" in out and "show the traceback" in out and "OFFLOAD_DEBUG=1" in out
 
 
-def test_debug_accepted_by_the_parsers_that_list_it(capsys):
-    """Called directly (not through run_command, which takes it out), the parser accepts the flag."""
+def test_debug_after_the_subcommand_raises_the_error_with_its_traceback(capsys):
+    """The flag the subcommand's help lists works there too: the error is raised, not printed as one line."""
     with pytest.raises(FileNotFoundError):
-        checkpoint._consolidate(["consolidate", "/nonexistent-checkpoint", "/tmp/out", "--debug"])
+        checkpoint.main(["consolidate", "/nonexistent-checkpoint", "/tmp/out", "--debug"])
 
 
 def test_bench_errors_are_one_line_and_debug_shows_the_cause(tmp_path, capsys, monkeypatch):

@@ -47,6 +47,12 @@ def test_device_tensors_are_another_device_to_torch_and_compute_as_the_cpu(late)
     out = torch.nn.functional.gelu(x.to(late.torch_device) @ buffer.view(4, 3))
     assert out.device == late.torch_device and not late.owns(x)
     assert torch.equal(out.cpu(), torch.nn.functional.gelu(x @ torch.full((4, 3), 0.5)))
+    values = torch.arange(12.0).to(late.torch_device)
+    values.view(3, 4).unbind(0)[1].fill_(-1)  # views share the device tensor's bytes, as on a GPU
+    values.split(4)[2].mul_(2)
+    host = values.cpu()  # a copy
+    host.zero_()
+    assert values.cpu().tolist() == [0, 1, 2, 3, -1, -1, -1, -1, 16, 18, 20, 22]
 
 
 def test_an_op_mixing_device_and_host_tensors_raises_as_on_a_gpu(late):

@@ -252,7 +252,7 @@ def test_fast_paths_match_plain_pytorch(disk_dir, kind, case, param):
 
 
 def test_a_failed_parameter_write_back_raises_and_leaks_no_buffer(disk_dir, tmp_path):
-    """Parameters on NVMe updated during backward: a write-back that fails (a real ENOSPC) is raised by
+    """Parameters on NVMe updated during backward: a write-back that fails (ENOSPC from the system call) is raised by
     step(), every buffer handed over is let go, and the step is rolled back entirely (the partitions
     written read their committed slot again, the optimizer commits nothing, the step count goes back):
     step() refuses only the lost gradients, and once the disk is back training goes on without a load,
@@ -260,6 +260,7 @@ def test_a_failed_parameter_write_back_raises_and_leaks_no_buffer(disk_dir, tmp_
     import errno
     from offload.train.checkpoint.rank_state import sized_partitions as _sized
     from tensorio import TensorIOError
+    from tensorio.testing import Fail, inject_faults
 
     def optimizer_state():
         with _sized(engine.records):  # on-disk partitions get their size while the state is read
@@ -272,13 +273,11 @@ def test_a_failed_parameter_write_back_raises_and_leaks_no_buffer(disk_dir, tmp_
     engine.save_checkpoint(tmp_path)
     state_before = optimizer_state()
     params_before = dict(engine.full_parameters())
-    swap = engine._store.swap
-    original = swap._handle.write
-    swap._handle.write = lambda tensor, path, offset=0, **checksum: original(tensor, "/dev/full", offset, **checksum)
-    with pytest.raises(TensorIOError) as info:
-        train(engine, batches[2:3], gpt2_loss)
+    params_file = engine.param_store.swap.path
+    with inject_faults(Fail(errno.ENOSPC, op="write", path=lambda path: path == params_file)):
+        with pytest.raises(TensorIOError) as info:
+            train(engine, batches[2:3], gpt2_loss)
     assert info.value.errno == errno.ENOSPC
-    swap._handle.write = original
     # Nothing handed over is still held: only reads ahead for the next forward count in the budget.
     stats = engine.stats()
     assert stats.handed_over == stats.writes_in_flight == 0
@@ -457,7 +456,7 @@ def test_a_steps_io_buffers_are_reused_not_mapped_anew(disk_dir, clip):
     assert held <= pool["held_bytes"] <= min(held + held // 3, pool["max_bytes"])
     reads = sum(after.reads[kind] - before.reads[kind] for kind in ("demand", "prefetch"))
     assert pool["reused"] - before.io_buffers["reused"] >= reads * 3 // 4 > 0
-    released = weakref.ref(engine._store.swap.pool)  # internal: no public handle on the pool object
+    released = weakref.ref(engine.param_store.swap.pool)
     engine.close()
     assert released() is None  # closing lets go of the pool: its idle buffers are freed
 
@@ -919,7 +918,7 @@ def test_the_step_in_the_next_forward_prepares_its_first_updates_during_backward
                                                                gradient_clipping=0.05))
     losses = train(engine, batches[:2], loss_fn)  # the gather order and the update order are learnt
     # White-box: which buffers the step in the next forward kept and handed over (internal state).
-    store, opt, deferred, writeback = engine._store, engine.optimizer, engine._path.deferred, engine._path.writeback
+    store, opt, deferred, writeback = engine.param_store, engine.optimizer, engine._path.deferred, engine._path.writeback
     kept = engine._ctx.kept
     loss = loss_fn(engine, batches[2])
     engine.backward(loss)
@@ -931,7 +930,7 @@ def test_the_step_in_the_next_forward_prepares_its_first_updates_during_backward
     assert store.records[on_disk[0]].buffer is not None  # the tied embedding: read by backward (lm_head), kept
     opt.wait_for_updates(lambda: False)  # the read-ahead has been started
     order = opt._schedule.order
-    ahead = [i for i in order if opt._swapper.records[i].where is not Where.ON_DISK]
+    ahead = [i for i in order if opt.swapper.records[i].where is not Where.ON_DISK]
     assert ahead and ahead == order[:len(ahead)]  # the first sub-groups of the learnt order
     kept_recs = [store.records[i] for i in kept.next if store.records[i].buffer is not None]
     reads = store.demand_reads + store.prefetch_reads

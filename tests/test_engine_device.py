@@ -13,8 +13,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from offload.device import DeviceSyncError, SimulatedDevice, cuda_available
-from offload.device._base import Event
+from offload.device import CpuDevice, DeviceSyncError, Event, SimulatedDevice, cuda_available
 from offload.train.engine import initialize
 from test_engine import (FAST_CASES, assert_close, engine_config, gpt2, gpt2_batches, gpt2_loss, mlp, mlp_batches, mlp_loss,
                          reference, reference_16bit, train)
@@ -166,8 +165,8 @@ def fast_path_matches_plain_pytorch(disk_dir, device, case: str, param: str) -> 
 def pending_partition_is_not_copied_ahead(engine) -> None:
     """Right after a step handed to the next forward: a partition whose update has not run yet offers no
     host values to copy ahead, even with its read done (they are about to change in place)."""
-    store, step = engine._store, engine._store.updates
-    pending = [rec for rec in engine.records if rec.index in step._pending]
+    store, step = engine.param_store, engine.param_store.updates
+    pending = [rec for rec in engine.records if not step.settled(rec)]  # their update is still to run
     assert pending
     for rec in pending:
         if rec.read is not None:
@@ -189,7 +188,7 @@ def test_the_update_in_the_next_forward_copies_the_next_partitions_ahead(disk_di
     config["zero_optimization"]["stage3_prefetch_bucket_size"] = 1  # one partition ahead: the bucket is honoured
     engine, optimizer, *_ = initialize(model=mlp(), config=config, compute_device=device)
     assert engine.stats().mode.value == "in the next forward"
-    gathers = engine._store.gathers
+    gathers = engine.param_store.gathers
     largest = max(rec.partition_numel for rec in engine.records)
     ahead, losses = [], []
     for i, batch in enumerate(batches):
@@ -197,7 +196,7 @@ def test_the_update_in_the_next_forward_copies_the_next_partitions_ahead(disk_di
         before = gathers.copied_ahead
         loss = mlp_loss(engine, batch)
         ahead.append(gathers.copied_ahead - before)
-        assert sum(copy.buffer.numel() for copy in gathers._ahead.values()) <= largest
+        assert gathers.waiting_ahead_elements <= largest
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -272,8 +271,9 @@ def test_device_memory_does_not_grow_over_many_steps(disk_dir, param):
         engine.step()
         held.append(device.allocated_bytes)
     assert held[0] > 0 and held == [held[0]] * len(held)
-    gathers = engine._store.gathers
-    assert gathers.bytes_to_device > 0 and engine._reducer.device_buckets.bytes_to_host > 0
+    gathers = engine.param_store.gathers
+    copies = engine.stats().device_bytes
+    assert copies["to_device"] > 0 and copies["to_host"] > 0
     assert gathers.copied_ahead > 0 or param == "none"  # the next partitions copied while one computes
     engine.close()
     assert device.allocated_bytes == 0
@@ -355,7 +355,7 @@ def test_the_host_does_not_wait_for_a_copy_to_give_its_nvme_read_buffer_back(dis
     that read a partition (`host_released`, for a write in place); the end of backward gives every buffer back."""
     device = SimulatedDevice(schedule="late")
     engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, "nvme", "none"), compute_device=device)
-    store = engine._store
+    store = engine.param_store
 
     def waits(rec, host):
         raise AssertionError(f"the host waited for the copies of {rec.name!r} to give its read buffer back")
@@ -366,7 +366,7 @@ def test_the_host_does_not_wait_for_a_copy_to_give_its_nvme_read_buffer_back(dis
         assert store.budget.held <= store.budget.buffer_elements
         monkeypatch.undo()  # the updates during backward write partitions in place: they do wait
         engine.backward(loss)
-        assert not store.gathers._returning
+        assert store.gathers.returning_buffers == 0
         engine.step()
     engine.close()
     device.close()
@@ -440,7 +440,7 @@ def test_the_cpu_device_uses_host_buffers_in_place(disk_dir):
     """On the CPU nothing is staged: no device gathers, no gradient buckets, partitions kept whole."""
     engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, "none", "none"), compute_device="cpu")
     assert not engine.device.separate_memory
-    assert engine._store.gathers is None and engine._reducer.device_buckets is None
+    assert engine.param_store.gathers is None and engine.stats().device_bytes == {"to_device": 0, "to_host": 0}
     assert all(rec.keep_full for rec in engine.records)
     engine.close()
 
@@ -451,7 +451,7 @@ def test_a_released_parameter_buffer_is_kept_while_a_view_of_it_lives(disk_dir):
     released the parameter: its device buffer is given back only once no view is left."""
     device = SimulatedDevice(seed=1)
     engine, *_ = initialize(model=mlp(), config=engine_config(disk_dir, "cpu", "none"), compute_device=device)
-    store = engine._store
+    store = engine.param_store
     first, second = store.records[0], store.records[1]
     a, b = first.partition_numel * 4, second.partition_numel * 4  # fp32
     view = store.gather(first).view(first.shape)
@@ -541,6 +541,9 @@ def test_wall_clock_breakdown_waits_for_the_device_before_each_clock_read(disk_d
         engine.close()
     finally:
         sim.close()
-    cpu, *_ = initialize(model=mlp(), config=engine_config(disk_dir, wall_clock_breakdown=True), compute_device="cpu")
-    assert cpu.timers._synchronize is None
+    cpu_device, cpu_waits = CpuDevice(), []
+    monkeypatch.setattr(cpu_device, "synchronize", lambda: cpu_waits.append(1))
+    cpu, *_ = initialize(model=mlp(), config=engine_config(disk_dir, wall_clock_breakdown=True), compute_device=cpu_device)
+    train(cpu, mlp_batches(1), mlp_loss)
+    assert cpu_waits == []
     cpu.close()

@@ -144,7 +144,7 @@ def test_generate_with_max_in_cpu_zero_runs(llama):
     done = _generate(str(llama[0]), "--prompt-ids", "5,9,42", "--max-new-tokens", "2", "--max-in-cpu", "0",
                      "--disk-gbps", "1")
     assert done.returncode == 0, done.stderr
-    assert "budget 0: everything streamable is streamed" in done.stdout
+    assert "budget 0 for resident weights and the KV cache (everything streamable is streamed" in done.stdout
 
 
 # ---- permission denied -----------------------------------------------------------------------------

@@ -18,8 +18,7 @@ import torch
 from test_infer_device_ring import _StageWithoutComputeWait
 from test_infer_generate import PAD, build_model, one_thread, prompts, save_checkpoint, scratch_dir  # noqa: F401
 
-from offload.device import CPU_KERNELS, CpuDevice, DeviceSyncError, SimulatedDevice, cuda_available
-from offload.device._cuda import CudaPackedKernels
+from offload.device import CPU_KERNELS, CpuDevice, CudaPackedKernels, DeviceSyncError, SimulatedDevice, cuda_available
 from offload.infer import init_inference
 from offload.infer.config import WeightQuantization
 from offload.infer.plan.host import format_bytes

@@ -57,7 +57,7 @@ def test_in_order_then_out_of_order(ring):
     assert streamer.bytes_read >= 3 * sum(u.read_nbytes for u in units)
     _check(modules, weights, [3, 0, 4, 4, 1, 1, 2, 0])
     assert all(u.state in ("on disk", "in flight") for u in units)
-    assert len(streamer._inflight) <= 2 and len(streamer._free) + len(streamer._inflight) == 2
+    assert streamer.reads_in_flight <= 2 and streamer.idle_buffers + streamer.reads_in_flight == 2
 
 
 def test_a_forward_that_raises_gives_its_buffer_back(ring):
@@ -175,7 +175,7 @@ def test_closing_a_load_stops_it_and_waits_for_its_reads(ring, monkeypatch):
     assert at_second.wait(timeout=120)
     closer = threading.Thread(target=load.close)
     closer.start()
-    while not {2, 3} <= load._dropped:  # close() has given up the units not yet taken on
+    while not {2, 3} <= load.dropped:  # close() has given up the units not yet taken on
         go.wait(0.01)
     go.set()
     closer.join()
@@ -231,9 +231,9 @@ def test_the_ring_works_while_its_buffers_are_still_being_made(ring, monkeypatch
     _check(modules, weights, list(range(LAYERS)))  # one buffer so far: every layer goes through it
     assert len(streamer.buffers) == 1
     go.set()
-    streamer._allocating[0].result()
+    streamer.wait_buffers()
     _check(modules, weights, list(range(LAYERS)) * 2)
-    assert len(streamer.buffers) == 2 and len(streamer._free) + len(streamer._inflight) == 2
+    assert len(streamer.buffers) == 2 and streamer.idle_buffers + streamer.reads_in_flight == 2
 
 
 def test_a_forward_reads_the_units_its_load_has_not_taken_on_through_the_ring(ring, monkeypatch):
@@ -336,7 +336,8 @@ def test_closing_a_held_load_gives_its_units_up(ring):
     streamer.set_units([], 0)
     load = stream.ResidentLoad(streamer.handle, units[:2], held=True)
     load.close()  # returns: the thread stops waiting for a release that will not come
-    assert [u.state for u in units[:2]] == ["on disk"] * 2 and not load._thread.is_alive()
+    assert [u.state for u in units[:2]] == ["on disk"] * 2
+    assert not any(thread.name == "load-resident" for thread in threading.enumerate())
     assert load.nbytes == 0
 
 

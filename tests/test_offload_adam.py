@@ -7,8 +7,10 @@ tail; sub-groups cut parameters only at multiples of 1024 elements, so fp32 resu
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import subprocess
+import threading
 
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ import torch
 from offload.optim.swapper import Where
 from offload.optim.adam import OffloadAdam
 from tensorio import TensorIOError
+from tensorio.testing import Delay, Fail, inject_faults
 
 SHAPES = [(), (7,), (33, 65), (5000,), (3000, 3), (1,)]
 SMALL = dict(sub_group_size=2048, buffer_count=3)
@@ -185,7 +188,7 @@ def test_swap_file_layout_read_independently(tmp_path):
     _train(opt, ps, 3)
     state = opt.state_dict()["state"]
     data = np.fromfile(opt.swap_path, dtype=np.float32)
-    for rec in opt._swapper.records.values():
+    for rec in opt.swapper.records.values():
         plan = rec.plan
         assert rec.slots.offset % 4096 == 0 and plan.state_bytes % 4096 == 0
         base = rec.slots.slot_offset(rec.slots.committed) // 4
@@ -272,18 +275,6 @@ def test_temporary_directory_is_removed():
     assert not os.path.exists(directory)
 
 
-def _fail_writes_after(opt, good_writes):
-    """Send every write after the first ``good_writes`` to /dev/full: a real ENOSPC from the kernel."""
-    handle = opt._swapper._file._handle
-    original = handle.write
-    calls = []
-
-    def write(tensor, path, offset=0, **checksum):
-        calls.append(offset)
-        return original(tensor, path if len(calls) <= good_writes else "/dev/full", offset, **checksum)
-    handle.write = write
-
-
 @pytest.mark.parametrize("overlap", [False, True])
 def test_failed_write_leaves_the_previous_state(overlap):
     ps = _params()
@@ -291,12 +282,12 @@ def test_failed_write_leaves_the_previous_state(overlap):
     _train(opt, ps, 2)
     before = opt.state_dict()
     params_before = [p.detach().clone() for p in ps]
-    _fail_writes_after(opt, good_writes=2)
-    with pytest.raises(TensorIOError) as info:
+    writes = itertools.count(1)  # the first two writes of the swap file land, every later one fails
+    later = Fail(errno.ENOSPC, op="write", path=lambda path: path == opt.swap_path and next(writes) > 2)
+    with inject_faults(later), pytest.raises(TensorIOError) as info:
         _train(opt, ps, 1)
         opt.state_dict()  # with write-behind the failure surfaces at the next sync point
     assert info.value.errno == errno.ENOSPC
-    opt._swapper._file._handle.write = type(opt._swapper._file._handle).write.__get__(opt._swapper._file._handle)
     after = opt.state_dict()
     _same_state(after, before)
     # Documented: parameters of sub-groups updated before the failure keep their update.
@@ -339,40 +330,23 @@ def test_add_param_group_later_is_rejected():
         opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
 
 
-class _Pending:
-    """A write future that has not finished yet (``done()`` is False); ``result()`` passes through."""
-
-    def __init__(self, future):
-        self.future = future
-
-    def done(self):
-        return False
-
-    def result(self, timeout=None):
-        return self.future.result(timeout)
-
-    def exception(self, timeout=None):
-        return self.future.exception(timeout)
-
-
 def test_reap_frees_only_finished_writes_and_waits_count():
     ps = [torch.randn(3000, requires_grad=True) for _ in range(3)]
     opt = OffloadAdam(ps, nvme_offload_fraction=1.0, sub_group_size=4096, buffer_count=3)
     _train(opt, ps, 1)
-    swapper = opt._swapper
+    swapper = opt.swapper
     first, second = list(swapper.records.values())[:2]
-    write = swapper._file.write
-    for rec in (first, second):
-        swapper.start_read(rec)
-        swapper.wait_read(rec)
-        if rec is first:  # still in flight as far as reap can tell
-            swapper._file.write = lambda buffer, offset, **chunk: _Pending(write(buffer, offset, **chunk))
-        swapper.start_write(rec)
-        swapper._file.write = write
-    second.futures[0].result()
-    swapper.reap()
-    assert (first.where, second.where) == (Where.WRITING, Where.ON_DISK) and swapper.free_buffers == 2
-    swapper.drain()
+    landed = threading.Event()
+    with inject_faults(Delay(landed, n=1, op="write")):  # the first's write stays in flight until set
+        for rec in (first, second):
+            swapper.start_read(rec)
+            swapper.wait_read(rec)
+            swapper.start_write(rec)
+        second.futures[0].result()
+        swapper.reap()
+        assert (first.where, second.where) == (Where.WRITING, Where.ON_DISK) and swapper.free_buffers == 2
+        landed.set()
+        swapper.drain()
     assert first.where is Where.ON_DISK and swapper.free_buffers == 3
     swapper.commit()
     assert opt.io_wait_seconds() > 0  # waiting for the reads and the writes above counts, however briefly

@@ -13,6 +13,7 @@ from offload.optim.overlap import BackgroundWorker
 from offload.optim.spare import PAGE, SparePool
 from offload.optim.adam import OffloadAdam
 from tensorio import TensorIOError
+from tensorio.testing import Fail, inject_faults
 
 
 class _TiedModel(torch.nn.Module):
@@ -43,7 +44,7 @@ def _steps(model, opt, count, seed=3):
 
 
 def _count_spare_reads(opt):
-    swapper = opt._swapper
+    swapper = opt.swapper
     original = swapper.start_read
     counts = {"spare": 0}
 
@@ -79,9 +80,10 @@ def test_partly_offloaded_parameters_keep_their_gradients_until_step(tmp_path):
                       overlap_backward=True, sub_group_size=4096, buffer_count=3)
     model(torch.randint(0, 300, (4, 9))).backward()
     opt.synchronize()
-    resident = {m.param for plan in opt._plans if not plan.offloaded for m in plan.members}
-    for rec in opt._params:
-        assert (rec.param.grad is not None) == (rec.index in resident), rec.name()
+    offloaded = [opt.is_offloaded(param) for param in model.parameters()]
+    assert any(offloaded) and not all(offloaded)  # half of the state on NVMe
+    for (name, param), on_disk in zip(model.named_parameters(), offloaded):
+        assert (param.grad is not None) == (not on_disk), name
     opt.step()
     opt.close()
 
@@ -92,13 +94,10 @@ def test_failed_write_in_backward_raises_and_commits_nothing(tmp_path):
                       overlap_backward=True, sub_group_size=4096, buffer_count=3)
     _steps(model, opt, 2)
     before = opt.state_dict()
-    handle = opt._swapper._file._handle
-    original = handle.write
-    handle.write = lambda tensor, path, offset=0, **checksum: original(tensor, "/dev/full", offset, **checksum)
-    with pytest.raises(TensorIOError) as info:
-        _steps(model, opt, 2)
+    with inject_faults(Fail(errno.ENOSPC, op="write", path=lambda path: path == opt.swap_path)):
+        with pytest.raises(TensorIOError) as info:
+            _steps(model, opt, 2)
     assert info.value.errno == errno.ENOSPC
-    handle.write = original
     after = opt.state_dict()
     for i, entry in before["state"].items():
         for key in ("step", "exp_avg", "exp_avg_sq"):
@@ -158,7 +157,7 @@ def test_memory_kept_for_reads_ahead_is_reused_only_once_nothing_of_it_is_in_use
                       overlap_backward=True, sub_group_size=4096, buffer_count=3)
     _steps(model, opt, 2)
     opt.synchronize()
-    swapper = opt._swapper  # internal: the swapper has no public handle
+    swapper = opt.swapper
     first, second = list(swapper.records.values())[:2]
     capacity = 2 * max(first.plan.state_bytes, second.plan.state_bytes)
 
@@ -171,7 +170,7 @@ def test_memory_kept_for_reads_ahead_is_reused_only_once_nothing_of_it_is_in_use
     swapper.evict(first)  # updated and written in a real step: nothing refers to the memory any more
     swapper.drop_spares()
     state, again = read_ahead(first)
-    assert again == address and swapper._kept.reused == 1  # internal: the pool's count of buffers reused
+    assert again == address and swapper.kept_reused == 1
     swapper.drop_spares()  # `first` stays in memory, unused this step: its memory is not lent again
     _, elsewhere = read_ahead(second)
     assert not address <= elsewhere < address + capacity

@@ -47,7 +47,7 @@ def test_train_large_benchmark_tiny(tmp_path, capsys):
     fastest = result["fio"]
     for row in run["steps"]:
         at_fastest = row["read"] / fastest["read"] + row["written"] / fastest["write"]
-        assert train_large._io_beside(run, row) >= at_fastest
+        assert train_large.io_seconds_beside(run, row) >= at_fastest
     assert result["swap_files_left"] == []  # the engine removed its swap files on close
     assert json.loads(out.read_text())["params"] == result["params"]
     assert list(swap.iterdir()) == []  # and the benchmark its directory

@@ -9,7 +9,7 @@ which runs the GPU path on the CPU and fails loudly on the GPU-only bugs. See do
 
 from offload.device._base import Device, Event, Stream
 from offload.device._cpu import CpuDevice
-from offload.device._cuda import CudaDevice, cuda_available
+from offload.device._cuda import CudaDevice, CudaPackedKernels, cuda_available
 from offload.device._errors import (CollectiveDeviceError, DeviceError, DeviceMemoryError, DeviceSyncError,
                                     PinnedMemoryError)
 from offload.device._select import (DEVICE_CHOICES, check_process_group, collective_device, device_for,
@@ -27,6 +27,7 @@ __all__ = [
     "CopyRecord",
     "CpuDevice",
     "CudaDevice",
+    "CudaPackedKernels",
     "Device",
     "DeviceError",
     "DeviceMemoryError",

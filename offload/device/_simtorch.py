@@ -112,7 +112,7 @@ def _run(op: torch._ops.OpOverload, *args, **kwargs):
     if op.name() == "aten::_to_copy" and not wants_device:
         target = kwargs.get("device")
         if target is not None and torch.device(target).type == "cpu":
-            return result.clone() if any(is_device_tensor(t) for t in tensors) else result
+            return result  # a new host tensor (_to_copy always copies)
     schema = op._schema
     outputs = result if isinstance(result, (tuple, list)) else (result,)
     # Which argument each returned alias refers to (an in-place op's self, an out= tensor, a view's base).
@@ -123,7 +123,8 @@ def _run(op: torch._ops.OpOverload, *args, **kwargs):
         if not isinstance(value, torch.Tensor):
             wrapped.append(value)
             continue
-        returned = schema.returns[index] if index < len(schema.returns) else None
+        # A Tensor[] result (split, unbind, ...) has one return whose alias covers every element.
+        returned = schema.returns[0] if isinstance(result, list) else schema.returns[index]
         alias = returned.alias_info if returned is not None else None
         source = None
         if alias is not None:

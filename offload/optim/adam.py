@@ -264,6 +264,14 @@ class OffloadAdam(torch.optim.Optimizer):
         rec = self._params[self._index_of[id(param)]]
         return rec.master and rec.step is not None
 
+    def is_offloaded(self, param: torch.Tensor) -> bool:
+        """Whether all of ``param``'s state (one of this optimizer's) lives in the swap file: every sub-group
+        holding part of it is offloaded. With overlap_backward such a parameter's gradient is freed once
+        applied; the others keep theirs until ``step()``. Raises KeyError for a parameter this optimizer
+        does not hold."""
+        index = self._index_of[id(param)]
+        return all(plan.offloaded for plan in self._plans for member in plan.members if member.param == index)
+
     def synchronize(self) -> None:
         """Sync point: wait for the updates handed over and the last step's write-behind, and commit them
         (the step hooks run). Raises the step's error (a TensorIOError for the swap file) after giving
@@ -375,6 +383,13 @@ class OffloadAdam(torch.optim.Optimizer):
         'read_ahead' (kept across steps for the state read ahead between steps, `read_ahead`)."""
         return {"resident": sum(r.numel() * 4 for regions in self._resident.values() for r in regions),
                 "buffers": self._swapper.buffer_bytes, "read_ahead": self._swapper.kept_bytes}
+
+    @property
+    def swapper(self) -> StateSwapper:
+        """The `StateSwapper` that moves the offloaded sub-groups' state (one ``records`` entry per sub-group:
+        its plan, its two slots in the swap file, where its state is now), for inspection. Calling its
+        methods outside the optimizer's own calls breaks the step's commit rule."""
+        return self._swapper
 
     @property
     def swap_path(self) -> str | None:

@@ -127,6 +127,11 @@ class StateSwapper:
         self._spares.lend(tensor, self._smallest_region)
 
     @property
+    def kept_reused(self) -> int:
+        """Reads ahead that landed in the memory kept across steps rather than in memory mapped anew."""
+        return self._kept.reused if self._kept is not None else 0
+
+    @property
     def kept_bytes(self) -> int:
         """Bytes of the memory kept across steps for reads ahead (`lend_kept`), lent or idle."""
         return self._kept.held_bytes if self._kept is not None else 0

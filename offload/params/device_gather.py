@@ -83,6 +83,16 @@ class DeviceGathers:
         self.copied_ahead = 0
         """Partitions copied ahead of their gather so far."""
 
+    @property
+    def waiting_ahead_elements(self) -> int:
+        """Elements copied ahead of their gather and not gathered yet (at most ``ahead_elements`` plus one partition)."""
+        return sum(copy.buffer.numel() for copy in self._ahead.values())
+
+    @property
+    def returning_buffers(self) -> int:
+        """Host buffers given back while copies to the device may still read them (0 once those are seen done)."""
+        return len(self._returning)
+
     # ---- gather / release ---------------------------------------------------------------------
 
     def gather(self, rec: ParamRecord, local: torch.Tensor) -> torch.Tensor:
@@ -153,7 +163,7 @@ class DeviceGathers:
     def copy_ahead(self, store: HostPartitions, upcoming: list[int]) -> None:
         """Start copying the partitions of ``upcoming`` (record indices, next first) that are not on the
         device yet, up to ``ahead_elements``, where their host data is there without waiting."""
-        ahead = sum(copy.buffer.numel() for copy in self._ahead.values())
+        ahead = self.waiting_ahead_elements
         for index in upcoming:
             if ahead >= self.ahead_elements:
                 return

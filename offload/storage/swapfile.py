@@ -26,6 +26,7 @@ import fcntl
 import logging
 import os
 import re
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -101,6 +102,7 @@ class SwapFile:
         """Whether writes are checksummed and reads verified (``aio.verify``)."""
         self.bytes_verified = 0
         """Bytes read whose checksums were checked (all of `bytes_read` when `verify`)."""
+        self._counting = threading.Lock()
         self._written: dict[int, tuple[IOFuture, int, int]] = {}
         """file offset of a checksummed chunk -> (the last write there, the chunk's index in it, its length)."""
 
@@ -121,12 +123,12 @@ class SwapFile:
         checksums of the writes of the same range in chunks of ``chunk`` bytes (default: the whole buffer), as
         they were written; ``what`` names the range in a `tensorio.ChecksumError`. Raises RuntimeError (at once)
         for a range not written that way, TensorIOError for one whose last write failed."""
-        self.bytes_read += buffer.nbytes
-        if not self.verify or not buffer.nbytes:
-            return self._io().read(buffer, self.path, offset)
-        expected = self._expected(offset, buffer.nbytes, chunk or buffer.nbytes, what)
+        verify = self.verify and buffer.nbytes > 0
+        expected = self._expected(offset, buffer.nbytes, chunk or buffer.nbytes, what) if verify else None
         future = self._io().read(buffer, self.path, offset, verify=expected, what=what)
-        self.bytes_verified += buffer.nbytes
+        with self._counting:  # reads start on the training thread and the optimizer's
+            self.bytes_read += buffer.nbytes
+            self.bytes_verified += buffer.nbytes if verify else 0
         return future
 
     def _expected(self, offset: int, nbytes: int, chunk: int, what: str) -> Checksums:

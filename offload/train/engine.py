@@ -304,8 +304,15 @@ class Engine:
 
     @property
     def records(self) -> list[ParamRecord]:
-        """One record per (tied) parameter: partition, location, state (see offload/params/store.py, ParamRecord)."""
+        """One record per (tied) parameter: partition, location, state (see offload/params/record.py, ParamRecord)."""
         return self._store.records
+
+    @property
+    def param_store(self) -> ParamStore:
+        """The `offload.params.ParamStore` that gathers and releases the parameters around their use, for
+        inspection (its records, ``gathers`` on a device with memory of its own, the swap file). Changing
+        it outside the engine's calls breaks the step."""
+        return self._store
 
     def io_bytes(self) -> dict[str, int]:
         """Bytes read from and written to the parameter swap file so far."""

@@ -101,6 +101,16 @@ class LayerStreamer:
             maker.shutdown(wait=False)
             self.buffer_nbytes = buffer_nbytes
 
+    @property
+    def idle_buffers(self) -> int:
+        """Ring buffers free for the next read (made and not holding a unit)."""
+        return len(self._free)
+
+    @property
+    def reads_in_flight(self) -> int:
+        """Units being read into a ring buffer now."""
+        return len(self._inflight)
+
     def wait_buffers(self) -> None:
         """Wait until every ring buffer is made. Raises the error that kept one from being made."""
         while self._allocating:
@@ -366,7 +376,7 @@ class ResidentLoad:
         each of them takes the GIL between its calls, and a thread asking for the GIL makes the
         forward's thread hand it over and wait until the asker runs, which a niced thread rarely
         does on a busy machine; a forward also waits for a unit the thread has taken on. Measured
-        with two busy loops beside a streamed int4 decode (docs/benchmarks.md, "Quantized generation"):
+        with two busy loops beside a streamed int4 decode (docs/benchmarks.md, "Quantized weights"):
         decode steps of 4-26 s at nice 19 against 2.9 s at the caller's priority.
         """
         in_flight: deque[int] = deque()
@@ -453,6 +463,12 @@ class ResidentLoad:
         self._buffers[i] = None  # bound: its views (or converted copy) hold what stays
 
     # ---- the streamer's side ----------------------------------------------------------------------
+
+    @property
+    def dropped(self) -> frozenset[int]:
+        """Indices into ``units`` of those given up before the thread took them on (`drop`, `close`)."""
+        with self._changed:
+            return frozenset(self._dropped)
 
     def claim(self, unit: Unit) -> bool:
         """Lend ``unit`` to the streamer for one forward, if the thread has not taken it on; whether lent."""
