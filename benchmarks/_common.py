@@ -122,6 +122,16 @@ class ChildError(RuntimeError):
         self.returncode = returncode
         self.stderr = stderr
 
+    def one_line(self) -> str:
+        """What went wrong in the child, in one line: the signal that killed it, or its last error line."""
+        if self.returncode < 0:
+            import signal
+
+            name = signal.Signals(-self.returncode).name
+            return f"killed by {name}" + (" (the OOM killer?)" if self.returncode == -9 else "")
+        lines = self.stderr.strip().splitlines()
+        return f"exit status {self.returncode}: {lines[-1] if lines else 'no error output'}"
+
 
 def run_child(module: str, args: Sequence[str], *, mmap_threshold: int | None = None,
               cgroup: Any = None) -> dict[str, Any]:

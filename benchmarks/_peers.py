@@ -86,7 +86,7 @@ class PeerRunner:
                 figures.update(self._run_child(payload, group))
             except ChildError as exc:
                 figures.update(kind=payload["kind"], budget=payload.get("budget"), batch=payload.get("batch"),
-                               error=_failure(exc))
+                               error=exc.one_line())
             if group is not None:
                 figures.update(cgroup_limit=limit, cgroup_peak=group.peak(), cgroup_limit_hits=group.limit_hits(),
                                cgroup_oom_kills=group.oom_kills(), cgroup=group.describe())
@@ -130,15 +130,6 @@ class PeerRunner:
         limited = self.run(payload, int(BOUND_SLACK * bound), "bound")
         limited["bound_bytes"] = bound
         return [free, limited]
-
-
-def _failure(exc: ChildError) -> str:
-    if exc.returncode < 0:
-        import signal
-
-        return f"killed by {signal.Signals(-exc.returncode).name}" + (" (the OOM killer?)" if exc.returncode == -9 else "")
-    lines = exc.stderr.strip().splitlines()
-    return f"exit status {exc.returncode}: {lines[-1] if lines else 'no error output'}"
 
 
 def memory_note(r: dict) -> str:

@@ -39,7 +39,7 @@ import numpy as np
 
 from benchmarks._cgroup import UNBOUNDED
 from benchmarks._common import ChildError, RssSampler, run_child
-from benchmarks.infer_stream import (Spec, _failure, _files, _gib, child, compute_floor, describe_floor, fio_read_speed,
+from benchmarks.infer_stream import (Spec, _files, _gib, child, compute_floor, describe_floor, fio_read_speed,
                                      meminfo, model_parser, parse_or_run_child, run_config, write_checkpoint)
 from tensorio import parse_size
 
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             result = run_config(payload)
         except ChildError as exc:
-            result = {"kind": kind, "error": _failure(exc)}
+            result = {"kind": kind, "error": exc.one_line()}
         result.update(variant=name, mem_available_before=available)
         if kind != "ours":  # benchmarks.infer_stream --peer-rows equal measures the peer at equal memory
             result["memory_label"] = UNBOUNDED

@@ -478,14 +478,14 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             result = run_config(payload)
         except ChildError as exc:  # one configuration failing (the OOM killer, on a shared machine) loses only its row
-            result = {"kind": kind, "budget": budget, "batch": batch, "error": _failure(exc)}
+            result = {"kind": kind, "budget": budget, "batch": batch, "error": exc.one_line()}
         result["mem_available_before"] = available
         if kind == "ours" and batch == 1 and "error" not in result:  # the first forward alone, for the TTFT target
             _make_cold(checkpoint, offload_folder)
             try:
                 result.update(run_config({**payload, "first_forward_only": True}))
             except ChildError as exc:
-                result["first_forward_error"] = _failure(exc)
+                result["first_forward_error"] = exc.one_line()
         if kind != "ours":
             result["memory_label"] = UNBOUNDED
         results.append(result)
@@ -537,16 +537,6 @@ def _make_cold(checkpoint: Path, offload_folder: Path) -> None:
 
     for path in _files(checkpoint) + (_files(offload_folder) if offload_folder.exists() else []):
         drop_page_cache(path)
-
-
-def _failure(exc: ChildError) -> str:
-    """What went wrong in a child, in one line."""
-    if exc.returncode < 0:
-        import signal
-
-        return f"killed by {signal.Signals(-exc.returncode).name}" + (" (the OOM killer?)" if exc.returncode == -9 else "")
-    lines = exc.stderr.strip().splitlines()
-    return f"exit status {exc.returncode}: {lines[-1] if lines else 'no error output'}"
 
 
 def _print_row(r: dict) -> None:
