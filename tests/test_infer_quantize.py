@@ -108,21 +108,23 @@ def test_streamed_equals_resident_and_the_cache_is_written_once(llama, bits, cap
     assert record["quantization"]["num_bits"] == int(bits[3:]) and len(record["quantized"]) == 4 * 7
 
 
+def generate_int8(directory, root, ids, mask):
+    """One int8 forward under a tight budget: (logits, the directory the engine read its weights from)."""
+    with init_inference(directory, weight_quantization="int8", nvme_path=str(root), max_in_cpu=tight_budget(directory),
+                        disk_gbps=1.0) as engine:
+        return engine(ids, attention_mask=mask).logits, engine.checkpoint.directory
+
+
 def test_a_changed_checkpoint_is_noticed(llama):
     directory, model, root = llama
     ids, mask = prompts(1)
 
-    def generate():
-        with init_inference(directory, weight_quantization="int8", nvme_path=str(root), max_in_cpu=tight_budget(directory),
-                            disk_gbps=1.0) as engine:
-            return engine(ids, attention_mask=mask).logits, engine.checkpoint.directory
-
-    before, first = generate()
+    before, first = generate_int8(directory, root, ids, mask)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(-1)
     save_checkpoint(model, directory)
-    after, second = generate()
+    after, second = generate_int8(directory, root, ids, mask)
     assert first != second and not (root / first).exists()  # a new cache; the stale one removed
     assert not torch.allclose(before, after)
 
@@ -209,12 +211,7 @@ def test_a_corrupt_cache_is_named_and_written_again(llama, caplog):
     directory, _, root = llama
     ids, mask = prompts(1)
 
-    def generate():
-        with init_inference(directory, weight_quantization="int8", nvme_path=str(root), max_in_cpu=tight_budget(directory),
-                            disk_gbps=1.0) as engine:
-            return engine(ids, attention_mask=mask).logits, engine.checkpoint.directory
-
-    before, cache = generate()
+    before, cache = generate_int8(directory, root, ids, mask)
     path = os.path.join(cache, "model.safetensors")
     raw = open(path, "rb").read()
     length = int.from_bytes(raw[:8], "little")
@@ -222,6 +219,6 @@ def test_a_corrupt_cache_is_named_and_written_again(llama, caplog):
     first, _ = json.loads(raw[8:8 + length])[name]["data_offsets"]
     flip_bit(path, 8 + length + first + 3)
     with caplog.at_level(logging.WARNING, logger="offload.infer"):
-        after, again = generate()
+        after, again = generate_int8(directory, root, ids, mask)
     assert again == cache and f"the cache {cache} is corrupt (checksum mismatch (tensor {name!r}): {path}" in caplog.text
     assert "writing the" in caplog.text and torch.equal(before, after)
