@@ -21,7 +21,7 @@ import torch
 import xxhash
 
 import tensorio
-from bench._units import parse_size
+from tensorio import parse_size
 from bench.fio import FioJob, FioNotFound, run_fio
 
 

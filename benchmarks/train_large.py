@@ -344,7 +344,9 @@ def _watch(child: subprocess.Popen, rss_limit: int, timeout: float | None, kille
 
 
 def _signal_name(code: int) -> str:
-    return signal.Signals(-code).name if code < 0 and -code in signal.Signals._value2member_map_ else "exit"
+    if code < 0 and -code in {int(s) for s in signal.Signals}:
+        return signal.Signals(-code).name
+    return "exit"
 
 
 def measure_fio(directory: str, size: int, block_size: int, queue_depth: int) -> dict:
