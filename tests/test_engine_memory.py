@@ -119,7 +119,10 @@ def test_peak_host_memory_is_bounded_by_the_buffers(disk_dir, clipping):
         held = max(backward, forward)
     staging = 3 * 4 * 262144  # three tensorio handles x queue_depth x block_size
     activations = 4 * LAYERS * BATCH * WIDTH * 4
-    slack = 8 << 20  # code pages loaded on first use, thread stacks, Python objects
+    # Code pages loaded on first use, thread stacks, Python objects: 8 MiB until the swap files' checksums
+    # (xxhash, a checksum record per slot) and the batched io_uring path (numpy batches) came in, which
+    # added 2-3.5 MiB at this size, not growing with the model (peak 27.7 MiB at f2c20eb, 29.8-31.2 now).
+    slack = 12 << 20
     bound = held + result["optimizer_buffers"] + staging + activations + slack
     grown = result["peak"] - result["base"]
     assert full_state >= 4 * bound  # the model's state is several times what we allow
