@@ -121,7 +121,8 @@ def test_peak_host_memory_is_bounded_by_the_buffers(disk_dir, clipping):
     activations = 4 * LAYERS * BATCH * WIDTH * 4
     # Code pages loaded on first use, thread stacks, Python objects: 8 MiB until the swap files' checksums
     # (xxhash, a checksum record per slot) and the batched io_uring path (numpy batches) came in, which
-    # added 2-3.5 MiB at this size, not growing with the model (peak 27.7 MiB at f2c20eb, 29.8-31.2 now).
+    # added 2-3.5 MiB at this size (peak 27.7 MiB at f2c20eb, 29.8-31.2 now; whether it grows with the model
+    # is not measured yet).
     slack = 12 << 20
     bound = held + result["optimizer_buffers"] + staging + activations + slack
     grown = result["peak"] - result["base"]
