@@ -120,8 +120,9 @@ def pin_partition(rec: ParamRecord, pinned: Callable[[int, torch.dtype], torch.T
 
 
 def attach_accumulator(rec: ParamRecord) -> None:
-    """Hold the parameter's AccumulateGrad node (its gradient hooks hang on it), made while the parameter
-    has its full shape, which autograd checks: a zero-stride stand-in gives it that shape for free."""
+    """Hold the parameter's AccumulateGrad node, made while the parameter has its full shape, which autograd
+    checks each gradient against: a zero-stride stand-in gives it that shape for free. The gradient hooks
+    are registered on the parameter itself (`offload.train.grads.reduce`), which outlives a replaced node."""
     p = rec.param
     if not p.requires_grad:
         rec.accumulator = None

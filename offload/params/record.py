@@ -42,7 +42,8 @@ class ParamRecord:
     saved: int = 0
     """Tokens saved for backward and not yet unpacked."""
     accumulator: object = None
-    """The parameter's AccumulateGrad node, held so that its hooks stay registered."""
+    """The parameter's AccumulateGrad node, made at the full shape and held so that autograd keeps it (it
+    checks each gradient against that shape); None: not trainable. The gradient hooks are on the parameter."""
 
     @property
     def name(self) -> str:
