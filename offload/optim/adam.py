@@ -319,7 +319,9 @@ class OffloadAdam(torch.optim.Optimizer):
     def state_layout(self) -> dict[str, int]:
         """The state `save_state` streams: ``"<parameter index>.<key>"`` -> elements (flat fp32), for
         each parameter that has state; keys 'exp_avg', 'exp_avg_sq' and, for 16-bit parameters,
-        'master_param'."""
+        'master_param'. Waits for the updates in flight first (sync point): an update still running creates
+        its parameter's state, which the layout must hold."""
+        self._transaction.sync()
         return self._state.layout()
 
     def save_state(self, write: Callable[[str, int, torch.Tensor], None]) -> dict[str, Any]:
