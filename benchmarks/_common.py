@@ -51,7 +51,7 @@ class RssSampler:
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
 
     def __enter__(self) -> "RssSampler":
-        self.kernel_peak = self.kernel_peak and _reset_high_water_mark()
+        self.kernel_peak = self.kernel_peak and reset_high_water_mark()
         self._sample()
         if not self.kernel_peak:
             self._thread.start()
@@ -65,8 +65,8 @@ class RssSampler:
 
     def _sample(self) -> None:
         if self.kernel_peak:
-            rss = _high_water_mark()
-            _reset_high_water_mark()
+            rss = high_water_mark()
+            reset_high_water_mark()
         else:
             rss = self._process.memory_info().rss
         self.samples.append((time.perf_counter(), rss))
@@ -95,7 +95,7 @@ class RssSampler:
         return rows
 
 
-def _reset_high_water_mark() -> bool:
+def reset_high_water_mark() -> bool:
     """Make the kernel's peak RSS of this process (VmHWM) its current RSS; False where it cannot."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -105,7 +105,7 @@ def _reset_high_water_mark() -> bool:
     return True
 
 
-def _high_water_mark() -> int:
+def high_water_mark() -> int:
     """The kernel's peak RSS of this process since the last reset (VmHWM), in bytes."""
     with open("/proc/self/status") as f:
         for line in f:

@@ -1,15 +1,9 @@
 """Where a small request's CPU time goes: microseconds per block-sized piece, per phase, beside fio.
 
 One whole-tensor write and read per round through tensorio's io_uring backend (O_DIRECT, a locked
-tensor), with the worker's phases timed on its own thread's CPU clock:
-
-- prepare: the caller's ``write``/``read`` call (checks, plan, runs handed to the worker);
-- fill: the worker writing submission entries (numpy batches; Tasks for staged or short pieces);
-- submit: ``io_uring_submit``, in which the kernel issues the I/O (mostly system time);
-- reap: reading completions, checking every byte count, resolving requests;
-- wait: the rest of the worker's CPU (waking from its eventfd, the loop itself);
-
-then fio's CPU per I/O (its usr_cpu + sys_cpu) on the same file with the same settings. The timers
+tensor), with the worker's phases timed on its own thread's CPU clock by `tensorio.phase_timer`:
+prepare (the caller's call), fill (submission entries), submit (the kernel issues the I/O), reap
+(completions), wait (the rest of the worker's loop); then fio's CPU per I/O (its usr_cpu + sys_cpu) on the same file with the same settings. The timers
 add a few clock reads per batch: the process total here is slightly above `benchmarks.io_vs_fio`'s.
 
     python -m benchmarks.io_phases --dir . --size 1G --block-sizes 16K,128K --queue-depth 32 --rounds 3
@@ -23,7 +17,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from collections import defaultdict
 
 import torch
@@ -32,54 +25,15 @@ import tensorio
 from bench._units import parse_size
 from bench.fio import FioJob, fio_path, run_fio
 from bench.measure import process_cpu_seconds
-
-PHASES = ("prepare", "fill", "submit", "reap", "wait")
-
-
-def _timed(method, phase: str, totals: dict[str, int]):
-    """``method`` adding its thread CPU nanoseconds to ``totals[phase]``."""
-    def timed(*args, **kwargs):
-        start = time.thread_time_ns()
-        try:
-            return method(*args, **kwargs)
-        finally:
-            totals[phase] += time.thread_time_ns() - start
-    return timed
+from tensorio import PHASES
 
 
-def _instrument(handle: tensorio.AioHandle) -> tuple[list, dict[str, int]]:
-    """Time the worker's phases of ``handle`` (io_uring, one worker); (workers, phase totals in ns)."""
-    workers = handle._backend._workers
-    if len(workers) != 1:
-        raise SystemExit("io_phases times one worker: use --thread-count 1")
-    totals: dict[str, int] = defaultdict(int)
-    worker = workers[0]
-    worker._fill = _timed(worker._fill, "fill", totals)
-    worker._reap = _timed(worker._reap, "reap", totals)
-    worker._queues.submit = _timed(worker._queues.submit, "submit", totals)
-    return workers, totals
-
-
-def _thread_cpu_ns(thread) -> int:
-    return time.clock_gettime_ns(time.pthread_getcpuclockid(thread.ident))
-
-
-def measure(handle, timers, tensor, path, *, write: bool, pieces: int) -> dict[str, float]:
-    """One transfer; CPU microseconds per piece of each phase, of the worker and of the process.
-    ``timers`` is what `_instrument` returned for ``handle``."""
-    workers, totals = timers
-    totals.clear()
-    worker_start = _thread_cpu_ns(workers[0])
+def measure(timer: tensorio.PhaseTimer, tensor, path, *, write: bool, pieces: int) -> dict[str, float]:
+    """One transfer; CPU microseconds per piece of each phase, of the worker and of the process."""
     process_start = process_cpu_seconds()
-    start = time.thread_time_ns()
-    future = (handle.write if write else handle.read)(tensor, path)
-    totals["prepare"] = time.thread_time_ns() - start
-    future.result()
-    time.sleep(0.01)  # let the worker go back to sleep, so that its clock holds the whole transfer
-    worker = _thread_cpu_ns(workers[0]) - worker_start
-    totals["wait"] = worker - totals["fill"] - totals["submit"] - totals["reap"]
-    row = {phase: totals[phase] / 1e3 / pieces for phase in PHASES}
-    row["worker"] = worker / 1e3 / pieces
+    ns = timer.transfer(tensor, path, write=write)
+    row = {phase: ns[phase] / 1e3 / pieces for phase in PHASES}
+    row["worker"] = ns["worker"] / 1e3 / pieces
     row["process"] = (process_cpu_seconds() - process_start) * 1e6 / pieces
     return row
 
@@ -110,12 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for bs in block_sizes:
             with tensorio.AioHandle(block_size=bs, queue_depth=args.queue_depth, backend="io_uring",
-                                    direct=True) as handle:
-                timers = _instrument(handle)
+                                    direct=True) as handle, tensorio.phase_timer(handle) as timer:
                 handle.write(tensor, path).result()  # lay the file out, untimed
                 for _ in range(args.rounds):
                     for rw in ("write", "read"):
-                        row = measure(handle, timers, tensor, path, write=rw == "write", pieces=-(-size // bs))
+                        row = measure(timer, tensor, path, write=rw == "write", pieces=-(-size // bs))
                         if fio:
                             job = FioJob(directory=scratch, rw=rw, size=size, block_size=bs,
                                          queue_depth=args.queue_depth, overwrite=True)

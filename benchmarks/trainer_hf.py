@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks._common import _high_water_mark, _reset_high_water_mark, run_child
+from benchmarks._common import high_water_mark, reset_high_water_mark, run_child
 
 MODES = ("trainer", "offload")
 
@@ -62,7 +62,7 @@ def _child(args: dict) -> None:
             ends.append(time.perf_counter())
             cpu.append(_cpu_seconds())
             if len(ends) == args["warmup"]:
-                peak["reset"] = _reset_high_water_mark()
+                peak["reset"] = reset_high_water_mark()
                 if args["mode"] == "offload":
                     phases_at_warmup.update(trainer.engine.timers.totals)
 
@@ -92,7 +92,7 @@ def _child(args: dict) -> None:
     times = [b - a for a, b in zip(ends[args["warmup"] - 1:], ends[args["warmup"]:])]
     result = {"mode": args["mode"], "step_s": statistics.median(times), "times": times,
               "cpu_per_step": (cpu[-1] - cpu[args["warmup"] - 1]) / args["steps"],
-              "peak_rss": _high_water_mark() if peak.get("reset") else None,
+              "peak_rss": high_water_mark() if peak.get("reset") else None,
               "load_average": os.getloadavg()[0]}
     if args["mode"] == "offload":
         result["io_bytes"] = trainer.engine.io_bytes()

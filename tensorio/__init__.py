@@ -10,6 +10,7 @@ from ._config import AioConfig
 from ._errors import TensorIOError
 from ._fs import DIRECT_ALIGN, filesystem_type, probe_direct
 from ._handle import AioHandle
+from ._phases import PHASES, PhaseTimer, phase_timer
 from ._pool import BufferPool, storage_references
 from ._request import IOFuture
 from ._units import format_size, parse_size
@@ -26,6 +27,8 @@ __all__ = [
     "BufferPool",
     "HostRegistration",
     "IOFuture",
+    "PHASES",
+    "PhaseTimer",
     "TensorIOError",
     "aligned_tensor",
     "checksum",
@@ -37,6 +40,7 @@ __all__ = [
     "lock_status",
     "locked_tensor",
     "parse_size",
+    "phase_timer",
     "prefault",
     "probe_direct",
     "probe_io_uring",

@@ -71,11 +71,46 @@ def set_host_registration(registration: HostRegistration | None) -> HostRegistra
     return previous
 
 
-# data_ptr -> (how the buffer is locked: a registration's status, "mlocked" or "not locked: <reason>", its bytes).
-_lock_status: dict[int, tuple[str, int]] = {}
-# Re-entrant: a buffer's last reference can go (and its finalizer, `unlock_at`, run) on a thread that
-# holds the lock, when a garbage collection starts inside a locked section (any allocation may start one).
-_status_lock = threading.RLock()
+class LockTable:
+    """The live `locked_tensor` buffers: data_ptr -> (how the buffer is locked: a registration's status,
+    "mlocked" or "not locked: <reason>", its bytes), under one lock (any thread)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[int, tuple[str, int]] = {}
+        self.lock = threading.RLock()
+        """Re-entrant: a buffer's last reference can go (and its finalizer, `forget`, run) on a thread that
+        holds it, when a garbage collection starts inside a locked section (any allocation may start one)."""
+
+    def add(self, ptr: int, entry: tuple[str, int]) -> None:
+        """Register the buffer at ``ptr`` (replacing any entry there)."""
+        with self.lock:
+            self.entries[ptr] = entry
+
+    def get(self, ptr: int) -> tuple[str, int] | None:
+        """The entry of the buffer at ``ptr``, or None."""
+        with self.lock:
+            return self.entries.get(ptr)
+
+    def pop(self, ptr: int) -> tuple[str, int] | None:
+        """Remove and return the entry at ``ptr`` (None: there was none)."""
+        with self.lock:
+            return self.entries.pop(ptr, None)
+
+    def forget(self, ptr: int, entry: tuple[str, int]) -> bool:
+        """Remove ``entry`` at ``ptr`` unless a newer buffer now holds the address; whether it did."""
+        with self.lock:
+            if self.entries.get(ptr) is not entry:
+                return False
+            del self.entries[ptr]
+            return True
+
+    def snapshot(self) -> dict[int, tuple[str, int]]:
+        """A copy of the entries (a finalizer may remove one while the caller iterates)."""
+        with self.lock:
+            return self.entries.copy()
+
+
+lock_table = LockTable()
 
 
 def _mapped_tensor(num_elem: int, dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
@@ -182,8 +217,7 @@ def locked_tensor(num_elem: int, dtype: torch.dtype = torch.uint8) -> torch.Tens
     status = _lock(tensor)
     ptr, nbytes = tensor.data_ptr(), tensor.untyped_storage().nbytes()
     entry = (status, nbytes)
-    with _status_lock:
-        _lock_status[ptr] = entry
+    lock_table.add(ptr, entry)
     if status.startswith("not locked") and not getattr(locked_tensor, "_warned", False):
         locked_tensor._warned = True  # type: ignore[attr-defined]
         log.warning("tensorio: buffers are %s", status)
@@ -197,8 +231,7 @@ def locked_tensor(num_elem: int, dtype: torch.dtype = torch.uint8) -> torch.Tens
 def lock_status(tensor: torch.Tensor) -> str:
     """How ``tensor``'s memory is locked: the `HostRegistration`'s status,
     "mlocked" or "not locked: <reason>"."""
-    with _status_lock:
-        entry = _lock_status.get(tensor.untyped_storage().data_ptr())
+    entry = lock_table.get(tensor.untyped_storage().data_ptr())
     return entry[0] if entry else "not locked: not a tensorio locked buffer"
 
 
@@ -213,17 +246,13 @@ def free_locked_tensor(tensor: torch.Tensor) -> None:
 
 def _forget(ptr: int, entry: tuple[str, int]) -> None:
     """The finalizer of a `locked_tensor` mapping: drop its entry, unless a newer buffer now holds ``ptr``."""
-    with _status_lock:
-        if _lock_status.get(ptr) is not entry:
-            return
-        del _lock_status[ptr]
-    _unlock(ptr, entry[1], entry[0])
+    if lock_table.forget(ptr, entry):
+        _unlock(ptr, entry[1], entry[0])
 
 
 def unlock_at(ptr: int) -> bool:
     """Unlock the ``locked_tensor`` buffer starting at address ``ptr``; False when there is none."""
-    with _status_lock:
-        entry = _lock_status.pop(ptr, None)
+    entry = lock_table.pop(ptr)
     if entry is None:
         return False
     _unlock(ptr, entry[1], entry[0])
@@ -236,6 +265,5 @@ def in_locked_buffer(tensor: torch.Tensor) -> bool:
         return False
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
-    with _status_lock:
-        buffers = _lock_status.copy()  # a finalizer may pop an entry mid-iteration (see _status_lock)
+    buffers = lock_table.snapshot()  # a finalizer may pop an entry mid-iteration
     return any(base <= start and end <= base + nbytes for base, (_, nbytes) in buffers.items())

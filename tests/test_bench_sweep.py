@@ -100,4 +100,4 @@ def test_chart_keeps_every_point_inside_its_axes_marks_the_chosen_and_draws_fio(
     marked = {(ax.get_title(), int(line.get_xdata()[0]), round(float(line.get_ydata()[0]), 2))
               for ax in axes for line in ax.get_lines() if line.get_label() == "chosen"}
     assert marked == {("write, 2 threads", MiB, 3.32), ("read, 2 threads", MiB, 4.1)}
-    assert fig._suptitle.get_text().startswith("/mnt/nvme/swap (ext4), 128M per pass\nchosen (star): io_uring 1M qd 32")
+    assert fig.get_suptitle().startswith("/mnt/nvme/swap (ext4), 128M per pass\nchosen (star): io_uring 1M qd 32")

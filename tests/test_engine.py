@@ -917,30 +917,35 @@ def test_the_step_in_the_next_forward_prepares_its_first_updates_during_backward
     engine, *_ = initialize(model=build(), config=engine_config(disk_dir, "nvme", "nvme", micro=2,
                                                                gradient_clipping=0.05))
     losses = train(engine, batches[:2], loss_fn)  # the gather order and the update order are learnt
-    # White-box: which buffers the step in the next forward kept and handed over (internal state).
-    store, opt, deferred, writeback = engine.param_store, engine.optimizer, engine._path.deferred, engine._path.writeback
-    kept = engine._ctx.kept
+    store, opt, records = engine.param_store, engine.optimizer, engine.records
     loss = loss_fn(engine, batches[2])
     engine.backward(loss)
     losses.append(loss.item())
-    units = deferred._forward_order(set(deferred._unit))
+    # The next forward's order of the update units (records updated together), as it gathers them.
+    groups = opt.update_groups()
+    group_of = {i: g for g, group in enumerate(groups) for i in group}
+    gathered = dict.fromkeys(group_of[i] for i in [*store.prefetcher.trace, *range(len(records))] if i in group_of)
+    units = [[records[i] for i in groups[g]] for g in gathered]
     first = units[0]
     on_disk = [rec.index for unit in units for rec in unit if rec.on_disk]
-    assert kept.next and kept.next == set(on_disk[:len(kept.next)])  # the first ones in order
-    assert store.records[on_disk[0]].buffer is not None  # the tied embedding: read by backward (lm_head), kept
+    kept = engine.stats().kept_for_next_forward
+    assert kept and kept == set(on_disk[:len(kept)])  # the first ones in order
+    assert records[on_disk[0]].buffer is not None  # the tied embedding: read by backward (lm_head), kept
     opt.wait_for_updates(lambda: False)  # the read-ahead has been started
-    order = opt._schedule.order
+    order = opt.update_order
     ahead = [i for i in order if opt.swapper.records[i].where is not Where.ON_DISK]
     assert ahead and ahead == order[:len(ahead)]  # the first sub-groups of the learnt order
-    kept_recs = [store.records[i] for i in kept.next if store.records[i].buffer is not None]
-    reads = store.demand_reads + store.prefetch_reads
+    kept_recs = [records[i] for i in kept if records[i].buffer is not None]
+    before = engine.stats().reads
     engine.step()
     # Handed over at once, or (when a partition of the same update, which backward does not read, is
     # still being read) still held for the hand-over: either way never read again.
-    assert all(writeback.holds(rec) or rec.buffer is not None for rec in kept_recs)
-    assert any(writeback.holds(rec) for rec in first) or any(rec.read is not None for rec in first)
-    assert store.demand_reads + store.prefetch_reads - reads <= len(store.prefetcher.trace)  # only read-ahead
-    assert not kept.next
+    stats = engine.stats()
+    assert sum(rec.buffer is None for rec in kept_recs) <= stats.handed_over
+    assert stats.handed_over or any(rec.read is not None for rec in first)
+    reads = stats.reads["demand"] + stats.reads["prefetch"] - before["demand"] - before["prefetch"]
+    assert reads <= stats.recorded_order  # only read-ahead
+    assert not stats.kept_for_next_forward
     losses += train(engine, batches[3:], loss_fn)
     assert losses == ref_losses
     for name, value in engine.full_parameters():

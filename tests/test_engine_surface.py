@@ -138,6 +138,7 @@ def test_consolidated_state_dict_is_the_whole_model(disk_dir):
     config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     engine, *_ = initialize(model=model, config=config)
     assert engine.zero_gather_16bit_weights_on_model_save() is True
+    # DeepSpeed's own name for this method, which Accelerate and HF Trainer call: public surface here.
     state = engine._zero3_consolidated_16bit_state_dict()
     assert state.keys() == expected.keys()
     for name, tensor in state.items():

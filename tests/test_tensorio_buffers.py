@@ -99,13 +99,14 @@ def test_a_locked_buffer_can_go_while_its_thread_holds_the_status_lock():
     lock they take must be re-entrant (a plain lock hung the test suite)."""
     from tensorio import _buffers
 
+    table = _buffers.lock_table
     buffer = tensorio.locked_tensor(4096)
     ptr = buffer.data_ptr()
-    with _buffers._status_lock:
-        assert _buffers._status_lock.acquire(blocking=False)  # what the finalizer does, on this thread
-        _buffers._status_lock.release()
+    with table.lock:
+        assert table.lock.acquire(blocking=False)  # what the finalizer does, on this thread
+        table.lock.release()
         del buffer  # its finalizer runs here
-        assert ptr not in _buffers._lock_status
+        assert table.get(ptr) is None
 
 
 def test_a_buffer_mapped_at_a_freed_buffers_address_stays_registered():
@@ -118,12 +119,10 @@ def test_a_buffer_mapped_at_a_freed_buffers_address_stays_registered():
     old = tensorio.locked_tensor(4096)
     ptr, nbytes = old.data_ptr(), old.untyped_storage().nbytes()
     newer = ("not locked: a buffer registered at this address after the old one was unmapped", nbytes)
-    with _buffers._status_lock:
-        _buffers._lock_status[ptr] = newer  # what the other thread's locked_tensor did
+    _buffers.lock_table.add(ptr, newer)  # what the other thread's locked_tensor did
     del old
     gc.collect()
     try:
-        assert _buffers._lock_status.get(ptr) is newer
+        assert _buffers.lock_table.get(ptr) is newer
     finally:
-        with _buffers._status_lock:
-            _buffers._lock_status.pop(ptr, None)
+        _buffers.lock_table.pop(ptr)

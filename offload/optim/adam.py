@@ -394,6 +394,12 @@ class OffloadAdam(torch.optim.Optimizer):
         return self._swapper
 
     @property
+    def update_order(self) -> list[int]:
+        """The offloaded sub-groups (``swapper.records`` indices) in the order their updates became ready
+        in the last step: the next step's read-ahead (`read_ahead`) follows it. A copy."""
+        return list(self._schedule.order)
+
+    @property
     def swap_path(self) -> str | None:
         """The swap file's path, or None when nothing is offloaded."""
         return self._swapper.path if self._swapper.records else None

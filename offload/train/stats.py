@@ -43,8 +43,9 @@ class EngineStats:
     """Elements of on-disk partitions held in memory now (read, being read, kept for an update)."""
     buffer_budget: int
     """The most elements the swap budget lets reads ahead take (``offload_param.buffer_count x buffer_size``)."""
-    kept_for_next_forward: int
-    """On-disk partitions kept in memory after backward for the next forward's updates."""
+    kept_for_next_forward: frozenset[int]
+    """Records (indices into ``engine.records``) whose on-disk partition is kept in memory after backward
+    for the next forward's updates (the first ones that forward updates); empty otherwise."""
     io_buffers: dict[str, int]
     """The I/O buffer pool: "held_bytes", "max_bytes", "reused" (buffers taken from it rather than mapped)."""
     handed_over: int
@@ -88,7 +89,7 @@ def collect_stats(ctx: StepContext, path: UpdatePath) -> EngineStats:
         records={"memory": len(store.records) - on_disk, "nvme": on_disk},
         reads={"demand": store.demand_reads, "prefetch": store.prefetch_reads, "skipped": store.skipped_reads},
         recorded_order=len(store.prefetcher.trace), buffers_held=store.budget.held,
-        buffer_budget=store.budget.buffer_elements, kept_for_next_forward=len(ctx.kept.next),
+        buffer_budget=store.budget.buffer_elements, kept_for_next_forward=frozenset(ctx.kept.next),
         io_buffers={"held_bytes": pool.held_bytes if pool else 0, "max_bytes": pool.max_bytes if pool else 0,
                     "reused": pool.reused if pool else 0},
         handed_over=counts.handed_over, writes_in_flight=counts.writes_in_flight, uncommitted=counts.uncommitted,
