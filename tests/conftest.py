@@ -15,13 +15,18 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench.fio import fio_path
-from offload.device._simtorch import install as install_simulated_device
+from offload.device._simtorch import CUDA_CONFLICT, install as install_simulated_device
 
 # The simulated device's torch device type ("simgpu") must exist before the process's first backward:
-# torch's autograd sizes its per-device queues then (`offload.device._simtorch.install`).
-install_simulated_device()
+# torch's autograd sizes its per-device queues then (`offload.device._simtorch.install`). Where CUDA is
+# available it is not installed: torch would take it as the process's accelerator and fail every CUDA
+# backward (`CUDA_CONFLICT`); the `simulated` tests are skipped there instead.
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    install_simulated_device()
 
 
 def pytest_configure(config):
@@ -39,7 +44,10 @@ SLOW_KINDS = ("subprocess", "multiprocess", "fio", "bench")
 def pytest_collection_modifyitems(config, items):
     """Every test of a slow kind is ``slow`` too; ``fio`` tests skip where fio is not installed."""
     no_fio = pytest.mark.skip(reason="fio not installed: apt-get install fio") if fio_path() is None else None
+    no_simulated = pytest.mark.skip(reason="CUDA is available: " + CUDA_CONFLICT) if CUDA else None
     for item in items:
+        if no_simulated is not None and item.get_closest_marker("simulated") and not item.get_closest_marker("gpu"):
+            item.add_marker(no_simulated)
         if any(item.get_closest_marker(kind) for kind in SLOW_KINDS):
             item.add_marker(pytest.mark.slow)
         if no_fio is not None and item.get_closest_marker("fio"):

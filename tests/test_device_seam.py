@@ -89,6 +89,18 @@ def test_a_device_tensor_as_parameter_data_replaces_its_gradient_accumulator_as_
 # ---- bug class 1: a device buffer read before its copy's event ------------------------------------
 
 
+def test_the_simulated_device_refuses_a_process_that_can_use_cuda(monkeypatch):
+    """Registered beside CUDA, the simulated device would become torch's accelerator and break every CUDA
+    backward (an H200 showed it): installing it where CUDA is available is refused, naming the fix."""
+    from offload.device._simtorch import install
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match=r"cannot share a process with CUDA.*CUDA_VISIBLE_DEVICES="):
+        install()
+    with pytest.raises(RuntimeError, match="cannot share a process with CUDA"):
+        SimulatedDevice()
+
+
 def test_device_buffer_read_before_the_compute_stream_waited_is_caught(late):
     buffer = late.empty(1000, torch.float32, name="layer.0.weight")
     copied = late.to_device(buffer, filled(late, 1000, 3.0), stream=late.new_stream("prefetch"))

@@ -146,11 +146,11 @@ def train(engine, batches, loss_fn):
     return losses
 
 
-def assert_close(losses, params, ref_losses, ref_params, rtol=1e-5):
+def assert_close(losses, params, ref_losses, ref_params, rtol=1e-5, atol=1e-7):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=0)
     assert params.keys() == ref_params.keys()
     for name, ref in ref_params.items():
-        torch.testing.assert_close(params[name], ref, rtol=rtol, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(params[name], ref, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("gas", [1, 2])

@@ -15,8 +15,8 @@ from torch.utils.checkpoint import checkpoint
 
 from offload.device import CpuDevice, DeviceSyncError, Event, SimulatedDevice, cuda_available
 from offload.train.engine import initialize
-from test_engine import (FAST_CASES, assert_close, engine_config, gpt2, gpt2_batches, gpt2_loss, mlp, mlp_batches, mlp_loss,
-                         reference, reference_16bit, train)
+from test_engine import (FAST_CASES, LR, assert_close, engine_config, gpt2, gpt2_batches, gpt2_loss, mlp, mlp_batches,
+                         mlp_loss, reference, reference_16bit, train)
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,6 +38,30 @@ def device(request):
     yield sim
     sim.raise_faults()  # a host write that raced a copy, found after the last call
     sim.close()
+
+
+GPU_ATOL = 1e-6
+"""Where the reference and the engine both compute on a GPU, their kernels may differ (cuBLAS picks one by
+the operands' alignment; the engine's parameters are views of gathered buffers), so sums round
+differently: one weight near zero came out 1.7e-7 apart after 4 steps on an H200, against the 1e-7 of
+the comparisons on the CPU and the simulated device, whose kernels are the same on both sides."""
+
+
+def atol_on(device) -> float:
+    return GPU_ATOL if device == "cuda" else 1e-7
+
+
+def set_aside_key_biases(params: dict, ref_params: dict, n_embd: int, steps: int) -> None:
+    """GPT-2's attention key bias has a gradient of zero in exact arithmetic (softmax ignores a shift that
+    is the same for every key), so what a step computes for it is rounding noise, which Adam scales to a
+    step of ``LR`` of either sign. Where the two sides' kernels differ (a GPU), the noise differs: check
+    that each side moved it by at most ``LR`` a step, then give the engine's copy the reference's values
+    so that the rest is compared as before."""
+    for name, ref in ref_params.items():
+        if name.endswith("attn.c_attn.bias"):
+            keys = slice(n_embd, 2 * n_embd)
+            assert (params[name][keys] - ref[keys]).abs().max() <= 2 * LR * steps * (1 + 1e-3), name
+            params[name][keys] = ref[keys]
 
 
 def on(device) -> torch.device:
@@ -224,7 +248,10 @@ def test_gpt2_matches_plain_pytorch_on_the_device(disk_dir, device, param):
     assert kept and all(rec.numel <= 100 and rec.full is not None for rec in kept)
     assert any(not rec.keep_full for rec in engine.records)
     losses = train(engine, batches, gpt2_loss)
-    assert_close(losses, host(dict(engine.full_parameters())), ref_losses, ref_params, rtol=1e-4)
+    params = host(dict(engine.full_parameters()))
+    if device == "cuda":  # an H200 gave 33 of 96 c_attn biases apart: the 32 of the keys, and one at 1e-7
+        set_aside_key_biases(params, ref_params, n_embd=32, steps=len(batches))
+    assert_close(losses, params, ref_losses, ref_params, rtol=1e-4, atol=atol_on(device))
     engine.close()
 
 
@@ -252,7 +279,7 @@ def test_activation_checkpointing_on_the_device(disk_dir, device, reentrant):
     engine, *_ = initialize(model=_Checkpointed(reentrant), config=engine_config(disk_dir, "nvme", "nvme"),
                             compute_device=device)
     losses = train(engine, batches, mlp_loss)
-    assert_close(losses, host(dict(engine.full_parameters())), ref_losses, ref_params)
+    assert_close(losses, host(dict(engine.full_parameters())), ref_losses, ref_params, atol=atol_on(device))
     engine.close()
 
 
@@ -421,6 +448,7 @@ def test_compute_device_auto_is_a_value_not_a_placeholder(disk_dir):
     engine.close()
 
 
+@pytest.mark.simulated
 def test_a_gloo_group_for_compute_on_a_gpu_is_refused_naming_the_fix():
     from offload.device import CpuDevice
     from offload.train.setup import check_group_carries

@@ -108,6 +108,7 @@ def test_auto_on_a_host_smaller_than_the_weights_that_must_stay_names_the_figure
     assert "more available memory" in message and "raise max_in_cpu" not in message
 
 
+@pytest.mark.simulated
 def test_auto_for_both_tiers_on_a_device(models, monkeypatch, tmp_path):
     directory, _ = models["llama", torch.float32]
     fake_host(monkeypatch, tmp_path, available=4 * GiB)

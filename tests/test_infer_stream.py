@@ -105,6 +105,39 @@ def test_resident_load_faults_each_buffer_in_before_its_reads_and_binds_a_unit_w
     assert all(_check_resident)
 
 
+def test_a_load_that_places_units_gives_a_device_kept_units_host_buffer_back_before_any_forward(ring):
+    """Compute with memory of its own: the load's thread places each unit as soon as it is read, so the
+    pinned host buffer of a unit the device keeps goes at once (on an H200 the whole device tier's
+    host buffers waited for the first forward to reach them, and a generation in a cgroup of its budget
+    was killed). A unit kept in host memory keeps its buffer; forwards compute with either."""
+    import gc
+    import weakref
+
+    from offload.infer.stream import streamer as stream
+
+    modules, units, streamer, weights = ring
+    streamer.set_units([], 0)
+    hosts, threads = {}, set()
+
+    def place(unit, host):
+        hosts[unit.name] = weakref.ref(host)
+        threads.add(threading.current_thread().name)
+        return host.clone() if unit.name != "layer2" else None  # "the device" keeps layers 0 and 1, not 2
+
+    load = stream.ResidentLoad(streamer.handle, units[:3], place=place)
+    load.join()  # the thread is done; no forward has run
+    gc.collect()
+    assert threads == {"load-resident"}
+    assert hosts["layer0"]() is None and hosts["layer1"]() is None  # given back before any forward
+    assert hosts["layer2"]() is not None
+    x = torch.randn(3, 8)
+    for i in range(2):  # computing from the buffers `place` gave
+        assert torch.equal(modules[i](x), x @ weights[f"layer{i}.weight"].T), f"layer {i}"
+    load.wait(units[2])  # kept in host memory: the engine's streamer copies it for each forward
+    assert [u.state for u in units[:3]] == ["resident", "resident", "host"]
+    load.close()
+
+
 def test_a_unit_whose_load_failed_is_read_again_by_the_forward_that_needs_it(ring, monkeypatch):
     from offload.infer.stream import streamer as stream
 

@@ -87,6 +87,10 @@ def child(args: dict) -> dict:
     if args.get("idle"):  # benchmarks/_peers.py: the side's own overhead with nothing loaded
         import accelerate  # noqa: F401
         import offload.infer  # noqa: F401
+        if args["device"] == "cuda":  # the CUDA runtime's host memory (context, cuBLAS, attention) is each side's
+            from offload.device import CudaDevice
+
+            CudaDevice().load_runtime(torch.bfloat16)
         return {"kind": args["kind"], "idle": True}
     clock = _Clock()
     with RssSampler() as rss:

@@ -102,6 +102,11 @@ class Device(ABC):
     def memory_info(self) -> tuple[int, int]:
         """(free bytes, total bytes) of the device's memory now."""
 
+    def load_runtime(self, dtype: torch.dtype) -> None:
+        """Load what compute on this device loads at its first operations (a GPU's math libraries), so that
+        the host memory it takes is in use before an "auto" budget reads what is available. Nothing
+        to load on a device whose runtime is the host's."""
+
     @property
     def allocated_bytes(self) -> int:
         """Bytes of the device buffers `empty` has made and `free` has not yet given back."""

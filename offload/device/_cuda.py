@@ -85,6 +85,15 @@ class CudaDevice(Device):
     def memory_info(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info(self.torch_device)
 
+    def load_runtime(self, dtype: torch.dtype) -> None:
+        """A matrix product and an attention in ``dtype``: CUDA loads cuBLAS's and the attention kernels'
+        modules into host memory at their first call (on an H200 a generation in a cgroup sized from the
+        bare context's memory was killed by the OOM killer after "auto" had read the room)."""
+        x = torch.ones(1, 2, 16, 64, dtype=dtype, device=self.torch_device)
+        (x[0, 0] @ x[0, 0].T).sum()
+        torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+        torch.cuda.synchronize(self.torch_device)
+
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cpu" and (tensor.is_pinned() or lock_status(tensor) == CUDA_HOST_REGISTRATION.status)
 

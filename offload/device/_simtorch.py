@@ -14,7 +14,9 @@ As on a GPU, an operator refuses to mix device tensors with host tensors other t
 which CUDA also takes.
 
 `install()` sets the backend up once per process (PrivateUse1 is process-wide); a process whose
-PrivateUse1 slot another backend holds gets a clear error.
+PrivateUse1 slot another backend holds gets a clear error, and so does a process that can use CUDA:
+torch then takes the registered PrivateUse1 backend as the process's accelerator, and every CUDA
+backward fails inside autograd's engine (`CUDA_CONFLICT`).
 """
 
 from __future__ import annotations
@@ -253,11 +255,21 @@ class _BackendModule:
         """Compute runs when issued on the simulated device: nothing to wait for."""
 
 
+CUDA_CONFLICT = (
+    "the simulated device cannot share a process with CUDA: once a PrivateUse1 backend is registered, torch "
+    "takes it as the process's accelerator, and CUDA's backward then fails inside torch's autograd engine "
+    "(\"opt_ready_stream && opt_parent_stream INTERNAL ASSERT FAILED\", seen on an H200 with torch 2.11); run "
+    "the simulated device where CUDA is hidden (CUDA_VISIBLE_DEVICES= python -m pytest -m simulated)")
+"""Why `install` refuses where CUDA is available."""
+
+
 def install() -> None:
-    """Set the ``simgpu`` backend up (once per process). Raises RuntimeError where another backend holds
-    torch's PrivateUse1 slot."""
+    """Set the ``simgpu`` backend up (once per process). Raises RuntimeError where CUDA is available
+    (`CUDA_CONFLICT`) or another backend holds torch's PrivateUse1 slot."""
     global _installed
     with _lock:
+        if torch.cuda.is_available():
+            raise RuntimeError(CUDA_CONFLICT)
         if _installed:
             return
         current = torch._C._get_privateuse1_backend_name()

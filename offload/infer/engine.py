@@ -408,6 +408,7 @@ class InferenceEngine:
         unit) and `offload.device.auto_budget`'s margin. Once, before anything is loaded. None for a number."""
         if self.settings.max_in_cpu != "auto" or self.settings.device == "cpu":
             return None
+        self.compute.load_runtime(self.dtype)  # its host memory in use before the room is read
         largest = max((u.buffer_nbytes for u in self._sizes() if u.streamable), default=0)
         where = "pinned ring buffers" if self.compute.separate_memory else "ring buffers"
         return auto_budget(host_memory(), {f"{where} ({self.settings.buffer_count} x {format_bytes(largest)})":
@@ -535,12 +536,18 @@ class InferenceEngine:
         background), re-aim the streamer (its ring is made in the background too)."""
         self.streamer.reset()
         self.compute.synchronize()  # nothing computes on a device buffer given back below
+        for load in self._loads:  # their threads place units by the plan: none while it changes
+            load.pause()
         self._placing = plan.device
         """The device tier the loads place their units by (`_place`)."""
         on_device = plan.device.resident if plan.device is not None else frozenset()
         for unit in self.units:  # 1. demote first, so that memory is freed before more is taken
-            if unit.name not in plan.resident and unit.loading is not None:
-                unit.loading.drop(unit)
+            placed = "device" if unit.device_buffer is not None else "host" if unit.host_buffer is not None else None
+            wanted = "device" if unit.name in on_device else "host" if unit.name in plan.resident else None
+            if unit.loading is not None and (unit.name not in plan.resident or placed not in (None, wanted)):
+                unit.loading.drop(unit)  # not wanted, or placed by the last plan where this one does not keep it
+                self._drop_tiers(unit)
+                unit.state = "on disk"
             elif (unit.name not in plan.resident and unit.state in ("resident", "host")
                   or unit.state == "host" and unit.name in on_device
                   or unit.device_buffer is not None and unit.name not in on_device):  # to another tier: read again
@@ -553,6 +560,8 @@ class InferenceEngine:
         streamed = [u for u in self.units if u.name not in plan.resident]
         if streamed:
             promoted = [u for u in promoted if not u.streamable] + [u for u in reversed(promoted) if u.streamable]
+        for load in self._loads:
+            load.resume()
         if promoted:  # before the first forward is done, with a ring, it holds reads back (`ResidentLoad`)
             self._loads.append(ResidentLoad(self.handle, promoted, place=self._place if plan.device else None,
                                             held=bool(streamed) and self._release_hook is not None))

@@ -349,6 +349,15 @@ class ResidentLoad:
         self._buffers = [None if place else aligned_tensor(unit.buffer_nbytes, torch.uint8) for unit in self.units]
         self._issued: list[Future] = [Future() for _ in self.units]
         """Per unit: its read futures once they are started, or why they were not."""
+        self._settled: list[tuple[int, torch.Tensor | None] | None] = [None] * len(self.units)
+        """Per unit, once its reads are done and it is placed (`_settle`): (bytes read, the buffer its
+        parameters become views of, None where it stays in pinned host memory)."""
+        self._unit_locks = [threading.Lock() for _ in self.units]
+        """Per unit: held while it is settled or given up, so that the two never overlap."""
+        self._paused = False
+        self._placing = False
+        """Guarded by ``_changed``: whether `pause` holds the thread's placements back, and whether the
+        thread is settling a unit now."""
         self._index = {id(unit): i for i, unit in enumerate(self.units)}
         self._changed = threading.Condition()
         # Guarded by ``_changed`` (with each unit's ``claimed``): units the thread has taken on, given
@@ -388,12 +397,68 @@ class ResidentLoad:
                 while in_flight and sum(self.units[j].read_nbytes for j in in_flight) + unit.read_nbytes > self.ahead_bytes:
                     self._reads_done(in_flight.popleft())  # finished, either way: its errors are for `wait`
                 self._issued[i].set_result(read_windows(self.handle, unit.windows, buffer))
-                in_flight.append(i)
+                if self.place is None:
+                    in_flight.append(i)
+                else:  # placed now: a unit the device keeps gives its pinned host buffer back at once
+                    self._settle_between_pauses(i)
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for this unit
-                self._issued[i].set_exception(exc)
+                if not self._issued[i].done():
+                    self._issued[i].set_exception(exc)
         for i in in_flight:
             self._reads_done(i)
         self._finished()
+
+    def _settle_between_pauses(self, i: int) -> None:
+        """`_settle` unit ``i`` in the thread, once no `pause` holds placements back."""
+        with self._changed:
+            while self._paused:
+                self._changed.wait()
+            self._placing = True
+        try:
+            self._settle(i)
+        finally:
+            with self._changed:
+                self._placing = False
+                self._changed.notify_all()
+
+    def pause(self) -> None:
+        """Hold the thread's placements back (its reads go on) until `resume`; returns once it is not
+        placing a unit. The engine pauses its loads while it changes the plan that ``place`` follows,
+        so that no unit is placed by the plan that is going."""
+        with self._changed:
+            self._paused = True
+            while self._placing:
+                self._changed.wait()
+
+    def resume(self) -> None:
+        """Let the thread place units again (after `pause`)."""
+        with self._changed:
+            self._paused = False
+            self._changed.notify_all()
+
+    def _settle(self, i: int, *, again: bool = False) -> tuple[int, BaseException | None, torch.Tensor | None]:
+        """Wait for unit ``i``'s reads (``again``: read it once more first, in this thread) and place it:
+        (bytes read, the first error, the buffer its parameters become views of: the host buffer
+        without ``place``, ``place``'s device buffer, or None where it stays in pinned host memory).
+        Once per unit: the load's thread settles each unit as soon as its reads are done where
+        ``place`` is given (the pinned host buffer of a unit the device keeps would otherwise be held
+        until a forward reaches it: the whole device tier at once, over the host budget), `wait` the
+        others. Failed reads are not kept: the next call waits for (or makes) new ones."""
+        with self._unit_locks[i]:
+            if self._settled[i] is not None:
+                return self._settled[i][0], None, self._settled[i][1]
+            if self.units[i].loading is not self:  # given up meanwhile (`drop`)
+                return 0, None, None
+            nbytes, error = self._read_again(i) if again else self._reads_done(i)
+            if error is not None:
+                return 0, error, None
+            buffer = self._buffers[i]
+            if self.place is not None:
+                buffer = self.place(self.units[i], buffer)
+                if buffer is not None:
+                    self._buffers[i] = None  # on the device: its pinned host memory goes now
+            self._settled[i] = (nbytes, buffer)
+            return nbytes, None, buffer
 
     def _buffer(self, i: int) -> torch.Tensor:
         """Unit ``i``'s host buffer, made now where it is pinned (`locked_tensor` faults it in)."""
@@ -460,7 +525,7 @@ class ResidentLoad:
         for hook in unit.load_hooks:
             hook.remove()
         unit.state, unit.loading, unit.load_hooks = state, None, []
-        self._buffers[i] = None  # bound: its views (or converted copy) hold what stays
+        self._buffers[i] = self._settled[i] = None  # bound: its views (or converted copy) hold what stays
 
     # ---- the streamer's side ----------------------------------------------------------------------
 
@@ -508,12 +573,13 @@ class ResidentLoad:
             if i not in self._taken:
                 self._wanted.append(i)
                 self._changed.notify_all()
-        nbytes, error = self._reads_done(i)
+        nbytes, error, buffer = self._settle(i)
         if error is not None:
-            nbytes, error = self._read_again(i)
+            nbytes, error, buffer = self._settle(i, again=True)
         if error is not None:
             raise error
-        buffer = self._buffers[i] if self.place is None else self.place(unit, self._buffers[i])
+        if unit.loading is not self:  # given up while this waited
+            return
         self.nbytes += nbytes
         if buffer is None:  # kept in pinned host memory, copied to the device for each forward
             self._let_go(i, "host")
@@ -525,6 +591,11 @@ class ResidentLoad:
                 value = value.to(dtype=ref.placeholder.dtype)
             ref.bind(value)
         self._let_go(i, "resident")
+
+    def join(self) -> None:
+        """Wait for the load's thread to end: every unit it takes on read and, with ``place``, placed;
+        nothing bound (a forward binds, or `wait`). A held load's thread ends only after `release`."""
+        self._thread.join()
 
     def wait_all(self) -> None:
         """Wait for every unit and bind it. Raises the first error once every started read has
@@ -560,9 +631,10 @@ class ResidentLoad:
             if not taken:
                 self._dropped.add(i)
                 self._changed.notify_all()
-        if taken:
-            self._reads_done(i)  # errors ignored: no forward needs its data
-        self._let_go(i, "on disk")
+        with self._unit_locks[i]:  # not while the thread places it
+            if taken:
+                self._reads_done(i)  # errors ignored: no forward needs its data
+            self._let_go(i, "on disk")
 
     def close(self) -> None:
         """Give up every unit not yet bound (`drop`): none is started any more, those started are
