@@ -16,7 +16,7 @@ import torch
 from offload.train.engine import initialize
 from tensorio import ChecksumError, TensorIOError
 from tensorio.testing import Fail, FlipBit, flip_bit, inject_faults
-from test_engine import engine_config, mlp, mlp_batches, mlp_loss
+from test_engine import assert_same_tensors, engine_config, mlp, mlp_batches, mlp_loss, parameters_now, train
 
 BATCHES = mlp_batches(4)
 
@@ -35,28 +35,11 @@ def _loss(engine, batch):
     return mlp_loss(engine, (batch[0].to(dtype), batch[1].to(dtype)))
 
 
-def _step(engine, batch):
-    loss = _loss(engine, batch)
-    engine.backward(loss)
-    engine.step()
-    return loss.item()
-
-
-def _params(engine):
-    return {name: tensor.clone() for name, tensor in engine.full_parameters()}
-
-
 def _moments(engine):
     """The optimizer state as the engine's checkpoints stream it: (name, first element) -> values."""
     runs = {}
     engine.optimizer.save_state(lambda name, first, values: runs.__setitem__((name, first), values.clone()))
     return runs
-
-
-def _same(a, b):
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
 
 
 def _make(disk_dir, monkeypatch, name, **aio):
@@ -91,11 +74,10 @@ COVERED: dict[str, set[str]] = {}
 def test_a_bit_flipped_in_any_slot_is_named_and_never_trained_on(name, disk_dir, tmp_path, monkeypatch):
     engine = _make(disk_dir, monkeypatch, name)
     try:
-        for batch in BATCHES[:2]:
-            _step(engine, batch)
+        train(engine, BATCHES[:2], _loss)
         engine.save_checkpoint(tmp_path)
-        params, moments = _params(engine), _moments(engine)
-        reference = [_step(engine, BATCHES[2]), _step(engine, BATCHES[3])], _params(engine)
+        params, moments = parameters_now(engine), _moments(engine)
+        reference = train(engine, BATCHES[2:], _loss), parameters_now(engine)
         engine.load_checkpoint(tmp_path)
         with inject_faults() as counted:
             _step_three(engine)
@@ -119,7 +101,7 @@ def test_a_bit_flipped_in_any_slot_is_named_and_never_trained_on(name, disk_dir,
                 # partitions): the step ran on good values, those of the run without a flip.
                 assert n > 1 and flip.hits == 1, f"a flipped bit in the first read of the {kind} file was not named"
                 engine.load_checkpoint(tmp_path)
-                assert [_step(engine, BATCHES[2]), _step(engine, BATCHES[3])] == reference[0]
+                assert train(engine, BATCHES[2:], _loss) == reference[0]
                 continue
             assert flip.hits == 1, (kind, n)
             path, offset = flip.flipped[0]
@@ -139,12 +121,12 @@ def test_a_bit_flipped_in_any_slot_is_named_and_never_trained_on(name, disk_dir,
                 # Rolled back entirely: with the flipped bit put back, parameters and moments are step 2's,
                 # so nothing of the corrupt read reached them.
                 flip_bit(path, offset, flip.bit)
-                _same(_params(engine), params)
-                _same(_moments(engine), moments)
+                assert_same_tensors(parameters_now(engine), params)
+                assert_same_tensors(_moments(engine), moments)
             engine.load_checkpoint(tmp_path)
-            losses = [_step(engine, BATCHES[2]), _step(engine, BATCHES[3])]
+            losses = train(engine, BATCHES[2:], _loss)
             assert losses == reference[0], (kind, n)
-            _same(_params(engine), reference[1])
+            assert_same_tensors(parameters_now(engine), reference[1])
         COVERED[name] = set(by_kind)
         assert not (tmp_path / "corrupt").exists()
         assert engine.param_store.swap.bytes_verified == engine.param_store.swap.bytes_read > 0
@@ -161,17 +143,16 @@ def test_the_flips_reached_every_kind_of_slot():
 def test_a_bit_flipped_on_its_way_is_read_again_and_training_goes_on(disk_dir, tmp_path, monkeypatch, caplog):
     engine = _make(disk_dir, monkeypatch, "in the next forward")
     try:
-        for batch in BATCHES[:2]:
-            _step(engine, batch)
+        train(engine, BATCHES[:2], _loss)
         engine.save_checkpoint(tmp_path)
-        reference = [_step(engine, BATCHES[2]), _step(engine, BATCHES[3])], _params(engine)
+        reference = train(engine, BATCHES[2:], _loss), parameters_now(engine)
         engine.load_checkpoint(tmp_path)
         flip = FlipBit(n=2, path=lambda p: "offload-" in p, transient=True)
         with inject_faults(flip):
-            losses = [_step(engine, BATCHES[2]), _step(engine, BATCHES[3])]
+            losses = train(engine, BATCHES[2:], _loss)
         assert flip.flipped and "the second read is good" in caplog.text
         assert losses == reference[0]
-        _same(_params(engine), reference[1])
+        assert_same_tensors(parameters_now(engine), reference[1])
     finally:
         engine.close()
 
@@ -179,9 +160,9 @@ def test_a_bit_flipped_on_its_way_is_read_again_and_training_goes_on(disk_dir, t
 def test_verify_false_checks_nothing(disk_dir, monkeypatch):
     engine = _make(disk_dir, monkeypatch, "in the next forward", verify=False)
     try:
-        _step(engine, BATCHES[0])
+        train(engine, BATCHES[:1], _loss)
         with inject_faults(FlipBit(n=1, path=lambda p: "offload-params-" in p)):
-            _step(engine, BATCHES[1])  # trained on: what the switch is for is measuring the checksums' cost
+            train(engine, BATCHES[1:2], _loss)  # trained on: what the switch is for is measuring the checksums' cost
         assert engine.param_store.swap.bytes_verified == 0 < engine.param_store.swap.bytes_read
     finally:
         engine.close()

@@ -146,6 +146,18 @@ def train(engine, batches, loss_fn):
     return losses
 
 
+def parameters_now(engine):
+    """A copy of the engine's whole parameters, by name."""
+    return {name: tensor.clone() for name, tensor in engine.full_parameters()}
+
+
+def assert_same_tensors(a, b):
+    """Two name -> tensor dicts hold the same names and bit-identical tensors."""
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
 def assert_close(losses, params, ref_losses, ref_params, rtol=1e-5, atol=1e-7):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=0)
     assert params.keys() == ref_params.keys()

@@ -15,7 +15,7 @@ import torch
 from offload.train.engine import initialize
 from tensorio import TensorIOError
 from tensorio.testing import FailNth, inject_faults
-from test_engine import engine_config, mlp, mlp_batches, mlp_loss
+from test_engine import assert_same_tensors, engine_config, mlp, mlp_batches, mlp_loss, parameters_now, train
 
 BATCHES = mlp_batches(4)
 
@@ -25,23 +25,6 @@ BATCHES = mlp_batches(4)
 CONFIGS = {"in backward": {}, "in the next forward": {"gradient_clipping": 1.0},
            "gradients in the parameter slots": {"gradient_clipping": 1.0, "host": 1 << 10},
            "after backward": {"gradient_clipping": 1.0, "ratio": 0.5}}
-
-
-def _step(engine, batch):
-    loss = mlp_loss(engine, batch)
-    engine.backward(loss)
-    engine.step()
-    return loss.item()
-
-
-def _state(engine):
-    return {name: tensor.clone() for name, tensor in engine.full_parameters()}
-
-
-def _same(a, b):
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
 
 
 @pytest.fixture(params=list(CONFIGS))
@@ -67,29 +50,28 @@ def engine(request, disk_dir, monkeypatch):
 def _continue_from(engine, ckpt):
     """Load the good checkpoint, take two steps: their losses and the parameters after them."""
     engine.load_checkpoint(ckpt.parent if ckpt.name == "whole" else ckpt, tag="whole" if ckpt.name == "whole" else None)
-    losses = [_step(engine, BATCHES[2]), _step(engine, BATCHES[3])]
-    return losses, _state(engine)
+    losses = train(engine, BATCHES[2:], mlp_loss)
+    return losses, parameters_now(engine)
 
 
 def _check_whole(engine, tmp_path, params_after_two, reference, n):
     """After a failed step 3 that left (or rolled back to) the model of step 2: a save keeps it, and
     training resumed from that save is the uninterrupted run's."""
     assert engine.global_steps == 2
-    _same(_state(engine), params_after_two)
+    assert_same_tensors(parameters_now(engine), params_after_two)
     engine.save_checkpoint(tmp_path, tag="whole")
     losses, params = _continue_from(engine, tmp_path / "whole")
     assert losses == reference[0], f"fault at request {n}"
-    _same(params, reference[1])
+    assert_same_tensors(params, reference[1])
     engine.load_checkpoint(tmp_path, tag="global_step2")  # latest names "whole" now
     (tmp_path / "latest").write_text("global_step2")
 
 
 def test_a_fault_at_every_request_of_a_step_leaves_the_checkpoint_to_resume_from(engine, tmp_path, request):
     path = request.node.callspec.params["engine"]
-    for batch in BATCHES[:2]:
-        _step(engine, batch)
+    train(engine, BATCHES[:2], mlp_loss)
     engine.save_checkpoint(tmp_path)
-    params_after_two = _state(engine)
+    params_after_two = parameters_now(engine)
     reference = _continue_from(engine, tmp_path)
     engine.load_checkpoint(tmp_path)
 
@@ -138,15 +120,14 @@ def test_a_fault_at_every_request_of_a_step_leaves_the_checkpoint_to_resume_from
         assert not (tmp_path / "mixed").exists() and (tmp_path / "latest").read_text() == "global_step2"
         losses, params = _continue_from(engine, tmp_path)
         assert losses == reference[0], f"fault at request {n}"
-        _same(params, reference[1])
+        assert_same_tensors(params, reference[1])
     assert failures > 0  # writes at least fail loudly
     if engine.stats().mode.value == "in the next forward":  # the update's own reads and writes were hit too
         assert "update" in failed_in, failed_in
 
 
 def test_a_fault_at_every_request_of_a_save_and_a_load_keeps_the_last_good_checkpoint(engine, tmp_path):
-    for batch in BATCHES[:2]:
-        _step(engine, batch)
+    train(engine, BATCHES[:2], mlp_loss)
     engine.save_checkpoint(tmp_path)
     reference = _continue_from(engine, tmp_path)
     engine.load_checkpoint(tmp_path)
@@ -162,14 +143,14 @@ def test_a_fault_at_every_request_of_a_save_and_a_load_keeps_the_last_good_check
         assert not (tmp_path / "broken").exists()
         losses, params = _continue_from(engine, tmp_path)
         assert losses == reference[0], f"fault at save request {n}"
-        _same(params, reference[1])
+        assert_same_tensors(params, reference[1])
     for n in range(1, loading.count + 1):
         with inject_faults(FailNth(n, errno.EIO)):
             with pytest.raises(TensorIOError):
                 engine.load_checkpoint(tmp_path, tag="global_step2")
         losses, params = _continue_from(engine, tmp_path)
         assert losses == reference[0], f"fault at load request {n}"
-        _same(params, reference[1])
+        assert_same_tensors(params, reference[1])
 
 
 def test_a_failed_initialize_leaves_the_model_as_it_was_and_no_file(disk_dir):
@@ -183,7 +164,7 @@ def test_a_failed_initialize_leaves_the_model_as_it_was_and_no_file(disk_dir):
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), before[name]), name
     engine, *_ = initialize(model=model, config=engine_config(disk_dir, "nvme", "nvme"))  # a retry works
-    _step(engine, BATCHES[0])
+    train(engine, BATCHES[:1], mlp_loss)
     engine.close()
 
 
