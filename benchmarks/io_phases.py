@@ -3,15 +3,15 @@
 One whole-tensor write and read per round through tensorio's io_uring backend (O_DIRECT, a locked
 tensor), with the worker's phases timed on its own thread's CPU clock by `tensorio.phase_timer`:
 prepare (the caller's call), fill (submission entries), submit (the kernel issues the I/O), reap
-(completions), wait (the rest of the worker's loop); then fio's CPU per I/O (its usr_cpu + sys_cpu) on the same file with the same settings. The timers
-add a few clock reads per batch: the process total here is slightly above `benchmarks.io_vs_fio`'s.
+(completions), wait (the rest of the worker's loop); then fio's CPU per I/O (its usr_cpu + sys_cpu)
+on the same file with the same settings. The timers add a few clock reads per batch: the process
+total here is slightly above `benchmarks.io_vs_fio`'s.
 
     python -m benchmarks.io_phases --dir . --size 1G --block-sizes 16K,128K --queue-depth 32 --rounds 3
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -25,6 +25,7 @@ import tensorio
 from bench._units import parse_size
 from bench.fio import FioJob, fio_path, run_fio
 from bench.measure import process_cpu_seconds
+from benchmarks.io_vs_fio import io_parser
 from tensorio import PHASES
 
 
@@ -39,14 +40,7 @@ def measure(timer: tensorio.PhaseTimer, tensor, path, *, write: bool, pieces: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", default=".", help="directory on the disk to measure (default: .)")
-    parser.add_argument("--size", default="1G", help="bytes per transfer (default 1G)")
-    parser.add_argument("--block-sizes", default="16K,128K", help="comma-separated block sizes")
-    parser.add_argument("--queue-depth", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3, help="repetitions; medians are reported")
-    parser.add_argument("--json", help="also write the medians to this JSON file")
-    args = parser.parse_args(argv)
+    args = io_parser(__doc__, block_sizes="16K,128K", rounds=3).parse_args(argv)
     if not tensorio.probe_io_uring()[0]:
         print(f"io_uring unavailable: {tensorio.probe_io_uring()[1]}")
         return 0

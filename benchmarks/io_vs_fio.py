@@ -34,15 +34,22 @@ def available_backends() -> list[str]:
     return [b for b in BACKENDS if b != "io_uring" or tensorio.probe_io_uring()[0]]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def io_parser(doc: str, *, block_sizes: str, rounds: int) -> argparse.ArgumentParser:
+    """The options of the I/O benchmarks (this one and `benchmarks.io_phases`): --dir, --size,
+    --block-sizes, --queue-depth, --rounds, --json; ``doc``'s first line describes them."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--dir", default=".", help="directory on the disk to measure (default: .)")
     parser.add_argument("--size", default="1G", help="bytes per transfer (default 1G)")
-    parser.add_argument("--block-sizes", default="1M,128K", help="comma-separated block sizes")
+    parser.add_argument("--block-sizes", default=block_sizes, help=f"comma-separated (default {block_sizes})")
     parser.add_argument("--queue-depth", type=int, default=32)
-    parser.add_argument("--thread-count", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=5, help="repetitions; medians are reported")
+    parser.add_argument("--rounds", type=int, default=rounds, help="repetitions; medians are reported")
     parser.add_argument("--json", help="also write the medians to this JSON file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = io_parser(__doc__, block_sizes="1M,128K", rounds=5)
+    parser.add_argument("--thread-count", type=int, default=1)
     args = parser.parse_args(argv)
 
     size = parse_size(args.size)
