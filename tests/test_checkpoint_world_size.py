@@ -39,8 +39,6 @@ def train(rank: int, world_size: int, tmp: str, clip: float, bf16: bool, first: 
           save: str | None, out: str | None) -> None:
     """Steps ``first`` to ``last`` (exclusive) at ``world_size``, after loading ``load``; save to ``save``;
     rank 0 writes the losses to ``out``."""
-    if world_size > 1:
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
     engine, *_ = initialize(model=gpt2(), config=config(tmp, world_size, clip, bf16))
     if load is not None:
         _, client = engine.load_checkpoint(load)
@@ -61,17 +59,27 @@ def train(rank: int, world_size: int, tmp: str, clip: float, bf16: bool, first: 
     if out is not None and rank == 0:
         torch.save(losses, out)
     engine.close()
+
+
+def run(rank: int, world_size: int, runs: tuple[tuple, ...]) -> None:
+    """`train` with each of ``runs``' arguments in turn, in one process group."""
+    if world_size > 1:
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    for args in runs:
+        train(rank, world_size, *args)
     if world_size > 1:
         torch.distributed.destroy_process_group()
 
 
-def launch(world_size: int, *args) -> None:
+def launch(world_size: int, *runs: tuple) -> None:
+    """``runs`` (`train`'s arguments after the world size) one after the other at ``world_size``: in this
+    process for one rank, else in that many processes started once."""
     if world_size == 1:
-        train(0, 1, *args)
+        run(0, 1, runs)
         return
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=train, args=(rank, world_size, *args)) for rank in range(world_size)]
+    procs = [ctx.Process(target=run, args=(rank, world_size, runs)) for rank in range(world_size)]
     for p in procs:
         p.start()
     for p in procs:
@@ -89,9 +97,9 @@ def test_resume_at_another_world_size_continues_as_a_run_that_never_stopped(disk
     tmp = str(disk_dir)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     ckpt, resumed_out, straight_out = (os.path.join(tmp, name) for name in ("ckpt", "resumed.pt", "straight.pt"))
-    launch(saved, tmp, clip, bf16, 0, BEFORE, None, ckpt, None)
-    launch(resumed, tmp, clip, bf16, BEFORE, BEFORE + AFTER, ckpt, None, resumed_out)
-    launch(resumed, tmp, clip, bf16, 0, BEFORE + AFTER, None, None, straight_out)
+    launch(saved, (tmp, clip, bf16, 0, BEFORE, None, ckpt, None))
+    launch(resumed, (tmp, clip, bf16, BEFORE, BEFORE + AFTER, ckpt, None, resumed_out),  # one start for both runs
+           (tmp, clip, bf16, 0, BEFORE + AFTER, None, None, straight_out))
     after_resume, straight = torch.load(resumed_out), torch.load(straight_out)
     assert len(after_resume) == AFTER
     rtol = 2e-2 if bf16 else 1e-5  # bf16: the world-size difference of the first steps is bf16-rounded
