@@ -29,7 +29,6 @@ from offload.config import (
     resolve_auto,
     world_size_from_env,
 )
-from offload.infer import init_inference
 from offload.optim import OffloadAdam
 from offload.params import owned_numel, padded_numel, partition_bounds, partition_numel
 from offload.storage import atomic_checkpoint, resolve_tag, save_tensors_safetensors
@@ -48,6 +47,16 @@ from offload.train import (
 )
 from offload import zero  # noqa: E402  (deepspeed.zero's surface: Init, GatheredParameters, ...)
 from offload import checkpoint  # noqa: E402  (deepspeed.utils.zero_to_fp32's surface, and its command)
+
+
+def __getattr__(name: str):
+    """``init_inference``, imported on first use: generation needs transformers (its KV cache is a
+    transformers `Cache`), training and the commands do not, and importing it costs 2 s."""
+    if name == "init_inference":
+        from offload.infer import init_inference
+
+        return init_inference
+    raise AttributeError(f"module 'offload' has no attribute {name!r}")
 
 __all__ = [
     "AdamParams",

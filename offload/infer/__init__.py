@@ -6,8 +6,19 @@ the ones that fit in the budget once, the rest streamed layer by layer with pref
 """
 
 from offload.infer.config import InferenceConfig
-from offload.infer.engine import CheckpointMismatchError, InferenceEngine, init_inference
 from offload.infer.plan.host import BudgetError, Plan, UnitSize, make_plan
+
+_ENGINE = ("CheckpointMismatchError", "InferenceEngine", "init_inference")
+
+
+def __getattr__(name: str):
+    """The engine's names, imported on first use: the engine needs transformers (its KV cache is a
+    transformers `Cache`), the config and the planner do not."""
+    if name in _ENGINE:
+        from offload.infer import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'offload.infer' has no attribute {name!r}")
 
 __all__ = [
     "BudgetError",
