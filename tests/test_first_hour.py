@@ -117,26 +117,35 @@ def test_budget_messages_round_the_need_up():
 
 # ---- command errors in one line -------------------------------------------------------------------
 
-def _generate(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "offload.generate", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})})
+def _generate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "offload.generate", *args], capture_output=True, text=True)
 
 
 @pytest.mark.subprocess
-def test_generate_user_errors_are_one_line(disk_dir, llama):
+def test_generate_user_errors_are_one_line(disk_dir, llama, capsys, monkeypatch):
     (disk_dir / "notes").mkdir()
     (disk_dir / "notes" / "a.txt").write_text("not a model")
     no_config = disk_dir / "weights"
     no_config.mkdir()
     shutil.copy(next(Path(llama[0]).glob("*.safetensors")), no_config / "model.safetensors")
+    done = _generate(str(disk_dir / "notes"), "--prompt-ids", "1,2")  # the command itself, once
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("python -m offload.generate: error: ") and str(disk_dir / "notes") in done.stderr
+    # The same entry (`run_command` around the CLI's main) in this process, for each kind of directory.
+    from offload.cli_errors import run_command
+    from offload.infer.cli import main
+
+    capsys.readouterr()
     for directory in (disk_dir / "notes", no_config, disk_dir / "missing"):
-        done = _generate(str(directory), "--prompt-ids", "1,2")
-        assert done.returncode == 2, done.stderr
-        assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr
-        assert done.stderr.startswith("python -m offload.generate: error: ") and str(directory) in done.stderr
-    shown = _generate(str(disk_dir / "notes"), "--prompt-ids", "1,2", "--debug")
-    assert "Traceback" in shown.stderr
-    assert "Traceback" in _generate(str(disk_dir / "notes"), "--prompt-ids", "1,2", env={"OFFLOAD_DEBUG": "1"}).stderr
+        assert run_command(main, "python -m offload.generate", [str(directory), "--prompt-ids", "1,2"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("python -m offload.generate: error: ") and str(directory) in err
+    with pytest.raises((OSError, ValueError)):  # --debug: the error goes on with its traceback
+        run_command(main, "python -m offload.generate", [str(disk_dir / "notes"), "--prompt-ids", "1,2", "--debug"])
+    monkeypatch.setenv("OFFLOAD_DEBUG", "1")
+    with pytest.raises((OSError, ValueError)):
+        run_command(main, "python -m offload.generate", [str(disk_dir / "notes"), "--prompt-ids", "1,2"])
 
 
 @pytest.mark.subprocess
