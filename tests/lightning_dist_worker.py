@@ -1,6 +1,7 @@
 """A worker of tests/test_integration_lightning.py's two-rank test: Lightning's ``ddp`` or
 `OffloadStrategy` with ``devices=2`` on each rank of a torchrun launch (Lightning takes the ranks from
-torchrun's environment); each rank reports its (loss, lr) per micro batch and its validation losses."""
+torchrun's environment), one after the other in the same processes (one start for both); each rank
+reports, per kind, its (loss, lr) per micro batch and its validation losses."""
 
 import sys
 
@@ -8,7 +9,13 @@ from tests.test_integration_lightning import Module, loader, nvme, trainer
 from tests.torchrun import finish, report
 
 
-def main(kind: str, out: str) -> None:
+def main(kinds: str, out: str) -> None:
+    """Fit with each of the comma-separated ``kinds`` ("offload", "plain") in turn; report them all."""
+    report({kind: fit(kind, out) for kind in kinds.split(",")})
+    finish()
+
+
+def fit(kind: str, out: str) -> dict:
     from pathlib import Path
 
     module = Module()
@@ -20,9 +27,7 @@ def main(kind: str, out: str) -> None:
     if kind != "plain":
         assert run.strategy.engine.world_size == 2
         run.strategy.engine.close()
-    report({"seen": module.seen, "val": module.val_losses, "steps": run.global_step})
-    del run
-    finish()
+    return {"seen": module.seen, "val": module.val_losses, "steps": run.global_step}
 
 
 if __name__ == "__main__":

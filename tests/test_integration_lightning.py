@@ -149,8 +149,8 @@ def test_two_processes_match_lightning_ddp(disk_dir):
     rates of every micro batch, and the same validation losses."""
     from tests.torchrun import torchrun
 
-    ours = torchrun("tests.lightning_dist_worker", "offload", str(disk_dir))
-    theirs = torchrun("tests.lightning_dist_worker", "plain", str(disk_dir))
+    ranks = torchrun("tests.lightning_dist_worker", "offload,plain", str(disk_dir))
+    ours, theirs = ({rank: ranks[rank][kind] for rank in ranks} for kind in ("offload", "plain"))
     for rank in (0, 1):
         assert ours[rank]["steps"] == theirs[rank]["steps"] > 0
         assert len(ours[rank]["seen"]) == len(theirs[rank]["seen"]) == 2 * ours[rank]["steps"]

@@ -1,5 +1,6 @@
 """A worker of tests/test_integration_transformers.py's two-rank test: plain Trainer or OffloadTrainer
-on each rank of a torchrun launch; each rank reports its per-step (loss, learning rate, grad norm)."""
+on each rank of a torchrun launch, one after the other in the same processes (one start for both);
+each rank reports, per kind, its per-step (loss, learning rate, grad norm)."""
 
 import os
 import sys
@@ -8,7 +9,13 @@ from tests.test_integration_transformers import Tokens, arguments, logged, nvme_
 from tests.torchrun import finish, report
 
 
-def main(kind: str, out: str) -> None:
+def main(kinds: str, out: str) -> None:
+    """Train with each of the comma-separated ``kinds`` ("offload", "plain") in turn; report them all."""
+    report({kind: train(kind, out) for kind in kinds.split(",")})
+    finish()
+
+
+def train(kind: str, out: str) -> dict:
     import transformers
 
     from offload.integrations.transformers import OffloadTrainer
@@ -22,9 +29,7 @@ def main(kind: str, out: str) -> None:
     if kind != "plain":
         trainer.save_model(os.path.join(out, "saved"))
         trainer.engine.close()
-    report(logged(trainer))
-    del trainer
-    finish()
+    return logged(trainer)
 
 
 if __name__ == "__main__":
