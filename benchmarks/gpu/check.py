@@ -123,14 +123,17 @@ def check_machine(work: Path, tiny: bool) -> Machine:
     return machine
 
 
-def run_part(part: Part, limit: float) -> None:
+def run_part(part: Part, limit: float, *, hide_cuda: bool = False) -> None:
     """Run ``part.command`` in the clone with its output to ``part.log``; stop its whole process group
-    after ``limit`` seconds. Sets the part's status, detail and seconds."""
+    after ``limit`` seconds. Sets the part's status, detail and seconds. ``hide_cuda``: the simulated
+    device stands in for CUDA, so the child sees no GPU (the two cannot share a process, docs/device.md)."""
     start = time.perf_counter()
     with open(part.log, "w") as log:
         log.write(f"$ {' '.join(part.command)}\n")
         log.flush()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        if hide_cuda:
+            env["CUDA_VISIBLE_DEVICES"] = ""
         process = subprocess.Popen(part.command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
                                    start_new_session=True)  # its own process group: stopped whole at the limit
         try:
@@ -323,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"gpu check: {part.name} (limit {min(getattr(args, f'{part.name}_limit'), left):.0f} s): "
                   f"{' '.join(part.command)}", flush=True)
-            run_part(part, min(getattr(args, f"{part.name}_limit"), left))
+            run_part(part, min(getattr(args, f"{part.name}_limit"), left), hide_cuda=args.tiny)
         print(f"gpu check: {part.name}: {part.status}" + (f" ({part.detail})" if part.detail else ""), flush=True)
     if not args.dir and work.exists():
         shutil.rmtree(work, ignore_errors=True)  # ours: the swap files and checkpoint are not results
