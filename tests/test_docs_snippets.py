@@ -35,6 +35,7 @@ SUBSTITUTIONS = [
     ("n_layer=26, n_embd=3072, n_head=24", "n_layer=2, n_embd=64, n_head=2"),   # a 3.1 B GPT-2: a tiny one
     ("1 << 28", "1 << 20"),                              # a 1 GiB buffer: 4 MiB
     ("path/to/checkpoint", "{scratch}/pretrained"),      # the user's pretrained checkpoint: a tiny GPT-2's
+    ("max_new_tokens=40", "max_new_tokens=8"),           # the KV-cache-on-NVMe examples: 8 steps take the same path
 ]
 
 PRELUDE = '''
