@@ -331,7 +331,7 @@ def test_the_output_head_gets_a_contiguous_input(models, kind):
 def test_the_first_forward_runs_while_the_resident_weights_load(models, monkeypatch):
     """The last resident layer's memory is only faulted in once the forward has reached the layer
     before it: the forward started before the load finished, and its output is still exact."""
-    from offload.infer.stream import streamer as stream
+    from offload.infer.stream import resident_load as stream
 
     directory, model = models["llama", torch.float32]
     reached, prefault = threading.Event(), stream.prefault
@@ -363,7 +363,7 @@ def test_with_a_ring_the_load_reads_its_layers_only_after_the_first_forward(mode
     load takes on only what cannot stream (embeddings, norm), so that forward reads layers 0 and 2
     through the ring, with the disk and the cores to itself; the load reads them once it is done.
     The generation is exact."""
-    from offload.infer.stream import streamer as stream
+    from offload.infer.stream import resident_load as stream
 
     directory, model = models["llama", torch.float32]
     required, kv, _ = required_and_kv(directory, 1)

@@ -80,7 +80,7 @@ def test_nested_call_of_the_same_layer(ring):
 
 
 def test_resident_load_faults_each_buffer_in_before_its_reads_and_binds_a_unit_when_it_is_used(ring, monkeypatch):
-    from offload.infer.stream import streamer as stream
+    from offload.infer.stream import resident_load as stream
 
     modules, units, streamer, weights = ring
     streamer.set_units([], 0)
@@ -113,7 +113,7 @@ def test_a_load_that_places_units_gives_a_device_kept_units_host_buffer_back_bef
     import gc
     import weakref
 
-    from offload.infer.stream import streamer as stream
+    from offload.infer.stream import resident_load as stream
 
     modules, units, streamer, weights = ring
     streamer.set_units([], 0)
@@ -139,7 +139,7 @@ def test_a_load_that_places_units_gives_a_device_kept_units_host_buffer_back_bef
 
 
 def test_a_unit_whose_load_failed_is_read_again_by_the_forward_that_needs_it(ring, monkeypatch):
-    from offload.infer.stream import streamer as stream
+    from offload.infer.stream import resident_load as stream
 
     modules, units, streamer, weights = ring
     streamer.set_units([], 0)
@@ -166,7 +166,7 @@ def test_a_unit_whose_load_failed_is_read_again_by_the_forward_that_needs_it(rin
 
 
 def test_resident_load_read_error_names_the_file_and_the_next_forward_tries_again(ring, disk_dir):
-    from offload.infer.stream import streamer as stream
+    from offload.infer.stream import resident_load as stream
 
     modules, units, streamer, weights = ring
     streamer.set_units([], 0)
@@ -190,7 +190,7 @@ def test_resident_load_read_error_names_the_file_and_the_next_forward_tries_agai
 
 
 def test_closing_a_load_stops_it_and_waits_for_its_reads(ring, monkeypatch):
-    from offload.infer.stream import streamer as stream
+    from offload.infer.stream import resident_load as stream
 
     modules, units, streamer, weights = ring
     streamer.set_units([], 0)
@@ -217,7 +217,7 @@ def test_closing_a_load_stops_it_and_waits_for_its_reads(ring, monkeypatch):
 
 
 def test_dropping_a_unit_the_load_has_not_reached_does_not_wait_for_it(ring, monkeypatch):
-    from offload.infer.stream import streamer as stream
+    from offload.infer.stream import resident_load as stream
 
     modules, units, streamer, weights = ring
     streamer.set_units([], 0)
@@ -273,7 +273,7 @@ def test_a_forward_reads_the_units_its_load_has_not_taken_on_through_the_ring(ri
     """Units 1, 3 and 4 load in the order 4, 1, 3 while 0 and 2 stream: the load is held at unit 4
     until the forward gets to unit 3, so the forward must read 1 and 3 through the ring; the load
     takes them on afterwards."""
-    from offload.infer.stream import streamer as stream
+    from offload.infer.stream import resident_load as stream
 
     modules, units, streamer, weights = ring
     streamer.reset()
@@ -304,7 +304,7 @@ def test_a_forward_reads_the_units_its_load_has_not_taken_on_through_the_ring(ri
 
 
 def test_a_held_load_takes_on_only_what_a_forward_waits_for_until_released(ring, monkeypatch):
-    from offload.infer.stream import streamer as stream
+    from offload.infer.stream import resident_load as stream
 
     modules, units, streamer, weights = ring
     streamer.set_units([], 0)
@@ -329,11 +329,12 @@ def test_a_held_unit_waits_for_the_ring_being_made_rather_than_for_its_load(ring
     """The first forward reaches a held unit before the ring's first buffer is made: it waits for
     that buffer and reads the unit through it (both are fresh memory, and the ring's is on its way),
     instead of asking the load to take the unit on before the first forward is done."""
-    from offload.infer.stream import streamer as stream
+    from offload.infer.stream import resident_load as stream
+    from offload.infer.stream import streamer as ring_module
 
     modules, units, streamer, weights = ring
     streamer.close()
-    go, locked_tensor, prefault, faulted = threading.Event(), stream.locked_tensor, stream.prefault, []
+    go, locked_tensor, prefault, faulted = threading.Event(), ring_module.locked_tensor, stream.prefault, []
 
     def slow_buffer(nbytes, dtype):
         assert go.wait(timeout=120)
@@ -344,7 +345,7 @@ def test_a_held_unit_waits_for_the_ring_being_made_rather_than_for_its_load(ring
         go.set()  # the load took the unit on: let the ring be made anyway, so that nothing hangs
         return prefault(buffer)
 
-    monkeypatch.setattr(stream, "locked_tensor", slow_buffer)
+    monkeypatch.setattr(ring_module, "locked_tensor", slow_buffer)
     monkeypatch.setattr(stream, "prefault", fault)
     for unit in units:
         streamer.attach(unit)
@@ -363,7 +364,7 @@ def test_a_held_unit_waits_for_the_ring_being_made_rather_than_for_its_load(ring
 
 
 def test_closing_a_held_load_gives_its_units_up(ring):
-    from offload.infer.stream import streamer as stream
+    from offload.infer.stream import resident_load as stream
 
     modules, units, streamer, weights = ring
     streamer.set_units([], 0)
@@ -378,7 +379,7 @@ def test_closing_a_held_load_gives_its_units_up(ring):
 def test_the_load_keeps_the_callers_cpu_priority_held_and_released(ring, monkeypatch):
     """A load at a lower priority stalls the forward on a busy machine (the GIL goes to a thread that
     is rarely scheduled): its fault threads run at the caller's priority, held and released."""
-    from offload.infer.stream import streamer as stream
+    from offload.infer.stream import resident_load as stream
 
     modules, units, streamer, weights = ring
     streamer.set_units([], 0)

@@ -27,7 +27,8 @@ from offload.infer.plan.host import (BudgetError, KVPlacement, Plan, UnitSize, f
                                     place_kv)
 from offload.infer.schedule import BlockSchedule, micro_batch_size
 from offload.infer.stream.device_ring import DeviceRing
-from offload.infer.stream.streamer import LayerStreamer, ResidentLoad
+from offload.infer.stream.resident_load import ResidentLoad
+from offload.infer.stream.streamer import LayerStreamer
 from offload.infer.stream.unit import Unit
 from offload.infer.weights.convert import converted_copy
 from offload.infer.weights.qcache import quantized_cache
@@ -183,10 +184,9 @@ class InferenceEngine:
                 cache.close()
 
     def offloaded_cache(self, placement: KVPlacement, max_tokens: int) -> OffloadedKVCache:
-        """A transformers cache with the layers of ``placement`` on NVMe, for sequences of up to
-        ``max_tokens`` tokens; its files go under ``kv_offload.nvme_path`` (else
-        ``offload_param.nvme_path``, else the checkpoint's directory). The caller closes it (its
-        files are removed then). `generate` makes one itself when the plan puts layers on NVMe."""
+        """A transformers cache, ``placement``'s layers on NVMe, for up to ``max_tokens`` tokens, its files under
+        ``kv_offload.nvme_path`` (else ``offload_param.nvme_path``, else the checkpoint's directory); the
+        caller closes it (its files go then). `generate` makes one where the plan puts layers on NVMe."""
         self._check_open()
         setting = self.settings.kv_offload
         parent = setting.nvme_path or self.settings.nvme_path or self.checkpoint.directory
@@ -480,10 +480,9 @@ class InferenceEngine:
         return max(1, bucket * itemsize // plan.buffer_nbytes)
 
     def _quantize(self, directory: str) -> None:
-        """Swap the decoder layers' linear layers for packed ones (`QuantLinear`, on the compute device's
-        kernels) and read every weight from the quantized cache (written once under ``nvme_path``, else
-        in the checkpoint's directory, in the layout of those kernels). Raises ValueError naming
-        ``weight_quantization`` where the device cannot run it (nothing written then)."""
+        """Swap the decoder layers' linear layers for packed ones (`QuantLinear`, the device's kernels) and read
+        every weight from the quantized cache (written once under ``nvme_path``, else in the checkpoint's
+        directory). Raises ValueError naming ``weight_quantization`` where the device cannot run it."""
         spec, kernels = self.settings.weight_quantization, self.compute.packed_kernels
         refusal = kernels.unsupported(spec.num_bits, self.dtype)
         if refusal is not None:
@@ -494,25 +493,18 @@ class InferenceEngine:
                              f"that the int{spec.num_bits} kernel takes (int8: in features a multiple of 16; int4: out "
                              f"features a multiple of 16, in features of {spec.group_size}); leave weight_quantization out")
         self._unquantized_sizes = self._sizes()
-        self._check_budget_before_quantizing()
+        settings = self.settings  # before the cache is written (minutes): the units that must stay in memory fit
+        if settings.device != "cpu" and settings.max_in_cpu != "auto" and self._device_budget is None:
+            budget = settings.budget_bytes(torch.empty((), dtype=self.dtype).element_size())  # 0: all streams
+            if budget:  # quantizing does not shrink what must stay (it packs the decoder layers' linears)
+                make_plan([u for u in self._sizes() if not u.streamable], budget=budget, buffer_count=settings.buffer_count)
         cache = quantized_cache(self.checkpoint, self.units, targets, spec, self.dtype,
                                 self.settings.nvme_path or directory, self.handle, kernels=kernels)
         swap_linears(self.module, list(targets), spec, self.dtype, kernels)
         self.checkpoint = SafetensorsCheckpoint(cache, self.handle)
         self.units = build_units(self.module, self.checkpoint)
 
-    def _check_budget_before_quantizing(self) -> None:
-        """Raise the plan's BudgetError before the quantized cache is written (minutes for a large model)
-        when ``max_in_cpu`` cannot hold the units that must stay in memory: quantization does not shrink
-        them (it packs the decoder layers' linear weights, which stream)."""
-        settings = self.settings
-        if settings.device == "cpu" or settings.max_in_cpu == "auto" or self._device_budget is not None:
-            return
-        budget = settings.budget_bytes(torch.empty((), dtype=self.dtype).element_size())
-        if budget:  # 0: everything streamable streams, what must stay is kept whatever it takes
-            make_plan([u for u in self._sizes() if not u.streamable], budget=budget, buffer_count=settings.buffer_count)
-
-    def _needs_conversion(self, unit: Unit) -> bool:
+    def _needs_conversion(self, unit: Unit) -> bool:  # a tensor of the checkpoint in another dtype than it computes in
         return any(self.checkpoint[ref.tensor].dtype != ref.placeholder.dtype for ref in unit.params)
 
     def _use_converted_copy(self) -> None:
@@ -538,8 +530,7 @@ class InferenceEngine:
         self.compute.synchronize()  # nothing computes on a device buffer given back below
         for load in self._loads:  # their threads place units by the plan: none while it changes
             load.pause()
-        self._placing = plan.device
-        """The device tier the loads place their units by (`_place`)."""
+        self._placing = plan.device  # the device tier the loads place their units by (`_place`)
         on_device = plan.device.resident if plan.device is not None else frozenset()
         for unit in self.units:  # 1. demote first, so that memory is freed before more is taken
             placed = "device" if unit.device_buffer is not None else "host" if unit.host_buffer is not None else None
@@ -581,8 +572,8 @@ class InferenceEngine:
                 unit.loading.wait(unit)
 
     def _place(self, unit: Unit, host: torch.Tensor) -> torch.Tensor | None:
-        """A unit just read into pinned ``host`` memory (`ResidentLoad`): copied into a device buffer of
-        its own where the plan keeps it on the device (returned), else kept in host memory (None)."""
+        """A unit read into pinned ``host`` memory (`ResidentLoad`): copied to a device buffer of its own,
+        returned, where the plan keeps it on the device; else kept there (None). On the load's thread."""
         if unit.name not in self._placing.resident:
             unit.host_buffer = host
             return None

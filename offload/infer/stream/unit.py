@@ -17,7 +17,7 @@ __all__ = ["ParamRef", "Unit", "UnitLoad"]
 
 
 class UnitLoad(Protocol):
-    """The load that makes a unit resident in the background (`offload.infer.stream.streamer.ResidentLoad`),
+    """The load that makes a unit resident in the background (`offload.infer.stream.resident_load.ResidentLoad`),
     as the streamer and the engine ask it about one unit."""
 
     def wait(self, unit: Unit) -> None:
