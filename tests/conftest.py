@@ -15,16 +15,16 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
 
 from bench.fio import fio_path
+from offload.device import cuda_available
 from offload.device._simtorch import CUDA_CONFLICT, install as install_simulated_device
 
 # The simulated device's torch device type ("simgpu") must exist before the process's first backward:
 # torch's autograd sizes its per-device queues then (`offload.device._simtorch.install`). Where CUDA is
 # available it is not installed: torch would take it as the process's accelerator and fail every CUDA
 # backward (`CUDA_CONFLICT`); the `simulated` tests are skipped there instead.
-CUDA = torch.cuda.is_available()
+CUDA = cuda_available()
 if not CUDA:
     install_simulated_device()
 

@@ -90,3 +90,23 @@ def test_auto_is_accepted_where_written_and_a_misspelling_is_refused(disk_dir):
     with pytest.raises(ValueError, match="offload_param.max_in_cpu: 'Auto' is not allowed; use an integer >= 0 "
                                          "\\(elements\\) or \"auto\""):
         EngineConfig.from_dict(config, world_size=1)
+
+
+@pytest.mark.simulated
+def test_auto_on_a_device_loads_its_runtime_before_it_reads_the_room(disk_dir, tmp_path, monkeypatch):
+    """A GPU's math libraries take host memory at their first call (an H200 run was killed for it):
+    "auto" reads the available memory only after the compute device has loaded them."""
+    from offload.device import SimulatedDevice
+
+    events = []
+    memory = fake_cgroup(tmp_path, limit=4 * GiB, usage=GiB)
+    monkeypatch.setattr(sizing, "host_memory", lambda: events.append("memory read") or memory)
+
+    class Device(SimulatedDevice):
+        def load_runtime(self, dtype):
+            events.append(f"runtime loaded ({dtype})")
+
+    with Device() as device:
+        engine, *_ = initialize(model=gpt2(dropout=0.0), config=config_for(disk_dir), compute_device=device)
+        engine.close()
+    assert events[:2] == ["runtime loaded (torch.float32)", "memory read"]

@@ -528,31 +528,29 @@ class InferenceEngine:
         background), re-aim the streamer (its ring is made in the background too)."""
         self.streamer.reset()
         self.compute.synchronize()  # nothing computes on a device buffer given back below
-        for load in self._loads:  # their threads place units by the plan: none while it changes
-            load.pause()
-        self._placing = plan.device  # the device tier the loads place their units by (`_place`)
-        on_device = plan.device.resident if plan.device is not None else frozenset()
-        for unit in self.units:  # 1. demote first, so that memory is freed before more is taken
-            placed = "device" if unit.device_buffer is not None else "host" if unit.host_buffer is not None else None
-            wanted = "device" if unit.name in on_device else "host" if unit.name in plan.resident else None
-            if unit.loading is not None and (unit.name not in plan.resident or placed not in (None, wanted)):
-                unit.loading.drop(unit)  # not wanted, or placed by the last plan where this one does not keep it
-                self._drop_tiers(unit)
-                unit.state = "on disk"
-            elif (unit.name not in plan.resident and unit.state in ("resident", "host")
-                  or unit.state == "host" and unit.name in on_device
-                  or unit.device_buffer is not None and unit.name not in on_device):  # to another tier: read again
-                unit.unbind()
-                self._drop_tiers(unit)
-                unit.state = "on disk"
+        with contextlib.ExitStack() as paused:  # the loads' threads place units by the plan: none while it changes
+            for load in self._loads:
+                paused.enter_context(load.paused())
+            self._placing = plan.device  # the device tier the loads place their units by (`_place`)
+            on_device = plan.device.resident if plan.device is not None else frozenset()
+            for unit in self.units:  # 1. demote first, so that memory is freed before more is taken
+                placed = "device" if unit.device_buffer is not None else "host" if unit.host_buffer is not None else None
+                wanted = "device" if unit.name in on_device else "host" if unit.name in plan.resident else None
+                if unit.loading is not None and (unit.name not in plan.resident or placed not in (None, wanted)):
+                    unit.loading.drop(unit)  # not wanted, or placed by the last plan where this one does not keep it
+                    self._drop_tiers(unit)
+                elif (unit.name not in plan.resident and unit.state in ("resident", "host")
+                      or unit.state == "host" and unit.name in on_device
+                      or unit.device_buffer is not None and unit.name not in on_device):  # to another tier: read again
+                    unit.unbind()
+                    self._drop_tiers(unit)
+                    unit.state = "on disk"
         # 2. Then start reading what becomes resident. With a ring, the forwards read the layers the load
         # has not taken on yet through it, from the first, while the load takes them on from the last.
         promoted = [u for u in self.units if u.state not in ("resident", "loading", "host") and u.name in plan.resident]
         streamed = [u for u in self.units if u.name not in plan.resident]
         if streamed:
             promoted = [u for u in promoted if not u.streamable] + [u for u in reversed(promoted) if u.streamable]
-        for load in self._loads:
-            load.resume()
         if promoted:  # before the first forward is done, with a ring, it holds reads back (`ResidentLoad`)
             self._loads.append(ResidentLoad(self.handle, promoted, place=self._place if plan.device else None,
                                             held=bool(streamed) and self._release_hook is not None))

@@ -79,7 +79,7 @@ def assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int,
     All or nothing: on any error the model's parameters get their original tensors back, and every
     swap file, hook and thread made so far is removed, before the error propagates.
     """
-    cfg, auto_source = _auto_max_in_cpu(cfg, model, world_size)
+    cfg, auto_source = _auto_max_in_cpu(cfg, model, world_size, device)
     zero = cfg.zero_optimization
     check_nvme_paths(cfg)
     _warn_no_effect(zero)
@@ -170,9 +170,11 @@ def _adopt(model: nn.Module, built: ParamStore, cfg: EngineConfig, *, world_size
     return records, built.swap
 
 
-def _auto_max_in_cpu(cfg: EngineConfig, model: nn.Module, world_size: int) -> tuple[EngineConfig, str]:
+def _auto_max_in_cpu(cfg: EngineConfig, model: nn.Module, world_size: int,
+                     device: Device | None) -> tuple[EngineConfig, str]:
     """``cfg`` with ``offload_param.max_in_cpu`` "auto" (device "nvme") resolved to elements from this host's
-    available memory and the model's trainable partitions (`auto_max_in_cpu`), and how; else ``cfg`` and ""."""
+    available memory and the model's trainable partitions (`auto_max_in_cpu`), and how; else ``cfg`` and "".
+    The compute device's runtime is loaded first (`Device.load_runtime`), so that its host memory counts."""
     param = cfg.zero_optimization.offload_param
     if param.max_in_cpu != "auto":
         return cfg, ""
@@ -181,6 +183,9 @@ def _auto_max_in_cpu(cfg: EngineConfig, model: nn.Module, world_size: int) -> tu
     else:
         distinct = list({id(p): p for p in model.parameters()}.values())
         size = _element_size(cfg, distinct[0]) if distinct else 4
+        if device is not None:
+            device.load_runtime(torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled
+                                else torch.float32)
         elements, how = auto_max_in_cpu(cfg, [partition_numel(p.numel(), world_size) for p in distinct
                                               if p.requires_grad], size)
         log.info("zero_optimization.offload_param.max_in_cpu \"auto\": %d elements = %s", elements, how)

@@ -4,10 +4,11 @@ has not taken on yet."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
 import torch
@@ -26,7 +27,9 @@ class ResidentLoad:
     parameters become views of, so nothing is copied. A thread takes the units on in the given order:
     it faults each buffer in (on every core, `tensorio.prefault`: fresh memory is slow to get on a
     virtual machine, docs/inference.md "Load") and starts its reads, keeping about ``ahead_bytes`` of
-    them in flight so that the streamed layers' reads are not queued behind the whole load. A unit's
+    them in flight so that the streamed layers' reads are not queued behind the whole load. With
+    ``place`` (compute with memory of its own) it places each unit once its reads are done, before the
+    next (`_settle`), so that the load holds one unit's pinned buffer beside the budget. A unit's
     parameters stay meta placeholders until it is needed: a forward pre-hook on each module holding
     one of them waits for that unit's reads (taking it on next if the thread has not yet) and binds
     its tensors (converted where the dtype or device differs). A unit the thread has not taken on
@@ -67,7 +70,7 @@ class ResidentLoad:
         """Per unit: held while it is settled or given up, so that the two never overlap."""
         self._paused = False
         self._placing = False
-        """Guarded by ``_changed``: whether `pause` holds the thread's placements back, and whether the
+        """Guarded by ``_changed``: whether `paused` holds the thread's placements back, and whether the
         thread is settling a unit now."""
         self._index = {id(unit): i for i, unit in enumerate(self.units)}
         self._changed = threading.Condition()
@@ -120,7 +123,7 @@ class ResidentLoad:
         self._finished()
 
     def _settle_between_pauses(self, i: int) -> None:
-        """`_settle` unit ``i`` in the thread, once no `pause` holds placements back."""
+        """`_settle` unit ``i`` in the thread, once no `paused` holds placements back."""
         with self._changed:
             while self._paused:
                 self._changed.wait()
@@ -132,20 +135,21 @@ class ResidentLoad:
                 self._placing = False
                 self._changed.notify_all()
 
-    def pause(self) -> None:
-        """Hold the thread's placements back (its reads go on) until `resume`; returns once it is not
-        placing a unit. The engine pauses its loads while it changes the plan that ``place`` follows,
-        so that no unit is placed by the plan that is going."""
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hold the thread's placements back (its reads go on) while the context is open; entered once
+        the thread is not placing a unit. The engine pauses its loads while it changes the plan that
+        ``place`` follows, so that no unit is placed by the plan that is going."""
         with self._changed:
             self._paused = True
             while self._placing:
                 self._changed.wait()
-
-    def resume(self) -> None:
-        """Let the thread place units again (after `pause`)."""
-        with self._changed:
-            self._paused = False
-            self._changed.notify_all()
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._paused = False
+                self._changed.notify_all()
 
     def _settle(self, i: int, *, again: bool = False) -> tuple[int, BaseException | None, torch.Tensor | None]:
         """Wait for unit ``i``'s reads (``again``: read it once more first, in this thread) and place it:
