@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -11,41 +12,79 @@ pytestmark = pytest.mark.bench
 
 @pytest.mark.fio
 def test_engine_step_benchmark_tiny(tmp_path, capsys):
+    """Every mode in its child process once, with --clip and --gas (both modes get the same work): the
+    engine's update runs in the next forward and the clipped steps are counted (what a speculative
+    update would redo); plain PyTorch again beside fio moving nvme's bytes. The repeats' bookkeeping is
+    test_engine_step_repeats_interleave_and_compare_within_each_repeat's."""
     pytest.importorskip("transformers")
     from benchmarks import engine_step
 
     tiny = json.dumps({"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 128, "n_positions": 16})
     result = engine_step.main(["--model-config", tiny, "--modes", "torch+fio,torch,nvme", "--batch", "1", "--seq", "8",
-                               "--warmup", "1", "--steps", "1", "--persistence", "0", "--sub-group-size", "4096",
-                               "--fio-size", str(4 << 20), "--repeats", "2",
-                               "--dir", str(tmp_path)])
-    out = capsys.readouterr().out
-    assert "GB/s achieved" in out and "nvme" in out
-    # plain PyTorch again beside fio moving nvme's bytes (run last in each repeat, whatever --modes' order)
-    assert "beside plain PyTorch" in out and len(result["ratio"]["beside_io_per_repeat"]) == 2
-    assert result["torch+fio"]["fio_read_rate"] > 0 and result["torch+fio"]["fio_write_rate"] > 0
-    assert result["nvme"]["step_s"] > 0 and result["nvme"]["read_per_step"] > 0
-    assert len(result["ratio"]["per_repeat"]) == 2 and len(result["nvme"]["times"]) == 2  # one step per repeat
-    assert list(tmp_path.iterdir()) == []  # swap and fio files removed
-
-
-@pytest.mark.fio
-def test_engine_step_benchmark_with_clipping_and_accumulation_tiny(tmp_path, capsys):
-    """--clip and --gas give both modes the same work; the engine's update runs in the next forward and
-    the clipped steps are counted (what a speculative update would redo)."""
-    pytest.importorskip("transformers")
-    from benchmarks import engine_step
-
-    tiny = json.dumps({"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 128, "n_positions": 16})
-    result = engine_step.main(["--model-config", tiny, "--modes", "torch,nvme", "--batch", "1", "--seq", "8",
                                "--warmup", "1", "--steps", "2", "--persistence", "0", "--sub-group-size", "4096",
                                "--fio-size", str(4 << 20), "--clip", "0.5", "--gas", "2", "--dir", str(tmp_path)])
     out = capsys.readouterr().out
+    assert "GB/s achieved" in out and "nvme" in out
+    # plain PyTorch again beside fio moving nvme's bytes (run last in each repeat, whatever --modes' order)
+    assert "beside plain PyTorch" in out and len(result["ratio"]["beside_io_per_repeat"]) == 1
+    assert result["torch+fio"]["fio_read_rate"] > 0 and result["torch+fio"]["fio_write_rate"] > 0
+    assert result["nvme"]["step_s"] > 0 and result["nvme"]["read_per_step"] > 0
+    assert len(result["ratio"]["per_repeat"]) == 1 and len(result["nvme"]["times"]) == 2  # the timed steps
     assert "nvme: the update ran in the next forward" in out
     assert result["nvme"]["path"] == "in the next forward"
     assert len(result["nvme"]["norms"]) == len(result["torch"]["norms"]) == 3  # warm-up and timed steps
     assert result["nvme"]["norms"] == pytest.approx(result["torch"]["norms"], rel=1e-5)
     assert result["nvme"]["clipped"] == sum(norm > 0.5 for norm in result["nvme"]["norms"])
+    assert list(tmp_path.iterdir()) == []  # swap and fio files removed
+
+
+def test_engine_step_repeats_interleave_and_compare_within_each_repeat(tmp_path, monkeypatch, capsys):
+    """--repeats 2 with the children and fio stood in for (each child's figures made from its payload and
+    its place in the run): every mode once per repeat, torch+fio last in each whatever --modes' order,
+    fio's traffic paced by that repeat's runs, ratios within each repeat, medians over the repeats."""
+    from benchmarks import engine_step
+
+    calls, loads = [], []
+    beside = {"on": False}
+
+    def child(module, args, mmap_threshold=None):
+        payload = json.loads(args[1])
+        mode = "torch+fio" if beside["on"] else payload["mode"]
+        calls.append(mode)
+        repeat = calls.count(mode)
+        step_s = {"torch": 1.0, "nvme": 1.5, "torch+fio": 1.25}[mode] * repeat
+        return {"mode": payload["mode"], "params": payload["params"], "step_s": step_s, "times": [step_s] * payload["steps"],
+                "peak_rss": 100e6 * repeat, "baseline_rss": 50e6, "norms": [], "path": None, "clipped": 0,
+                "cpu_user_per_step": 1.0, "cpu_kernel_per_step": 0.1, "read_per_step": 8e6, "written_per_step": 4e6}
+
+    class Run:
+        read = write = type("Result", (), {"bw_bytes": 2e9})()
+
+    @contextlib.contextmanager
+    def fio_load(load):
+        loads.append(load)
+        beside["on"] = True
+        try:
+            yield Run()
+        finally:
+            beside["on"] = False
+
+    monkeypatch.setattr(engine_step, "run_child", child)
+    monkeypatch.setattr(engine_step, "fio_load", fio_load)
+    monkeypatch.setattr(engine_step, "run_fio", lambda job: type("Result", (), {"bw_bytes": 1e9})())
+    result = engine_step.main(["--modes", "torch+fio,torch,nvme", "--steps", "3", "--repeats", "2",
+                               "--dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert calls == ["torch", "nvme", "torch+fio"] * 2
+    # fio moved nvme's bytes per step at that repeat's plain PyTorch pace (1 s, then 2 s a step)
+    assert [(load.read_rate, load.write_rate) for load in loads] == [(8e6, 4e6), (4e6, 2e6)]
+    assert result["ratio"]["per_repeat"] == [1.5, 1.5] and result["ratio"]["beside_io_per_repeat"] == [1.25, 1.25]
+    assert result["nvme"]["step_s"] == 2.25 and result["torch"]["peak_rss"] == 150e6  # medians over the repeats
+    assert result["nvme"]["times"] == [1.5] * 3 + [3.0] * 3  # every timed step of every repeat
+    assert "repeat 1: torch 1.000 s, nvme 1.500 s, torch+fio 1.250 s" in out
+    assert "repeat 2: torch 2.000 s, nvme 3.000 s, torch+fio 2.500 s" in out
+    assert "per repeat: 1.50 1.50" in out and "per repeat: 1.25 1.25" in out
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_engine_dist_benchmark_tiny(tmp_path, capsys):
