@@ -3,8 +3,9 @@ pages are covered as they come.
 
 Each file's snippets run top to bottom in one namespace, in a fresh process (forked from a server that
 imported torch and transformers, tests/ranks.py) whose working directory is a scratch directory on the
-disk, as a reader would paste them in turn. The namespace starts with what the snippets take as given: ``model`` (a tiny GPT-2), ``loader`` / ``data`` (a few token
-batches), ``tensor`` (a page-aligned buffer), ``fd`` (an open scratch file), ``offset`` (0) and ``fn`` (a callback).
+disk, as a reader would paste them in turn. The namespace starts with what the snippets take as given:
+``model`` (a tiny GPT-2), ``loader`` / ``data`` (a few token batches), ``tensor`` (a page-aligned
+buffer), ``fd`` (an open scratch file), ``offset`` (0) and ``fn`` (a callback).
 
 What differs from the page is the explicit, minimal list `SUBSTITUTIONS`: the user's NVMe drive
 becomes a scratch directory, sizes that name a big model or buffer become tiny ones, paths of the
