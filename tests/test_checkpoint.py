@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from offload.storage import LATEST, atomic_checkpoint, resolve_tag, save_tensors_safetensors
+from ranks import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -215,8 +215,7 @@ def _two_rank_saver(rank, tmp_path):
 @pytest.mark.multiprocess
 def test_two_ranks_share_one_staging_directory_and_fail_together(tmp_path):
     save(tmp_path / "ckpt", "s0", b"zero")
-    # spawn, not fork: a child forked after this process ran OpenMP kernels can hang in its first one
-    mp.spawn(_two_rank_saver, args=(tmp_path,), nprocs=2)
+    run_ranks(_two_rank_saver, [(rank, tmp_path) for rank in range(2)])
     outcomes = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert [outcome["s1"] for outcome in outcomes] == [["rank0.txt", "rank1.txt"]] * 2
     assert outcomes[1]["s2"] == "ValueError: disk full on rank 1"

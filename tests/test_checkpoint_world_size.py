@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ranks import run_ranks
 from test_engine_dist import _free_port, gpt2
 
 from offload.train.engine import initialize
@@ -78,13 +78,7 @@ def launch(world_size: int, *runs: tuple) -> None:
         run(0, 1, runs)
         return
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=run, args=(rank, world_size, runs)) for rank in range(world_size)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    assert [p.exitcode for p in procs] == [0] * world_size
+    run_ranks(run, [(rank, world_size, runs) for rank in range(world_size)])
 
 
 # clip 0: the updates run during backward; clip > 0: in the next forward (their state read ahead).

@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from offload.params.partition import partition_bounds
 from offload.train.grads.clip import clip_grad_norm_, grad_norm
+from ranks import run_ranks
 
 SIZES = [(1,), (4095,), (3, 4096 * 10 + 1), (7, 5)]
 
@@ -113,8 +113,7 @@ def _partition_worker(rank, tmp_path, world_size):
 @pytest.mark.multiprocess
 def test_partitions_over_two_ranks_give_the_norm_of_the_whole(tmp_path):
     world_size = 2
-    # spawn, not fork: a child forked after this process ran OpenMP kernels can hang in its first one
-    mp.spawn(_partition_worker, args=(tmp_path, world_size), nprocs=world_size)
+    run_ranks(_partition_worker, [(rank, tmp_path, world_size) for rank in range(world_size)])
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world_size)]
 
     whole = make_grads(4, 10.0)

@@ -1,10 +1,11 @@
 """Every ```python snippet of README.md and docs/*.md runs (issue 27), found generically so that new
 pages are covered as they come.
 
-Each file's snippets run top to bottom in one namespace, in a fresh process whose working directory
-is a scratch directory on the disk, as a reader would paste them in turn. The namespace starts with
-what the snippets take as given: ``model`` (a tiny GPT-2), ``loader`` / ``data`` (a few token
-batches), ``tensor`` (a page-aligned buffer), ``fd`` (an open scratch file), ``offset`` (0) and ``fn`` (a callback).
+Each file's snippets run top to bottom in one namespace, in a fresh process (forked from a server that
+imported torch and transformers, tests/ranks.py) whose working directory is a scratch directory on the
+disk, as a reader would paste them in turn. The namespace starts with what the snippets take as given:
+``model`` (a tiny GPT-2), ``loader`` / ``data`` (a few token batches), ``tensor`` (a page-aligned
+buffer), ``fd`` (an open scratch file), ``offset`` (0) and ``fn`` (a callback).
 
 What differs from the page is the explicit, minimal list `SUBSTITUTIONS`: the user's NVMe drive
 becomes a scratch directory, sizes that name a big model or buffer become tiny ones, paths of the
@@ -19,11 +20,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
+import traceback
 import sys
 from pathlib import Path
 
 import pytest
+from ranks import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -57,20 +59,25 @@ transformers.LlamaForCausalLM(transformers.LlamaConfig(
     vocab_size=5000, max_position_embeddings=64)).save_pretrained("{scratch}/nvme/models/llama-13b")
 '''
 
-RUNNER = '''
-import json, sys, traceback
-snippets = json.load(open(sys.argv[1]))
-namespace = {"__name__": "__snippets__"}
-exec(compile(snippets["prelude"], "prelude", "exec"), namespace)
-for where, code in snippets["code"]:
-    print(f"--- running {where}", flush=True)
-    try:
-        exec(compile(code, where, "exec"), namespace)
-    except BaseException:
-        traceback.print_exc()
-        print(f"snippet {where} failed", flush=True)
-        sys.exit(1)
-'''
+def run_page(spec: str, scratch: str, log: str) -> None:
+    """Run the prelude and a page's snippets (``spec``, a JSON file) in one namespace, in ``scratch``, their
+    output and any traceback in ``log``; exit status 1 naming the snippet that failed."""
+    os.chdir(scratch)
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    sys.stdout = sys.stderr = open(out, "w", buffering=1, closefd=False)
+    snippets = json.load(open(spec, encoding="utf-8"))
+    namespace = {"__name__": "__snippets__"}
+    exec(compile(snippets["prelude"], "prelude", "exec"), namespace)
+    for where, code in snippets["code"]:
+        print(f"--- running {where}", flush=True)
+        try:
+            exec(compile(code, where, "exec"), namespace)
+        except BaseException:
+            traceback.print_exc()
+            print(f"snippet {where} failed", flush=True)
+            sys.exit(1)
 
 
 def snippets(page: Path) -> list[tuple[int, str, bool]]:
@@ -113,6 +120,8 @@ def test_every_snippet_runs(page, disk_dir):
             for line, text, skipped in snippets(page) if not skipped]
     spec = disk_dir / "snippets.json"
     spec.write_text(json.dumps({"prelude": PRELUDE.format(scratch=scratch), "code": code}))
-    done = subprocess.run([sys.executable, "-c", RUNNER, str(spec)], cwd=scratch, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    log = disk_dir / "snippets.log"
+    try:
+        run_ranks(run_page, [(str(spec), str(scratch), str(log))])
+    except AssertionError as failed:
+        raise AssertionError(log.read_text(errors="replace")[-6000:]) from failed

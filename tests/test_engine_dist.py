@@ -9,7 +9,7 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ranks import run_ranks
 from torch import nn
 
 from offload.device import SimulatedDevice
@@ -120,13 +120,7 @@ def two_ranks_match_one(disk_dir, monkeypatch, setting: tuple, rest: tuple, *, s
     run(0, 1, *setting, one, *rest, simulated)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=run, args=(r, 2, *setting, two, *rest, simulated)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    assert [p.exitcode for p in procs] == [0, 0]
+    run_ranks(run, [(r, 2, *setting, two, *rest, simulated) for r in range(2)], timeout=120)
     a, b = torch.load(one), torch.load(two)
     assert a["steps"] == b["steps"] == 4
     torch.testing.assert_close(torch.tensor(b["losses"]), torch.tensor(a["losses"]), rtol=1e-5, atol=0)

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from offload.config import Fp16Config
 from offload.train.grads.loss_scaler import DynamicLossScaler, StaticLossScaler, build_loss_scaler
+from ranks import run_ranks
 
 
 def run(scaler, outcomes):
@@ -162,6 +162,5 @@ def _overflow_worker(rank, tmp_path):
 
 @pytest.mark.multiprocess
 def test_an_overflow_on_one_rank_is_seen_by_every_rank(tmp_path):
-    # spawn, not fork: a child forked after this process ran OpenMP kernels can hang in its first one
-    mp.spawn(_overflow_worker, args=(tmp_path,), nprocs=2)
+    run_ranks(_overflow_worker, [(rank, tmp_path) for rank in range(2)])
     assert [(tmp_path / f"rank{rank}").read_text() for rank in range(2)] == ["True", "True"]

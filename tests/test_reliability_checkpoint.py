@@ -12,12 +12,12 @@ import signal
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from offload.storage import LATEST, atomic_checkpoint, resolve_tag
 from offload.storage.checkpoint_dir import CheckpointInUseError
 from offload.train.engine import initialize
 from test_engine import engine_config, mlp, mlp_batches, mlp_loss
+from ranks import run_ranks
 
 # spawn, not fork: a child forked after this process ran OpenMP kernels can hang in its first one
 SPAWN = multiprocessing.get_context("spawn")
@@ -114,7 +114,7 @@ def _two_rank_saver(rank, tmp_path):
 def test_a_process_group_is_refused_as_a_whole_when_another_run_saves(tmp_path):
     with atomic_checkpoint(tmp_path / "ckpt", "other") as staging:
         (staging / "a").write_text("a")
-        mp.spawn(_two_rank_saver, args=(tmp_path,), nprocs=2)
+        run_ranks(_two_rank_saver, [(rank, tmp_path) for rank in range(2)])
     outcomes = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert outcomes[0].startswith(f"CheckpointInUseError: checkpoint folder {tmp_path / 'ckpt'} is being saved to "
                                   f"by process {os.getpid()}")

@@ -18,6 +18,7 @@ from offload import zero
 from offload.device import DeviceSyncError, SimulatedDevice
 from offload.params.partition import owned_numel, partition_bounds
 from offload.train.engine import initialize
+from ranks import run_ranks
 from test_engine import LR, WD, engine_config, gpt2, gpt2_batches, gpt2_loss, llama, reference, train
 from tests.torchrun import torchrun
 
@@ -498,8 +499,6 @@ def test_two_ranks_build_under_init_for_compute_on_a_device(disk_dir, tmp_path, 
     trains on the group."""
     import socket
 
-    import torch.multiprocessing as mp
-
     from test_engine import mlp
 
     with socket.socket() as s:
@@ -508,13 +507,7 @@ def test_two_ranks_build_under_init_for_compute_on_a_device(disk_dir, tmp_path, 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
     out = str(tmp_path / "rank0.pt")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_build_on_a_rank, args=(r, str(disk_dir), out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    assert [p.exitcode for p in procs] == [0, 0]
+    run_ranks(_build_on_a_rank, [(r, str(disk_dir), out) for r in range(2)], timeout=120)
     saved = torch.load(out)
     expected = mlp()
     with torch.no_grad():

@@ -23,6 +23,7 @@ ranks' files that hold it (`offload.train.checkpoint.reader`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -125,7 +126,10 @@ class CheckpointLoad:
 
     Raises (on opening, before anything changes) FileNotFoundError for a missing checkpoint or file
     and SafetensorsError for a truncated or damaged one, each naming it; ValueError naming the file
-    when it was saved for another model or by a version that pickled its state.
+    when it was saved for another model or by a version that pickled its state; tensorio.ChecksumError
+    naming the file, the tensor and the offset for a flipped bit in any byte `apply` would read (opening
+    reads them all once to check their checksums: one extra read of this rank's share of the checkpoint,
+    so that a mismatch never leaves a load half done).
 
     ``optimizer`` None leaves the optimizer's state as it is. Frozen parameters missing from the
     checkpoint (saved with ``exclude_frozen``) keep their values.
@@ -144,6 +148,7 @@ class CheckpointLoad:
             self._check_params()
             if optimizer is not None:
                 self._check_optimizer()
+            self._verify()
         except BaseException:
             self.reader.close()
             raise
@@ -156,8 +161,9 @@ class CheckpointLoad:
 
     def apply(self) -> dict[str, Any]:
         """Load the partitions, then the optimizer state; return the rest of the saved state
-        (counters, schedule, client state). An error here (TensorIOError, the optimizer's
-        ValueError) may leave some partitions loaded: the caller must not train on."""
+        (counters, schedule, client state). An error here (an I/O error, a byte that matched its checksum
+        when opened and no longer does, the optimizer's ValueError) may leave some partitions loaded: the
+        caller must not train on."""
         same = self.saved_world_size == self.world_size
         saved_names = set(self.reader.names("params"))
         records = [rec for rec in self.store.records if rec.name in saved_names]  # frozen ones may be left out
@@ -202,6 +208,30 @@ class CheckpointLoad:
                 saved_by = self.rank if self.rank < self.saved_world_size else 0
                 raise ValueError(f"{os.path.join(self.path, states_file(saved_by))}: {error}") from error
         return state
+
+    def _verify(self) -> None:
+        """Read every element range `apply` reads (this rank's partitions and optimizer state), each checked
+        against its chunk checksums as it completes, and drop it: a mismatch raises here, before anything
+        changes. Three reads in flight; memory: their buffers, from the reader's pool."""
+        if not self.reader.checksums:
+            return  # saved before checksums: the reader warned that it reads unverified
+        same = self.saved_world_size == self.world_size
+        saved_names = set(self.reader.names("params"))
+        reads: list = [lambda rec=rec: self._read_partition(rec, same)
+                       for rec in self.store.records if rec.name in saved_names]
+        if self.optimizer is not None:
+            for name in self.reader.names("optimizer"):
+                rec = self._trainable[int(name.split(".")[0])]
+                base = self.rank * rec.partition_numel
+                reads.append(lambda name=name, rec=rec, base=base: self.reader.read(
+                    "optimizer", name, base, base + rec.partition_numel, numel=None if same else rec.numel))
+        in_flight: collections.deque = collections.deque()
+        for start in reads:
+            in_flight.append(start())
+            if len(in_flight) > 2:
+                in_flight.popleft().result()  # sync point: bounds the memory in flight
+        while in_flight:
+            in_flight.popleft().result()
 
     def _read_partition(self, rec: ParamRecord, same: bool):
         start = self.rank * rec.partition_numel
