@@ -46,7 +46,8 @@ def shm_dir(tmp_path) -> Path:
 
 def test_sweep_writes_json_csv_png_and_an_aio_section_that_loads_unchanged(disk_dir, tmp_path, capsys):
     out, aio = tmp_path / "results", tmp_path / "cfg" / "aio_tuned.json"
-    status = main(["sweep", str(disk_dir), *TINY_SWEEP, "--out-dir", str(out), "--config-out", str(aio)])
+    # (fio's side, which takes most of a tiny sweep's time, is test_sweep_compares_its_best_with_fio's)
+    status = main(["sweep", str(disk_dir), *TINY_SWEEP, "--no-fio", "--out-dir", str(out), "--config-out", str(aio)])
     printed = capsys.readouterr().out
     assert status == 0, printed
     assert printed.startswith("tensorio-bench sweep (quick grid)")  # the configuration comes first
