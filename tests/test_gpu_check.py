@@ -1,8 +1,10 @@
 """The GPU machine's one command (scripts/gpu_check.sh, benchmarks/gpu/check.py) end to end at a tiny size
-on the simulated device, without fio; its refusals and skips; and the disk floor it falls back on."""
+on the simulated device, without fio (its inference part, ``python -m benchmarks.gpu infer`` at a tiny size,
+checked here); its refusals and skips; and the disk floor it falls back on."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -45,6 +47,16 @@ def test_the_check_runs_end_to_end_at_a_tiny_size_without_fio(tmp_path):
     assert "not fio: fio is not installed" in (out / "train.log").read_text()  # the benchmark said so too
     assert "Training (benchmarks.gpu.train, tensorio disk floor" in summary and "| custom |" in summary
     assert "Generation (benchmarks.gpu infer, disk read" in summary and "by tensorio" in summary
+    # The inference part at its tiny size: all three tiers in use, the device within its budget.
+    runs = json.loads((out / "infer.json").read_text())["runs"]
+    assert "accelerate" not in runs  # no Accelerate GPU run without a GPU
+    ours = runs["ours"]
+    assert "error" not in ours, ours.get("error")
+    assert ours["s_per_token"] > 0 and ours["device_reserved_bytes"] <= 1536 << 10
+    assert ours["h2d_bytes_per_token"] > 0 and ours["nvme_bytes_per_token"] > 0
+    infer_log = (out / "infer.log").read_text()
+    assert "device: budget 1.5 MiB (max_memory[0])" in infer_log and "per token: nvme->host" in infer_log
+    assert "not judged: the simulated device's times are not GPU figures" in infer_log
     # Every GPU target is listed, none judged on the simulated device.
     assert "- pytest -m gpu passes whole: not judged, none ran (1 skipped: no CUDA)" in summary
     assert "- train step <= 1.2x its bound, custom:" in summary and "(disk floor from tensorio, not fio): not judged" \
