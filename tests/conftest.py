@@ -14,11 +14,24 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import pytest
+# Under pytest-xdist (`./run test`: 2 workers), each worker computes on its share of the cores, and so do
+# the processes it starts (ranks, benchmarks, snippets: the variable is inherited). torch's default, a
+# thread per core in every worker, oversubscribes the cores, and OpenMP's waiting threads then spin
+# against each other: tests/test_engine.py and test_infer_kv.py took 4.8 minutes on 2 workers with 2
+# threads each, 28 s with one (the same tests passing).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
-from bench.fio import fio_path
-from offload.device import cuda_available
-from offload.device._simtorch import CUDA_CONFLICT, install as install_simulated_device
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if _WORKERS > 1:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+from bench.fio import fio_path  # noqa: E402
+from offload.device import cuda_available  # noqa: E402
+from offload.device._simtorch import CUDA_CONFLICT, install as install_simulated_device  # noqa: E402
 
 # The simulated device's torch device type ("simgpu") must exist before the process's first backward:
 # torch's autograd sizes its per-device queues then (`offload.device._simtorch.install`). Where CUDA is

@@ -159,3 +159,20 @@ def test_verify_on_what_is_not_a_checkpoint_is_one_line_and_exit_2(saved, bad, d
     assert checkpoint_command(["verify", str(target)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and expected in err and str(target) in err
+
+
+@pytest.mark.bench
+def test_checkpoint_load_benchmark_reports_the_check_of_every_byte_the_load_reads(disk_dir, capsys):
+    """benchmarks/checkpoint_load at a tiny size: per load, the check before it read the rank's whole share
+    (fp32 parameters and Adam's two moments: 12 bytes a parameter) and took part of the load's time."""
+    from benchmarks.checkpoint_load import main as checkpoint_load
+
+    tiny = {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 128, "n_positions": 32}
+    figures = checkpoint_load(["--dir", str(disk_dir), "--model-config", json.dumps(tiny), "--repeats", "2"])
+    import transformers
+
+    numel = sum(p.numel() for p in transformers.GPT2LMHeadModel(transformers.GPT2Config(**tiny)).parameters())
+    assert len(figures["loads_s"]) == len(figures["checks_s"]) == 2
+    assert abs(figures["checked_gb"] * 1e9 - 12 * numel) <= 0.05e6  # the log line's figure, to 0.1 MB
+    assert 0 < figures["check_s"] < figures["load_s"]
+    assert "of which the check" in capsys.readouterr().out

@@ -9,7 +9,6 @@ import socket
 
 import pytest
 import torch
-from ranks import run_ranks
 from torch import nn
 
 from offload.device import SimulatedDevice
@@ -120,6 +119,8 @@ def two_ranks_match_one(disk_dir, monkeypatch, setting: tuple, rest: tuple, *, s
     run(0, 1, *setting, one, *rest, simulated)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    from ranks import run_ranks  # here: tests/two_node_worker.py imports this module as tests.test_engine_dist
+
     run_ranks(run, [(r, 2, *setting, two, *rest, simulated) for r in range(2)], timeout=120)
     a, b = torch.load(one), torch.load(two)
     assert a["steps"] == b["steps"] == 4

@@ -45,9 +45,9 @@ def sizes(directory, batch: int) -> dict:
     the largest streamable unit (and its buffer), a decoder layer."""
     with init_inference(directory, device="cpu", disk_gbps=1.0, compute_device="cpu") as probe:
         layers = [u for u in probe.units if u.streamable]
-        return {"required": sum(u.nbytes for u in probe.units if not u.streamable),
+        return {"required": sum(u.buffer_nbytes for u in probe.units if not u.streamable),  # as the device holds them
                 "kv": probe.kv_bytes(batch, TOKENS), "activations": probe.activation_bytes(batch, TOKENS),
-                "slot": max(u.buffer_nbytes for u in layers), "layer": min(u.nbytes for u in layers),
+                "slot": max(u.buffer_nbytes for u in layers), "layer": min(u.buffer_nbytes for u in layers),
                 "model": sum(u.nbytes for u in probe.units)}
 
 
@@ -82,6 +82,8 @@ def check_tiers(engine, tiers: str) -> None:
     host = {u.name for u in layers if u.name in plan.resident and u.name not in on_device}
     streamed = {u.name for u in plan.streamed}
     assert all(u.name in on_device for u in engine.units if not u.streamable)
+    # the plan counts what the device allocates for each unit it keeps: the buffer its windows are read into
+    assert plan.device.resident_bytes == sum(u.buffer_nbytes for u in engine.units if u.name in on_device)
     if tiers == "streamed":
         assert streamed == {u.name for u in layers} and not host
     elif tiers == "host":

@@ -3,7 +3,8 @@
 Pure arithmetic on sizes, like offload/infer/plan/host.py, which places the rest between pinned host
 memory and NVMe. A unit kept on the device is never copied again; every other unit crosses the
 host-to-device link once per forward, through a ring of device buffers (``ring_slots`` of the
-largest such unit). The device holds, in this order: the units that must stay (embeddings, norms,
+largest such unit). A unit on the device is counted as the buffer its windows are read into (its
+weights and their alignment slack: what the device allocates). The device holds, in this order: the units that must stay (embeddings, norms,
 tied weights: compute reads them where it runs), the activations, the KV cache, the ring, then
 as many whole decoder layers as fit, largest first, spread through the forward.
 """
@@ -65,12 +66,12 @@ def place_device(units: Sequence[UnitSize], *, budget: int, setting: str, ring_s
     """
     required = [u for u in units if not u.streamable]
     streamable = [u for u in units if u.streamable]
-    must = sum(u.nbytes for u in required)
+    must = sum(u.buffer_nbytes for u in required)  # a unit on the device is its windows' buffer, alignment included
     fixed = must + activation_bytes + kv_bytes
     rank = {streamable[i].name: r for r, i in enumerate(spread_order(len(streamable)))}
-    left = sorted(streamable, key=lambda u: (-u.nbytes, rank[u.name]))
+    left = sorted(streamable, key=lambda u: (-u.buffer_nbytes, rank[u.name]))
     slot = max((u.buffer_nbytes for u in streamable), default=0)
-    if left and fixed + ring_slots * slot > budget and fixed + sum(u.nbytes for u in left) > budget:
+    if left and fixed + ring_slots * slot > budget and fixed + sum(u.buffer_nbytes for u in left) > budget:
         kv = "" if not kv_bytes else (
             f" + KV cache {format_bytes(kv_bytes)} (batch {kv_shape[0]} x {kv_shape[1]} tokens)" if not kv_link_bytes else
             f" + KV cache buffers 2 x {format_bytes(kv_bytes // 2, up=True)} (one layer's cache for batch {kv_shape[0]} "
@@ -91,9 +92,9 @@ def place_device(units: Sequence[UnitSize], *, budget: int, setting: str, ring_s
     for unit in left:
         rest = [u.buffer_nbytes for u in left if u.name not in resident and u is not unit]
         ring = ring_slots * max(rest, default=0)
-        if held + unit.nbytes + ring <= room:
+        if held + unit.buffer_nbytes + ring <= room:
             resident.add(unit.name)
-            held += unit.nbytes
+            held += unit.buffer_nbytes
     out = [u for u in streamable if u.name not in resident]
     slot = max((u.buffer_nbytes for u in out), default=0)
     return DeviceTier(budget, setting, frozenset(resident), must + held, ring_slots if out else 0, slot, kv_bytes,

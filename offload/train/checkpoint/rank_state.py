@@ -27,6 +27,7 @@ import collections
 import contextlib
 import json
 import os
+import time
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -139,6 +140,8 @@ class CheckpointLoad:
                  store: ParamStore, optimizer: Any) -> None:
         self.path = str(resolve_tag(load_dir, tag))
         self.rank, self.world_size, self.store, self.optimizer = rank, world_size, store, optimizer
+        self.verified_bytes, self.verify_seconds = 0, 0.0
+        """What opening read and checked against the checksums (the bytes `apply` will read), and how long it took."""
         self.reader = CheckpointReader(self.path)
         try:
             self.state = dict(self.reader.rank_state(rank))
@@ -225,13 +228,16 @@ class CheckpointLoad:
                 base = self.rank * rec.partition_numel
                 reads.append(lambda name=name, rec=rec, base=base: self.reader.read(
                     "optimizer", name, base, base + rec.partition_numel, numel=None if same else rec.numel))
+        began = time.perf_counter()
         in_flight: collections.deque = collections.deque()
         for start in reads:
             in_flight.append(start())
+            self.verified_bytes += in_flight[-1].count * in_flight[-1].dtype.itemsize
             if len(in_flight) > 2:
                 in_flight.popleft().result()  # sync point: bounds the memory in flight
         while in_flight:
             in_flight.popleft().result()
+        self.verify_seconds = time.perf_counter() - began
 
     def _read_partition(self, rec: ParamRecord, same: bool):
         start = self.rank * rec.partition_numel

@@ -1,0 +1,105 @@
+"""What checking a checkpoint before loading it costs: `engine.load_checkpoint` reads every range it
+will load once and checks it against the checkpoint's checksums before it changes anything (so that a
+flipped bit leaves the engine as it was), then reads the ranges again to load them.
+
+A GPT-2 (default: small) with parameters and optimizer state on NVMe takes one step and saves a
+checkpoint; then it is loaded ``--repeats`` times. Per load: its time, and from its log line the bytes
+checked and the check's time. Reported: the medians and the check's share of the load.
+
+    python -m benchmarks.checkpoint_load --dir DIR --repeats 5
+    python -m benchmarks.checkpoint_load --dir DIR --model-config '{"n_layer": 2, "n_embd": 64, "n_head": 2}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+import transformers
+
+from offload.train.engine import initialize
+
+GPT2_SMALL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
+_CHECKED = re.compile(r"load_checkpoint: ([0-9.]+) MB of .* checked against their checksums in ([0-9.]+) s")
+
+
+class _Checked(logging.Handler):
+    """Keeps the figures of the load's "checked against their checksums" line."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.figures: list[tuple[float, float]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        found = _CHECKED.match(record.getMessage())
+        if found:
+            self.figures.append((float(found.group(1)) / 1e3, float(found.group(2))))  # GB, s
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark; print and return its figures."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default=None, help="directory on the disk for the swap files and the checkpoint")
+    parser.add_argument("--model-config", default=json.dumps(GPT2_SMALL), help="GPT2Config keywords, JSON")
+    parser.add_argument("--repeats", type=int, default=5, help="loads timed; medians reported (default 5)")
+    parser.add_argument("--out", default=None, help="write the figures to this JSON file")
+    args = parser.parse_args(argv)
+    root = tempfile.mkdtemp(prefix="checkpoint-load-", dir=args.dir)
+    try:
+        figures = _measure(root, json.loads(args.model_config), args.repeats)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"load {figures['load_s']:.3f} s (median of {args.repeats}), of which the check "
+          f"{figures['check_s']:.3f} s ({figures['check_share']:.0%}): {figures['checked_gb']:.3f} GB read and "
+          f"checked at {figures['check_gb_per_s']:.2f} GB/s; loads {figures['loads_s']}")
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as file:
+            json.dump(figures, file, indent=1)
+    return figures
+
+
+def _measure(root: str, model_config: dict, repeats: int) -> dict:
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**model_config))
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+              "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": root, "max_in_cpu": 0},
+                                    "offload_optimizer": {"device": "nvme", "nvme_path": root}}}
+    engine, *_ = initialize(model=model, config=config)
+    batch = torch.randint(0, model.config.vocab_size, (1, 16))
+    engine.backward(engine(batch, labels=batch).loss)
+    engine.step()
+    engine.save_checkpoint(f"{root}/ckpt")
+    handler = _Checked()
+    logger = logging.getLogger("offload")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    loads = []
+    try:
+        for _ in range(repeats):
+            began = time.perf_counter()
+            engine.load_checkpoint(f"{root}/ckpt")
+            loads.append(time.perf_counter() - began)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        engine.close()
+    if len(handler.figures) != repeats:
+        raise RuntimeError(f"expected a 'checked against their checksums' log line per load, got "
+                           f"{len(handler.figures)} for {repeats} loads")
+    load, check = statistics.median(loads), statistics.median(s for _, s in handler.figures)
+    checked = handler.figures[0][0]
+    return {"load_s": load, "check_s": check, "check_share": check / load, "checked_gb": checked,
+            "check_gb_per_s": checked / check if check else float("inf"), "loads_s": [round(s, 3) for s in loads],
+            "checks_s": [s for _, s in handler.figures]}
+
+
+if __name__ == "__main__":
+    main()
