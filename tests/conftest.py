@@ -67,15 +67,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_fio)
 
 
-@pytest.fixture(autouse=True)
-def _benchmark_children_on_one_thread(request, monkeypatch):
-    """A ``bench`` test's child processes run torch on one thread (OMP_NUM_THREADS=1): its figures mean
-    nothing at a tiny size, and on two cores shared by two test workers each child's spare OpenMP
-    threads spin on the cores the other worker needs (a quarter of these tests' CPU time here)."""
-    if request.node.get_closest_marker("bench"):
-        monkeypatch.setenv("OMP_NUM_THREADS", "1")
-
-
 @pytest.fixture
 def disk_dir():
     """A scratch directory on the local disk, inside the clone (ext4 here: O_DIRECT works)."""
