@@ -1,7 +1,8 @@
 """Checksums of byte ranges: computed as a write completes, verified as a read completes.
 
-Both run in the I/O thread that finishes the request (the hash releases the GIL on large buffers, so
-the caller's Python code runs beside it), before the request's future resolves: ``write(...,
+Both run once the request's last piece is done, on the threads of its handle's `Hasher` (so that the
+I/O threads go on moving other pieces; the hash releases the GIL on large buffers, so the caller's
+Python code runs beside it), before the request's future resolves: ``write(...,
 checksum=chunk)`` gives the written bytes' `Checksums` in ``future.checksums``; ``read(...,
 verify=checksums)`` fails with `ChecksumError` when the bytes read differ, after reading the
 mismatched chunks once more (a transient error in the transfer is not an error on the disk).

@@ -21,6 +21,7 @@ from ._config import MiB, AioConfig
 from ._errors import TensorIOError
 from ._files import FileTable, OpenFile
 from ._fs import DIRECT_ALIGN, direct_supported, open_error, probe_direct
+from ._hasher import Hasher
 from ._plan import Mode, piece_size, plan_runs
 from ._request import IOFuture, Request, Span
 from ._threads import ThreadBackend
@@ -83,7 +84,8 @@ class AioHandle:
         self._backend = _make_backend(self.config, piece_bytes)
         # Closing the backend must not need the handle: the finalizer holds only the backend, and
         # the backend's threads never see the handle, so a dropped handle is collected and closed.
-        self._finalizer = weakref.finalize(self, _close_backend, self._backend)
+        self._hasher = Hasher()
+        self._finalizer = weakref.finalize(self, _close_backend, self._backend, self._hasher)
         self._files = FileTable()
         self._pending: list[tuple[IOFuture, torch.Tensor | None, PathOrFd, int]] = []  # for wait()
         self._pending_lock = threading.Lock()
@@ -168,7 +170,8 @@ class AioHandle:
                                     path=name, offset=offset, length=nbytes) from None
         # 4. Hand the runs to the backend; the request releases the file after its last piece.
         request = Request(write=write, path=name, tensor=tensor, offset=offset, file=file,
-                          pieces=sum(r.count for r in runs), checksum_chunk=checksum, verify=verify, what=what)
+                          pieces=sum(r.count for r in runs), checksum_chunk=checksum, verify=verify, what=what,
+                          hasher=self._hasher)
         if runs:
             self._backend.submit([Span(request, run) for run in runs])
         return request.future
@@ -372,8 +375,9 @@ class AioHandle:
         self.close()
 
 
-def _close_backend(backend) -> None:
+def _close_backend(backend, hasher: Hasher) -> None:
     backend.close()  # looked up when called, so that tensorio.testing's patch applies
+    hasher.close()  # after the backend: every request's last piece has handed its checksum work over
 
 
 def _target(filename: PathOrFd | None, fd: int | None) -> PathOrFd:

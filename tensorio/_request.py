@@ -14,6 +14,7 @@ import torch
 from ._checksum import ChecksumError, Checksums, checksum, checksum_chunks
 from ._errors import TensorIOError, io_error
 from ._files import OpenFile
+from ._hasher import Hasher
 from ._plan import Mode, Piece, Run
 
 log = logging.getLogger("tensorio")
@@ -34,7 +35,8 @@ class IOFuture:
 
     Raises TensorIOError from ``result()`` for a failed request (`ChecksumError` for a read that failed
     its verification), TimeoutError when ``timeout`` passes first. Callbacks added with
-    ``add_done_callback`` run in the I/O thread that finished it.
+    ``add_done_callback`` run in the I/O thread that finished it (a checksummed one's: in the thread of its
+    handle's `Hasher` that checked it).
     """
 
     __slots__ = ("_event", "_nbytes", "_error", "_callbacks", "_lock", "checksums")
@@ -87,11 +89,11 @@ class Request:
     """One read or write of a whole tensor: holds its shared file until its last piece is done."""
 
     __slots__ = ("write", "path", "tensor", "memory", "address", "file", "offset", "nbytes", "future", "error",
-                 "checksum_chunk", "verify", "what", "_remaining", "_lock")
+                 "checksum_chunk", "verify", "what", "hasher", "_remaining", "_lock")
 
     def __init__(self, *, write: bool, path: str, tensor: torch.Tensor, offset: int, file: OpenFile,
                  pieces: int, checksum_chunk: int | None = None, verify: Checksums | None = None,
-                 what: str = "") -> None:
+                 what: str = "", hasher: Hasher | None = None) -> None:
         self.write = write
         self.path = path
         self.tensor = tensor  # kept alive until the I/O is done
@@ -105,6 +107,7 @@ class Request:
         self.checksum_chunk = checksum_chunk  # a write: hash its bytes in chunks of this size once written
         self.verify = verify  # a read: the checksums its bytes must have
         self.what = what  # the caller's name for the range, in a ChecksumError
+        self.hasher = hasher  # where the checksum work runs (None: in the I/O thread that finishes the request)
         self._remaining = pieces
         self._lock = threading.Lock()
         if pieces == 0:
@@ -130,8 +133,15 @@ class Request:
             self._finish()
 
     def _finish(self) -> None:
-        # In the I/O thread that moved the last piece: hash or verify before the future resolves, so
-        # that whoever waits for it sees checked bytes (and the caller's thread never hashes).
+        # Hash or verify before the future resolves, so that whoever waits for it sees checked bytes (and
+        # the caller's thread never hashes): on the hasher's threads, so that the I/O thread that moved the
+        # last piece goes on moving others meanwhile (tensorio/_hasher.py).
+        if self.error is None and (self.checksum_chunk or self.verify is not None) and self.hasher is not None:
+            self.hasher.run(self._finish_checked)
+        else:
+            self._finish_checked()
+
+    def _finish_checked(self) -> None:
         error, checksums = self.error, None
         if error is None and (self.checksum_chunk or self.verify is not None):
             try:

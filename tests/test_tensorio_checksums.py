@@ -5,6 +5,7 @@ and raises ChecksumError naming it when it stays wrong, and bad arguments are re
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -85,3 +86,31 @@ def test_bad_checksum_arguments_are_refused_before_any_io(handle, disk_dir):
     with pytest.raises(ValueError, match="3 values for 100 bytes in chunks of 64"):
         Checksums((1, 2, 3), 64, 100)
     assert not path.exists()
+
+
+
+def test_checksum_work_runs_off_the_io_threads_and_close_waits_for_it(handle, disk_dir, monkeypatch):
+    """A checksummed request is hashed (write) or verified (read) on the handle's hash threads, so the I/O
+    threads go on moving other pieces; `close` returns only once every such request has resolved."""
+    import tensorio._request as request_module
+
+    hashed_in = []
+
+    def recorded(real):
+        def call(*args, **kwargs):
+            hashed_in.append(threading.current_thread().name)
+            return real(*args, **kwargs)
+        return call
+    monkeypatch.setattr(request_module, "checksum_chunks", recorded(request_module.checksum_chunks))
+    monkeypatch.setattr(request_module, "checksum", recorded(request_module.checksum))
+    path = disk_dir / "f.bin"
+    data = tensorio.aligned_tensor(4 << 20, torch.uint8).random_(0, 256)
+    written = handle.write(data, path, 0, checksum=1 << 20)
+    assert written.result() == 4 << 20
+    backs = [torch.empty_like(data) for _ in range(4)]
+    futures = [handle.read(back, path, 0, verify=written.checksums) for back in backs]
+    handle.close()
+    assert all(future.done() for future in futures) and [f.result() for f in futures] == [4 << 20] * 4
+    assert all(torch.equal(back, data) for back in backs)
+    assert len(hashed_in) == 1 + 4 * 4  # the write's chunks at once, then each read's four chunks
+    assert all(name.startswith("tensorio-hash") for name in hashed_in), set(hashed_in)
