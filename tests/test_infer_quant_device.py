@@ -53,20 +53,22 @@ def on_the_cpu(directory, root, quantization, batch: int, **extra):
     with init_inference(directory, weight_quantization=quantization, nvme_path=str(root), device="cpu",
                         compute_device="cpu", **extra) as engine:
         layers = [u for u in engine.units if u.streamable]
-        sizes = {"required": sum(u.nbytes for u in engine.units if not u.streamable),
+        sizes = {"required": sum(u.buffer_nbytes for u in engine.units if not u.streamable),  # as a device holds them
                  "kv": engine.kv_bytes(batch, TOKENS), "activations": engine.activation_bytes(batch, TOKENS),
                  "slot": max(u.buffer_nbytes for u in layers), "layer": max(u.nbytes for u in layers),
+                 "layer_buffer": max(u.buffer_nbytes for u in layers),
                  "model": sum(u.nbytes for u in engine.units), "cache": engine.checkpoint.directory}
         output = generate(engine, batch)
     with init_inference(directory, device="cpu", compute_device="cpu", **extra) as engine:
         sizes["unquantized"] = {u.name: u.buffer_nbytes for u in engine.units}
+        sizes["unquantized_required"] = sum(u.buffer_nbytes for u in engine.units if not u.streamable)
     return output, sizes
 
 
 def mixed_tiers(sizes: dict) -> dict:
     """Settings for a device that holds what must stay, its ring and two more units (the largest first:
     a layer, or the output head and a layer), a host that holds one more layer, the rest streamed."""
-    device = sizes["required"] + sizes["activations"] + sizes["kv"] + 3 * sizes["slot"] + sizes["layer"]
+    device = sizes["required"] + sizes["activations"] + sizes["kv"] + 3 * sizes["slot"] + sizes["layer_buffer"]
     assert device < sizes["model"] + sizes["activations"] + sizes["kv"]  # smaller than the model needs
     return {"budget": device, "max_in_cpu": f"{sizes['layer']}B", "disk_gbps": 1.0, "host_to_device_gbps": 10.0}
 
@@ -140,7 +142,8 @@ def test_the_plan_shows_each_link_s_bytes_packed_and_unquantized(llama):
     directory, root = llama
     _, sizes = on_the_cpu(directory, root, BITS["int4"], 1)
     unquantized = [n for n in sizes["unquantized"] if n.startswith("model.layers.") or n == "lm_head"]
-    budget = sizes["required"] + sizes["activations"] + sizes["kv"] + max(sizes["unquantized"].values())
+    required = max(sizes["required"], sizes["unquantized_required"])  # both plans must hold what stays
+    budget = required + sizes["activations"] + sizes["kv"] + max(sizes["unquantized"].values())
     with SimulatedDevice(host_tensors=True, budget_bytes=budget, budget_setting="max_memory[0]") as device:
         with init_inference(directory, compute_device=device, weight_quantization="int4", nvme_path=str(root),
                             max_in_cpu="0B", buffer_count=1, disk_gbps=1.0, host_to_device_gbps=10.0) as engine:

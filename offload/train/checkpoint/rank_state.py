@@ -215,7 +215,7 @@ class CheckpointLoad:
     def _verify(self) -> None:
         """Read every element range `apply` reads (this rank's partitions and optimizer state), each checked
         against its chunk checksums as it completes, and drop it: a mismatch raises here, before anything
-        changes. Three reads in flight; memory: their buffers, from the reader's pool."""
+        changes. Two reads in flight; memory: their buffers, from the reader's pool."""
         if not self.reader.checksums:
             return  # saved before checksums: the reader warned that it reads unverified
         same = self.saved_world_size == self.world_size
@@ -233,8 +233,8 @@ class CheckpointLoad:
         for start in reads:
             in_flight.append(start())
             self.verified_bytes += in_flight[-1].count * in_flight[-1].dtype.itemsize
-            if len(in_flight) > 2:
-                in_flight.popleft().result()  # sync point: bounds the memory in flight
+            if len(in_flight) > 1:
+                in_flight.popleft().result()  # sync point: two partitions in flight, as `apply` holds
         while in_flight:
             in_flight.popleft().result()
         self.verify_seconds = time.perf_counter() - began
