@@ -136,14 +136,19 @@ class Request:
         # Hash or verify before the future resolves, so that whoever waits for it sees checked bytes (and
         # the caller's thread never hashes): on the hasher's threads, so that the I/O thread that moved the
         # last piece goes on moving others meanwhile (tensorio/_hasher.py).
-        if self.error is None and (self.checksum_chunk or self.verify is not None) and self.hasher is not None:
+        if self._checks and self.hasher is not None:
             self.hasher.run(self._finish_checked)
         else:
             self._finish_checked()
 
+    @property
+    def _checks(self) -> bool:
+        """Whether the request succeeded and has checksum work: a write's hash, a read's verification."""
+        return self.error is None and (bool(self.checksum_chunk) or self.verify is not None)
+
     def _finish_checked(self) -> None:
         error, checksums = self.error, None
-        if error is None and (self.checksum_chunk or self.verify is not None):
+        if self._checks:
             try:
                 if self.write:
                     checksums = checksum_chunks(self.memory, self.checksum_chunk)

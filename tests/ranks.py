@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import tempfile
 import traceback
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 __all__ = ["run_ranks"]
@@ -63,6 +64,6 @@ def run_ranks(target: Callable[..., Any], args: Sequence[tuple], *, timeout: flo
                 proc.join()
                 failed.append(f"rank {rank}: still running after {timeout} s (killed)")
             elif proc.exitcode != 0:
-                told = open(path, encoding="utf-8").read() if os.path.exists(path) else "(no traceback)"
+                told = Path(path).read_text(encoding="utf-8") if os.path.exists(path) else "(no traceback)"
                 failed.append(f"rank {rank}: exit code {proc.exitcode}\n{told}")
     assert not failed, "\n".join(failed)

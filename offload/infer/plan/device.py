@@ -4,9 +4,10 @@ Pure arithmetic on sizes, like offload/infer/plan/host.py, which places the rest
 memory and NVMe. A unit kept on the device is never copied again; every other unit crosses the
 host-to-device link once per forward, through a ring of device buffers (``ring_slots`` of the
 largest such unit). A unit on the device is counted as the buffer its windows are read into (its
-weights and their alignment slack: what the device allocates). The device holds, in this order: the units that must stay (embeddings, norms,
-tied weights: compute reads them where it runs), the activations, the KV cache, the ring, then
-as many whole decoder layers as fit, largest first, spread through the forward.
+weights and their alignment slack: what the device allocates). The device holds, in this order: the
+units that must stay (embeddings, norms, tied weights: compute reads them where it runs), the
+activations, the KV cache, the ring, then as many whole decoder layers as fit, largest first, spread
+through the forward.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def place_device(units: Sequence[UnitSize], *, budget: int, setting: str, ring_s
     """
     required = [u for u in units if not u.streamable]
     streamable = [u for u in units if u.streamable]
-    must = sum(u.buffer_nbytes for u in required)  # a unit on the device is its windows' buffer, alignment included
+    must = sum(u.buffer_nbytes for u in required)
     fixed = must + activation_bytes + kv_bytes
     rank = {streamable[i].name: r for r, i in enumerate(spread_order(len(streamable)))}
     left = sorted(streamable, key=lambda u: (-u.buffer_nbytes, rank[u.name]))

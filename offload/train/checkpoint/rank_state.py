@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import json
 import os
 import time
@@ -41,7 +42,7 @@ from offload.params.partition import partition_numel
 from offload.storage import SafetensorsWriter, atomic_checkpoint, atomic_safetensors, resolve_tag
 from offload.train.checkpoint.files import (FORMAT, RANK_FILE_ALIGN, client_file, decode_state, encode_state,
                                             optimizer_file, params_file, states_file, write_json)
-from offload.train.checkpoint.reader import CheckpointReader
+from offload.train.checkpoint.reader import CheckpointReader, PendingRead
 from offload.train.surface import in_optimizer_order
 
 __all__ = ["CheckpointLoad", "decode_state", "encode_state", "model_config", "save_16bit_model", "save_checkpoint"]
@@ -167,16 +168,14 @@ class CheckpointLoad:
         (counters, schedule, client state). An error here (an I/O error, a byte that matched its checksum
         when opened and no longer does, the optimizer's ValueError) may leave some partitions loaded: the
         caller must not train on."""
-        same = self.saved_world_size == self.world_size
-        saved_names = set(self.reader.names("params"))
-        records = [rec for rec in self.store.records if rec.name in saved_names]  # frozen ones may be left out
+        records = self._saved_records()
         # 1. Parameters first, one at a time, the next one read meanwhile (a few writes in flight):
         #    a 16-bit parameter's optimizer state may take its master copy from it.
         writes: list = []
-        pending = self._read_partition(records[0], same) if records else None
+        pending = self._read_partition(records[0]) if records else None
         for i, rec in enumerate(records):
             values = pending.result()
-            pending = self._read_partition(records[i + 1], same) if i + 1 < len(records) else None
+            pending = self._read_partition(records[i + 1]) if i + 1 < len(records) else None
             if rec.on_disk:
                 staged = aligned_tensor(rec.partition_numel, rec.partition.dtype)  # O_DIRECT from it
                 staged.copy_(values)
@@ -197,16 +196,10 @@ class CheckpointLoad:
             return state
         names = self.reader.names("optimizer")
         layout = {name: self._trainable[int(name.split(".")[0])].partition_numel for name in names}
-
-        def read(name: str, start: int, stop: int) -> torch.Tensor:
-            rec = self._trainable[int(name.split(".")[0])]
-            base = self.rank * rec.partition_numel
-            return self.reader.read("optimizer", name, base + start, base + stop,
-                                    numel=None if same else rec.numel).result()
-
         with sized_partitions(self._trainable):
             try:
-                self.optimizer.load_state(saved, layout, read)
+                self.optimizer.load_state(saved, layout,
+                                          lambda name, start, stop: self._read_state(name, start, stop).result())
             except ValueError as error:
                 saved_by = self.rank if self.rank < self.saved_world_size else 0
                 raise ValueError(f"{os.path.join(self.path, states_file(saved_by))}: {error}") from error
@@ -218,20 +211,14 @@ class CheckpointLoad:
         changes. Two reads in flight; memory: their buffers, from the reader's pool."""
         if not self.reader.checksums:
             return  # saved before checksums: the reader warned that it reads unverified
-        same = self.saved_world_size == self.world_size
-        saved_names = set(self.reader.names("params"))
-        reads: list = [lambda rec=rec: self._read_partition(rec, same)
-                       for rec in self.store.records if rec.name in saved_names]
-        if self.optimizer is not None:
-            for name in self.reader.names("optimizer"):
-                rec = self._trainable[int(name.split(".")[0])]
-                base = self.rank * rec.partition_numel
-                reads.append(lambda name=name, rec=rec, base=base: self.reader.read(
-                    "optimizer", name, base, base + rec.partition_numel, numel=None if same else rec.numel))
+        states = self.reader.names("optimizer") if self.optimizer is not None else []
+        reads = itertools.chain((self._read_partition(rec) for rec in self._saved_records()),  # each started when taken
+                                (self._read_state(name, 0, self._trainable[int(name.split(".")[0])].partition_numel)
+                                 for name in states))
         began = time.perf_counter()
         in_flight: collections.deque = collections.deque()
-        for start in reads:
-            in_flight.append(start())
+        for read in reads:
+            in_flight.append(read)
             self.verified_bytes += in_flight[-1].count * in_flight[-1].dtype.itemsize
             if len(in_flight) > 1:
                 in_flight.popleft().result()  # sync point: two partitions in flight, as `apply` holds
@@ -239,10 +226,23 @@ class CheckpointLoad:
             in_flight.popleft().result()
         self.verify_seconds = time.perf_counter() - began
 
-    def _read_partition(self, rec: ParamRecord, same: bool):
+    def _saved_records(self) -> list[ParamRecord]:
+        """The store's records the checkpoint holds (frozen ones may be left out of it)."""
+        saved = set(self.reader.names("params"))
+        return [rec for rec in self.store.records if rec.name in saved]
+
+    def _read_partition(self, rec: ParamRecord) -> PendingRead:
+        """Start reading this rank's partition of ``rec``."""
         start = self.rank * rec.partition_numel
         return self.reader.read("params", rec.name, start, start + rec.partition_numel,
-                                numel=None if same else rec.numel)
+                                numel=None if self.saved_world_size == self.world_size else rec.numel)
+
+    def _read_state(self, name: str, start: int, stop: int) -> PendingRead:
+        """Start reading elements ``[start, stop)`` of this rank's partition of optimizer state ``name``."""
+        rec = self._trainable[int(name.split(".")[0])]
+        base = self.rank * rec.partition_numel
+        return self.reader.read("optimizer", name, base + start, base + stop,
+                                numel=None if self.saved_world_size == self.world_size else rec.numel)
 
     def _check_params(self) -> None:
         file = os.path.join(self.path, params_file(0))
