@@ -42,7 +42,7 @@ import numpy as np
 
 from benchmarks._cgroup import UNBOUNDED
 from benchmarks._common import ChildError, RssSampler, run_child
-from benchmarks._peers import ROWS, PeerRunner, peer_targets
+from benchmarks._peers import ROWS, PeerRunner, floor_line, peer_targets
 from benchmarks._page_cache import _files, meminfo, meminfo_cached, page_cache_bytes  # noqa: F401 (imported from here)
 from tensorio import parse_size
 
@@ -242,6 +242,13 @@ def child(args: dict) -> dict:
         read_bytes=process.io_counters().read_bytes - io0)
     if args["kind"] == "ours":
         plan = model.plan
+        # The steps that began once every resident weight was in (those before it read more than the plan's bytes).
+        loaded = [float(s) for t, s in zip(clock.times, steps) if t >= start + full_load_s]
+        figures.update(loaded_decode_steps=loaded, loaded_s_per_token=float(np.median(loaded)) if loaded else None)
+        if args.get("side_by_side") and plan.read_bytes_per_forward:
+            from benchmarks._floor import side_by_side
+
+            figures.update(side_by_side(model, ids, args["new_tokens"]))  # the run's length: the run's plan
         figures.update(full_load_s=full_load_s, loaded_first_token_s=loaded_first_token_s,
                        resident_bytes=plan.resident_bytes, read_bytes_per_forward=plan.read_bytes_per_forward,
                        plan_memory_bytes=plan.memory_bytes, read_wait_s=model.read_wait_seconds,
@@ -431,6 +438,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--buffer-count", type=int, default=None, help="ring buffers (default: the engine's)")
     ap.add_argument("--aio", type=json.loads, help="aio settings as JSON (default: the engine's, 8 MiB pieces, 8 in flight)")
+    ap.add_argument("--side-by-side", action="store_true",
+                    help="after each of our runs, in its process: the ring's reads alone and the compute alone "
+                         "(benchmarks/_floor.py), the floor its decode steps are held to")
     args = parse_or_run_child(ap, argv, child, fio_size="4GiB")
     if args is None:
         return {}
@@ -471,7 +481,8 @@ def main(argv: list[str] | None = None) -> dict:
         _make_cold(checkpoint, offload_folder)
         payload = {"kind": kind, "checkpoint": str(checkpoint), "budget": budget, "batch": batch,
                    "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "buffer_count": args.buffer_count,
-                   "aio": args.aio, "disk_gbps": fio_bps / 1e9 if fio_bps else None, "offload_folder": str(offload_folder)}
+                   "aio": args.aio, "disk_gbps": fio_bps / 1e9 if fio_bps else None, "offload_folder": str(offload_folder),
+                   "side_by_side": args.side_by_side}
         if batch > 1 and args.micro_batch_size:
             payload["block_schedule"] = {"micro_batch_size": args.micro_batch_size}
         available = meminfo("MemAvailable")
@@ -503,7 +514,8 @@ def main(argv: list[str] | None = None) -> dict:
                             use_cgroups=not args.no_cgroups, before_each=lambda: _make_cold(checkpoint, offload_folder))
         base = {"checkpoint": str(checkpoint), "batch": 1, "prompt_tokens": args.prompt_tokens,
                 "new_tokens": args.new_tokens, "buffer_count": args.buffer_count, "aio": args.aio,
-                "disk_gbps": fio_bps / 1e9 if fio_bps else None, "offload_folder": str(offload_folder)}
+                "disk_gbps": fio_bps / 1e9 if fio_bps else None, "offload_folder": str(offload_folder),
+                "side_by_side": args.side_by_side}
         peer_results = runner.rows(peer_rows, [k for k in args.sides.split(",") if k], base, acc_budget)
     earlier = [r for path in args.previous for r in json.loads(Path(path).read_text()).get("peer_runs", [])]
 
@@ -581,6 +593,8 @@ def _targets(results: list[dict], fio_bps: float | None, budgets: list[int], big
                          f"whose weights are in {r['first_forward_loaded_s']:.2f} s = {allowed:.2f} s: "
                          f"{verdict(r['ttft_s'] <= allowed)}; with a second forward instead ({r['loaded_first_token_s']:.2f} "
                          f"s) {strict:.2f} s: {verdict(r['ttft_s'] <= strict)}")
+    lines += [floor_line(r, f"ours at {_gib(r['budget'])} batch {r['batch']}") for r in measured
+              if r["kind"] == "ours" and r.get("compute_alone_s")]
     ours = find("ours", acc_budget, 1)
     for kind, factor in (("accelerate-dispatch", 1.6), ("accelerate-auto", 1.2)):
         other = find(kind, acc_budget, 1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import shutil
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -28,7 +29,7 @@ def test_tiny_run_end_to_end(capsys):
         figures = main(["--dir", str(root), "--scale", "0.025", "--layers", "4", "--shards", "5", "--budgets", "700KiB",
                         "--big-batch", "1", "--accelerate", accelerate, "--accelerate-budget", "700KiB",
                         "--fio-size", "16MiB", "--prompt-tokens", "8", "--new-tokens", "3", "--peer-rows", "none",
-                        "--out", str(root / "figures.json")])
+                        "--side-by-side", "--out", str(root / "figures.json")])
     finally:
         shutil.rmtree(root, ignore_errors=True)
     printed = capsys.readouterr().out
@@ -42,6 +43,13 @@ def test_tiny_run_end_to_end(capsys):
     assert any("x the disk bound" in line for line in figures["targets"])
     assert ours["loaded_first_token_s"] > 0 and ours["first_forward_loaded_s"] > 0 and ours["full_load_s"] >= 0
     assert any(line.startswith("time to first token at") for line in figures["targets"])
+    # --side-by-side: the floor measured in the run's process, its compute alone over the run's decode steps
+    assert len(ours["compute_alone_steps"]) == 2 and ours["reads_alone_bps"] > 0
+    loaded = ours["loaded_decode_steps"]  # the last steps: those that began once every resident weight was in
+    assert loaded == ours["decode_steps"][len(ours["decode_steps"]) - len(loaded):]
+    assert ours["loaded_s_per_token"] == (float(np.median(loaded)) if loaded else None)
+    assert any(line.startswith("ours at 700.0 KiB batch 1: ") and "its ring's reads alone" in line
+               for line in figures["targets"])
     assert any(line.startswith("page cache, ours") for line in figures["targets"])
     assert ours["checkpoint_cache_growth"] < 64e6
     assert figures["floor"] is None  # no big batch: no floor
