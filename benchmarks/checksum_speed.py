@@ -1,9 +1,11 @@
 """The checksum's speed beside the disk's: GB/s of each candidate hash on a locked buffer, whether it lets
 other Python threads run while it hashes, and fio's sequential read speed on the same machine.
 
-The swap files' checksums (tensorio's ``checksum=``/``verify=``) are hashed in the I/O threads once a
-transfer completes; they cost a step nothing visible while the hash is several times faster than the
-disk and releases the GIL.
+The swap files' checksums (tensorio's ``checksum=``/``verify=``) are hashed in the I/O threads piece by
+piece as the bytes land. `fresh_hash_speeds` measures the hash as it meets them there: each piece hashed
+right after its O_DIRECT read (still in the CPU's cache), or right after its O_DIRECT write; the time it
+takes to hash a step's bytes at those speeds is what checksums cost a step whose cores are busy
+(`benchmarks.engine_step` prints that floor beside its on/off ratio).
 
     python -m benchmarks.checksum_speed --dir . --size 64M --repeats 5
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import threading
 import time
 
@@ -73,6 +76,34 @@ def _other_thread_share(fn, view: memoryview, seconds: float = 0.5) -> float:
     return beside / alone
 
 
+def fresh_hash_speeds(directory: str, piece_bytes: int = 1 << 20, nbytes: int = 256 << 20,
+                      repeats: int = 3) -> tuple[float, float]:
+    """(GB/s hashing pieces fresh from an O_DIRECT read, GB/s hashing pieces right after their O_DIRECT
+    write): ``nbytes`` through a file in ``directory`` in ``piece_bytes`` pieces, each hashed (xxh3_64, as
+    tensorio) right after it moved, median of ``repeats`` passes; only the hash calls are timed."""
+    buffer = tensorio.aligned_tensor(nbytes, torch.uint8).random_(0, 256)
+    view = memoryview(buffer.numpy()).cast("B")
+    fd, path = tempfile.mkstemp(dir=directory, prefix="hash-floor-")
+    os.close(fd)
+    fd = os.open(path, os.O_RDWR | getattr(os, "O_DIRECT", 0))
+    speeds: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        for _ in range(repeats):
+            for write in (True, False):
+                hashing = 0.0
+                for first in range(0, nbytes, piece_bytes):
+                    piece = view[first:first + piece_bytes]
+                    (os.pwritev if write else os.preadv)(fd, [piece], first)
+                    start = time.perf_counter()
+                    tensorio.checksum(piece)
+                    hashing += time.perf_counter() - start
+                speeds[write].append(nbytes / hashing / 1e9)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return statistics.median(speeds[False]), statistics.median(speeds[True])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=".", help="directory on the disk for fio's read (default: .)")
@@ -90,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn in _candidates().items():
         print(f"{name:>24}: {_gb_per_s(fn, view, args.repeats):6.1f} GB/s, another thread's Python work beside "
               f"it: {_other_thread_share(fn, view):4.0%} of alone")
+    fresh_read, fresh_write = fresh_hash_speeds(args.dir)
+    print(f"{'xxh3_64, as tensorio':>24}: {fresh_read:6.1f} GB/s on 1 MiB pieces fresh from an O_DIRECT read, "
+          f"{fresh_write:.1f} GB/s right after their O_DIRECT write (256 MiB, median of 3)")
     try:
         result = run_fio(FioJob(directory=args.dir, rw="read", size=parse_size(args.fio_size), block_size=1 << 20,
                                 queue_depth=32))

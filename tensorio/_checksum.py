@@ -1,8 +1,8 @@
 """Checksums of byte ranges: computed as a write completes, verified as a read completes.
 
-Both run once the request's last piece is done, on the threads of its handle's `Hasher` (so that the
-I/O threads go on moving other pieces; the hash releases the GIL on large buffers, so the caller's
-Python code runs beside it), before the request's future resolves: ``write(...,
+Both run piece by piece as the request's bytes land, in the I/O threads that moved them
+(tensorio/_landing.py; the hash releases the GIL on large ranges, so the caller's Python code runs
+beside it), and are complete before the request's future resolves: ``write(...,
 checksum=chunk)`` gives the written bytes' `Checksums` in ``future.checksums``; ``read(...,
 verify=checksums)`` fails with `ChecksumError` when the bytes read differ, after reading the
 mismatched chunks once more (a transient error in the transfer is not an error on the disk).

@@ -21,7 +21,6 @@ from ._config import MiB, AioConfig
 from ._errors import TensorIOError
 from ._files import FileTable, OpenFile
 from ._fs import DIRECT_ALIGN, direct_supported, open_error, probe_direct
-from ._hasher import Hasher
 from ._plan import Mode, piece_size, plan_runs
 from ._request import IOFuture, Request, Span
 from ._threads import ThreadBackend
@@ -84,8 +83,7 @@ class AioHandle:
         self._backend = _make_backend(self.config, piece_bytes)
         # Closing the backend must not need the handle: the finalizer holds only the backend, and
         # the backend's threads never see the handle, so a dropped handle is collected and closed.
-        self._hasher = Hasher()
-        self._finalizer = weakref.finalize(self, _close_backend, self._backend, self._hasher)
+        self._finalizer = weakref.finalize(self, _close_backend, self._backend)
         self._files = FileTable()
         self._pending: list[tuple[IOFuture, torch.Tensor | None, PathOrFd, int]] = []  # for wait()
         self._pending_lock = threading.Lock()
@@ -113,7 +111,7 @@ class AioHandle:
         TensorIOError when the file cannot be opened. Do not touch ``tensor`` until it is done.
 
         ``verify``: the `Checksums` the bytes read must have (those a write's ``future.checksums``
-        gave, ranges of the tensor's bytes). They are checked in the I/O thread before the future
+        gave, ranges of the tensor's bytes). They are checked piece by piece as they land, before the future
         resolves; a chunk that differs is read once more, and ``result()`` raises `ChecksumError`
         (naming ``what``, the path, the chunk's offset and length, and both checksums) if it differs again.
 
@@ -133,7 +131,7 @@ class AioHandle:
         the file cannot be created. Do not modify ``tensor`` until it is done.
 
         ``checksum``: a chunk size in bytes; once the write has succeeded, ``future.checksums`` holds
-        the `Checksums` of its bytes in chunks of that size (hashed in the I/O thread, before the
+        the `Checksums` of its bytes in chunks of that size (hashed piece by piece as they are written, before the
         future resolves), for a later ``read(..., verify=...)``.
 
         DeepSpeed's ``write(buffer, filename, validate, file_offset=0)`` works too: a bool third
@@ -170,8 +168,7 @@ class AioHandle:
                                     path=name, offset=offset, length=nbytes) from None
         # 4. Hand the runs to the backend; the request releases the file after its last piece.
         request = Request(write=write, path=name, tensor=tensor, offset=offset, file=file,
-                          pieces=sum(r.count for r in runs), checksum_chunk=checksum, verify=verify, what=what,
-                          hasher=self._hasher)
+                          pieces=sum(r.count for r in runs), checksum_chunk=checksum, verify=verify, what=what)
         if runs:
             self._backend.submit([Span(request, run) for run in runs])
         return request.future
@@ -375,9 +372,8 @@ class AioHandle:
         self.close()
 
 
-def _close_backend(backend, hasher: Hasher) -> None:
+def _close_backend(backend) -> None:
     backend.close()  # looked up when called, so that tensorio.testing's patch applies
-    hasher.close()  # after the backend: every request's last piece has handed its checksum work over
 
 
 def _target(filename: PathOrFd | None, fd: int | None) -> PathOrFd:

@@ -7,14 +7,14 @@ import errno
 import logging
 import os
 import threading
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
-from ._checksum import ChecksumError, Checksums, checksum, checksum_chunks
+from ._checksum import ChecksumError, Checksums, checksum
 from ._errors import TensorIOError, io_error
 from ._files import OpenFile
-from ._hasher import Hasher
+from ._landing import LandingHashes
 from ._plan import Mode, Piece, Run
 
 log = logging.getLogger("tensorio")
@@ -35,8 +35,7 @@ class IOFuture:
 
     Raises TensorIOError from ``result()`` for a failed request (`ChecksumError` for a read that failed
     its verification), TimeoutError when ``timeout`` passes first. Callbacks added with
-    ``add_done_callback`` run in the I/O thread that finished it (a checksummed one's: in the thread of its
-    handle's `Hasher` that checked it).
+    ``add_done_callback`` run in the I/O thread that finished it.
     """
 
     __slots__ = ("_event", "_nbytes", "_error", "_callbacks", "_lock", "checksums")
@@ -86,14 +85,19 @@ class IOFuture:
 
 
 class Request:
-    """One read or write of a whole tensor: holds its shared file until its last piece is done."""
+    """One read or write of a whole tensor: holds its shared file until its last piece is done.
+
+    A checksummed one (a write's ``checksum_chunk``, a read's ``verify``) hashes its chunks as its pieces
+    land (`LandingHashes`, in the I/O threads that landed them) and resolves its future once the last
+    piece has landed and every chunk is hashed: a write's `Checksums` are then set, a read's are compared.
+    """
 
     __slots__ = ("write", "path", "tensor", "memory", "address", "file", "offset", "nbytes", "future", "error",
-                 "checksum_chunk", "verify", "what", "hasher", "_remaining", "_lock")
+                 "checksum_chunk", "verify", "what", "hashes", "_remaining", "_lock")
 
     def __init__(self, *, write: bool, path: str, tensor: torch.Tensor, offset: int, file: OpenFile,
                  pieces: int, checksum_chunk: int | None = None, verify: Checksums | None = None,
-                 what: str = "", hasher: Hasher | None = None) -> None:
+                 what: str = "") -> None:
         self.write = write
         self.path = path
         self.tensor = tensor  # kept alive until the I/O is done
@@ -104,10 +108,14 @@ class Request:
         self.file = file  # released when the last piece finishes
         self.future = IOFuture()
         self.error: TensorIOError | None = None
-        self.checksum_chunk = checksum_chunk  # a write: hash its bytes in chunks of this size once written
+        self.checksum_chunk = checksum_chunk  # a write: hash its bytes in chunks of this size as they land
         self.verify = verify  # a read: the checksums its bytes must have
         self.what = what  # the caller's name for the range, in a ChecksumError
-        self.hasher = hasher  # where the checksum work runs (None: in the I/O thread that finishes the request)
+        self.hashes: LandingHashes | None = None  # the chunks' hashes, built as the pieces land
+        if checksum_chunk:
+            self.hashes = LandingHashes(self.memory, checksum_chunk, self.nbytes)
+        elif verify is not None:
+            self.hashes = LandingHashes(self.memory, verify.chunk, verify.nbytes, verify.start)
         self._remaining = pieces
         self._lock = threading.Lock()
         if pieces == 0:
@@ -117,43 +125,51 @@ class Request:
     def op(self) -> str:
         return "write" if self.write else "read"
 
-    def piece_finished(self, error: TensorIOError | None) -> None:
-        """Count one piece as finished; the last one releases the file and resolves the future."""
-        self.pieces_finished(1, error)
+    def piece_finished(self, error: TensorIOError | None, landed: tuple[int, int] | None = None) -> None:
+        """Count one piece as finished (``landed``: the bytes of the memory it moved, when it succeeded)."""
+        self.pieces_finished(1, error, (landed,) if landed is not None and error is None else ())
 
-    def pieces_finished(self, count: int, error: TensorIOError | None = None) -> None:
-        """Count ``count`` pieces as finished (``error``: one of them failed so); the last one releases
-        the file and resolves the future."""
+    def pieces_finished(self, count: int, error: TensorIOError | None = None,
+                        landed: Iterable[tuple[int, int]] = ()) -> None:
+        """Count ``count`` pieces as finished (``error``: one of them failed so; ``landed``: the [first, end)
+        ranges of the memory that those that succeeded moved, for the checksums: pass them whenever
+        ``hashes`` is set). Hashes the chunks the landed bytes complete up to; the last piece (and the last
+        hash) releases the file and resolves the future."""
+        feed: list[int] = []
         with self._lock:
             if error is not None and self.error is None:
                 self.error = error
+            if self.hashes is not None and self.error is None:
+                for first, end in landed:
+                    feed += self.hashes.land(first, end)
+                self._remaining += len(feed)  # a chunk being fed holds the request open
             self._remaining -= count
             last = self._remaining == 0
+        for index in feed:
+            self._feed(index)
         if last:
             self._finish()
 
+    def _feed(self, index: int) -> None:
+        """Hash chunk ``index``'s landed bytes from its next one on, until none are left to hash."""
+        hashes = self.hashes
+        while True:
+            with self._lock:
+                taken = hashes.take(index) if self.error is None else None
+            if taken is None:
+                break
+            hashes.feed(index, *taken)
+        self.pieces_finished(1)
+
     def _finish(self) -> None:
-        # Hash or verify before the future resolves, so that whoever waits for it sees checked bytes (and
-        # the caller's thread never hashes): on the hasher's threads, so that the I/O thread that moved the
-        # last piece goes on moving others meanwhile (tensorio/_hasher.py).
-        if self._checks and self.hasher is not None:
-            self.hasher.run(self._finish_checked)
-        else:
-            self._finish_checked()
-
-    @property
-    def _checks(self) -> bool:
-        """Whether the request succeeded and has checksum work: a write's hash, a read's verification."""
-        return self.error is None and (bool(self.checksum_chunk) or self.verify is not None)
-
-    def _finish_checked(self) -> None:
         error, checksums = self.error, None
-        if self._checks:
+        if error is None and self.hashes is not None:
             try:
+                values = self._values()
                 if self.write:
-                    checksums = checksum_chunks(self.memory, self.checksum_chunk)
+                    checksums = Checksums(values, self.checksum_chunk, self.nbytes)
                 else:
-                    self._verify(self.verify)
+                    self._verify(self.verify, values)
             except TensorIOError as exc:
                 error = exc
             except Exception as exc:  # every failure is reported through the future, never lost
@@ -161,16 +177,29 @@ class Request:
                                       path=self.path, offset=self.offset, length=self.nbytes)
         self.file.release()
         self.tensor = self.memory = None  # the caller's memory is released with the last piece
+        self.hashes = None
         self.future._resolve(0 if error else self.nbytes, error, checksums)
 
-    def _verify(self, expected: Checksums) -> None:
-        """Raise ChecksumError unless every chunk read hashes to ``expected``; a mismatched chunk is read
-        once more through the page cache first (the first read's transfer may have been the fault)."""
+    def _values(self) -> tuple[int, ...]:
+        """Every chunk's checksum, as landed; a chunk a backend did not report as landed (every piece
+        must be) is hashed here, so that a value is never missing."""
+        hashes = self.hashes
+        values = list(hashes.values)
+        for i, value in enumerate(values):
+            if value is None:
+                first = hashes.start + i * hashes.chunk
+                values[i] = checksum(self.memory[first:min(first + hashes.chunk, hashes.start + hashes.nbytes)])
+        return tuple(values)
+
+    def _verify(self, expected: Checksums, landed: tuple[int, ...]) -> None:
+        """Raise ChecksumError unless every chunk read (whose checksums as landed are ``landed``) hashes to
+        ``expected``; a mismatched chunk is read once more through the page cache first (the first read's
+        transfer may have been the fault)."""
         for i, value in enumerate(expected.values):
+            if landed[i] == value:
+                continue
             first, length = expected.span(i)
             window = self.memory[first:first + length]
-            if checksum(window) == value:
-                continue
             _pread_all(self.file.buffered(), window, self.offset + first, self.path)
             actual = checksum(window)
             if actual != value:
@@ -353,7 +382,7 @@ class Task:
         if error is None and self.staging is not None and not self.request.write:
             _copy(self.staging, self.request.memory, self.buf_offset, self.length, to_staging=False)
         self.staging = None
-        self.request.piece_finished(error)
+        self.request.piece_finished(error, (self.buf_offset, self.buf_offset + self.length))
 
 
 def _pread_all(fd: int, window: memoryview, offset: int, path: str) -> None:

@@ -7,7 +7,8 @@ have nothing to change here; the io_uring backend honours both.
 
 A thread takes a request's DIRECT pieces a few at a time (a chunk: one lock, one count towards the
 request) and moves them with one call each straight between the caller's memory and the file; a
-piece that comes back short, and every staged or buffered piece, is carried as a `Task`.
+piece that comes back short, and every staged or buffered piece, is carried as a `Task`. A checksummed
+request's pieces are reported one by one, each hashed by the thread that moved it right after.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def _run_chunk(span: Span, offset: int, count: int, staging: memoryview, align: 
         request.pieces_finished(count)
         return
     fd, memory, base = request.file.fd, request.memory, request.offset
-    write = request.write
+    write, hashed = request.write, request.hashes is not None
     whole = 0
     for i in range(count):
         start = offset + i * span.piece_bytes
@@ -135,6 +136,9 @@ def _run_chunk(span: Span, offset: int, count: int, staging: memoryview, align: 
             moved = os.pwritev(fd, [view], start) if write else os.preadv(fd, [view], start)
         except OSError as exc:
             moved = -(exc.errno or errno.EIO)
+        if moved == length and hashed:  # report it at once: its hash reads it while it is in the cache
+            request.pieces_finished(1, None, ((start - base, start - base + length),))
+            continue
         if moved == length:
             whole += 1
             continue

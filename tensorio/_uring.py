@@ -21,6 +21,8 @@ import os
 import platform
 import threading
 
+import numpy as np
+
 from ._buffers import aligned_tensor
 from ._config import AioConfig
 from ._plan import Mode, Piece
@@ -112,6 +114,7 @@ class UringBackend:
 _TASK = 1 << 62
 _TASK_FLIGHT = _TASK >> 32
 _FLIGHTS = 1 << 30  # flight numbers cycle below this
+_INDEX = 0xFFFFFFFF  # a span piece's tag: its index in the flight
 
 
 class _Flight:
@@ -130,6 +133,15 @@ class _Flight:
         span = self.span
         offset = self.origin + index * span.piece_bytes
         return Piece(offset, offset - span.request.offset, min(span.piece_bytes, span.end - offset), Mode.DIRECT)
+
+    def ranges(self, indices: np.ndarray) -> list[tuple[int, int]]:
+        """The [first, end) ranges of the request's memory that pieces ``indices`` of the flight cover,
+        back-to-back pieces joined."""
+        span = self.span
+        base, end, size = self.origin - span.request.offset, span.end - span.request.offset, span.piece_bytes
+        order = np.sort(indices)
+        runs = np.split(order, np.flatnonzero(np.diff(order) != 1) + 1)
+        return [(base + int(run[0]) * size, min(end, base + (int(run[-1]) + 1) * size)) for run in runs]
 
 
 class _Worker(threading.Thread):
@@ -161,6 +173,7 @@ class _Worker(threading.Thread):
         self._numbers = itertools.count()
         self._pushing: tuple[Span, int] | None = None  # the span being pushed, and its flight number
         self._inflight = 0  # pieces the kernel holds
+        self._reported: list[tuple[_Flight, int, np.ndarray | None]] = []  # reaped, not yet counted (`_report`)
 
     def enqueue(self, items: list[Span | Task]) -> None:
         with self._enqueue_lock:
@@ -187,9 +200,10 @@ class _Worker(threading.Thread):
                 if self._overlap or not self._inflight:  # 2. refill: as slots free up, or once drained
                     if self._fill() or self._queues.unsubmitted():
                         self._queues.submit()  # the kernel issues the I/O here (GIL released)
+                self._report()  # 3. the pieces reaped in 1. to their requests (which hash them) while the disk works
                 if self._stopping and not self._inflight and not self._again and not self._incoming:
                     return
-                os.eventfd_read(self._wakeup)  # 3. sleep until a completion or new work (GIL released)
+                os.eventfd_read(self._wakeup)  # 4. sleep until a completion or new work (GIL released)
         except Exception as exc:  # the ring itself failed: fail every piece it holds, never hang
             log.error("tensorio: io_uring worker failed: %r", exc)
             with self._enqueue_lock:
@@ -211,28 +225,40 @@ class _Worker(threading.Thread):
         number = int(numbers[0])
         flight = self._flights.get(number) if number != _TASK_FLIGHT else None
         if flight is not None and (numbers == number).all() and (done["res"] == flight.span.piece_bytes).all():
+            indices = done["tag"] & _INDEX if flight.span.request.hashes is not None else None
             self._queues.release(count)
             self._inflight -= count
-            self._land(number, flight, count).request.pieces_finished(count)
+            self._land(number, flight, count)
+            self._reported.append((flight, count, indices))
             return
         entries = list(zip(done["tag"].tolist(), done["res"].tolist()))
         self._queues.release(count)
         self._inflight -= count
-        whole: dict[int, int] = {}  # flight number -> pieces that moved their whole length
+        whole: dict[int, list[int]] = {}  # flight number -> its pieces that moved their whole length
         for tag, result in entries:
-            number, index = tag >> 32, tag & 0xFFFFFFFF
+            number, index = tag >> 32, tag & _INDEX
             if number == _TASK_FLIGHT:
                 self._continue(index, self._tasks.pop(index), result)
                 continue
             flight = self._flights[number]
             piece = flight.piece(index)
             if result == piece.length:
-                whole[number] = whole.get(number, 0) + 1
+                whole.setdefault(number, []).append(index)
             else:  # failed or short: from here on the piece is a Task of its own
                 self._land(number, flight, 1)
                 self._continue(self._free_slots.pop(), Task(flight.span.request, piece), result)
-        for number, pieces in whole.items():
-            self._land(number, self._flights[number], pieces).request.pieces_finished(pieces)
+        for number, indices in whole.items():
+            flight = self._flights[number]
+            self._land(number, flight, len(indices))
+            self._reported.append((flight, len(indices),
+                                   np.array(indices) if flight.span.request.hashes is not None else None))
+
+    def _report(self) -> None:
+        """Count the whole pieces reaped as finished to their requests (after the next submission, so that
+        a checksummed request's hashing of them overlaps the disk's work)."""
+        reported, self._reported = self._reported, []
+        for flight, count, indices in reported:
+            flight.span.request.pieces_finished(count, None, () if indices is None else flight.ranges(indices))
 
     def _land(self, number: int, flight: _Flight, count: int) -> Span:
         """Count ``count`` pieces of a flight as no longer in flight; returns its span."""
@@ -332,7 +358,8 @@ class _Worker(threading.Thread):
         self._inflight += len(tasks)
 
     def _fail_stranded(self) -> None:
-        """After the ring stopped: fail whatever it still held or had queued."""
+        """After the ring stopped: report the pieces reaped, fail whatever it still held or had queued."""
+        self._report()
         with self._enqueue_lock:  # from here on enqueue fails items itself
             stranded: list[Span | Task] = list(self._tasks.values()) + [task for _, task in self._again]
             stranded += list(self._incoming)

@@ -88,29 +88,52 @@ def test_bad_checksum_arguments_are_refused_before_any_io(handle, disk_dir):
     assert not path.exists()
 
 
+def test_landed_ranges_in_any_order_hash_as_each_chunk_at_once():
+    """`LandingHashes` feeds each chunk its bytes in order whatever order the ranges land in (pieces that
+    cross chunks, a range ahead of its chunk's next byte waiting for the bytes before it)."""
+    import random
 
-def test_checksum_work_runs_off_the_io_threads_and_close_waits_for_it(handle, disk_dir, monkeypatch):
-    """A checksummed request is hashed (write) or verified (read) on the handle's hash threads, so the I/O
-    threads go on moving other pieces; `close` returns only once every such request has resolved."""
-    import tensorio._request as request_module
+    from tensorio._landing import LandingHashes
 
-    hashed_in = []
+    data = memoryview(bytes(random.Random(1).randbytes(10_000)))
+    start, chunk, nbytes = 100, 1500, 9000
+    hashes = LandingHashes(data, chunk, nbytes, start)
+    pieces = [(first, min(first + 700, 10_000)) for first in range(0, 10_000, 700)]
+    random.Random(2).shuffle(pieces)
+    fed = []
+    for first, end in pieces:
+        for index in hashes.land(first, end):
+            while (taken := hashes.take(index)) is not None:
+                fed.append(taken)
+                hashes.feed(index, *taken)
+    expected = tensorio.checksum_chunks(data, chunk, start, nbytes)
+    assert tuple(hashes.values) == expected.values
+    assert sorted(fed) == sorted(set(fed)) and sum(end - first for first, end in fed) == nbytes
 
-    def recorded(real):
-        def call(*args, **kwargs):
-            hashed_in.append(threading.current_thread().name)
-            return real(*args, **kwargs)
-        return call
-    monkeypatch.setattr(request_module, "checksum_chunks", recorded(request_module.checksum_chunks))
-    monkeypatch.setattr(request_module, "checksum", recorded(request_module.checksum))
+
+def test_checksum_work_is_done_piece_by_piece_as_the_bytes_land(handle, disk_dir, monkeypatch):
+    """A checksummed request's chunks are hashed (write) or verified (read) as its pieces land, in the I/O
+    threads, not as one hash of each whole chunk after the last byte: every byte is hashed once, in more
+    ranges than there are chunks, and `close` returns with every future resolved."""
+    from tensorio._landing import LandingHashes
+
+    fed = []
+    real = LandingHashes.feed
+
+    def recorded(self, index, first, end):
+        fed.append((threading.current_thread().name, end - first))
+        return real(self, index, first, end)
+    monkeypatch.setattr(LandingHashes, "feed", recorded)
     path = disk_dir / "f.bin"
     data = tensorio.aligned_tensor(4 << 20, torch.uint8).random_(0, 256)
     written = handle.write(data, path, 0, checksum=1 << 20)
     assert written.result() == 4 << 20
+    assert written.checksums == tensorio.checksum_chunks(memoryview(data.numpy()), 1 << 20)
     backs = [torch.empty_like(data) for _ in range(4)]
     futures = [handle.read(back, path, 0, verify=written.checksums) for back in backs]
     handle.close()
     assert all(future.done() for future in futures) and [f.result() for f in futures] == [4 << 20] * 4
     assert all(torch.equal(back, data) for back in backs)
-    assert len(hashed_in) == 1 + 4 * 4  # the write's chunks at once, then each read's four chunks
-    assert all(name.startswith("tensorio-hash") for name in hashed_in), set(hashed_in)
+    assert sum(size for _, size in fed) == 5 * (4 << 20)  # the write's bytes and each read's, once
+    assert len(fed) >= 2 * 5 * 4  # 20 chunks of 16 pieces, fed a few pieces at a time (not whole, after the fact)
+    assert all(name.startswith("tensorio-") for name, _ in fed), {name for name, _ in fed}
