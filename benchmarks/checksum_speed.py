@@ -3,9 +3,8 @@ other Python threads run while it hashes, and fio's sequential read speed on the
 
 The swap files' checksums (tensorio's ``checksum=``/``verify=``) are hashed in the I/O threads piece by
 piece as the bytes land. `fresh_hash_speeds` measures the hash as it meets them there: each piece hashed
-right after its O_DIRECT read (still in the CPU's cache), or right after its O_DIRECT write; the time it
-takes to hash a step's bytes at those speeds is what checksums cost a step whose cores are busy
-(`benchmarks.engine_step` prints that floor beside its on/off ratio).
+right after its O_DIRECT read (still in the CPU's cache), or right after its O_DIRECT write;
+`transfer_on_off` what checksums cost tensorio's own reads and writes where the disk is the bound.
 
     python -m benchmarks.checksum_speed --dir . --size 64M --repeats 5
 """
@@ -104,6 +103,37 @@ def fresh_hash_speeds(directory: str, piece_bytes: int = 1 << 20, nbytes: int = 
     return statistics.median(speeds[False]), statistics.median(speeds[True])
 
 
+def transfer_on_off(directory: str, nbytes: int = 512 << 20, repeats: int = 3) -> dict[str, float]:
+    """tensorio writing then reading ``nbytes`` (1 MiB pieces, queue depth 32, O_DIRECT) without and with
+    checksums, interleaved, ``repeats`` times: the median seconds of each (``write_off``, ``write_on``,
+    ``read_off``, ``read_on``) and the process's CPU seconds per pass (``cpu_off``, ``cpu_on``); the read
+    with checksums is checked against the write's, so a wrong hash fails the run."""
+    data = tensorio.aligned_tensor(nbytes, torch.uint8).random_(0, 256)
+    back = tensorio.aligned_tensor(nbytes, torch.uint8)
+    fd, path = tempfile.mkstemp(dir=directory, prefix="hash-on-off-")
+    os.close(fd)
+    times: dict[str, list[float]] = {}
+    try:
+        with tensorio.AioHandle(block_size=1 << 20, queue_depth=32) as handle:
+            handle.write(data, path, 0).result()  # the file's blocks allocated before anything is timed
+            for _ in range(repeats):
+                for on in (False, True):
+                    suffix = "on" if on else "off"
+                    cpu = time.process_time()
+                    start = time.perf_counter()
+                    written = handle.write(data, path, 0, checksum=nbytes if on else None)
+                    written.result()
+                    middle = time.perf_counter()
+                    handle.read(back, path, 0, verify=written.checksums).result()
+                    end = time.perf_counter()
+                    for key, value in ((f"write_{suffix}", middle - start), (f"read_{suffix}", end - middle),
+                                       (f"cpu_{suffix}", time.process_time() - cpu)):
+                        times.setdefault(key, []).append(value)
+    finally:
+        os.unlink(path)
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=".", help="directory on the disk for fio's read (default: .)")
@@ -124,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     fresh_read, fresh_write = fresh_hash_speeds(args.dir)
     print(f"{'xxh3_64, as tensorio':>24}: {fresh_read:6.1f} GB/s on 1 MiB pieces fresh from an O_DIRECT read, "
           f"{fresh_write:.1f} GB/s right after their O_DIRECT write (256 MiB, median of 3)")
+    moved = transfer_on_off(args.dir)
+    print(f"{'tensorio, 512 MiB':>24}: written {moved['write_off']:.3f} s without checksums, {moved['write_on']:.3f} s "
+          f"with ({moved['write_on'] / moved['write_off']:.2f}x); read {moved['read_off']:.3f} s / {moved['read_on']:.3f} s "
+          f"verified ({moved['read_on'] / moved['read_off']:.2f}x); CPU {moved['cpu_off']:.2f} / {moved['cpu_on']:.2f} s "
+          f"(median of 3, interleaved)")
     try:
         result = run_fio(FioJob(directory=args.dir, rw="read", size=parse_size(args.fio_size), block_size=1 << 20,
                                 queue_depth=32))

@@ -37,3 +37,17 @@ def test_io_phases_splits_the_cpu_per_io(disk_dir, tmp_path, capsys):
         assert row["fill"] + row["submit"] + row["reap"] > 0  # the worker's phases were timed
         assert row["worker"] >= row["fill"] + row["submit"] + row["reap"]
     assert list(disk_dir.iterdir()) == []
+
+
+def test_checksum_speed_measures_the_hash_where_tensorio_meets_the_bytes(disk_dir):
+    """The fresh-piece hash speeds and tensorio's on/off transfer at a tiny size: every figure there, the
+    verified read passing (a wrong hash would raise ChecksumError), nothing left in the directory."""
+    from benchmarks import checksum_speed
+
+    fresh_read, fresh_write = checksum_speed.fresh_hash_speeds(str(disk_dir), piece_bytes=1 << 16, nbytes=1 << 20,
+                                                               repeats=1)
+    assert fresh_read > 0 and fresh_write > 0
+    moved = checksum_speed.transfer_on_off(str(disk_dir), nbytes=1 << 20, repeats=1)
+    assert set(moved) == {f"{what}_{side}" for what in ("write", "read", "cpu") for side in ("on", "off")}
+    assert all(value >= 0 for value in moved.values()) and moved["write_on"] > 0 and moved["read_on"] > 0
+    assert list(disk_dir.iterdir()) == []
