@@ -152,11 +152,11 @@ def test_kernel_peak_sees_a_short_peak_in_its_phase():
 
 def test_a_failed_configuration_is_reported_not_fatal():
     from benchmarks._common import ChildError
-    from benchmarks.infer_stream import _targets
+    from benchmarks._stream_targets import stream_targets
 
     assert ChildError("x", -9, "").one_line() == "killed by SIGKILL (the OOM killer?)"
     assert ChildError("x", 1, "Traceback\nMemoryError: no\n").one_line() == "exit status 1: MemoryError: no"
     failed = {"kind": "ours", "budget": 16 << 30, "batch": 1, "error": "killed by SIGKILL (the OOM killer?)"}
-    lines = _targets([failed], 1e9, [16 << 30], 8 << 30, 16, 8 << 30)
+    lines = stream_targets([failed], 1e9, [16 << 30], 8 << 30, 16, 8 << 30)
     assert lines == ["ours at 16.00 GiB batch 1: not measured (killed by SIGKILL (the OOM killer?)); the targets that "
                      "need it are not checked"]
