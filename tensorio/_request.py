@@ -152,14 +152,18 @@ class Request:
 
     def _feed(self, index: int) -> None:
         """Hash chunk ``index``'s landed bytes from its next one on, until none are left to hash."""
-        hashes = self.hashes
-        while True:
-            with self._lock:
-                taken = hashes.take(index) if self.error is None else None
-            if taken is None:
-                break
-            hashes.feed(index, *taken)
-        self.pieces_finished(1)
+        hashes, error = self.hashes, None
+        try:
+            while True:
+                with self._lock:
+                    taken = hashes.take(index) if self.error is None else None
+                if taken is None:
+                    break
+                hashes.feed(index, *taken)
+        except Exception as exc:  # reported through the future: the request fails, it never hangs
+            error = TensorIOError(errno.EIO, f"checksum failed ({exc!r})", path=self.path, offset=self.offset,
+                                  length=self.nbytes, name_errno=False)
+        self.pieces_finished(1, error)
 
     def _finish(self) -> None:
         error, checksums = self.error, None

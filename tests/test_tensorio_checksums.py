@@ -137,3 +137,25 @@ def test_checksum_work_is_done_piece_by_piece_as_the_bytes_land(handle, disk_dir
     assert sum(size for _, size in fed) == 5 * (4 << 20)  # the write's bytes and each read's, once
     assert len(fed) >= 2 * 5 * 4  # 20 chunks of 16 pieces, fed a few pieces at a time (not whole, after the fact)
     assert all(name.startswith("tensorio-") for name, _ in fed), {name for name, _ in fed}
+
+
+def test_a_failing_hash_fails_its_request_and_hangs_nothing(handle, disk_dir, monkeypatch):
+    """An exception inside the hashing of landed bytes fails that request with a TensorIOError naming it
+    (the future resolves, the handle goes on serving others)."""
+    from tensorio._landing import LandingHashes
+
+    path = disk_dir / "f.bin"
+    data = tensorio.aligned_tensor(1 << 20, torch.uint8).random_(0, 256)
+    written = handle.write(data, path, 0, checksum=1 << 18)
+    written.result()
+
+    def broken(self, index, first, end):
+        raise MemoryError("no room to hash")
+    monkeypatch.setattr(LandingHashes, "feed", broken)
+    with pytest.raises(TensorIOError, match="checksum failed .*no room to hash") as raised:
+        handle.read(torch.empty_like(data), path, 0, verify=written.checksums).result(timeout=60)
+    assert raised.value.path == str(path)
+    monkeypatch.undo()
+    back = torch.empty_like(data)
+    assert handle.read(back, path, 0, verify=written.checksums).result(timeout=60) == 1 << 20
+    assert torch.equal(back, data)
