@@ -52,6 +52,8 @@ def _child(args: dict) -> None:
     import torch
     import transformers
 
+    import tensorio
+
     proc = psutil.Process()
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # lazy imports (torch._dynamo) before the baseline
     mode, clip, gas, bf16 = args["mode"], args["clip"], args["gas"], args["dtype"] == "bf16"
@@ -119,12 +121,12 @@ def _child(args: dict) -> None:
         step(micro)
     times = []
     with RssSampler(kernel_peak=True) as rss:  # no sampling thread taking CPU and the GIL from the timed steps
-        io_before, cpu_before = proc.io_counters(), os.times()
+        io_before, cpu_before, hashed_before = proc.io_counters(), os.times(), tensorio.checksum_totals()
         for micro in batches[args["warmup"]:]:
             start = time.perf_counter()
             step(micro)
             times.append(time.perf_counter() - start)
-        io_after, cpu_after = proc.io_counters(), os.times()
+        io_after, cpu_after, hashed_after = proc.io_counters(), os.times(), tensorio.checksum_totals()
     n = len(times)
     path = None
     auto = {}
@@ -139,7 +141,9 @@ def _child(args: dict) -> None:
                       "cpu_user_per_step": (cpu_after.user - cpu_before.user) / n,
                       "cpu_kernel_per_step": (cpu_after.system - cpu_before.system) / n,
                       "read_per_step": (io_after.read_bytes - io_before.read_bytes) / n,
-                      "written_per_step": (io_after.write_bytes - io_before.write_bytes) / n}))
+                      "written_per_step": (io_after.write_bytes - io_before.write_bytes) / n,
+                      "hashed_per_step": (hashed_after.nbytes - hashed_before.nbytes) / n,
+                      "hash_cpu_per_step": (hashed_after.cpu_seconds - hashed_before.cpu_seconds) / n}))
 
 
 def _deepspeed_engine(model_config, ds_config: dict):
@@ -261,6 +265,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         r["gb_per_s"] = moved
     for mode, r in results.items():
         print(f"{mode}: CPU per step {r['cpu_user_per_step']:.2f} s user, {r['cpu_kernel_per_step']:.2f} s kernel")
+        if r.get("hashed_per_step"):
+            print(f"{mode}: checksums hashed {r['hashed_per_step'] / 1e9:.2f} GB a step in {r['hash_cpu_per_step']:.3f} s "
+                  f"of CPU ({r['hashed_per_step'] / max(r['hash_cpu_per_step'], 1e-9) / 1e9:.1f} GB/s), "
+                  f"{r['hash_cpu_per_step'] / r['step_s']:.1%} of the step")
         if r.get("path"):
             print(f"{mode}: the update ran {r['path']}")
         if r.get("max_in_cpu_source"):

@@ -10,6 +10,7 @@ from ._config import AioConfig
 from ._errors import TensorIOError
 from ._fs import DIRECT_ALIGN, filesystem_type, probe_direct
 from ._handle import AioHandle
+from ._landing import ChecksumTotals, checksum_totals
 from ._phases import PHASES, PhaseTimer, phase_timer
 from ._pool import BufferPool, storage_references
 from ._request import IOFuture
@@ -23,6 +24,7 @@ __all__ = [
     "AioHandle",
     "CHECKSUM_ALGORITHM",
     "ChecksumError",
+    "ChecksumTotals",
     "Checksums",
     "BufferPool",
     "HostRegistration",
@@ -33,6 +35,7 @@ __all__ = [
     "aligned_tensor",
     "checksum",
     "checksum_chunks",
+    "checksum_totals",
     "filesystem_type",
     "format_size",
     "free_locked_tensor",

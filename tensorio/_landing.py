@@ -15,11 +15,35 @@ partition). The state lives under its request's lock: `land` and `take` are call
 
 from __future__ import annotations
 
+import threading
+import time
+from typing import NamedTuple
+
 import xxhash
 
 from ._checksum import checksum
 
-__all__ = ["LandingHashes"]
+__all__ = ["ChecksumTotals", "LandingHashes", "checksum_totals"]
+
+
+class ChecksumTotals(NamedTuple):
+    """What tensorio's checksums have cost this process so far (`checksum_totals`)."""
+
+    nbytes: int
+    """Bytes hashed as they landed (written with ``checksum=``, read with ``verify=``)."""
+    cpu_seconds: float
+    """CPU time of the threads that hashed them, while they hashed."""
+
+
+_totals = [0, 0]  # bytes, CPU nanoseconds
+_totals_lock = threading.Lock()
+
+
+def checksum_totals() -> ChecksumTotals:
+    """The bytes tensorio has hashed in this process and the CPU seconds it took (differences of two
+    calls measure a span: `benchmarks.engine_step` reports them a step)."""
+    with _totals_lock:
+        return ChecksumTotals(_totals[0], _totals[1] / 1e9)
 
 
 class LandingHashes:
@@ -70,6 +94,14 @@ class LandingHashes:
     def feed(self, index: int, first: int, end: int) -> None:
         """Hash bytes [first, end) of chunk ``index`` (a range from `take`; outside the lock: the hash
         releases the GIL on large ranges); the chunk's value is set with its last byte."""
+        start = time.thread_time_ns()
+        self._hash(index, first, end)
+        spent = time.thread_time_ns() - start
+        with _totals_lock:
+            _totals[0] += end - first
+            _totals[1] += spent
+
+    def _hash(self, index: int, first: int, end: int) -> None:
         chunk_first = self.start + index * self.chunk
         chunk_end = min(chunk_first + self.chunk, self.start + self.nbytes)
         window = self.memory[first:end]

@@ -9,7 +9,8 @@ The phases (`PHASES`), each in CPU nanoseconds of the thread that runs it:
 - prepare: the caller's ``write``/``read`` call (checks, plan, runs handed to the worker);
 - fill: the worker writing submission entries (numpy batches; Tasks for staged or short pieces);
 - submit: ``io_uring_submit``, in which the kernel issues the I/O (mostly system time);
-- reap: reading completions, checking every byte count, resolving requests;
+- reap: reading completions, checking every byte count, and (after the next submit) counting them to
+  their requests, which hashes a checksummed one's bytes and resolves what is done;
 - wait: the rest of the worker's CPU (waking from its eventfd, the loop itself);
 
 and "worker", the worker thread's whole CPU time over the transfer. The timers wrap the worker's fill,
@@ -90,12 +91,13 @@ def phase_timer(handle: AioHandle) -> Iterator[PhaseTimer]:
     worker = workers[0]
     timer = PhaseTimer(handle, worker)
     queues = worker._queues
-    fill, reap, submit = worker._fill, worker._reap, queues.submit
+    fill, reap, report, submit = worker._fill, worker._reap, worker._report, queues.submit
     worker._fill, worker._reap = timer._timed(fill, "fill"), timer._timed(reap, "reap")
+    worker._report = timer._timed(report, "reap")  # the reaped pieces counted to their requests, after the submit
     queues.submit = timer._timed(submit, "submit")
     try:
         yield timer
     finally:
         queues.submit = submit
-        del worker._fill, worker._reap  # the class's methods again
+        del worker._fill, worker._reap, worker._report  # the class's methods again
         timer.open = False

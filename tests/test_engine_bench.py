@@ -35,6 +35,9 @@ def test_engine_step_benchmark_tiny(tmp_path, capsys):
     assert len(result["nvme"]["norms"]) == len(result["torch"]["norms"]) == 3  # warm-up and timed steps
     assert result["nvme"]["norms"] == pytest.approx(result["torch"]["norms"], rel=1e-5)
     assert result["nvme"]["clipped"] == sum(norm > 0.5 for norm in result["nvme"]["norms"])
+    assert result["torch"]["hashed_per_step"] == 0  # only tensorio's checksums are counted
+    assert result["nvme"]["hashed_per_step"] > 0 and result["nvme"]["hash_cpu_per_step"] > 0
+    assert "nvme: checksums hashed" in out
     assert list(tmp_path.iterdir()) == []  # swap and fio files removed
 
 

@@ -159,3 +159,19 @@ def test_a_failing_hash_fails_its_request_and_hangs_nothing(handle, disk_dir, mo
     back = torch.empty_like(data)
     assert handle.read(back, path, 0, verify=written.checksums).result(timeout=60) == 1 << 20
     assert torch.equal(back, data)
+
+
+def test_checksum_totals_count_every_byte_hashed_and_its_cpu_time(handle, disk_dir):
+    """`tensorio.checksum_totals` grows by the bytes a checksummed write and a verified read hash (not by
+    a plain transfer's), with the CPU time they took."""
+    path = disk_dir / "f.bin"
+    data = tensorio.aligned_tensor(2 << 20, torch.uint8).random_(0, 256)
+    before = tensorio.checksum_totals()
+    handle.write(data, path, 0).result()
+    handle.read(torch.empty_like(data), path, 0).result()
+    assert tensorio.checksum_totals() == before
+    written = handle.write(data, path, 0, checksum=1 << 20)
+    written.result()
+    handle.read(torch.empty_like(data), path, 0, verify=written.checksums).result()
+    after = tensorio.checksum_totals()
+    assert after.nbytes - before.nbytes == 2 * (2 << 20) and after.cpu_seconds > before.cpu_seconds
