@@ -200,6 +200,10 @@ class RingQueues:
             self._sqes[:count - first] = entries[first:]
         self._sq.sqe_tail = (tail + count) & 0xFFFFFFFF
 
+    def ready(self) -> int:
+        """How many completions are posted and not yet released."""
+        return self._cq_ready(self._address)
+
     def completions(self) -> np.ndarray:
         """Every completion posted and not yet released, oldest first, as a structured array with the
         fields ``tag`` (uint64 user data) and ``res`` (int32 result). Read it, then `release` it: the

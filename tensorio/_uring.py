@@ -194,8 +194,11 @@ class _Worker(threading.Thread):
         os.close(self._wakeup)
 
     def run(self) -> None:
+        prefill = self._overlap and not self._single_submit
         try:
             while True:
+                if prefill and (ready := self._queues.ready()) and self._fill(ready, spans_only=True):
+                    self._queues.submit()  # 0. the disk's next pieces first, in the slots those completions free
                 self._reap()  # 1. every completion already posted, in one batch
                 if self._overlap or not self._inflight:  # 2. refill: as slots free up, or once drained
                     if self._fill() or self._queues.unsubmitted():
@@ -281,12 +284,18 @@ class _Worker(threading.Thread):
 
     # ---- 2. submissions ------------------------------------------------------------------------
 
-    def _fill(self) -> int:
+    def _fill(self, freed: int = 0, *, spans_only: bool = False) -> int:
         """Prepare entries for continuations and new pieces while the queue has room; returns how many
-        are left for ``submit`` (none with single_submit, which submits each at once)."""
-        room = self._depth - self._inflight - len(self._again)
-        tasks = list(self._again)
-        self._again.clear()
+        are left for ``submit`` (none with single_submit, which submits each at once).
+
+        ``freed``: completions posted but not yet reaped, counted as room; ``spans_only``: only DIRECT
+        span pieces (they need no staging slot), up to the first other item. Before a reap, the disk gets
+        its next pieces without waiting for the completions' bookkeeping (a 16 KiB queue of 32 completes
+        all at once: the reap's 33 us were the disk's idle time, 10% of a batch)."""
+        room = self._depth - self._inflight - len(self._again) + freed
+        tasks = [] if spans_only else list(self._again)
+        if not spans_only:
+            self._again.clear()
         prepared = 0
         incoming = self._incoming
         while room > 0 and incoming:
@@ -303,6 +312,8 @@ class _Worker(threading.Thread):
                 self._push_span(item, count)
                 room -= count
                 prepared += count
+            elif spans_only:
+                break
             else:
                 task = item.take_task() if isinstance(item, Span) else item
                 slot = self._free_slots.pop()
