@@ -377,8 +377,11 @@ class Task:
         """The TensorIOError to report for ``exc``, raised while moving this piece."""
         if isinstance(exc, TensorIOError):
             return exc
-        err = exc.errno if isinstance(exc, OSError) and exc.errno else errno.EIO
-        return io_error(err, self.request.op, path=self.request.path, offset=self.position,
+        request = self.request
+        if not isinstance(exc, OSError):  # not the disk's: the I/O worker itself failed
+            return TensorIOError(errno.EIO, f"{request.op} failed: the I/O worker failed ({exc!r})", path=request.path,
+                                 offset=self.position, length=self.length - self.done, name_errno=False)
+        return io_error(exc.errno or errno.EIO, request.op, path=request.path, offset=self.position,
                         length=self.length - self.done)
 
     def finish(self, error: TensorIOError | None) -> None:

@@ -203,3 +203,22 @@ def test_short_direct_transfer_is_finished_through_the_page_cache(disk_dir, monk
         assert h.write(tensor, disk_dir / "short.bin").result() == 3 * 4096
     assert calls[:2] == [0, 1000]
     assert (disk_dir / "short.bin").read_bytes() == tensor.numpy().tobytes()
+
+
+def test_a_failed_io_worker_is_named_not_blamed_on_the_device(disk_dir, monkeypatch):
+    """When the io_uring worker itself fails (a bug, not the disk), its requests fail with a TensorIOError
+    naming the worker's exception, not "the device reported an I/O error"."""
+    import tensorio
+    from tensorio import _uring
+
+    if not tensorio.probe_io_uring()[0]:
+        pytest.skip(tensorio.probe_io_uring()[1])
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("worker bug")
+    monkeypatch.setattr(_uring._Worker, "_fill", broken)
+    with AioHandle(block_size=4096, backend="io_uring") as h:
+        with pytest.raises(TensorIOError) as info:
+            h.write(torch.zeros(4 * 4096, dtype=torch.uint8), disk_dir / "w.bin").result(timeout=60)
+    assert "the I/O worker failed (RuntimeError('worker bug'))" in str(info.value)
+    assert "device reported" not in str(info.value) and info.value.errno == errno.EIO
