@@ -3,7 +3,7 @@ other Python threads run while it hashes, and fio's sequential read speed on the
 
 The swap files' checksums (tensorio's ``checksum=``/``verify=``) are hashed in the I/O threads piece by
 piece as the bytes land. `fresh_hash_speeds` measures the hash as it meets them there: each piece hashed
-right after its O_DIRECT read (still in the CPU's cache), or right after its O_DIRECT write;
+right after its O_DIRECT read (where it may still be in the CPU's cache), or after its O_DIRECT write;
 `transfer_on_off` what checksums cost tensorio's own reads and writes where the disk is the bound.
 
     python -m benchmarks.checksum_speed --dir . --size 64M --repeats 5

@@ -6,11 +6,10 @@ ahead of its chunk's next unhashed byte waits in ``pending`` until the bytes bef
 thread that lands the range at a chunk's next byte feeds it, then whatever waited behind it. One thread
 at a time feeds a chunk (``feeding``); the others leave their ranges behind for it.
 
-Why as they land, not after the request's last byte: a piece hashed right after it lands is still in
-the CPU's cache (the DMA put it there): 25-27 GB/s here against 16-19 GB/s for the same bytes hashed
-once the whole request is in (docs/benchmarks.md, "Checksums"); and the request's future resolves once
-its last piece has landed and been hashed, not after a hash of the whole of it (40 ms for a 617 MB
-partition). The state lives under its request's lock: `land` and `take` are called holding it.
+Why as they land, not after the request's last byte: the request's future resolves once its last
+piece has landed and been hashed, not after a hash of the whole of it (40 ms for a 617 MB partition),
+so a disk-bound transfer with checksums takes the time it takes without (docs/benchmarks.md,
+"Checksums"). The state lives under its request's lock: `land` and `take` are called holding it.
 """
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ class Request:
 
     def piece_finished(self, error: TensorIOError | None, landed: tuple[int, int] | None = None) -> None:
         """Count one piece as finished (``landed``: the bytes of the memory it moved, when it succeeded)."""
-        self.pieces_finished(1, error, (landed,) if landed is not None and error is None else ())
+        self.pieces_finished(1, error, () if landed is None else (landed,))
 
     def pieces_finished(self, count: int, error: TensorIOError | None = None,
                         landed: Iterable[tuple[int, int]] = ()) -> None:
@@ -169,7 +169,9 @@ class Request:
         error, checksums = self.error, None
         if error is None and self.hashes is not None:
             try:
-                values = self._values()
+                values = tuple(self.hashes.values)
+                if None in values:  # every piece is reported as landed, so every chunk was fed
+                    raise RuntimeError(f"internal error: chunk {values.index(None)} was never hashed")
                 if self.write:
                     checksums = Checksums(values, self.checksum_chunk, self.nbytes)
                 else:
@@ -183,17 +185,6 @@ class Request:
         self.tensor = self.memory = None  # the caller's memory is released with the last piece
         self.hashes = None
         self.future._resolve(0 if error else self.nbytes, error, checksums)
-
-    def _values(self) -> tuple[int, ...]:
-        """Every chunk's checksum, as landed; a chunk a backend did not report as landed (every piece
-        must be) is hashed here, so that a value is never missing."""
-        hashes = self.hashes
-        values = list(hashes.values)
-        for i, value in enumerate(values):
-            if value is None:
-                first = hashes.start + i * hashes.chunk
-                values[i] = checksum(self.memory[first:min(first + hashes.chunk, hashes.start + hashes.nbytes)])
-        return tuple(values)
 
     def _verify(self, expected: Checksums, landed: tuple[int, ...]) -> None:
         """Raise ChecksumError unless every chunk read (whose checksums as landed are ``landed``) hashes to

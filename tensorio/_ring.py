@@ -131,6 +131,7 @@ class RingQueues:
                     or queue.kring_entries[0] != entries or queue.kring_mask[0] != queue.ring_mask):
                 raise RuntimeError("liburing's Ring layout is not the one tensorio knows (queue sizes)")
         self.sq_entries = sq.ring_entries
+        self.cq_entries = cq.ring_entries
         self._sq_mask, self._cq_mask = sq.ring_mask, cq.ring_mask
         self._sqes = np.ctypeslib.as_array((ctypes.c_uint64 * (sq.ring_entries * SQE_WORDS)).from_address(sq.sqes)
                                            ).reshape(sq.ring_entries, SQE_WORDS)

@@ -136,11 +136,11 @@ def _run_chunk(span: Span, offset: int, count: int, staging: memoryview, align: 
             moved = os.pwritev(fd, [view], start) if write else os.preadv(fd, [view], start)
         except OSError as exc:
             moved = -(exc.errno or errno.EIO)
-        if moved == length and hashed:  # report it at once: its hash reads it while it is in the cache
-            request.pieces_finished(1, None, ((start - base, start - base + length),))
-            continue
         if moved == length:
-            whole += 1
+            if hashed:  # report it at once, so that it is hashed right after it moved
+                request.pieces_finished(1, None, ((start - base, start - base + length),))
+            else:
+                whole += 1
             continue
         task = Task(request, Piece(start, start - base, length, Mode.DIRECT))
         _run(task, staging, align, first=moved)

@@ -291,8 +291,12 @@ class _Worker(threading.Thread):
         ``freed``: completions posted but not yet reaped, counted as room; ``spans_only``: only DIRECT
         span pieces (they need no staging slot), up to the first other item. Before a reap, the disk gets
         its next pieces without waiting for the completions' bookkeeping (a 16 KiB queue of 32 completes
-        all at once: the reap's 33 us were the disk's idle time, 10% of a batch)."""
+        all at once: the reap's 33 us were the disk's idle time, 10% of a batch). Pieces in the kernel
+        and completions not yet reaped (`_inflight`), with the continuations to come, never exceed the
+        completion ring: an overflowed completion is not seen by `_reap` and its request would hang."""
         room = self._depth - self._inflight - len(self._again) + freed
+        if freed:
+            room = min(room, self._queues.cq_entries - self._inflight - len(self._again))
         tasks = [] if spans_only else list(self._again)
         if not spans_only:
             self._again.clear()
