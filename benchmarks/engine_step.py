@@ -10,7 +10,10 @@ a step is that many micro-batches; plain PyTorch backpropagates loss / gas) and 
 engines train bf16 weights with fp32 master weights in the optimizer; plain PyTorch runs the forward
 under bf16 autocast with fp32 weights) give every mode the same work. ``nvme-unverified`` is ``nvme``
 with ``aio.verify: false`` (no checksums on the swap files; not run unless named): beside ``nvme``, what
-the checksums cost a step. ``deepspeed`` runs DeepSpeed's
+the checksums cost a step. ``nvme-unverified+hash`` (needs both; runs after them in each repeat) is
+``nvme-unverified`` while a thread hashes for, each step, the CPU time ``nvme`` spent hashing, spread
+over ``nvme-unverified``'s step (`benchmarks._hash_load`): what hashing them on this CPU costs wherever it is done, the floor under
+the checksums' cost. ``deepspeed`` runs DeepSpeed's
 stage-3 engine (it must be installed; it JIT-builds its ops on first use) on the same JSON as ``nvme``,
 with the model built under its ``zero.Init`` (on the CPU it fails otherwise). Each step's global
 gradient norm is recorded: with ``--clip``, "clipped" counts the steps whose norm was above it, the
@@ -33,6 +36,7 @@ computation on this machine, which no offload of the same bytes can avoid.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -41,8 +45,9 @@ import time
 
 from bench.fio import fio_load, job_for_config, run_fio
 from benchmarks._common import RssSampler, run_child, traffic_at_pace
+from benchmarks._hash_load import HashLoad
 
-MODES = ("torch", "none", "cpu", "nvme", "deepspeed", "torch+fio", "nvme-unverified")
+MODES = ("torch", "none", "cpu", "nvme", "deepspeed", "torch+fio", "nvme-unverified", "nvme-unverified+hash")
 DEFAULT_MODEL = {"n_layer": 6, "n_embd": 512, "n_head": 8, "vocab_size": 8192, "n_positions": 256}
 
 
@@ -52,13 +57,14 @@ def _child(args: dict) -> None:
     import torch
     import transformers
 
-    import tensorio
+    import tensorio  # noqa: F401 (imported before the baseline RSS is taken)
 
     proc = psutil.Process()
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # lazy imports (torch._dynamo) before the baseline
     mode, clip, gas, bf16 = args["mode"], args["clip"], args["gas"], args["dtype"] == "bf16"
     aio = dict(args["aio"])
-    if mode == "nvme-unverified":  # nvme with the swap files' checksums off: what they cost
+    hash_rate = args.get("hash_rate")  # nvme-unverified+hash: CPU seconds a second hashing beside the steps
+    if mode in ("nvme-unverified", "nvme-unverified+hash"):  # nvme with the swap files' checksums off
         mode, aio["verify"] = "nvme", False
     if mode == "deepspeed":
         import deepspeed  # noqa: F401 (its import and accelerator setup before the baseline)
@@ -117,16 +123,10 @@ def _child(args: dict) -> None:
                 norms.append(float(engine.get_global_grad_norm()))
             return loss.item()
     params = args["params"]
-    for micro in batches[:args["warmup"]]:
-        step(micro)
-    times = []
-    with RssSampler(kernel_peak=True) as rss:  # no sampling thread taking CPU and the GIL from the timed steps
-        io_before, cpu_before, hashed_before = proc.io_counters(), os.times(), tensorio.checksum_totals()
-        for micro in batches[args["warmup"]:]:
-            start = time.perf_counter()
-            step(micro)
-            times.append(time.perf_counter() - start)
-        io_after, cpu_after, hashed_after = proc.io_counters(), os.times(), tensorio.checksum_totals()
+    load = HashLoad(hash_rate) if hash_rate else contextlib.nullcontext()
+    with load:
+        times, rss, counters = _timed_steps(step, batches, args["warmup"], proc)
+    io_before, cpu_before, hashed_before, io_after, cpu_after, hashed_after = counters
     n = len(times)
     path = None
     auto = {}
@@ -135,6 +135,9 @@ def _child(args: dict) -> None:
         if engine.plan.max_in_cpu_source:  # max_in_cpu "auto": what it took, and from what
             auto = {"max_in_cpu": engine.plan.max_in_cpu, "max_in_cpu_source": engine.plan.max_in_cpu_source,
                     "in_memory_bytes": engine.plan.in_memory[1], "on_disk_bytes": engine.plan.on_disk[1]}
+    if hash_rate:  # the load's bytes and CPU, per step (warm-up included: it ran through both)
+        steps = args["warmup"] + n
+        auto.update(load_hashed_per_step=load.hashed / steps, load_cpu_per_step=load.cpu_seconds / steps)
     print(json.dumps({**auto, "mode": mode, "params": params, "step_s": statistics.median(times), "times": times,
                       "peak_rss": rss.peak, "baseline_rss": baseline, "norms": norms, "path": path,
                       "clipped": sum(1 for norm in norms if norm > clip) if clip else 0,
@@ -144,6 +147,24 @@ def _child(args: dict) -> None:
                       "written_per_step": (io_after.write_bytes - io_before.write_bytes) / n,
                       "hashed_per_step": (hashed_after.nbytes - hashed_before.nbytes) / n,
                       "hash_cpu_per_step": (hashed_after.cpu_seconds - hashed_before.cpu_seconds) / n}))
+
+
+def _timed_steps(step, batches: list, warmup: int, proc):
+    """Run the warm-up steps, then time the rest; return the times, the RSS sampler and the counters
+    (I/O, CPU, checksums) before and after the timed steps."""
+    import tensorio
+
+    for micro in batches[:warmup]:
+        step(micro)
+    times = []
+    with RssSampler(kernel_peak=True) as rss:  # no sampling thread taking CPU and the GIL from the timed steps
+        io_before, cpu_before, hashed_before = proc.io_counters(), os.times(), tensorio.checksum_totals()
+        for micro in batches[warmup:]:
+            start = time.perf_counter()
+            step(micro)
+            times.append(time.perf_counter() - start)
+        io_after, cpu_after, hashed_after = proc.io_counters(), os.times(), tensorio.checksum_totals()
+    return times, rss, (io_before, cpu_before, hashed_before, io_after, cpu_after, hashed_after)
 
 
 def _deepspeed_engine(model_config, ds_config: dict):
@@ -161,7 +182,7 @@ def _deepspeed_engine(model_config, ds_config: dict):
     return engine
 
 
-def run_mode(mode: str, args: argparse.Namespace, directory: str) -> dict:
+def run_mode(mode: str, args: argparse.Namespace, directory: str, *, hash_rate: float = 0.0) -> dict:
     """Run one configuration in a subprocess; return its figures. Raises RuntimeError if it fails."""
     payload = {"mode": mode, "model": args.model_config, "batch": args.batch, "seq": args.seq,
                "warmup": args.warmup, "steps": args.steps, "dir": os.path.abspath(directory),
@@ -170,7 +191,7 @@ def run_mode(mode: str, args: argparse.Namespace, directory: str) -> dict:
                "max_in_cpu": args.max_in_cpu if args.max_in_cpu == "auto" else int(float(args.max_in_cpu)),
                "aio": {"block_size": args.block_size, "queue_depth": args.queue_depth}, "clip": args.clip,
                "gas": args.gas, "dtype": args.dtype, "params": args.params,
-               "reuse_distance": 0 if mode == "deepspeed" else args.reuse_distance}
+               "reuse_distance": 0 if mode == "deepspeed" else args.reuse_distance, "hash_rate": hash_rate}
     threshold = args.malloc_mmap_threshold if args.malloc_mmap_threshold >= 0 else None
     return run_child("benchmarks.engine_step", ["--child", json.dumps(payload)], mmap_threshold=threshold)
 
@@ -228,6 +249,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         if "torch" not in modes or "nvme" not in modes:
             raise SystemExit("--modes: torch+fio needs torch and nvme as well (it moves nvme's bytes at torch's pace)")
         modes = [m for m in modes if m != "torch+fio"] + ["torch+fio"]
+    if "nvme-unverified+hash" in modes:
+        if "nvme" not in modes or "nvme-unverified" not in modes:
+            raise SystemExit("--modes: nvme-unverified+hash needs nvme and nvme-unverified as well (it hashes for nvme's "
+                             "hashing CPU time at nvme-unverified's pace)")
+        modes = [m for m in modes if m != "nvme-unverified+hash"] + ["nvme-unverified+hash"]
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-engine-") as directory:
         print(f"model={json.dumps(model)} batch={args.batch} seq={args.seq} gas={args.gas} clip={args.clip} "
               f"dtype={args.dtype} reuse_distance={args.reuse_distance} warmup={args.warmup} steps={args.steps} "
@@ -238,6 +264,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
             for mode in modes:
                 if mode == "torch+fio":
                     runs[mode].append(_run_beside_io(args, directory, runs["torch"][-1], runs["nvme"][-1]))
+                elif mode == "nvme-unverified+hash":
+                    rate = runs["nvme"][-1]["hash_cpu_per_step"] / runs["nvme-unverified"][-1]["step_s"]
+                    runs[mode].append(run_mode(mode, args, directory, hash_rate=rate))
                 else:
                     runs[mode].append(run_mode(mode, args, directory))
             if args.repeats > 1:
@@ -302,6 +331,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         print(f"nvme (checksums on) / nvme-unverified (aio.verify false) step time = {cost:.3f} (target <= 1.03); "
               "per repeat: " + " ".join(f"{r:.3f}" for r in per_repeat))
         ratios["verify_cost"], ratios["verify_cost_per_repeat"] = cost, per_repeat
+    if "nvme-unverified+hash" in results:
+        _print_hash_floor(runs, results, ratios)
     if "nvme" in results and "deepspeed" in results:
         speedup = results["deepspeed"]["step_s"] / results["nvme"]["step_s"]
         saved = results["deepspeed"]["peak_rss"] - results["nvme"]["peak_rss"]
@@ -310,6 +341,27 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     if ratios:
         results["ratio"] = ratios
     return results
+
+
+def _print_hash_floor(runs: dict[str, list[dict]], results: dict[str, dict], ratios: dict) -> None:
+    """The checksums' floor (nvme-unverified+hash / nvme-unverified) and nvme against it, pooled and per repeat."""
+    loaded, off, on = runs["nvme-unverified+hash"], runs["nvme-unverified"], runs["nvme"]
+    floor = _pooled(loaded) / _pooled(off)
+    against = _pooled(on) / _pooled(loaded)
+    cost = _pooled(on) / _pooled(off)
+    r = results["nvme-unverified+hash"]
+    print(f"nvme-unverified+hash: a thread hashed {r['load_hashed_per_step'] / 1e9:.2f} GB a step in "
+          f"{r['load_cpu_per_step']:.3f} s of CPU beside nvme-unverified: the floor under the checksums' cost "
+          f"{floor:.3f} (per repeat: " + " ".join(f"{b['step_s'] / a['step_s']:.3f}" for a, b in zip(off, loaded))
+          + f"); nvme against it {against:.3f} (per repeat: "
+          + " ".join(f"{a['step_s'] / b['step_s']:.3f}" for a, b in zip(on, loaded)) + f"); nvme / nvme-unverified {cost:.3f}; "
+          "pooled medians of every step")
+    ratios["hash_floor"], ratios["verify_over_floor"], ratios["verify_cost_pooled"] = floor, against, cost
+
+
+def _pooled(runs: list[dict]) -> float:
+    """The median of every timed step of ``runs``."""
+    return statistics.median(t for r in runs for t in r["times"])
 
 
 def _run_beside_io(args: argparse.Namespace, directory: str, plain: dict, nvme: dict) -> dict:

@@ -136,3 +136,56 @@ def test_engine_step_beside_io_needs_the_modes_it_compares():
 
     with pytest.raises(SystemExit, match="torch\\+fio needs torch and nvme"):
         engine_step.main(["--modes", "torch,torch+fio"])
+
+
+def test_engine_step_hash_floor_runs_after_the_modes_it_paces_by(tmp_path, monkeypatch, capsys):
+    """nvme-unverified+hash runs last in each repeat, paced by that repeat's nvme hashing CPU over its
+    nvme-unverified step, and is reported as the checksums' floor with nvme against it (pooled steps)."""
+    from benchmarks import engine_step
+
+    calls, rates = [], []
+
+    def child(module, args, mmap_threshold=None):
+        payload = json.loads(args[1])
+        mode = payload["mode"]
+        calls.append(mode)
+        rates.append(payload["hash_rate"])
+        repeat = calls.count(mode)
+        step_s = {"nvme": 1.1, "nvme-unverified": 1.0, "nvme-unverified+hash": 1.05}[mode] * repeat
+        extra = {"load_hashed_per_step": 2e9, "load_cpu_per_step": 0.1} if mode.endswith("+hash") else {}
+        return {**extra, "mode": mode, "params": payload["params"], "step_s": step_s, "times": [step_s] * 2,
+                "peak_rss": 1e8, "baseline_rss": 5e7, "norms": [], "path": None, "clipped": 0,
+                "cpu_user_per_step": 1.0, "cpu_kernel_per_step": 0.1, "read_per_step": 8e6, "written_per_step": 4e6,
+                "hashed_per_step": 3e9 if mode == "nvme" else 0, "hash_cpu_per_step": 0.2 if mode == "nvme" else 0}
+
+    monkeypatch.setattr(engine_step, "run_child", child)
+    monkeypatch.setattr(engine_step, "run_fio", lambda job: type("Result", (), {"bw_bytes": 1e9})())
+    result = engine_step.main(["--modes", "nvme-unverified+hash,nvme,nvme-unverified", "--steps", "2", "--repeats", "2",
+                               "--dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert calls == ["nvme", "nvme-unverified", "nvme-unverified+hash"] * 2
+    assert rates == [0.0, 0.0, pytest.approx(0.2), 0.0, 0.0, pytest.approx(0.1)]  # 0.2 s over 1 s, then over 2 s
+    assert result["ratio"]["hash_floor"] == pytest.approx(1.05 * 1.5 / 1.5)  # pooled: medians of both repeats' steps
+    assert result["ratio"]["verify_over_floor"] == pytest.approx(1.1 / 1.05)
+    assert "the floor under the checksums' cost 1.050 (per repeat: 1.050 1.050)" in out
+    assert "nvme against it 1.048" in out and "nvme / nvme-unverified 1.100" in out
+
+
+def test_engine_step_hash_floor_needs_the_modes_it_compares():
+    from benchmarks import engine_step
+
+    with pytest.raises(SystemExit, match="nvme-unverified\\+hash needs nvme and nvme-unverified"):
+        engine_step.main(["--modes", "nvme,nvme-unverified+hash"])
+
+
+def test_hash_load_hashes_until_closed_and_refuses_a_rate_outside_a_core():
+    """The load hashes (waited for by its own count, not by the clock) and says what it did once closed."""
+    from benchmarks._hash_load import HashLoad
+
+    with pytest.raises(ValueError, match="cpu_rate: 1.5 is not allowed"):
+        HashLoad(1.5)
+    load = HashLoad(0.5, buffer_bytes=4 << 20)
+    with load:
+        while load.hashed < 12 << 20:  # three 4 MiB slices: round the 4 MiB buffer and back
+            pass
+    assert load.hashed >= 12 << 20 and load.cpu_seconds > 0

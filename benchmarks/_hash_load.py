@@ -1,0 +1,58 @@
+"""`HashLoad`: a thread that hashes memory at a set pace, the checksums' CPU work with no tie to the I/O.
+
+``benchmarks.engine_step --modes ...,nvme-unverified+hash`` runs the engine without checksums while this
+thread spends, each step, the CPU time the engine with checksums spent hashing (the same xxh3-64, 4 MiB
+at a time from a buffer larger than the CPU's caches, as swapped bytes come from memory), spread evenly
+over the step. What that costs the step is what that hashing costs on this CPU wherever it is done: the
+floor under the checksums' cost, beside which `tensorio`'s own hashing (in the I/O threads, as pieces
+land) is measured.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import xxhash
+
+__all__ = ["HashLoad"]
+
+_SLICE = 4 << 20  # a reaped batch's size; ~0.2 ms of hashing, so the thread wakes a few hundred times a second
+
+
+class HashLoad:
+    """While open, a daemon thread hashes (4 MiB slices of a ``buffer_bytes`` buffer, round and round) for
+    ``cpu_rate`` CPU seconds a second, sleeping when ahead of the pace; ``hashed`` and ``cpu_seconds`` (the
+    hashing's, its loop's not counted) say what it did."""
+
+    def __init__(self, cpu_rate: float, *, buffer_bytes: int = 128 << 20) -> None:
+        if not 0 < cpu_rate < 1:
+            raise ValueError(f"cpu_rate: {cpu_rate!r} is not allowed; use CPU seconds a second in (0, 1)")
+        self.cpu_rate = cpu_rate
+        self.hashed = 0
+        self.cpu_seconds = 0.0
+        self._buffer = memoryview(np.random.default_rng(0).integers(0, 256, buffer_bytes, dtype=np.uint8))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hash-load", daemon=True)
+
+    def __enter__(self) -> "HashLoad":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        start, offset, size = time.perf_counter(), 0, len(self._buffer)
+        while not self._stop.is_set():
+            ahead = self.cpu_seconds / self.cpu_rate - (time.perf_counter() - start)
+            if ahead > 0:  # seconds until its hashing CPU time is back on the pace
+                self._stop.wait(ahead)
+                continue
+            began = time.thread_time()  # the hash alone, as `tensorio.checksum_totals` counts it
+            xxhash.xxh3_64_intdigest(self._buffer[offset:offset + _SLICE])
+            self.cpu_seconds += time.thread_time() - began
+            self.hashed += _SLICE
+            offset = (offset + _SLICE) % size
