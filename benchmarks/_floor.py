@@ -18,13 +18,10 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from typing import Iterator
-from unittest import mock
 
 import numpy as np
 import torch
 
-import offload.infer.stream.streamer as streamer_module
-from offload.storage.safetensors_reader import read_windows
 
 __all__ = ["reads_skipped", "ring_reads_alone", "side_by_side"]
 
@@ -70,7 +67,7 @@ def ring_reads_alone(engine, *, forwards: int = 2) -> tuple[int, float]:
     for i, unit in enumerate(units):
         if len(inflight) == len(buffers):  # the oldest read's buffer is the next one free
             total += sum(future.result() for future in inflight.pop(0))
-        inflight.append(read_windows(engine.handle, unit.windows, buffers[i % len(buffers)]))
+        inflight.append(engine.streamer.read_into(unit.windows, buffers[i % len(buffers)]))
     for futures in inflight:
         total += sum(future.result() for future in futures)
     return total, time.perf_counter() - start
@@ -82,11 +79,13 @@ def reads_skipped(engine) -> Iterator[None]:
     is its compute alone on the ring's stale bytes; its outputs mean nothing. Raises RuntimeError (see
     `_streamed`)."""
     _streamed(engine)
-    with mock.patch.object(streamer_module, "read_windows", lambda handle, windows, buffer: [_Skipped() for _ in windows]):
-        try:
-            yield
-        finally:
-            engine.streamer.reset()  # nothing skipped stays bound: the next forward reads its layers again
+    streamer = engine.streamer
+    streamer.read_into = lambda windows, buffer: [_Skipped() for _ in windows]  # shadows the method
+    try:
+        yield
+    finally:
+        del streamer.read_into  # the method again
+        streamer.reset()  # nothing skipped stays bound: the next forward reads its layers again
 
 
 class _TokenClock:

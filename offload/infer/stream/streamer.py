@@ -224,13 +224,19 @@ class LayerStreamer:
                 unit.slot = self._free.popleft()
                 if self.stager is not None:
                     self.stager.check_refill(self.buffers[unit.slot])  # its last copy to the device has read it
-                unit.futures = read_windows(self.handle, unit.windows, self.buffers[unit.slot])
+                unit.futures = self.read_into(unit.windows, self.buffers[unit.slot])
                 unit.state = "in flight"
                 self._inflight.append(unit)
                 skipped = 0
             else:  # resident, or loading and its load's: the forward does not need the ring for it
                 skipped += 1
             self._next = (self._next + 1) % len(self.units)
+
+    def read_into(self, windows: list, buffer: torch.Tensor) -> list:
+        """Start reading a unit's ``windows`` into ``buffer`` (one of the ring's); their futures. Every
+        streamed read goes through here (`benchmarks._floor` makes them complete unread, to time the
+        compute alone)."""
+        return read_windows(self.handle, windows, buffer)
 
     def _claim(self, unit: Unit) -> bool:
         return unit.state == "loading" and unit.buffer_nbytes <= self.buffer_nbytes and unit.loading.claim(unit)
