@@ -24,7 +24,7 @@ _SLICE = 4 << 20  # a reaped batch's size; ~0.2 ms of hashing, so the thread wak
 class HashLoad:
     """While open, a daemon thread hashes (4 MiB slices of a ``buffer_bytes`` buffer, round and round) for
     ``cpu_rate`` CPU seconds a second, sleeping when ahead of the pace; ``hashed`` and ``cpu_seconds`` (the
-    hashing's, its loop's not counted) say what it did."""
+    hashing's, its loop's not counted) say what it did, over every time it was open (it can be reopened)."""
 
     def __init__(self, cpu_rate: float, *, buffer_bytes: int = 128 << 20) -> None:
         if not 0 < cpu_rate < 1:
@@ -33,10 +33,13 @@ class HashLoad:
         self.hashed = 0
         self.cpu_seconds = 0.0
         self._buffer = memoryview(np.random.default_rng(0).integers(0, 256, buffer_bytes, dtype=np.uint8))
+        self._offset = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="hash-load", daemon=True)
+        self._thread: threading.Thread | None = None
 
     def __enter__(self) -> "HashLoad":
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="hash-load", daemon=True)
         self._thread.start()
         return self
 
@@ -45,14 +48,15 @@ class HashLoad:
         self._thread.join()
 
     def _run(self) -> None:
-        start, offset, size = time.perf_counter(), 0, len(self._buffer)
+        start, spent, size = time.perf_counter(), 0.0, len(self._buffer)
         while not self._stop.is_set():
-            ahead = self.cpu_seconds / self.cpu_rate - (time.perf_counter() - start)
+            ahead = spent / self.cpu_rate - (time.perf_counter() - start)
             if ahead > 0:  # seconds until its hashing CPU time is back on the pace
                 self._stop.wait(ahead)
                 continue
             began = time.thread_time()  # the hash alone, as `tensorio.checksum_totals` counts it
-            xxhash.xxh3_64_intdigest(self._buffer[offset:offset + _SLICE])
-            self.cpu_seconds += time.thread_time() - began
+            xxhash.xxh3_64_intdigest(self._buffer[self._offset:self._offset + _SLICE])
+            spent += time.thread_time() - began
             self.hashed += _SLICE
-            offset = (offset + _SLICE) % size
+            self._offset = (self._offset + _SLICE) % size
+        self.cpu_seconds += spent

@@ -36,6 +36,7 @@ The same target against the fastest fio figure of the whole run is printed besid
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -52,6 +53,7 @@ import psutil
 
 from bench.fio import FioJob, run_fio
 from benchmarks._common import REPO, RssSampler, free_port
+from benchmarks._hash_load import HashLoad
 
 GB = 1e9
 STATE_BYTES = 16
@@ -173,6 +175,8 @@ def _child_train(spec: dict, save) -> dict:
     import torch
     import transformers
 
+    import tensorio
+
     out: dict = {"engine": spec["engine"], "baseline_rss": _baseline(), "steps": []}
     proc = psutil.Process()
     config = ds_config(spec, spec["nvme_dir"])
@@ -216,13 +220,14 @@ def _child_train(spec: dict, save) -> dict:
     param_io = getattr(engine, "io_bytes", None) if spec["engine"] == "offload" else None
     io_wait = getattr(opt, "io_wait_seconds", None)
     disk = DiskBusy(spec["nvme_dir"])
+    load = HashLoad(spec["hash_cpu_rate"]) if spec.get("hash_cpu_rate") else contextlib.nullcontext()
     out["fio_before_steps"] = _fio_beside_steps(spec)
     for batch in spec["batches"]:
         x = data[:batch]
         for step in range(spec["steps"]):
             io0, p0, w0 = proc.io_counters(), param_io() if param_io else None, io_wait() if io_wait else 0.0
-            cpu0 = proc.cpu_times()
-            with RssSampler(kernel_peak=True) as rss:
+            cpu0, hashed0 = proc.cpu_times(), tensorio.checksum_totals().cpu_seconds
+            with RssSampler(kernel_peak=True) as rss, load:  # the hash load (if any) during the step only
                 t0, busy0 = time.perf_counter(), disk.busy_ms()
                 loss = engine(x, labels=x).loss
                 t1, busy1 = time.perf_counter(), disk.busy_ms()
@@ -233,6 +238,7 @@ def _child_train(spec: dict, save) -> dict:
             io1, p1, cpu1 = proc.io_counters(), param_io() if param_io else None, proc.cpu_times()
             row = {"batch": batch, "step": step + 1, "seconds": t3 - t0, "forward_s": t1 - t0, "backward_s": t2 - t1,
                    "step_s": t3 - t2, "cpu_s": cpu1.user + cpu1.system - cpu0.user - cpu0.system,
+                   "hash_cpu_s": tensorio.checksum_totals().cpu_seconds - hashed0,
                    "loss": loss.item(), "peak_rss": rss.peak,
                    "read": io1.read_bytes - io0.read_bytes, "written": io1.write_bytes - io0.write_bytes,
                    "io_wait": (io_wait() - w0) if io_wait else None,
@@ -246,6 +252,8 @@ def _child_train(spec: dict, save) -> dict:
             params = (f" (parameter file {row['param_read'] / GB:.2f} / {row['param_written'] / GB:.2f})"
                       if p0 is not None else "")
             io_notes = f", optimizer io wait {row['io_wait']:.2f} s" if io_wait else ""
+            if row["hash_cpu_s"]:
+                io_notes += f", checksums {row['hash_cpu_s']:.2f} s of CPU"
             if row["disk_busy"] is not None:
                 io_notes += (f", disk busy {row['disk_busy']:.0%} (forward {row['disk_busy_forward']:.0%}, backward "
                          f"{row['disk_busy_backward']:.0%})")
@@ -401,6 +409,9 @@ def main(argv: list[str] | None = None) -> dict:
                          "(negative: glibc's default)")
     ap.add_argument("--no-verify", action="store_true",
                     help="aio.verify false: no checksums on the swap files (to measure what they cost)")
+    ap.add_argument("--hash-cpu-rate", type=float, default=None,
+                    help="a thread hashes memory for this share of a core's time during each step (with --no-verify: "
+                         "the checksums' floor, benchmarks.verify_cost)")
     ap.add_argument("--out", help="write every figure to this JSON file")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -423,7 +434,8 @@ def main(argv: list[str] | None = None) -> dict:
     ref_params = gpt2_parameters(spec["ref_layers"], spec["hidden"], spec["vocab"], spec["seq"])
     largest = max(spec["vocab"] * spec["hidden"], 4 * spec["hidden"] ** 2)
     spec.update(checkpointing=args.checkpointing, buffer_count=args.buffer_count, buffer_size=args.buffer_size or largest,
-                block_size=args.block_size, queue_depth=args.queue_depth, no_verify=args.no_verify)
+                block_size=args.block_size, queue_depth=args.queue_depth, no_verify=args.no_verify,
+                hash_cpu_rate=args.hash_cpu_rate)
     mmap = args.malloc_mmap_threshold if args.malloc_mmap_threshold >= 0 else None
     rss_limit = int(args.rss_limit * GB) if args.rss_limit else int(0.85 * psutil.virtual_memory().total)
     state = STATE_BYTES * params

@@ -1,14 +1,15 @@
-"""What the swap files' checksums cost a large training step: `benchmarks.train_large` with them and
-without (``--no-verify``), interleaved on, off, off, on, on, off, ... (``--pairs`` of each).
+"""What the swap files' checksums cost a large training step: `benchmarks.train_large` with them (on),
+without (``--no-verify``: off), and without while a thread spends the CPU time their hashing took
+(floor), interleaved: on, off, floor, then floor, off, on, ... (``--rounds`` of the three).
 
-    python -m benchmarks.verify_cost --pairs 3 -- --layers 4 --batch 1 --steps 5 --skip-reference --nvme-dir DIR
+    python -m benchmarks.verify_cost --rounds 2 -- --layers 4 --batch 1 --steps 5 --skip-reference --nvme-dir DIR
 
 Everything after ``--`` is train_large's arguments (one batch size). Each run is train_large's, in its own
 child processes; its steady steps (after the first two, as train_large's summary takes them) are pooled
-per side. Reported: the pooled median step with checksums over without (target <= 1.03), and the same
-for each step's time over its bytes at fio's speed just before and after it (`train_large.io_seconds_beside`),
-which takes out the disk's swings between runs: this disk's speed moves by 2x within minutes, more than
-the cost being measured.
+per side. The floor's thread (`benchmarks._hash_load`, ``train_large --hash-cpu-rate``) hashes memory
+during each step for the share of a core that the latest "on" run's hashing took of the latest "off"
+run's step: what hashing those bytes costs on this CPU (its cores and its memory bandwidth) wherever it
+is done. Reported: pooled median steps on / off (target <= 1.03), floor / off, and on / floor.
 """
 
 from __future__ import annotations
@@ -21,51 +22,58 @@ from benchmarks import train_large
 __all__ = ["TARGET", "main", "order"]
 
 TARGET = 1.03
+SIDES = ("on", "off", "floor")
 
 
-def order(pairs: int) -> list[bool]:
-    """Whether each run has checksums on: on, off, off, on, ... (each side first in half the pairs)."""
-    return [(i % 2 == 0) == (j == 0) for i in range(pairs) for j in range(2)]
+def order(rounds: int) -> list[str]:
+    """The sides in run order: on, off, floor, then floor, off, on, and so on."""
+    return [side for i in range(rounds) for side in (SIDES if i % 2 == 0 else SIDES[::-1])]
 
 
 def _steady(results: dict) -> tuple[list[float], list[float]]:
-    """A run's steady steps: their seconds, and their seconds over their bytes at fio's speed beside them."""
+    """A run's steady steps: their seconds and their checksums' CPU seconds."""
     run = results["offload"]
     if "error" in run:
         raise SystemExit(f"train_large failed: {run['error']}")
-    batch = results["spec"]["batches"][0]
-    rows = train_large._steady(run["steps"], batch)
-    return [r["seconds"] for r in rows], [r["seconds"] / train_large.io_seconds_beside(run, r) for r in rows]
+    rows = train_large._steady(run["steps"], results["spec"]["batches"][0])
+    return [r["seconds"] for r in rows], [r.get("hash_cpu_s", 0.0) for r in rows]
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the interleaved series; print each run and the pooled ratios; return them."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pairs", type=int, default=3, help="runs of each side (default 3)")
+    ap.add_argument("--rounds", type=int, default=2, help="runs of each side (default 2)")
     ap.add_argument("train_large_args", nargs=argparse.REMAINDER, help="-- then train_large's arguments")
     args = ap.parse_args(argv)
-    if args.pairs < 1:
-        raise SystemExit(f"--pairs: {args.pairs} is not allowed; use 1 or more")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds: {args.rounds} is not allowed; use 1 or more")
     rest = [a for a in args.train_large_args if a != "--"]
-    if "--no-verify" in rest:
-        raise SystemExit("--no-verify: not among train_large's arguments here; the series runs both sides itself")
-    pooled: dict[bool, tuple[list[float], list[float]]] = {True: ([], []), False: ([], [])}
-    for number, on in enumerate(order(args.pairs), 1):
-        seconds, beside = _steady(train_large.main(rest + ([] if on else ["--no-verify"])))
-        pooled[on][0].extend(seconds)
-        pooled[on][1].extend(beside)
-        print(f"verify_cost: run {number} (checksums {'on' if on else 'off'}): steady steps "
-              + " ".join(f"{s:.2f}" for s in seconds) + " s; over their bytes at fio's speed beside them "
-              + " ".join(f"{b:.2f}" for b in beside), flush=True)
-    on_s, off_s = (statistics.median(pooled[side][0]) for side in (True, False))
-    on_b, off_b = (statistics.median(pooled[side][1]) for side in (True, False))
-    result = {"on_s": on_s, "off_s": off_s, "ratio": on_s / off_s, "on_beside": on_b, "off_beside": off_b,
-              "ratio_beside": on_b / off_b, "steps": {"on": pooled[True], "off": pooled[False]}}
-    print(f"verify_cost: checksums on / off, {args.pairs} runs each, pooled median steps {on_s:.2f} / {off_s:.2f} s = "
-          f"{result['ratio']:.3f}; over the disk's speed beside each step {on_b:.2f} / {off_b:.2f} = "
-          f"{result['ratio_beside']:.3f} (target <= {TARGET}: "
-          f"{'met' if result['ratio_beside'] <= TARGET else 'NOT met'} against the disk, "
-          f"{'met' if result['ratio'] <= TARGET else 'NOT met'} in seconds)")
+    for flag in ("--no-verify", "--hash-cpu-rate"):
+        if flag in rest:
+            raise SystemExit(f"{flag}: not among train_large's arguments here; the series sets it for each side")
+    pooled: dict[str, list[float]] = {side: [] for side in SIDES}
+    latest: dict[str, float] = {}  # "hash": the last on run's hashing CPU a step; "off": the last off run's step
+    for number, side in enumerate(order(args.rounds), 1):
+        extra = {"on": [], "off": ["--no-verify"]}.get(side)
+        if extra is None:  # the floor: off, plus the on run's hashing CPU at the off run's pace
+            rate = latest["hash"] / latest["off"]
+            extra = ["--no-verify", "--hash-cpu-rate", f"{rate:.6f}"]
+        seconds, hashing = _steady(train_large.main(rest + extra))
+        pooled[side].extend(seconds)
+        if side == "on":
+            latest["hash"] = statistics.median(hashing)
+        elif side == "off":
+            latest["off"] = statistics.median(seconds)
+        print(f"verify_cost: run {number} ({side}{' ' + extra[-1] + ' of a core hashing' if side == 'floor' else ''}): "
+              "steady steps " + " ".join(f"{s:.2f}" for s in seconds) + " s"
+              + (f"; checksums {statistics.median(hashing):.2f} s of CPU a step" if side == "on" else ""), flush=True)
+    on, off, floor = (statistics.median(pooled[side]) for side in SIDES)
+    result = {"on_s": on, "off_s": off, "floor_s": floor, "ratio": on / off, "floor": floor / off,
+              "over_floor": on / floor, "steps": pooled}
+    print(f"verify_cost: {args.rounds} runs a side, pooled median steps: on / off {on:.2f} / {off:.2f} s = "
+          f"{result['ratio']:.3f} (target <= {TARGET}: {'met' if result['ratio'] <= TARGET else 'NOT met'}); "
+          f"the floor (off, plus the hashing's CPU) / off {floor:.2f} / {off:.2f} s = {result['floor']:.3f}; "
+          f"on / the floor {result['over_floor']:.3f}")
     return result
 
 

@@ -7,41 +7,45 @@ import pytest
 pytestmark = pytest.mark.bench
 
 
-def _results(seconds: list[float], read_speed: float) -> dict:
-    """train_large's figures for a run whose steps took ``seconds``, each moving 2 GB read at ``read_speed``
-    (fio's read speed beside every step) and nothing written."""
-    fio = {"read": read_speed, "write": 1e9}
-    steps = [{"batch": 1, "seconds": s, "read": 2e9, "written": 0, "fio_after": fio} for s in seconds]
-    return {"spec": {"batches": [1]}, "offload": {"steps": steps, "fio_before_steps": fio}}
+def _results(seconds: list[float], hashing: float) -> dict:
+    """train_large's figures for a run whose steps took ``seconds`` and ``hashing`` seconds of checksum CPU."""
+    steps = [{"batch": 1, "seconds": s, "hash_cpu_s": hashing} for s in seconds]
+    return {"spec": {"batches": [1]}, "offload": {"steps": steps}}
 
 
-def test_verify_cost_interleaves_and_pools_the_steady_steps(monkeypatch, capsys):
+def test_verify_cost_interleaves_three_sides_and_paces_the_floor_by_the_latest_runs(monkeypatch, capsys):
     from benchmarks import train_large, verify_cost
 
     calls = []
 
     def run(argv):
         calls.append(argv)
-        on = "--no-verify" not in argv
-        # on: 10 s a step on a disk at 1 GB/s (5x its 2 s of I/O); off: 8 s at 2 GB/s (8x its 1 s)
-        return _results([99.0, 99.0, 10.0, 10.0] if on else [99.0, 99.0, 8.0, 8.0], 1e9 if on else 2e9)
+        if "--hash-cpu-rate" in argv:
+            return _results([99.0, 99.0, 9.0, 9.0], 0.0)
+        if "--no-verify" in argv:
+            return _results([99.0, 99.0, 8.0, 8.0], 0.0)
+        return _results([99.0, 99.0, 9.5, 9.5], 0.4 * len(calls))
 
     monkeypatch.setattr(train_large, "main", run)
-    result = verify_cost.main(["--pairs", "2", "--", "--layers", "4"])
+    result = verify_cost.main(["--rounds", "2", "--", "--layers", "4"])
     out = capsys.readouterr().out
-    assert [("--no-verify" not in argv) for argv in calls] == [True, False, False, True]
+    assert verify_cost.order(2) == ["on", "off", "floor", "floor", "off", "on"]
     assert all(argv[:2] == ["--layers", "4"] for argv in calls)
-    assert result["ratio"] == pytest.approx(10 / 8)  # the first two steps of each run left out
-    assert result["ratio_beside"] == pytest.approx(5 / 8)  # against the disk, checksums on was the faster
-    assert len(result["steps"]["on"][0]) == 4
-    assert "met against the disk, NOT met in seconds" in out
+    rates = [argv[argv.index("--hash-cpu-rate") + 1] for argv in calls if "--hash-cpu-rate" in argv]
+    assert rates == ["0.050000", "0.050000"]  # the first on run's 0.4 s over the first off run's 8 s, both times
+    assert all("--no-verify" in argv for argv in calls if "--hash-cpu-rate" in argv)
+    assert result["ratio"] == pytest.approx(9.5 / 8)  # the first two steps of each run left out
+    assert result["floor"] == pytest.approx(9 / 8) and result["over_floor"] == pytest.approx(9.5 / 9)
+    assert len(result["steps"]["on"]) == 4
+    assert "on / off 9.50 / 8.00 s = 1.188 (target <= 1.03: NOT met)" in out
 
 
 def test_verify_cost_refuses_what_it_decides_itself():
     from benchmarks import verify_cost
 
-    assert verify_cost.order(3) == [True, False, False, True, True, False]
     with pytest.raises(SystemExit, match="--no-verify: not among"):
         verify_cost.main(["--", "--no-verify"])
-    with pytest.raises(SystemExit, match="--pairs: 0 is not allowed"):
-        verify_cost.main(["--pairs", "0"])
+    with pytest.raises(SystemExit, match="--hash-cpu-rate: not among"):
+        verify_cost.main(["--", "--hash-cpu-rate", "0.1"])
+    with pytest.raises(SystemExit, match="--rounds: 0 is not allowed"):
+        verify_cost.main(["--rounds", "0"])
