@@ -41,12 +41,30 @@ def test_engine_step_benchmark_tiny(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []  # swap and fio files removed
 
 
+def _main_stubbed(monkeypatch, child, argv: list[str], **patches) -> dict:
+    """engine_step.main(argv) with ``child`` standing in for its children, fio measuring 1 GB/s, and
+    ``patches`` (more of the module's names) in place."""
+    from benchmarks import engine_step
+
+    monkeypatch.setattr(engine_step, "run_child", child)
+    monkeypatch.setattr(engine_step, "run_fio", lambda job: type("Result", (), {"bw_bytes": 1e9})())
+    for name, value in patches.items():
+        monkeypatch.setattr(engine_step, name, value)
+    return engine_step.main(argv)
+
+
+def _child_figures(payload: dict, step_s: float, **figures) -> dict:
+    """What a child of the mode in ``payload`` prints, its steps taking ``step_s``; ``figures`` override."""
+    return {"mode": payload["mode"], "params": payload["params"], "step_s": step_s, "times": [step_s] * payload["steps"],
+            "peak_rss": 100e6, "baseline_rss": 50e6, "norms": [], "path": None, "clipped": 0,
+            "cpu_user_per_step": 1.0, "cpu_kernel_per_step": 0.1, "read_per_step": 8e6, "written_per_step": 4e6,
+            **figures}
+
+
 def test_engine_step_repeats_interleave_and_compare_within_each_repeat(tmp_path, monkeypatch, capsys):
     """--repeats 2 with the children and fio stood in for (each child's figures made from its payload and
     its place in the run): every mode once per repeat, torch+fio last in each whatever --modes' order,
     fio's traffic paced by that repeat's runs, ratios within each repeat, medians over the repeats."""
-    from benchmarks import engine_step
-
     calls, loads = [], []
     beside = {"on": False}
 
@@ -56,9 +74,7 @@ def test_engine_step_repeats_interleave_and_compare_within_each_repeat(tmp_path,
         calls.append(mode)
         repeat = calls.count(mode)
         step_s = {"torch": 1.0, "nvme": 1.5, "torch+fio": 1.25}[mode] * repeat
-        return {"mode": payload["mode"], "params": payload["params"], "step_s": step_s, "times": [step_s] * payload["steps"],
-                "peak_rss": 100e6 * repeat, "baseline_rss": 50e6, "norms": [], "path": None, "clipped": 0,
-                "cpu_user_per_step": 1.0, "cpu_kernel_per_step": 0.1, "read_per_step": 8e6, "written_per_step": 4e6}
+        return _child_figures(payload, step_s, peak_rss=100e6 * repeat)
 
     class Run:
         read = write = type("Result", (), {"bw_bytes": 2e9})()
@@ -72,11 +88,8 @@ def test_engine_step_repeats_interleave_and_compare_within_each_repeat(tmp_path,
         finally:
             beside["on"] = False
 
-    monkeypatch.setattr(engine_step, "run_child", child)
-    monkeypatch.setattr(engine_step, "fio_load", fio_load)
-    monkeypatch.setattr(engine_step, "run_fio", lambda job: type("Result", (), {"bw_bytes": 1e9})())
-    result = engine_step.main(["--modes", "torch+fio,torch,nvme", "--steps", "3", "--repeats", "2",
-                               "--dir", str(tmp_path)])
+    result = _main_stubbed(monkeypatch, child, ["--modes", "torch+fio,torch,nvme", "--steps", "3", "--repeats", "2",
+                                                "--dir", str(tmp_path)], fio_load=fio_load)
     out = capsys.readouterr().out
     assert calls == ["torch", "nvme", "torch+fio"] * 2
     # fio moved nvme's bytes per step at that repeat's plain PyTorch pace (1 s, then 2 s a step)
@@ -141,8 +154,6 @@ def test_engine_step_beside_io_needs_the_modes_it_compares():
 def test_engine_step_hash_floor_runs_after_the_modes_it_paces_by(tmp_path, monkeypatch, capsys):
     """nvme-unverified+hash runs last in each repeat, paced by that repeat's nvme hashing CPU over its
     nvme-unverified step, and is reported as the checksums' floor with nvme against it (pooled steps)."""
-    from benchmarks import engine_step
-
     calls, rates = [], []
 
     def child(module, args, mmap_threshold=None):
@@ -153,15 +164,11 @@ def test_engine_step_hash_floor_runs_after_the_modes_it_paces_by(tmp_path, monke
         repeat = calls.count(mode)
         step_s = {"nvme": 1.1, "nvme-unverified": 1.0, "nvme-unverified+hash": 1.05}[mode] * repeat
         extra = {"load_hashed_per_step": 2e9, "load_cpu_per_step": 0.1} if mode.endswith("+hash") else {}
-        return {**extra, "mode": mode, "params": payload["params"], "step_s": step_s, "times": [step_s] * 2,
-                "peak_rss": 1e8, "baseline_rss": 5e7, "norms": [], "path": None, "clipped": 0,
-                "cpu_user_per_step": 1.0, "cpu_kernel_per_step": 0.1, "read_per_step": 8e6, "written_per_step": 4e6,
-                "hashed_per_step": 3e9 if mode == "nvme" else 0, "hash_cpu_per_step": 0.2 if mode == "nvme" else 0}
+        return _child_figures(payload, step_s, hashed_per_step=3e9 if mode == "nvme" else 0,
+                              hash_cpu_per_step=0.2 if mode == "nvme" else 0, **extra)
 
-    monkeypatch.setattr(engine_step, "run_child", child)
-    monkeypatch.setattr(engine_step, "run_fio", lambda job: type("Result", (), {"bw_bytes": 1e9})())
-    result = engine_step.main(["--modes", "nvme-unverified+hash,nvme,nvme-unverified", "--steps", "2", "--repeats", "2",
-                               "--dir", str(tmp_path)])
+    result = _main_stubbed(monkeypatch, child, ["--modes", "nvme-unverified+hash,nvme,nvme-unverified", "--steps", "2",
+                                                "--repeats", "2", "--dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert calls == ["nvme", "nvme-unverified", "nvme-unverified+hash"] * 2
     assert rates == [0.0, 0.0, pytest.approx(0.2), 0.0, 0.0, pytest.approx(0.1)]  # 0.2 s over 1 s, then over 2 s
