@@ -1,9 +1,10 @@
 """`HashLoad`: a thread that hashes memory at a set pace, the checksums' CPU work with no tie to the I/O.
 
-``benchmarks.engine_step --modes ...,nvme-unverified+hash`` runs the engine without checksums while this
-thread spends, each step, the CPU time the engine with checksums spent hashing (the same xxh3-64, 4 MiB
-at a time from a buffer larger than the CPU's caches, as swapped bytes come from memory), spread evenly
-over the step. What that costs the step is what that hashing costs on this CPU wherever it is done: the
+``benchmarks.engine_step --modes ...,nvme-unverified+hash`` (and `benchmarks.verify_cost`'s "floor"
+side, through ``train_large --hash-cpu-rate``) runs the engine without checksums while this thread
+spends, each step, the CPU time the engine with checksums spent hashing (the same xxh3-64, 4 MiB at a
+time from a buffer larger than the CPU's caches, as swapped bytes come from memory), spread evenly over
+the step. What that costs the step is what that hashing costs on this CPU wherever it is done: the
 floor under the checksums' cost, beside which `tensorio`'s own hashing (in the I/O threads, as pieces
 land) is measured.
 """

@@ -12,8 +12,8 @@ under bf16 autocast with fp32 weights) give every mode the same work. ``nvme-unv
 with ``aio.verify: false`` (no checksums on the swap files; not run unless named): beside ``nvme``, what
 the checksums cost a step. ``nvme-unverified+hash`` (needs both; runs after them in each repeat) is
 ``nvme-unverified`` while a thread hashes for, each step, the CPU time ``nvme`` spent hashing, spread
-over ``nvme-unverified``'s step (`benchmarks._hash_load`): what hashing them on this CPU costs wherever it is done, the floor under
-the checksums' cost. ``deepspeed`` runs DeepSpeed's
+over ``nvme-unverified``'s step (`benchmarks._hash_load`): what that hashing costs on this CPU wherever
+it is done, the floor under the checksums' cost. ``deepspeed`` runs DeepSpeed's
 stage-3 engine (it must be installed; it JIT-builds its ops on first use) on the same JSON as ``nvme``,
 with the model built under its ``zero.Init`` (on the CPU it fails otherwise). Each step's global
 gradient norm is recorded: with ``--clip``, "clipped" counts the steps whose norm was above it, the

@@ -297,8 +297,9 @@ class _Worker(threading.Thread):
         room = self._depth - self._inflight - len(self._again) + freed
         if freed:
             room = min(room, self._queues.cq_entries - self._inflight - len(self._again))
-        tasks = [] if spans_only else list(self._again)
-        if not spans_only:
+        tasks: list[tuple[int, Task]] = []
+        if not spans_only:  # the continuations first: they hold staging slots already
+            tasks.extend(self._again)
             self._again.clear()
         prepared = 0
         incoming = self._incoming
