@@ -32,7 +32,7 @@ def check_staged(engine, batch: int) -> None:
     assert plan.kv.staged_nbytes * plan.kv.layers * plan.kv.micro_batches >= decoded
     assert plan.device.kv_link_bytes == decoded
     assert plan.device.kv_bytes == 2 * plan.kv.staged_nbytes  # the device holds its two buffers, not the cache
-    weights = sum(u.buffer_nbytes for u in plan.units if u.name not in plan.device.resident)
+    weights = sum(u.device_copy_nbytes for u in plan.units if u.name not in plan.device.resident)
     assert plan.host_to_device_bytes_per_forward == weights + decoded
 
 

@@ -82,15 +82,19 @@ def check_tiers(engine, tiers: str) -> None:
     host = {u.name for u in layers if u.name in plan.resident and u.name not in on_device}
     streamed = {u.name for u in plan.streamed}
     assert all(u.name in on_device for u in engine.units if not u.streamable)
-    # the plan counts what the device allocates for each unit it keeps: the buffer its windows are read into
+    # the plan counts for each unit it keeps the unit's buffer: room for its windows as read and for its
+    # tensors aligned on the device (what the device allocates: offload/infer/stream/device_layout.py)
     assert plan.device.resident_bytes == sum(u.buffer_nbytes for u in engine.units if u.name in on_device)
+    assert all(u.device_buffer.numel() == u.device_layout.nbytes <= u.buffer_nbytes
+               for u in engine.units if u.name in on_device)
     if tiers == "streamed":
         assert streamed == {u.name for u in layers} and not host
     elif tiers == "host":
         assert host == {u.name for u in layers} and not streamed
     else:
         assert len([u for u in layers if u.name in on_device]) >= 1 and host and streamed
-    assert plan.host_to_device_bytes_per_forward == sum(u.buffer_nbytes for u in layers if u.name not in on_device)
+    assert plan.host_to_device_bytes_per_forward == sum(n for u in layers if u.name not in on_device
+                                                        for _, _, n in u.device_layout.copies)
     assert plan.read_bytes_per_forward == sum(u.read_nbytes for u in layers if u.name in streamed)
 
 
@@ -190,16 +194,68 @@ def test_a_meta_model_in_another_dtype_reads_every_unit_from_the_converted_copy(
     assert ours.tolist() == ref.tolist()
 
 
+def misaligned_copy(directory, target):
+    """``directory``'s checkpoint rewritten so that every tensor starts 8 bytes past a 16-byte boundary
+    in its file (safetensors pads its header to 8 bytes only; the metadata's length picks the rest)."""
+    import json
+    import struct
+
+    from safetensors.torch import load_file, save_file
+
+    target.mkdir()
+    for path in sorted(directory.iterdir()):
+        if path.suffix != ".safetensors":
+            shutil.copy(path, target / path.name)
+            continue
+        tensors = load_file(path)
+        for pad in range(16):
+            save_file(tensors, target / path.name, metadata={"format": "pt", "pad": "x" * pad})
+            with open(target / path.name, "rb") as f:
+                header = struct.unpack("<Q", f.read(8))[0]
+                offsets = [v["data_offsets"][0] for k, v in json.loads(f.read(header)).items() if k != "__metadata__"]
+            if all((8 + header + offset) % 16 == 8 for offset in offsets):
+                break
+        else:
+            raise AssertionError(f"{path}: no metadata length puts its tensors 8 past a 16-byte boundary")
+    return target
+
+
+@pytest.mark.simulated
+def test_every_weight_the_device_computes_with_starts_256_byte_aligned(models, tmp_path):
+    """On a checkpoint whose tensors the file aligns to 8 bytes only, each weight is placed on the device
+    (kept there, or copied through the ring from pinned host memory or the disk) at a 256-byte boundary
+    of its buffer, as an allocation of its own would be: cuBLAS chooses its kernels by the alignment
+    (offload/infer/stream/device_layout.py). The tokens are transformers'."""
+    directory, model = models["llama", torch.float32]
+    misaligned = misaligned_copy(directory, tmp_path / "misaligned")
+    offsets = []
+
+    def offset_in_a_device_buffer(module, args):
+        buffers = [u.device_buffer for u in engine.units if u.device_buffer is not None] + engine.streamer.stager.buffers
+        ptr = module.weight.data_ptr()
+        offsets.append(next((ptr - b.data_ptr() for b in buffers if 0 <= ptr - b.data_ptr() < b.numel()), None))
+
+    with small_device(misaligned, 1, "mixed") as (device, engine):
+        for module in engine.module.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_pre_hook(offset_in_a_device_buffer)
+        ours = generate(engine, 1)
+        check_tiers(engine, "mixed")
+    assert len(offsets) == NEW_TOKENS * (7 * 6 + 1)  # every projection of 6 layers, and the head, per token
+    assert all(offset is not None and offset % 256 == 0 for offset in offsets), sorted(set(map(str, offsets)))
+    assert_same_generation(ours, reference(model, 1, do_sample=False), torch.float32)
+
+
 class _StageWithoutComputeWait(DeviceRing):
     """The bug: the compute stream is not made to wait for the copy."""
 
-    def stage(self, key, host, nbytes):
-        if not self.prefetch(key, host, nbytes):
+    def stage(self, key, host, copies):
+        if not self.prefetch(key, host, copies):
             self.reset()
-            self.prefetch(key, host, nbytes)
+            self.prefetch(key, host, copies)
         copy = self._copies[key]
         copy.in_use = True
-        self.device.check_ready(self.buffers[copy.slot][:nbytes])
+        self.device.check_ready(self.buffers[copy.slot][:copy.end])
         return self.buffers[copy.slot]
 
 

@@ -26,6 +26,7 @@ from offload.infer.plan.device import place_device
 from offload.infer.plan.host import (BudgetError, KVPlacement, Plan, UnitSize, format_bytes, kv_in_memory, make_plan,
                                     place_kv)
 from offload.infer.schedule import BlockSchedule, micro_batch_size
+from offload.infer.stream.device_layout import copy_to_device
 from offload.infer.stream.device_ring import DeviceRing
 from offload.infer.stream.resident_load import ResidentLoad
 from offload.infer.stream.streamer import LayerStreamer
@@ -415,7 +416,8 @@ class InferenceEngine:
                                            self.settings.buffer_count * largest})
 
     def _sizes(self) -> list[UnitSize]:
-        return [UnitSize(u.name, u.nbytes, u.read_nbytes, u.buffer_nbytes, u.streamable) for u in self.units]
+        return [UnitSize(u.name, u.nbytes, u.read_nbytes, u.buffer_nbytes, u.streamable,
+                         sum(n for _, _, n in u.device_layout.copies)) for u in self.units]
 
     def _make_plan(self, kv_bytes: int, kv_shape: tuple[int, int],
                    disk: tuple[float | None, str] | None = None, activations: int | None = None,
@@ -575,8 +577,9 @@ class InferenceEngine:
         if unit.name not in self._placing.resident:
             unit.host_buffer = host
             return None
-        buffer = self.compute.empty(unit.buffer_nbytes, torch.uint8, name=unit.name)
-        copied = self.compute.to_device(buffer, host, stream=self._copies)
+        layout = unit.device_layout  # each tensor aligned (offload/infer/stream/device_layout.py)
+        buffer = self.compute.empty(layout.nbytes, torch.uint8, name=unit.name)
+        copied = copy_to_device(self.compute, buffer, host, layout.copies, self._copies)
         self.compute.compute_stream.wait_event(copied)
         copied.synchronize()  # the host buffer goes on return
         self.compute.check_ready(buffer)

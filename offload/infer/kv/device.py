@@ -33,6 +33,7 @@ from transformers.cache_utils import CacheLayerMixin
 from offload.device import Device
 from offload.infer.kv.cache import NvmeKVLayer, _StreamedLayer
 from offload.infer.kv.quant import QuantizedLayer
+from offload.infer.stream.device_layout import whole
 from offload.infer.stream.device_ring import DeviceRing
 
 __all__ = ["KVStager", "StagedKVLayer"]
@@ -133,7 +134,7 @@ class KVStager:
         if layer not in self._staged:
             self._prefetch(layer)
         staging, count = self._staged[layer]
-        return self.ring.stage(layer, staging, count * self._token_nbytes)
+        return self.ring.stage(layer, staging, whole(count * self._token_nbytes))
 
     def _to_host(self, raw: torch.Tensor, old: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens [old, total) of device buffer ``raw`` copied into the free pinned buffer, ready to read, as
@@ -163,7 +164,7 @@ class KVStager:
                 tokens = self._tokens(staging)
                 tokens[:count, 0].copy_(held[0].permute(2, 0, 1, 3))
                 tokens[:count, 1].copy_(held[1].permute(2, 0, 1, 3))
-            self.ring.prefetch(layer, staging, count * self._token_nbytes)
+            self.ring.prefetch(layer, staging, whole(count * self._token_nbytes))
         except BaseException:
             self._free_pinned.appendleft(staging)
             raise

@@ -160,7 +160,7 @@ class Plan:
         """Bytes copied from host to device per forward (per token): every unit the device does not keep."""
         if self.device is None:
             return 0
-        return (sum(u.buffer_nbytes for u in self.units if u.name not in self.device.resident)
+        return (sum(u.device_copy_nbytes for u in self.units if u.name not in self.device.resident)
                 + self.device.kv_link_bytes)
 
     def link_seconds(self) -> dict[str, float | None]:

@@ -39,6 +39,14 @@ class UnitSize:
     """Buffer bytes its windows need."""
     streamable: bool
     """False for what must stay resident (embeddings, norms, tied weights)."""
+    copy_nbytes: int | None = None
+    """Bytes one copy of it to a device moves (its tensors, offload/infer/stream/device_layout.py); None:
+    ``buffer_nbytes``."""
+
+    @property
+    def device_copy_nbytes(self) -> int:
+        """Bytes a forward copies host->device for it where the device does not keep it."""
+        return self.buffer_nbytes if self.copy_nbytes is None else self.copy_nbytes
 
 
 def unit_names(units: Sequence[UnitSize]) -> str:

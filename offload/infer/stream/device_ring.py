@@ -8,7 +8,7 @@ streamer calls, per unit (any hashable key):
 
 - ``prefetch`` once the unit's host bytes are ready and a device buffer is free: on the side stream,
   wait until compute is done with that buffer's previous unit, then copy (asynchronous: the host
-  memory is locked). The copy overlaps the compute of the units before it.
+  memory is locked; a unit's tensors each to an aligned place, offload/infer/stream/device_layout.py). The copy overlaps the compute of the units before it.
 - ``stage`` before the unit's forward: prefetch it if that has not happened, make the compute stream
   wait for the copy, and return the device buffer its views are made in.
 - ``release`` after its forward: mark where compute is done with the buffer, and wait for the copy
@@ -19,11 +19,13 @@ streamer calls, per unit (any hashable key):
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from offload.device import Device, Event
+from offload.infer.stream.device_layout import Copy, copy_to_device
 
 __all__ = ["DeviceRing"]
 
@@ -32,6 +34,8 @@ __all__ = ["DeviceRing"]
 class _Copy:
     slot: int
     copied: Event
+    end: int
+    """Bytes of the device buffer the copies fill, from its start."""
     in_use: bool = False
 
 
@@ -68,8 +72,9 @@ class DeviceRing:
         """Whether ``key`` has been copied (or its copy issued) into a device buffer."""
         return key in self._copies
 
-    def prefetch(self, key: object, host: torch.Tensor, nbytes: int) -> bool:
-        """Start copying ``host[:nbytes]`` into a free device buffer for ``key``; False when none is free."""
+    def prefetch(self, key: object, host: torch.Tensor, copies: Sequence[Copy]) -> bool:
+        """Start ``copies`` from ``host`` into a free device buffer for ``key`` (`device_layout.whole`: the
+        first bytes as they are); False when none is free."""
         if key in self._copies:
             return True
         if not self._free:
@@ -77,27 +82,26 @@ class DeviceRing:
         slot = self._free.popleft()
         if self._computed[slot] is not None:
             self.stream.wait_event(self._computed[slot])  # compute is done with the buffer's previous unit
-        if nbytes:
-            copied = self.device.to_device(self.buffers[slot][:nbytes], host[:nbytes], stream=self.stream)
-        else:  # nothing to copy (an empty cache layer): an event after the wait above
-            copied = self.stream.record()
-        self._copies[key] = _Copy(slot, copied)
-        self.bytes_copied += nbytes
+        # No copies (an empty cache layer): an event after the wait above.
+        copied = copy_to_device(self.device, self.buffers[slot], host, copies, self.stream)
+        self._copies[key] = _Copy(slot, copied, max((at + n for _, at, n in copies), default=0))
+        self.bytes_copied += sum(n for _, _, n in copies)
         return True
 
-    def stage(self, key: object, host: torch.Tensor, nbytes: int) -> torch.Tensor:
-        """Before ``key``'s forward: its device buffer, with the compute stream ordered after its copy."""
-        if not self.prefetch(key, host, nbytes):
+    def stage(self, key: object, host: torch.Tensor, copies: Sequence[Copy]) -> torch.Tensor:
+        """Before ``key``'s forward: its device buffer (``copies`` from ``host`` as in `prefetch`), with the
+        compute stream ordered after its copy."""
+        if not self.prefetch(key, host, copies):
             for other in [k for k, c in self._copies.items() if not c.in_use]:
                 self.discard(other)  # prefetched ahead of a unit this forward skipped: give them back
-            if not self.prefetch(key, host, nbytes):
+            if not self.prefetch(key, host, copies):
                 raise RuntimeError(f"device ring: all {len(self.buffers)} buffers are in use by units still "
                                    f"computing; raise offload_param.buffer_count")
         copy = self._copies[key]
         copy.in_use = True
         self.device.compute_stream.wait_event(copy.copied)  # compute waits for the copy, the host does not
         buffer = self.buffers[copy.slot]
-        self.device.check_ready(buffer[:nbytes])  # the unit's compute reads it next
+        self.device.check_ready(buffer[:copy.end])  # the unit's compute reads it next
         return buffer
 
     def release(self, key: object) -> None:

@@ -299,7 +299,7 @@ class ResidentLoad:
         if buffer is None:  # kept in pinned host memory, copied to the device for each forward
             self._let_go(i, "host")
             return
-        views = tensor_views(unit.windows, buffer)
+        views = unit.device_layout.views(buffer) if self.place else tensor_views(unit.windows, buffer)
         for ref in unit.params:
             value = views[ref.tensor]
             if value.dtype != ref.placeholder.dtype:  # on the CPU only: a device's units are read in its dtype

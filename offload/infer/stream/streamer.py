@@ -143,7 +143,7 @@ class LayerStreamer:
             unit.users += 1
             return
         if unit.state == "host":  # copied to the device ring (ahead of use, where the ring had room)
-            self._bind(unit, self.stager.stage(unit, unit.host_buffer, unit.buffer_nbytes), "staged")
+            self._bind(unit, self.stager.stage(unit, unit.host_buffer, unit.device_layout.copies), "staged")
             return
         # 1. Its read must be under way. Out of the expected order, restart the ring at it.
         if unit.state == "on disk":
@@ -165,12 +165,12 @@ class LayerStreamer:
         # 3. Bind its parameters to views into its buffer (on a device: copied there first, on a side stream).
         buffer = self.buffers[unit.slot]
         if self.stager is not None:
-            buffer = self.stager.stage(unit, buffer, unit.buffer_nbytes)
+            buffer = self.stager.stage(unit, buffer, unit.device_layout.copies)
         self._bind(unit, buffer, "in use")
 
     def _bind(self, unit: Unit, buffer: torch.Tensor, state: str) -> None:
         """Bind ``unit``'s parameters to views into ``buffer``; on a device, start the next copies."""
-        views = tensor_views(unit.windows, buffer)
+        views = tensor_views(unit.windows, buffer) if self.stager is None else unit.device_layout.views(buffer)
         for ref in unit.params:
             ref.bind(views[ref.tensor])
         unit.state, unit.users = state, 1
@@ -189,10 +189,11 @@ class LayerStreamer:
             if after.state == "resident":
                 continue
             if after.state == "host":
-                self.stager.prefetch(after, after.host_buffer, after.buffer_nbytes)
+                self.stager.prefetch(after, after.host_buffer, after.device_layout.copies)
             elif after.state == "in flight" and all(future.done() for future in after.futures):
-                self.stager.prefetch(after, self.buffers[after.slot], after.buffer_nbytes)  # a failed read raises at
-            else:                                                                       # acquire, and is discarded
+                # A failed read raises at acquire, and is discarded.
+                self.stager.prefetch(after, self.buffers[after.slot], after.device_layout.copies)
+            else:
                 return
 
     def release(self, unit: Unit) -> None:

@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from offload.infer.stream.device_layout import DeviceLayout
 from offload.storage.safetensors_reader import Window, windows_nbytes
 from tensorio import IOFuture
 
@@ -82,6 +83,7 @@ class Unit:
     """State "host": its windows in pinned host memory, copied to the device for each forward."""
     device_buffer: torch.Tensor | None = None
     """Resident on a device with memory of its own: the device buffer its parameters are views of."""
+    _layout: DeviceLayout | None = field(default=None, repr=False)
 
     @property
     def read_nbytes(self) -> int:
@@ -89,7 +91,15 @@ class Unit:
 
     @property
     def buffer_nbytes(self) -> int:
-        return windows_nbytes(self.windows)
+        """Bytes of a buffer that holds it: its windows read (host), or its tensors aligned (device)."""
+        return max(windows_nbytes(self.windows), self.device_layout.nbytes)
+
+    @property
+    def device_layout(self) -> DeviceLayout:
+        """Where its tensors go in a device buffer, each aligned (offload/infer/stream/device_layout.py)."""
+        if self._layout is None or self._layout.windows is not self.windows:
+            self._layout = DeviceLayout.of(self.windows)
+        return self._layout
 
     def unbind(self) -> None:
         for ref in self.params:
