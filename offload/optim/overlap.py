@@ -8,10 +8,12 @@ handing it to a thread lets backward go on while the state streams in.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -21,6 +23,20 @@ from offload.optim.schedule import SwapSchedule, Update
 from offload.optim.subgroups import SubGroupPlan
 from offload.optim.threads import limit_this_thread, update_thread_count
 from offload.optim.transaction import StepTransaction
+
+
+_running: weakref.WeakSet[BackgroundWorker] = weakref.WeakSet()
+"""Every worker whose thread may still run, so that `_stop_running` can end them at exit."""
+
+
+@atexit.register
+def _stop_running() -> None:
+    """At interpreter exit (a training script that raised, or was interrupted, during backward), let
+    each worker's running call end and skip the queued ones. Left to the interpreter's shutdown, the
+    daemon thread was stopped inside a torch call and the process aborted ("terminate called without
+    an active exception", status 134) after the script's own traceback, in every such run."""
+    for worker in list(_running):
+        worker.stop()
 
 
 class BackgroundWorker:
@@ -37,12 +53,15 @@ class BackgroundWorker:
         self._pending = 0
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._stopping = False
+        """Set by `stop`: the queued calls are skipped."""
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Queue ``fn(*args)``; it runs after every call submitted before it."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
             self._thread.start()
+            _running.add(self)
         with self._done:
             self._pending += 1
         self._queue.put((fn, args))
@@ -86,12 +105,18 @@ class BackgroundWorker:
             self._thread = None
         self._error = None
 
+    def stop(self) -> None:
+        """Let the running call end, skip the queued ones, and stop the thread (at exit: `_stop_running`)."""
+        self._stopping = True
+        self.close()
+        self._stopping = False
+
     def _loop(self) -> None:
         limit_this_thread(update_thread_count())
         while (item := self._queue.get()) is not None:
             fn, args = item
             try:
-                if self._error is None:
+                if self._error is None and not self._stopping:
                     with torch.no_grad():
                         fn(*args)
             except BaseException as error:  # reported by join(), on the caller's thread
