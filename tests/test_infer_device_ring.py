@@ -17,8 +17,8 @@ import shutil
 import pytest
 import torch
 import transformers
-from test_infer_generate import (NEW_TOKENS, PAD, assert_same_generation, build_model, misaligned_copy,  # noqa: F401
-                                 one_thread, prompts, reference, save_checkpoint, scratch_dir)
+from test_infer_generate import (NEW_TOKENS, PAD, assert_same_generation, build_model, one_thread,  # noqa: F401 (autouse)
+                                 prompts, reference, save_checkpoint, scratch_dir)
 
 from offload.device import DeviceSyncError, SimulatedDevice, cuda_available, device_for
 from offload.infer import BudgetError, init_inference
@@ -83,7 +83,7 @@ def check_tiers(engine, tiers: str) -> None:
     streamed = {u.name for u in plan.streamed}
     assert all(u.name in on_device for u in engine.units if not u.streamable)
     # the plan counts for each unit it keeps the unit's buffer: room for its windows as read and for its
-    # tensors aligned on the device (what the device allocates: offload/infer/stream/layout.py)
+    # tensors aligned on the device (what the device allocates: offload/infer/stream/device_layout.py)
     assert plan.device.resident_bytes == sum(u.buffer_nbytes for u in engine.units if u.name in on_device)
     assert all(u.device_buffer.numel() == u.device_layout.nbytes <= u.buffer_nbytes
                for u in engine.units if u.name in on_device)
@@ -194,12 +194,38 @@ def test_a_meta_model_in_another_dtype_reads_every_unit_from_the_converted_copy(
     assert ours.tolist() == ref.tolist()
 
 
+def misaligned_copy(directory, target):
+    """``directory``'s checkpoint rewritten so that every tensor starts 8 bytes past a 16-byte boundary
+    in its file (safetensors pads its header to 8 bytes only; the metadata's length picks the rest)."""
+    import json
+    import struct
+
+    from safetensors.torch import load_file, save_file
+
+    target.mkdir()
+    for path in sorted(directory.iterdir()):
+        if path.suffix != ".safetensors":
+            shutil.copy(path, target / path.name)
+            continue
+        tensors = load_file(path)
+        for pad in range(16):
+            save_file(tensors, target / path.name, metadata={"format": "pt", "pad": "x" * pad})
+            with open(target / path.name, "rb") as f:
+                header = struct.unpack("<Q", f.read(8))[0]
+                offsets = [v["data_offsets"][0] for k, v in json.loads(f.read(header)).items() if k != "__metadata__"]
+            if all((8 + header + offset) % 16 == 8 for offset in offsets):
+                break
+        else:
+            raise AssertionError(f"{path}: no metadata length puts its tensors 8 past a 16-byte boundary")
+    return target
+
+
 @pytest.mark.simulated
 def test_every_weight_the_device_computes_with_starts_256_byte_aligned(models, tmp_path):
     """On a checkpoint whose tensors the file aligns to 8 bytes only, each weight is placed on the device
     (kept there, or copied through the ring from pinned host memory or the disk) at a 256-byte boundary
     of its buffer, as an allocation of its own would be: cuBLAS chooses its kernels by the alignment
-    (offload/infer/stream/layout.py). The tokens are transformers'."""
+    (offload/infer/stream/device_layout.py). The tokens are transformers'."""
     directory, model = models["llama", torch.float32]
     misaligned = misaligned_copy(directory, tmp_path / "misaligned")
     offsets = []

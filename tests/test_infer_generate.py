@@ -57,31 +57,6 @@ def save_checkpoint(model, directory: Path, shard: str = "60KB") -> Path:
     return directory
 
 
-def misaligned_copy(directory, target):
-    """``directory``'s checkpoint rewritten so that every tensor starts 8 bytes past a 16-byte boundary
-    in its file (safetensors pads its header to 8 bytes only; the metadata's length picks the rest)."""
-    import struct
-
-    from safetensors.torch import load_file, save_file
-
-    target.mkdir()
-    for path in sorted(directory.iterdir()):
-        if path.suffix != ".safetensors":
-            shutil.copy(path, target / path.name)
-            continue
-        tensors = load_file(path)
-        for pad in range(16):
-            save_file(tensors, target / path.name, metadata={"format": "pt", "pad": "x" * pad})
-            with open(target / path.name, "rb") as f:
-                header = struct.unpack("<Q", f.read(8))[0]
-                offsets = [v["data_offsets"][0] for k, v in json.loads(f.read(header)).items() if k != "__metadata__"]
-            if all((8 + header + offset) % 16 == 8 for offset in offsets):
-                break
-        else:
-            raise AssertionError(f"{path}: no metadata length puts its tensors 8 past a 16-byte boundary")
-    return target
-
-
 def scratch_dir(prefix: str) -> Path:
     """A directory on the local disk (O_DIRECT works there), removed by the caller."""
     root = REPO / ".tio_scratch"
@@ -170,35 +145,6 @@ def assert_same_generation(ours, ref, dtype: torch.dtype) -> None:
         for step, (a, b) in enumerate(zip(ours.logits, ref.logits)):
             scale = b.abs().max()
             assert (a - b).abs().max() <= 1e-5 * scale, f"logits of step {step} differ"
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_weights_kept_in_memory_start_on_a_cache_line_and_streamed_ones_as_read(models, dtype, tmp_path):
-    """On a checkpoint whose tensors the file aligns to 8 bytes only, each resident weight is moved to a
-    64-byte boundary of its own buffer once read (bf16 decode was 1.10-1.29x slower off it,
-    offload/infer/stream/layout.py); a streamed one is computed on where it was read. The tokens and
-    logits are transformers'."""
-    directory, model = models["llama", dtype]
-    misaligned = misaligned_copy(directory, tmp_path / "misaligned")
-    ids, mask = prompts(1)
-    expected = reference(model, 1, do_sample=False)
-    for budget in (tight_budget(misaligned), "1GiB"):
-        with init_inference(misaligned, disk_gbps=1.0, max_in_cpu=budget) as engine:
-            assert all(u.host_layout.copies for u in engine.units)  # every unit's tensors were off
-            streamed = []
-            for unit in engine.units:  # where each weight is when its module computes
-                for ref in unit.params:
-                    module, attr = ref.owners[0]
-                    module.register_forward_pre_hook(
-                        lambda m, args, attr=attr, unit=unit: streamed.append(getattr(m, attr).data_ptr() % 64)
-                        if unit.state == "in use" else None)
-            ours = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD,
-                                   output_logits=True, return_dict_in_generate=True, do_sample=False)
-            engine.wait_loaded()
-            resident = [p.data_ptr() % 64 for p in engine.module.parameters() if p.device.type != "meta"]
-            assert resident and set(resident) == {0}
-            assert bool(streamed) == bool(engine.plan.streamed) and 0 not in streamed  # as read: off
-        assert_same_generation(ours, expected, dtype)
 
 
 @pytest.mark.parametrize("batch", [1, 4])

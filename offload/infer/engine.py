@@ -26,7 +26,7 @@ from offload.infer.plan.device import place_device
 from offload.infer.plan.host import (BudgetError, KVPlacement, Plan, UnitSize, format_bytes, kv_in_memory, make_plan,
                                     place_kv)
 from offload.infer.schedule import BlockSchedule, micro_batch_size
-from offload.infer.stream.layout import copy_to_device
+from offload.infer.stream.device_layout import copy_to_device
 from offload.infer.stream.device_ring import DeviceRing
 from offload.infer.stream.resident_load import ResidentLoad
 from offload.infer.stream.streamer import LayerStreamer
@@ -577,7 +577,7 @@ class InferenceEngine:
         if unit.name not in self._placing.resident:
             unit.host_buffer = host
             return None
-        layout = unit.device_layout  # each tensor aligned (offload/infer/stream/layout.py)
+        layout = unit.device_layout  # each tensor aligned (offload/infer/stream/device_layout.py)
         buffer = self.compute.empty(layout.nbytes, torch.uint8, name=unit.name)
         copied = copy_to_device(self.compute, buffer, host, layout.copies, self._copies)
         self.compute.compute_stream.wait_event(copied)

@@ -33,7 +33,7 @@ from transformers.cache_utils import CacheLayerMixin
 from offload.device import Device
 from offload.infer.kv.cache import NvmeKVLayer, _StreamedLayer
 from offload.infer.kv.quant import QuantizedLayer
-from offload.infer.stream.layout import whole
+from offload.infer.stream.device_layout import whole
 from offload.infer.stream.device_ring import DeviceRing
 
 __all__ = ["KVStager", "StagedKVLayer"]

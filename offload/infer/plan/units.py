@@ -40,7 +40,7 @@ class UnitSize:
     streamable: bool
     """False for what must stay resident (embeddings, norms, tied weights)."""
     copy_nbytes: int | None = None
-    """Bytes one copy of it to a device moves (its tensors, offload/infer/stream/layout.py); None:
+    """Bytes one copy of it to a device moves (its tensors, offload/infer/stream/device_layout.py); None:
     ``buffer_nbytes``."""
 
     @property

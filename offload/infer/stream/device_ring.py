@@ -8,7 +8,7 @@ streamer calls, per unit (any hashable key):
 
 - ``prefetch`` once the unit's host bytes are ready and a device buffer is free: on the side stream,
   wait until compute is done with that buffer's previous unit, then copy (asynchronous: the host
-  memory is locked; a unit's tensors each to an aligned place, offload/infer/stream/layout.py). The copy overlaps the compute of the units before it.
+  memory is locked; a unit's tensors each to an aligned place, offload/infer/stream/device_layout.py). The copy overlaps the compute of the units before it.
 - ``stage`` before the unit's forward: prefetch it if that has not happened, make the compute stream
   wait for the copy, and return the device buffer its views are made in.
 - ``release`` after its forward: mark where compute is done with the buffer, and wait for the copy
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from offload.device import Device, Event
-from offload.infer.stream.layout import Copy, copy_to_device
+from offload.infer.stream.device_layout import Copy, copy_to_device
 
 __all__ = ["DeviceRing"]
 
@@ -73,7 +73,7 @@ class DeviceRing:
         return key in self._copies
 
     def prefetch(self, key: object, host: torch.Tensor, copies: Sequence[Copy]) -> bool:
-        """Start ``copies`` from ``host`` into a free device buffer for ``key`` (`layout.whole`: the
+        """Start ``copies`` from ``host`` into a free device buffer for ``key`` (`device_layout.whole`: the
         first bytes as they are); False when none is free."""
         if key in self._copies:
             return True

@@ -16,7 +16,7 @@ from concurrent.futures import Future
 import torch
 
 from offload.infer.stream.unit import Unit
-from offload.storage.safetensors_reader import read_windows
+from offload.storage.safetensors_reader import read_windows, tensor_views
 from tensorio import AioHandle, aligned_tensor, locked_tensor, prefault
 
 __all__ = ["ResidentLoad"]
@@ -40,8 +40,7 @@ class ResidentLoad:
     """Reads ``units`` into memory of their own in the background, while the model already runs.
 
     Every unit's windows are read into one page-aligned buffer of its own (O_DIRECT) that its
-    parameters become views of, once its tensors are moved down to cache-line boundaries within it
-    (offload/infer/stream/layout.py), so nothing more is held. A thread takes the units on in the given order:
+    parameters become views of, so nothing is copied. A thread takes the units on in the given order:
     it faults each buffer in (on every core, `tensorio.prefault`: fresh memory is slow to get on a
     virtual machine, docs/inference.md "Load") and starts its reads, keeping about ``ahead_bytes`` of
     them in flight so that the streamed layers' reads are not queued behind the whole load. With
@@ -127,7 +126,7 @@ class ResidentLoad:
                 if self.place is None:
                     prefault(buffer)
                 while in_flight and sum(self.units[j].read_nbytes for j in in_flight) + unit.read_nbytes > self.ahead_bytes:
-                    self._settle(in_flight.popleft())  # its tensors aligned here; its errors are for `wait`
+                    self._reads_done(in_flight.popleft())  # finished, either way: its errors are for `wait`
                 self._issued[i].set_result(read_windows(self.handle, unit.windows, buffer))
                 if self.place is None:
                     in_flight.append(i)
@@ -137,7 +136,7 @@ class ResidentLoad:
                 if not self._issued[i].done():
                     self._issued[i].set_exception(exc)
         for i in in_flight:
-            self._settle(i)
+            self._reads_done(i)
         self._finished()
 
     def _settle_between_pauses(self, i: int) -> None:
@@ -172,12 +171,11 @@ class ResidentLoad:
     def _settle(self, i: int, *, again: bool = False) -> tuple[int, BaseException | None, torch.Tensor | None]:
         """Wait for unit ``i``'s reads (``again``: read it once more first, in this thread) and place it:
         (bytes read, the first error, the buffer its parameters become views of: the host buffer
-        without ``place``, its tensors moved to aligned places (`HostLayout`), ``place``'s device
-        buffer, or None where it stays in pinned host memory). Once per unit, by whichever comes
-        first: the load's thread, as soon as the unit's reads are done (with ``place`` at once: the
-        pinned host buffer of a unit the device keeps would otherwise be held until a forward
-        reaches it, the whole device tier at once, over the host budget), or `wait`. Failed reads
-        are not kept: the next call waits for (or makes) new ones."""
+        without ``place``, ``place``'s device buffer, or None where it stays in pinned host memory).
+        Once per unit: the load's thread settles each unit as soon as its reads are done where
+        ``place`` is given (the pinned host buffer of a unit the device keeps would otherwise be held
+        until a forward reaches it: the whole device tier at once, over the host budget), `wait` the
+        others. Failed reads are not kept: the next call waits for (or makes) new ones."""
         with self._unit_locks[i]:
             if self._settled[i] is not None:
                 return self._settled[i][0], None, self._settled[i][1]
@@ -191,8 +189,6 @@ class ResidentLoad:
                 buffer = self.place(self.units[i], buffer)
                 if buffer is not None:
                     self._buffers[i] = None  # on the device: its pinned host memory goes now
-            else:
-                self.units[i].host_layout.apply(buffer)  # each tensor moved to a cache line's boundary
             self._settled[i] = (nbytes, buffer)
             return nbytes, None, buffer
 
@@ -320,7 +316,7 @@ class ResidentLoad:
         if buffer is None:  # kept in pinned host memory, copied to the device for each forward
             self._let_go(i, "host")
             return
-        views = (unit.device_layout if self.place else unit.host_layout).views(buffer)
+        views = unit.device_layout.views(buffer) if self.place else tensor_views(unit.windows, buffer)
         for ref in unit.params:
             value = views[ref.tensor]
             if value.dtype != ref.placeholder.dtype:  # on the CPU only: a device's units are read in its dtype

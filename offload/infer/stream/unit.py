@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from offload.infer.stream.layout import DeviceLayout, HostLayout
+from offload.infer.stream.device_layout import DeviceLayout
 from offload.storage.safetensors_reader import Window, windows_nbytes
 from tensorio import IOFuture
 
@@ -83,7 +83,7 @@ class Unit:
     """State "host": its windows in pinned host memory, copied to the device for each forward."""
     device_buffer: torch.Tensor | None = None
     """Resident on a device with memory of its own: the device buffer its parameters are views of."""
-    _layouts: tuple[DeviceLayout, HostLayout] | None = field(default=None, repr=False)
+    _layout: DeviceLayout | None = field(default=None, repr=False)
 
     @property
     def read_nbytes(self) -> int:
@@ -96,19 +96,10 @@ class Unit:
 
     @property
     def device_layout(self) -> DeviceLayout:
-        """Where its tensors go in a device buffer, each aligned (offload/infer/stream/layout.py)."""
-        return self._layout_pair()[0]
-
-    @property
-    def host_layout(self) -> HostLayout:
-        """Where its tensors go in its own host buffer once read and moved there, each aligned where
-        that is possible (offload/infer/stream/layout.py)."""
-        return self._layout_pair()[1]
-
-    def _layout_pair(self) -> tuple[DeviceLayout, HostLayout]:
-        if self._layouts is None or self._layouts[0].windows is not self.windows:  # new windows: a converted copy
-            self._layouts = (DeviceLayout.of(self.windows), HostLayout.of(self.windows))
-        return self._layouts
+        """Where its tensors go in a device buffer, each aligned (offload/infer/stream/device_layout.py)."""
+        if self._layout is None or self._layout.windows is not self.windows:
+            self._layout = DeviceLayout.of(self.windows)
+        return self._layout
 
     def unbind(self) -> None:
         for ref in self.params:

@@ -1,14 +1,13 @@
-"""A unit's tensors in the buffer it computes from, whatever the file's alignment (safetensors aligns
-to 8 bytes only): in a device buffer each at a 256-byte boundary, never in more bytes than the unit's
-buffer has room for; in its own host buffer each moved down to a 64-byte boundary, in place. The same
-bytes as read, in as few copies or moves as the offsets allow."""
+"""A unit's tensors in a device buffer: each at a 256-byte aligned offset, whatever the file's
+alignment (safetensors aligns to 8 bytes only), with the same bytes as read, in as few copies as the
+offsets allow, and never in more bytes than the unit's buffer has room for."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from offload.infer.stream.layout import DEVICE_ALIGN, HOST_ALIGN, DeviceLayout, HostLayout, whole
+from offload.infer.stream.device_layout import DEVICE_ALIGN, DeviceLayout, whole
 from offload.storage.safetensors_reader import TensorEntry, plan_windows, tensor_views, windows_nbytes
 
 
@@ -83,38 +82,3 @@ def test_the_unit_buffer_has_room_for_either_layout():
 
 def test_whole_is_one_copy_of_the_first_bytes():
     assert whole(4096) == ((0, 0, 4096),) and whole(0) == ()
-
-
-@pytest.mark.parametrize("header", [8, 72, 4096 + 40, 3 * 4096 - 8])
-def test_in_its_own_host_buffer_each_tensor_moves_down_to_a_cache_line(header):
-    """The tensors of two files, 8 to 56 bytes off a 64-byte boundary: one move per window, each down
-    by less than 64 bytes, in place; then each tensor is 64-byte aligned with the bytes read."""
-    entries = _entries(header, [64 * 64 * 4, 64 * 4, 64 * 256 * 4]) + _entries((1 << 20) + 24, [512, 4096], path="g")
-    windows = plan_windows(entries, {"f": 1 << 20, "g": 2 << 20})
-    layout = HostLayout.of(windows)
-    host = _host_buffer(windows)
-    expected = {name: tensor.clone() for name, tensor in tensor_views(windows, host).items()}
-    assert len(layout.copies) == 2 and all(0 < source - target < HOST_ALIGN for source, target, _ in layout.copies)
-    layout.apply(host)
-    views = layout.views(host)
-    assert all(at % HOST_ALIGN == 0 for _, at in layout.places)
-    for name, tensor in expected.items():
-        assert torch.equal(views[name].view(torch.uint8), tensor.view(torch.uint8)), name
-
-
-def test_a_run_that_cannot_move_down_stays_where_it_was_read():
-    """Back to back: a 100-byte tensor, then tensors 100 bytes on. The second run cannot go down to the
-    boundary below it (the first run ends past it), so it stays; nothing is overwritten."""
-    entries = _entries(64 + 8, [100, 256, 256], dtype=torch.uint8)
-    windows = plan_windows(entries, {"f": 1 << 20})
-    layout = HostLayout.of(windows)
-    assert [at for _, at in layout.places] == [64, 64 + 108, 64 + 364]  # the first moved down 8; the rest as read
-    host = _host_buffer(windows)
-    expected = {name: tensor.clone() for name, tensor in tensor_views(windows, host).items()}
-    layout.apply(host)
-    assert all(torch.equal(layout.views(host)[name], expected[name]) for name in expected)
-
-
-def test_aligned_tensors_are_not_moved():
-    windows = plan_windows(_entries(4096, [256, 512]), {"f": 1 << 20})
-    assert HostLayout.of(windows).copies == ()
