@@ -160,3 +160,23 @@ def test_a_failed_configuration_is_reported_not_fatal():
     lines = stream_targets([failed], 1e9, [16 << 30], 8 << 30, 16, 8 << 30)
     assert lines == ["ours at 16.00 GiB batch 1: not measured (killed by SIGKILL (the OOM killer?)); the targets that "
                      "need it are not checked"]
+
+
+@pytest.mark.bench
+def test_tiny_resident_run_beside_transformers(capsys):
+    """benchmarks/infer_resident.py at a tiny scale: both sides in fresh processes, the same greedy tokens,
+    every weight of ours in memory (nothing streamed), the ratio and its target printed."""
+    from benchmarks.infer_resident import main as resident
+
+    root = scratch_dir("infer-resident-")
+    try:
+        figures = resident(["--dir", str(root), "--scale", "0.025", "--layers", "2", "--shards", "1", "--rounds", "1",
+                            "--new-tokens", "3"])
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    printed = capsys.readouterr().out
+    assert [r["kind"] for rs in figures["runs"].values() for r in rs] == ["ours", "transformers"]
+    assert figures["same_tokens"] and figures["runs"]["ours"][0]["streamed"] == 0
+    assert figures["ratio"] == figures["medians"]["ours"] / figures["medians"]["transformers"] > 0
+    assert figures["tensors"] == 21 and 0 <= figures["misaligned_tensors"] <= 21
+    assert "ours / transformers" in printed and "(target <= 1.05)" in printed
