@@ -496,7 +496,7 @@ def io_seconds_beside(run: dict, row: dict) -> float:
     return (row["read"] / max(f["read"] for f in around) + row["written"] / max(f["write"] for f in around))
 
 
-def _steady(rows: list[dict], batch: int) -> list[dict]:
+def steady_steps(rows: list[dict], batch: int) -> list[dict]:
     """A batch size's steps after the run's first two (or its last, if none is left): the first step has
     no update to apply (with clipping an update runs in the next forward), the second's update finds the
     optimizer state never written (both engines then read none of it)."""
@@ -546,7 +546,7 @@ def summarize(results: dict) -> dict:
               f"{'/ fastest':>9} "
               f"{'loss first -> last':>20}  targets")
         for batch in spec["batches"]:
-            rows = _steady(run["steps"], batch)
+            rows = steady_steps(run["steps"], batch)
             if not rows:
                 continue
             step = statistics.median(r["seconds"] for r in rows)

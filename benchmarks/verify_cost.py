@@ -35,7 +35,7 @@ def _steady(results: dict) -> tuple[list[float], list[float]]:
     run = results["offload"]
     if "error" in run:
         raise SystemExit(f"train_large failed: {run['error']}")
-    rows = train_large._steady(run["steps"], results["spec"]["batches"][0])
+    rows = train_large.steady_steps(run["steps"], results["spec"]["batches"][0])
     return [r["seconds"] for r in rows], [r["hash_cpu_s"] for r in rows]
 
 
