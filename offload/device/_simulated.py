@@ -34,7 +34,6 @@ over the budget, DeviceSyncError for a buffer used after ``free``.
 
 from __future__ import annotations
 
-import atexit
 import math
 import random
 import threading
@@ -46,6 +45,7 @@ from typing import Callable
 
 import torch
 
+from offload.at_exit import end_at_exit
 from offload.device._base import Device, Event, Stream
 from offload.device._errors import CollectiveDeviceError, DeviceError, DeviceSyncError, describe_bytes
 from offload.device._packed import SimulatedPackedKernels
@@ -88,20 +88,6 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
-_running: weakref.WeakSet[_Queue] = weakref.WeakSet()
-"""Every queue whose thread may still run, so that `_stop_running` can end them at exit."""
-
-
-@atexit.register
-def _stop_running() -> None:
-    """At interpreter exit, end the threads of the devices nobody closed. A daemon thread left to the
-    interpreter's shutdown aborted the process ("terminate called without an active exception",
-    status 134) in about half the runs that made one copy on a device they did not close."""
-    for queue in list(_running):
-        queue.stop()
-        queue.join()
-
-
 class _Queue:
     """A side stream's work: run in order by one thread, each op when the schedule lets it."""
 
@@ -119,7 +105,7 @@ class _Queue:
         self._retired = False
         self._thread = threading.Thread(target=self._run, name=f"simulated-stream-{name}", daemon=True)
         self._thread.start()
-        _running.add(self)
+        end_at_exit(self, lambda queue: (queue.stop(), queue.join()))
 
     def submit(self, op: Callable[[], None]) -> int:
         with self._cond:
@@ -148,7 +134,7 @@ class _Queue:
 
     def join(self) -> None:
         """Wait for the thread to end (after `stop`): a daemon thread still in a torch call when the
-        interpreter exits can abort the process."""
+        interpreter exits can abort the process (offload/at_exit.py)."""
         if self._thread is not threading.current_thread():
             self._thread.join()
 

@@ -416,8 +416,7 @@ class InferenceEngine:
                                            self.settings.buffer_count * largest})
 
     def _sizes(self) -> list[UnitSize]:
-        return [UnitSize(u.name, u.nbytes, u.read_nbytes, u.buffer_nbytes, u.streamable,
-                         sum(n for _, _, n in u.device_layout.copies)) for u in self.units]
+        return [UnitSize(u.name, u.nbytes, u.read_nbytes, u.buffer_nbytes, u.streamable, u.copy_nbytes) for u in self.units]
 
     def _make_plan(self, kv_bytes: int, kv_shape: tuple[int, int],
                    disk: tuple[float | None, str] | None = None, activations: int | None = None,

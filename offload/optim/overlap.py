@@ -8,35 +8,20 @@ handing it to a thread lets backward go on while the state streams in.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import queue
 import threading
 import time
-import weakref
 from typing import Any, Callable
 
 import torch
 
+from offload.at_exit import end_at_exit
 from offload.optim.kernel import ParamState, StepInputs, check_grads
 from offload.optim.schedule import SwapSchedule, Update
 from offload.optim.subgroups import SubGroupPlan
 from offload.optim.threads import limit_this_thread, update_thread_count
 from offload.optim.transaction import StepTransaction
-
-
-_running: weakref.WeakSet[BackgroundWorker] = weakref.WeakSet()
-"""Every worker whose thread may still run, so that `_stop_running` can end them at exit."""
-
-
-@atexit.register
-def _stop_running() -> None:
-    """At interpreter exit (a training script that raised, or was interrupted, during backward), let
-    each worker's running call end and skip the queued ones. Left to the interpreter's shutdown, the
-    daemon thread was stopped inside a torch call and the process aborted ("terminate called without
-    an active exception", status 134) after the script's own traceback, in every such run."""
-    for worker in list(_running):
-        worker.stop()
 
 
 class BackgroundWorker:
@@ -61,7 +46,7 @@ class BackgroundWorker:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
             self._thread.start()
-            _running.add(self)
+            end_at_exit(self, BackgroundWorker.stop)  # a script that raised during backward (offload/at_exit.py)
         with self._done:
             self._pending += 1
         self._queue.put((fn, args))

@@ -4,36 +4,21 @@ has not taken on yet."""
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
 import torch
 
+from offload.at_exit import end_at_exit
 from offload.infer.stream.unit import Unit
 from offload.storage.safetensors_reader import read_windows, tensor_views
 from tensorio import AioHandle, aligned_tensor, locked_tensor, prefault
 
 __all__ = ["ResidentLoad"]
-
-
-_running: weakref.WeakSet[ResidentLoad] = weakref.WeakSet()
-"""Every load whose thread may still run, so that `_close_running` can end them at exit."""
-
-
-@atexit.register
-def _close_running() -> None:
-    """At interpreter exit, close the loads of engines nobody closed. Left to the interpreter's
-    shutdown, the daemon thread was stopped inside a torch call and the process aborted ("terminate
-    called without an active exception", status 134) in 3 of 4 runs that made an engine on the
-    simulated device and exited without closing it."""
-    for load in list(_running):
-        load.close()
 
 
 class ResidentLoad:
@@ -103,7 +88,7 @@ class ResidentLoad:
                                for module in owners.values()]
         self._thread = threading.Thread(target=self._run, name="load-resident", daemon=True)
         self._thread.start()
-        _running.add(self)
+        end_at_exit(self, ResidentLoad.close)  # an engine nobody closed (offload/at_exit.py)
 
     # ---- the thread -------------------------------------------------------------------------------
 

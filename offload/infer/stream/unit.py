@@ -95,6 +95,11 @@ class Unit:
         return max(windows_nbytes(self.windows), self.device_layout.nbytes)
 
     @property
+    def copy_nbytes(self) -> int:
+        """Bytes one copy of it to a device moves: its tensors (`device_layout`), not its windows' page slack."""
+        return sum(nbytes for _, _, nbytes in self.device_layout.copies)
+
+    @property
     def device_layout(self) -> DeviceLayout:
         """Where its tensors go in a device buffer, each aligned (offload/infer/stream/device_layout.py)."""
         if self._layout is None or self._layout.windows is not self.windows:
