@@ -93,8 +93,7 @@ def check_tiers(engine, tiers: str) -> None:
         assert host == {u.name for u in layers} and not streamed
     else:
         assert len([u for u in layers if u.name in on_device]) >= 1 and host and streamed
-    assert plan.host_to_device_bytes_per_forward == sum(n for u in layers if u.name not in on_device
-                                                        for _, _, n in u.device_layout.copies)
+    assert plan.host_to_device_bytes_per_forward == sum(u.copy_nbytes for u in layers if u.name not in on_device)
     assert plan.read_bytes_per_forward == sum(u.read_nbytes for u in layers if u.name in streamed)
 
 

@@ -62,7 +62,7 @@ def on_the_cpu(directory, root, quantization, batch: int, **extra):
     with init_inference(directory, device="cpu", compute_device="cpu", **extra) as engine:
         sizes["unquantized"] = {u.name: u.buffer_nbytes for u in engine.units}
         sizes["unquantized_required"] = sum(u.buffer_nbytes for u in engine.units if not u.streamable)
-        sizes["unquantized_copies"] = {u.name: sum(n for _, _, n in u.device_layout.copies) for u in engine.units}
+        sizes["unquantized_copies"] = {u.name: u.copy_nbytes for u in engine.units}
     return output, sizes
 
 
@@ -121,12 +121,11 @@ def test_quantized_generation_on_a_small_device_equals_the_cpu_path(llama, bits,
             ring = engine.streamer.stager
             before = ring.bytes_copied
             engine(ids, attention_mask=mask)
-            ahead = sum(n for u in engine.units if ring.holds(u) for _, _, n in u.device_layout.copies)  # next forward
+            ahead = sum(u.copy_nbytes for u in engine.units if ring.holds(u))  # copied for the next forward
             copied = ring.bytes_copied - before - ahead
             assert (engine.plan.resident, engine.plan.device.resident) == (plan.resident, plan.device.resident)
             not_kept = [u for u in engine.units if u.name not in plan.device.resident]
-            assert copied == plan.host_to_device_bytes_per_forward == sum(n for u in not_kept
-                                                                          for _, _, n in u.device_layout.copies)
+            assert copied == plan.host_to_device_bytes_per_forward == sum(u.copy_nbytes for u in not_kept)
             unquantized = sum(sizes["unquantized"][u.name] for u in not_kept)
             assert unquantized > 1.9 * copied if bits.startswith("int8") else unquantized > 2.9 * copied
             text = str(plan)
