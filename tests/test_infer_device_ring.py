@@ -25,6 +25,7 @@ from offload.infer import BudgetError, init_inference
 from offload.infer.stream.device_ring import DeviceRing
 
 TOKENS = 8 + NEW_TOKENS
+gpu = pytest.mark.skipif(not cuda_available(), reason="needs CUDA (pytest -m gpu on a GPU machine)")
 
 
 @pytest.fixture(scope="module")
@@ -219,12 +220,13 @@ def misaligned_copy(directory, target):
     return target
 
 
-@pytest.mark.simulated
-def test_every_weight_the_device_computes_with_starts_256_byte_aligned(models, tmp_path):
+@pytest.mark.parametrize("where", [pytest.param("simulated", marks=pytest.mark.simulated),
+                                   pytest.param("cuda", marks=[pytest.mark.gpu, gpu])])
+def test_every_weight_the_device_computes_with_starts_256_byte_aligned(models, tmp_path, where):
     """On a checkpoint whose tensors the file aligns to 8 bytes only, each weight is placed on the device
     (kept there, or copied through the ring from pinned host memory or the disk) at a 256-byte boundary
     of its buffer, as an allocation of its own would be: cuBLAS chooses its kernels by the alignment
-    (offload/infer/stream/device_layout.py). The tokens are transformers'."""
+    (offload/infer/stream/device_layout.py). The tokens are transformers' (on CUDA: on the GPU)."""
     directory, model = models["llama", torch.float32]
     misaligned = misaligned_copy(directory, tmp_path / "misaligned")
     offsets = []
@@ -234,7 +236,13 @@ def test_every_weight_the_device_computes_with_starts_256_byte_aligned(models, t
         ptr = module.weight.data_ptr()
         offsets.append(next((ptr - b.data_ptr() for b in buffers if 0 <= ptr - b.data_ptr() < b.numel()), None))
 
-    with small_device(misaligned, 1, "mixed") as (device, engine):
+    budget, settings = tier_settings(misaligned, 1, "mixed")
+    with contextlib.ExitStack() as stack:
+        if where == "simulated":
+            _, engine = stack.enter_context(small_device(misaligned, 1, "mixed"))
+        else:
+            engine = stack.enter_context(init_inference(misaligned, compute_device="cuda", max_memory={0: budget},
+                                                        **settings))
         for module in engine.module.modules():
             if isinstance(module, torch.nn.Linear):
                 module.register_forward_pre_hook(offset_in_a_device_buffer)
@@ -242,7 +250,10 @@ def test_every_weight_the_device_computes_with_starts_256_byte_aligned(models, t
         check_tiers(engine, "mixed")
     assert len(offsets) == NEW_TOKENS * (7 * 6 + 1)  # every projection of 6 layers, and the head, per token
     assert all(offset is not None and offset % 256 == 0 for offset in offsets), sorted(set(map(str, offsets)))
-    assert_same_generation(ours, reference(model, 1, do_sample=False), torch.float32)
+    if where == "simulated":
+        assert_same_generation(ours, reference(model, 1, do_sample=False), torch.float32)
+    else:
+        assert ours.sequences.tolist() == _on_the_gpu(model, 1).sequences.tolist()
 
 
 class _StageWithoutComputeWait(DeviceRing):
@@ -332,7 +343,17 @@ def test_the_printed_plan_shows_the_tiers_and_the_bytes_per_link(models):
 
 # ---- on a GPU, where there is one -------------------------------------------------------------------
 
-gpu = pytest.mark.skipif(not cuda_available(), reason="needs CUDA (pytest -m gpu on a GPU machine)")
+def _on_the_gpu(model, batch: int):
+    """transformers' greedy generation of ``model`` on the GPU (the model goes back to the CPU after)."""
+    ids, mask = prompts(batch)
+    on_gpu = device_for("cuda").torch_device
+    try:
+        with torch.no_grad():
+            return model.to(on_gpu).generate(ids.to(on_gpu), attention_mask=mask.to(on_gpu), max_new_tokens=NEW_TOKENS,
+                                             pad_token_id=PAD, output_logits=True, return_dict_in_generate=True,
+                                             do_sample=False)
+    finally:
+        model.to("cpu")
 
 
 @pytest.mark.gpu
@@ -342,18 +363,11 @@ gpu = pytest.mark.skipif(not cuda_available(), reason="needs CUDA (pytest -m gpu
 def test_generation_on_a_small_gpu_equals_transformers_on_it(models, kind, tiers):
     directory, model = models[kind, torch.float32]
     budget, settings = tier_settings(directory, 4, tiers)
-    ids, mask = prompts(4)
     with init_inference(directory, compute_device="cuda", max_memory={0: budget}, **settings) as engine:
         ours = generate(engine, 4)
         check_tiers(engine, tiers)
-    on_gpu = device_for("cuda").torch_device
-    ref_model = model.to(on_gpu)
-    try:
-        with torch.no_grad():
-            ref = ref_model.generate(ids.to(on_gpu), attention_mask=mask.to(on_gpu), max_new_tokens=NEW_TOKENS,
-                                     pad_token_id=PAD, output_logits=True, return_dict_in_generate=True, do_sample=False)
-    finally:
-        model.to("cpu")
+    ref = _on_the_gpu(model, 4)
     assert ours.sequences.tolist() == ref.sequences.tolist()
     for a, b in zip(ours.logits, ref.logits):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max()  # TF32 and kernel choice may differ by shape
+
