@@ -1,6 +1,7 @@
 """Benchmark: decode with every weight in memory (compute-bound), ours beside transformers' own model.
 
     python -m benchmarks.infer_resident --dir /work/bench-resident --rounds 3
+    python -m benchmarks.infer_resident --dir /nvme/bench-resident --device cuda   # both sides on a GPU
     python -m benchmarks.infer_resident --dir /tmp/x --scale 0.025 --layers 2 --shards 1 --rounds 1 \\
         --new-tokens 3                                                         # tiny, as the test runs it
 
@@ -16,6 +17,9 @@ measures what that costs against transformers' own loading.
    from_pretrained`` in memory; each reports seconds per decode step (the median of the steps of
    ``--new-tokens``), its greedy tokens, and how many of its weights start on a 64-byte boundary.
 3. Prints each side's median and the ratio ours / transformers (target <= 1.05).
+
+``--device cuda`` puts both on the GPU: ours with ``max_memory={0: "auto", "cpu": "auto"}`` (every
+weight on the device), transformers' model moved there; without CUDA it refuses.
 """
 
 from __future__ import annotations
@@ -59,17 +63,20 @@ def child(args: dict) -> dict:
     checkpoint = args["checkpoint"]
     config = transformers.AutoConfig.from_pretrained(checkpoint)
     ids = torch.randint(3, config.vocab_size, (1, args["prompt_tokens"]), generator=torch.Generator().manual_seed(0))
+    device = args.get("device", "cpu")
     if args["kind"] == "ours":
         from offload.infer import init_inference
 
-        model = init_inference(checkpoint, compute_device="cpu", max_in_cpu="auto")
+        tiers = {"max_memory": {0: "auto", "cpu": "auto"}} if device == "cuda" else {"max_in_cpu": "auto"}
+        model = init_inference(checkpoint, compute_device=device, **tiers)
         model.wait_loaded()
-        weights = [p for p in model.module.parameters()]
+        weights = list(model.module.parameters())
         figures = {"streamed": len(model.plan.streamed)}
     else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).to(device)
         weights = list(model.parameters())
         figures = {}
+    ids = ids.to(device)
     clock = _Clock()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args["new_tokens"],
@@ -89,16 +96,23 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=3, help="pairs of runs, ours first in each")
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=12)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both sides compute")
     args = parse_or_run_child(ap, argv, child, fio_size="0")
     if args is None:
         return {}
+    from offload.device import cuda_available
+
+    if args.device == "cuda" and not cuda_available():
+        raise SystemExit("benchmarks.infer_resident: --device cuda needs a GPU, and CUDA is not available here; "
+                         "nothing was measured")
     spec = Spec.scaled(args.scale, args.layers, args.shards)
     checkpoint = write_checkpoint(Path(args.dir).resolve() / "checkpoint", spec)
     size = sum(os.path.getsize(f) for f in _files(checkpoint) if f.endswith(".safetensors"))
     off, total = misaligned_tensors(checkpoint)
-    print(f"configuration: {spec}, bf16, {size / 1e9:.2f} GB; prompt {args.prompt_tokens} tokens, {args.new_tokens} "
+    print(f"configuration: {spec}, bf16, {size / 1e9:.2f} GB, on the {args.device}; prompt {args.prompt_tokens} tokens, {args.new_tokens} "
           f"new; {off} of {total} tensors start off a 64-byte boundary in their file")
-    payload = {"checkpoint": str(checkpoint), "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens}
+    payload = {"checkpoint": str(checkpoint), "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+               "device": args.device}
     runs: dict[str, list[dict]] = {"ours": [], "transformers": []}
     for round_ in range(args.rounds):
         for kind in runs:
