@@ -8,7 +8,8 @@ streamer calls, per unit (any hashable key):
 
 - ``prefetch`` once the unit's host bytes are ready and a device buffer is free: on the side stream,
   wait until compute is done with that buffer's previous unit, then copy (asynchronous: the host
-  memory is locked; a unit's tensors each to an aligned place, offload/infer/stream/device_layout.py). The copy overlaps the compute of the units before it.
+  memory is locked; a unit's tensors each go to an aligned place, offload/infer/stream/device_layout.py).
+  The copy overlaps the compute of the units before it.
 - ``stage`` before the unit's forward: prefetch it if that has not happened, make the compute stream
   wait for the copy, and return the device buffer its views are made in.
 - ``release`` after its forward: mark where compute is done with the buffer, and wait for the copy
