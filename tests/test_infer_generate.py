@@ -249,14 +249,30 @@ def test_kv_cache_counts_against_the_budget_and_layers_move(models):
         ids, mask = prompts(1)
         engine.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False)
         resident_at_1 = set(engine.plan.resident)
+        engine.wait_loaded()
+        engine(ids, attention_mask=mask)
+        assert _hooked(engine) == set()  # every layer kept in memory computes as transformers' own: no hook
         ids4, mask4 = prompts(4)
         ours = engine.generate(ids4, attention_mask=mask4, max_new_tokens=NEW_TOKENS, pad_token_id=PAD,
                                output_logits=True, return_dict_in_generate=True, do_sample=False)
         assert engine.plan.kv_bytes == kv4 and engine.plan.kv_shape == (4, 8 + NEW_TOKENS)
         assert set(engine.plan.resident) < resident_at_1 and engine.plan.resident_bytes + kv4 <= budget
+        assert _hooked(engine) == {u.name for u in engine.plan.streamed}  # the demoted ones stream: hooked again
         assert_same_generation(ours, reference(model, 4, do_sample=False), torch.float32)
         engine.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False)
         assert set(engine.plan.resident) == resident_at_1  # back when the cache shrinks
+        engine.wait_loaded()
+        engine(ids, attention_mask=mask)
+        assert _hooked(engine) == set()
+
+
+def _hooked(engine) -> set[str]:
+    """The units the streamer has hooks on (none on a resident one); with none, the decoder layers have
+    no hook at all, as transformers' own."""
+    hooked = {u.name for u in engine.units if u.hooks}
+    layers = engine.module.get_submodule("model.layers")
+    assert hooked or not any(layer._forward_pre_hooks or layer._forward_hooks for layer in layers)
+    return hooked
 
 
 def test_other_dtype_streams_from_a_converted_copy_written_once(models, tmp_path, caplog):

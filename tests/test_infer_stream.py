@@ -36,8 +36,6 @@ def ring(disk_dir):
         units.append(Unit(f"layer{i}", module, (ref,), checkpoint.windows([name]), placeholder.numel() * 4, True))
         modules.append(module)
     streamer = LayerStreamer(handle, buffer_count=2)
-    for unit in units:
-        streamer.attach(unit)
     streamer.set_units(units, max(u.buffer_nbytes for u in units))
     yield modules, units, streamer, weights
     streamer.close()
@@ -263,8 +261,6 @@ def test_the_ring_works_while_its_buffers_are_still_being_made(ring, monkeypatch
         return locked_tensor(nbytes, dtype)
 
     monkeypatch.setattr(stream, "locked_tensor", slow_second_buffer)
-    for unit in units:
-        streamer.attach(unit)
     streamer.set_units(units, max(u.buffer_nbytes for u in units))
     _check(modules, weights, list(range(LAYERS)))  # one buffer so far: every layer goes through it
     assert len(streamer.buffers) == 1
@@ -352,8 +348,6 @@ def test_a_held_unit_waits_for_the_ring_being_made_rather_than_for_its_load(ring
 
     monkeypatch.setattr(ring_module, "locked_tensor", slow_buffer)
     monkeypatch.setattr(stream, "prefault", fault)
-    for unit in units:
-        streamer.attach(unit)
     load = stream.ResidentLoad(streamer.handle, units[:2], held=True)
     streamer.set_units(units, max(u.buffer_nbytes for u in units))
     collect = streamer._collect

@@ -117,14 +117,10 @@ class InferenceEngine:
                 self._use_converted_copy()
             if self.plan.streamed and settings.disk_gbps is None:
                 self.plan = self._make_plan(0, (0, 0), disk=measure_disk(self.handle, self.checkpoint))
-            # 5. Resident weights read once, in the background; the streamer's hooks on every unit that may stream.
+            # 5. Resident weights read once, in the background; the streamer's hooks on every unit not resident.
             self.streamer = LayerStreamer(self.handle, buffer_count=settings.buffer_count)
-            for unit in self.units:
-                if unit.streamable:
-                    self.streamer.attach(unit)
-            self.schedule = BlockSchedule()
-            """Micro-batches through each decoder layer (`generate` sets them from the plan)."""
-            self.schedule.install(self.module.get_submodule(decoder_blocks(self.module)))
+            self.schedule = BlockSchedule(self.module.get_submodule(decoder_blocks(self.module)))
+            """Micro-batches through each decoder layer (`generate` runs them as the plan says)."""
             self._release_hook = self.module.register_forward_hook(lambda *_: self._release_loads())
             """Until the first forward is done (then None), loads hold their streamable units back."""
             self._apply(self.plan)
@@ -172,12 +168,10 @@ class InferenceEngine:
              or self.settings.kv_offload.quantization) and kwargs.get("cache", kwargs.get("past_key_values")) is None):
             cache = self.offloaded_cache(placement, total)
             kwargs[CACHE_KEYWORD] = cache  # "cache" is refused before transformers 5.24
-            self.schedule.micro_batches = placement.micro_batches
         try:
-            with self._running():
+            with self._running(), self.schedule.running(placement.micro_batches if cache is not None else 1):
                 return self.module.generate(inputs, **kwargs)
         finally:
-            self.schedule.micro_batches = 1
             if cache is not None:
                 self.kv_bytes_read += cache.ring.bytes_read
                 self.kv_bytes_written += cache.ring.bytes_written

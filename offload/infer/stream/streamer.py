@@ -33,8 +33,8 @@ __all__ = ["LayerStreamer"]
 class LayerStreamer:
     """Streams the non-resident units through ``buffer_count`` locked buffers of ``buffer_nbytes``.
 
-    ``attach(unit)`` installs the hooks once per streamable unit; whether it streams is decided by
-    ``set_units`` (the streamed units in forward order), which can change between calls. ``stager``
+    ``set_units`` (the streamable units in forward order, which can change between calls) installs
+    the hooks of those not resident and removes the others'. ``stager``
     (a `DeviceRing`, where the compute device has memory of its own) copies a buffer to the device
     before the layer computes, and the next units' ahead of use while it does; None computes on the
     CPU, in the ring buffer itself.
@@ -61,23 +61,40 @@ class LayerStreamer:
 
     # ---- setup ------------------------------------------------------------------------------------
 
-    def attach(self, unit: Unit) -> None:
-        """Install ``unit``'s hooks: acquire before its forward, release after (also when it raises)."""
-        unit.hooks = [
-            unit.module.register_forward_pre_hook(lambda module, args: self.acquire(unit)),
-            unit.module.register_forward_hook(lambda module, args, out: self.release(unit), always_call=True),
-        ]
+    def _attach(self, unit: Unit) -> None:
+        """Install ``unit``'s hooks (once): acquire before its forward (before any other pre-hook, a load's
+        included: the ring claims a unit its load has not taken on), release after (also when it raises)."""
+        if not unit.hooks:
+            unit.hooks = [
+                unit.module.register_forward_pre_hook(lambda module, args: self.acquire(unit), prepend=True),
+                unit.module.register_forward_hook(lambda module, args, out: self.release(unit), always_call=True),
+            ]
+
+    @staticmethod
+    def _detach(unit: Unit) -> None:
+        """Remove ``unit``'s hooks: it is resident, so a forward has nothing to bind (each call through
+        hooks cost 15 us a unit, 2.2% of a decode step of a 44-layer model computing on the CPU)."""
+        for hook in unit.hooks:
+            hook.remove()
+        unit.hooks = []
 
     def set_units(self, units: list[Unit], buffer_nbytes: int, lookahead: int | None = None) -> None:
         """Serve ``units`` (forward order) from now on, through buffers of ``buffer_nbytes`` bytes (0:
         no ring), with at most ``lookahead`` reads in flight (None: as many as buffers). Those
-        "resident" are left alone, those "loading" are read into the ring while their load has not
-        taken them on (`ResidentLoad.claim`), the others are streamed."""
+        "resident" are left alone (without hooks), those "loading" are read into the ring while their
+        load has not taken them on (`ResidentLoad.claim`), the others are streamed."""
         self.reset()
         self.lookahead = self.buffer_count if lookahead is None else max(1, min(lookahead, self.buffer_count))
         self._allocate(buffer_nbytes)
+        for unit in self.units:
+            if unit not in units:
+                self._detach(unit)
         self.units = list(units)
         for unit in self.units:
+            if unit.state == "resident":
+                self._detach(unit)
+            else:
+                self._attach(unit)
             if unit.state not in ("resident", "loading", "host"):
                 unit.state = "on disk"
                 unit.unbind()
@@ -126,7 +143,8 @@ class LayerStreamer:
 
     def acquire(self, unit: Unit) -> None:
         """Before ``unit``'s forward: wait for its read and bind its parameters to views into its buffer."""
-        if unit.state == "resident":
+        if unit.state == "resident":  # its load has bound it since `set_units`: its hooks go
+            self._detach(unit)
             return
         if unit.state == "loading":
             self._issue()  # the ring takes it where it has come to it and its load has not
@@ -138,6 +156,7 @@ class LayerStreamer:
             if unit.state == "loading":  # on a device: kept there ("resident") or in pinned host memory ("host")
                 unit.loading.wait(unit)
                 if unit.state == "resident":
+                    self._detach(unit)
                     return
         if unit.state in ("in use", "staged"):  # re-entered (a module called twice in one forward)
             unit.users += 1
@@ -306,6 +325,8 @@ class LayerStreamer:
     def close(self) -> None:
         """Wait for reads in flight, remove the hooks and free the buffers (the device's too)."""
         self.reset()
+        for unit in self.units:
+            self._detach(unit)
         self.units = []
         if self.stager is not None:
             self.stager.close()
