@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -41,18 +40,12 @@ TARGET = 1.05
 
 def misaligned_tensors(checkpoint: Path, align: int = 64) -> tuple[int, int]:
     """(tensors of ``checkpoint`` whose bytes start off an ``align``-byte boundary in their file, tensors)."""
-    off = total = 0
-    for name in _files(checkpoint):
-        if not name.endswith(".safetensors"):
-            continue
-        with open(name, "rb") as f:
-            length = struct.unpack("<Q", f.read(8))[0]
-            header = json.loads(f.read(length))
-        for key, value in header.items():
-            if key != "__metadata__":
-                total += 1
-                off += (8 + length + value["data_offsets"][0]) % align != 0
-    return off, total
+    from offload.storage.safetensors_reader import SafetensorsCheckpoint
+    from tensorio import AioHandle
+
+    with AioHandle() as handle:
+        entries = SafetensorsCheckpoint(checkpoint, handle).entries.values()
+        return sum(entry.offset % align != 0 for entry in entries), len(entries)
 
 
 def child(args: dict) -> dict:

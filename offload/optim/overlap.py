@@ -91,7 +91,7 @@ class BackgroundWorker:
         self._error = None
 
     def stop(self) -> None:
-        """Let the running call end, skip the queued ones, and stop the thread (at exit: `_stop_running`)."""
+        """Let the running call end, skip the queued ones, and stop the thread (at exit: offload/at_exit.py)."""
         self._stopping = True
         self.close()
         self._stopping = False
