@@ -85,3 +85,14 @@ def tmpfs_dir():
     path = Path(tempfile.mkdtemp(dir="/dev/shm"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(params=["io_uring", "threads"])
+def aio_backend(request):
+    """Each of tensorio's backends in turn, for the tests of what the engine does with its I/O (checksums,
+    faults, caches): ``{"backend": name}``, an ``aio`` section. io_uring skips where it cannot run."""
+    import tensorio
+
+    if request.param == "io_uring" and not tensorio.probe_io_uring()[0]:
+        pytest.skip(f"io_uring cannot run here: {tensorio.probe_io_uring()[1]}")
+    return {"backend": request.param}

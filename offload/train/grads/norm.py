@@ -30,7 +30,7 @@ class GlobalGradNorm:
             norm = ctx.reducer.global_norm()
         except BaseException as error:
             # Updates ran during backward (only a fast path updates before the step): give the step up whole.
-            if isinstance(self._path, FastPath) and self._path.counts().uncommitted:
+            if isinstance(self._path, FastPath) and self._path.changed_parameters():
                 self._path.give_up(error, gradients_lost=True)
             else:  # nothing is updated yet: the parameters are whole
                 ctx.gradients_lost_before_update(error)

@@ -66,7 +66,7 @@ class UpdateInNextForward(FastPath):
                 self.deferred.begin(grads, factor)  # prefetches the forward's first partitions
                 del grads
         except BaseException as error:
-            if self.rollback.uncommitted:
+            if self.changed_parameters():  # this step's updates began, or the last step's writes failed and undid it
                 self.give_up(error, gradients_lost=True)
             else:  # nothing is updated yet: the parameters are whole
                 ctx.gradients_lost_before_update(error)

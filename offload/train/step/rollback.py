@@ -103,6 +103,14 @@ class StepRollback:
         with self._lock:
             self._aborts.append(([name for _, name in uncopied], snapshots[0][1] if snapshots else None))
 
+    @property
+    def aborted_untaken(self) -> bool:
+        """Whether the optimizer gave steps up (`aborted`) since the last `take_aborts`: a failure of an
+        earlier step's writes found now (their write-behind) has undone that step, whose counters must
+        go back too (`FastPath.give_up`)."""
+        with self._lock:
+            return bool(self._aborts)
+
     def take_aborts(self) -> tuple[bool, Any, list[str]]:
         """What the `aborted` calls since the last `take_aborts` undid (the optimizer may give a step up
         more than once: where it failed, then when the engine abandons it): whether they undid

@@ -194,6 +194,11 @@ class FastPath:
         if self.writeback is not None:
             self.writeback.abort()
 
+    def changed_parameters(self) -> bool:
+        """Whether a step not committed has changed parameters, or one was undone that the engine has not
+        accounted for yet: a failure now must `give_up` (else nothing changed, the parameters are whole)."""
+        return self.rollback.uncommitted or self.rollback.aborted_untaken
+
     def give_up(self, error: BaseException, *, gradients_lost: bool) -> None:
         """A step failed: join the optimizer's thread and give up every uncommitted step (`StepRollback`).
         When that undid everything, the counters, schedule and loss scale go back to the last committed
