@@ -100,3 +100,63 @@ def test_resume_at_another_world_size_continues_as_a_run_that_never_stopped(disk
     torch.testing.assert_close(torch.tensor(after_resume), torch.tensor(straight[BEFORE:]), rtol=rtol, atol=0)
     # not trivially equal: the losses move from step to step
     assert len({round(loss, 4) for loss in straight[BEFORE:]}) == AFTER
+
+
+SMALL_CHUNK = 4096
+"""Bytes per checksum chunk in the test below: GPT-2's larger partitions span several."""
+
+
+def _save_in_small_chunks(rank: int, world_size: int, tmp: str, ckpt: str) -> None:
+    from offload.storage import file_checksums
+
+    file_checksums.CHUNK = SMALL_CHUNK  # this rank process only
+    run(rank, world_size, ((tmp, 0.0, False, 0, BEFORE, None, ckpt, None),))
+
+
+@pytest.mark.multiprocess
+def test_a_flip_in_a_middle_chunk_of_rank_1s_file_is_refused_at_every_world_size(disk_dir, monkeypatch):
+    """Saved by 2 ranks in 4 KiB checksum chunks; one bit flipped in a middle chunk of a tensor of rank 1's
+    params file. Every rank of world sizes 1 and 3 reads its share as a load does (a partial range of the
+    saved partitions at 3): the reads that cover the chunk fail naming the file and the tensor, the others
+    pass, and every byte read was compared with its checksum. A load at world size 1 refuses it."""
+    from checkpoint_flips import tensor_at
+
+    from offload.params.partition import partition_numel
+    from offload.train.checkpoint.reader import CheckpointReader
+    from tensorio import ChecksumError
+    from tensorio.testing import flip_bit
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    tmp = str(disk_dir)
+    os.environ.update(MASTER_PORT=str(_free_port()))
+    run_ranks(_save_in_small_chunks, [(rank, 2, tmp, os.path.join(tmp, "ckpt")) for rank in range(2)])
+    tag = disk_dir / "ckpt" / f"global_step{BEFORE}"
+    victim = tag / "rank00001_params.safetensors"
+    name, offset, nbytes = tensor_at(victim)
+    assert nbytes >= 3 * SMALL_CHUNK
+    flipped = offset + SMALL_CHUNK + SMALL_CHUNK // 2  # in its second chunk of several
+    flip_bit(victim, flipped, 3)
+    with CheckpointReader(tag) as reader:
+        numel = {p["name"]: int(torch.Size(p["shape"]).numel()) for p in reader.state["parameters"]}
+        saved_partition = reader.tensor("params", name).shape[0]
+        itemsize = reader.tensor("params", name).dtype.itemsize
+        element = saved_partition + (flipped - offset) // itemsize  # of the flat tensor
+        for world_size in (1, 3):
+            for rank in range(world_size):
+                for param in reader.names("params"):
+                    part = partition_numel(numel[param], world_size)
+                    start = rank * part
+                    read = reader.read("params", param, start, start + part, numel=numel[param])
+                    if param == name and start <= element < start + part:
+                        with pytest.raises(ChecksumError, match=f"checksum mismatch \\(tensor '{name}'\\): {victim}"):
+                            read.result()
+                    else:
+                        read.result()
+            assert reader.bytes_verified == reader.bytes_read > 0
+    engine, *_ = initialize(model=gpt2(), config=config(tmp, 1, 0.0, False))
+    try:
+        with pytest.raises(ChecksumError, match=f"checksum mismatch \\(tensor '{name}'\\): {victim}"):
+            engine.load_checkpoint(disk_dir / "ckpt")
+        assert engine.global_steps == 0
+    finally:
+        engine.close()

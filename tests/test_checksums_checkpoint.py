@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 
 import pytest
 import torch
 
 from offload.checkpoint import main as checkpoint_command
 from offload.storage.file_checksums import CHUNK, FileChecksums
+from offload.train.checkpoint.rank_state import CheckpointLoad
 from offload.train.engine import initialize
 from tensorio import ChecksumError
 from tensorio.testing import flip_bit
@@ -34,6 +37,14 @@ def _step(engine, batch):
     engine.backward(loss)
     engine.step()
     return loss.item()
+
+
+def _tensor_bytes(path):
+    """The bytes of every tensor of the safetensors file at ``path``."""
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    return sum(e["data_offsets"][1] - e["data_offsets"][0] for k, e in json.loads(raw[8:8 + length]).items()
+               if k != "__metadata__")
 
 
 def _tensor_at(path, name):
@@ -57,18 +68,49 @@ def saved(tmp_path_factory):
     return tmp / "ckpt" / "global_step2", reference
 
 
-def test_the_json_records_every_tensor_file_and_verify_passes(saved, capsys):
+def test_the_json_records_every_file_and_verify_passes(saved, capsys):
     tag, _ = saved
-    states = json.loads((tag / "rank00000_states.json").read_text())
+    raw = (tag / "rank00000_states.json").read_bytes()
+    states = json.loads(raw)
+    assert states["format"] == 2 and raw.startswith(b'{"format": 2, "states_checksum": "')  # its own checksum first
     records = states["checksums"]
     assert set(records) == {"rank00000_params.safetensors", "rank00000_optimizer.safetensors",
                             "rank00000_client.safetensors"}
+    assert set(states["files"]) == {"config.json", "zero_to_fp32.py"}
     params = FileChecksums.from_json(records["rank00000_params.safetensors"], "test")
     assert params.chunk == CHUNK and "transformer.wte.weight" in params.tensors
     assert checkpoint_command(["verify", str(tag)]) == 0
     assert checkpoint_command(["verify", str(tag.parent)]) == 0  # the save_dir, through `latest`
     out = capsys.readouterr()
-    assert out.out.count("ok ") == 6 and "every checksum matches" in out.err
+    every = {"rank00000_states.json", "rank00000_params.safetensors", "rank00000_optimizer.safetensors",
+             "rank00000_client.safetensors", "config.json", "zero_to_fp32.py"}
+    assert {line.split()[1].rsplit("/", 1)[1] for line in out.out.splitlines()} == every
+    assert out.out.count("ok ") == 12 and "every checksum matches" in out.err
+
+
+def test_the_checked_bytes_are_the_bytes_compared_with_their_checksums(saved, disk_dir, monkeypatch, caplog):
+    """The load's figure counts the bytes whose checksums were compared: every byte it read, from a relative
+    path too; and none for a checkpoint without checksums, whose load says nothing of a check."""
+    tag, _ = saved
+    monkeypatch.chdir(disk_dir)
+    expected = sum(_tensor_bytes(tag / name) for name in ("rank00000_params.safetensors",
+                                                          "rank00000_optimizer.safetensors"))
+    engine = _engine(disk_dir)
+    try:
+        with CheckpointLoad(os.path.relpath(tag.parent), None, rank=0, world_size=1, store=engine.param_store,
+                            optimizer=engine.optimizer) as source:
+            assert source.verified_bytes == source.reader.bytes_verified == source.reader.bytes_read == expected
+        with caplog.at_level(logging.INFO, logger="offload"):
+            engine.load_checkpoint(os.path.relpath(tag.parent))
+        assert f"{expected / 1e6:.1f} MB of {tag} checked against their checksums" in caplog.text
+        old = _before_checksums(tag.parent, disk_dir / "old", keep_tensor_checksums=False)
+        with CheckpointLoad(old, None, rank=0, world_size=1, store=engine.param_store,
+                            optimizer=engine.optimizer) as source:
+            assert source.verified_bytes == 0
+            source.apply()
+            assert source.reader.bytes_verified == 0 < source.reader.bytes_read
+    finally:
+        engine.close()
 
 
 @pytest.mark.parametrize("where", ["params tensor", *(pytest.param(w, marks=pytest.mark.slow) for w in
@@ -117,27 +159,43 @@ def test_a_bit_flipped_at_rest_is_named_by_verify_load_and_consolidate(saved, wh
             flip_bit(path, offset, 5)
 
 
-def test_a_checkpoint_from_before_checksums_loads_with_one_warning(saved, disk_dir, caplog):
-    tag, reference = saved
-    old = disk_dir / "old"
-    import shutil
-
-    shutil.copytree(tag.parent, old)
-    states = old / "global_step2" / "rank00000_states.json"
+def _before_checksums(save_dir, into, *, keep_tensor_checksums):
+    """A copy of the checkpoint as a version before state files carried their own checksum (format 1) wrote it:
+    with its tensor files' checksums, or from before those too."""
+    shutil.copytree(save_dir, into)
+    states = into / "global_step2" / "rank00000_states.json"
     value = json.loads(states.read_text())
-    del value["checksums"]
+    del value["states_checksum"], value["files"]
+    value["format"] = 1
+    if not keep_tensor_checksums:
+        del value["checksums"]
     states.write_text(json.dumps(value))
+    return into
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["no checksums", "tensor checksums only"])
+def test_a_checkpoint_from_before_checksums_loads_with_one_warning(saved, disk_dir, caplog, capsys, keep):
+    tag, reference = saved
+    old = _before_checksums(tag.parent, disk_dir / "old", keep_tensor_checksums=keep)
     engine = _engine(disk_dir)
     try:
-        with caplog.at_level(logging.WARNING, logger="offload"):
+        with caplog.at_level(logging.INFO, logger="offload"):
             engine.load_checkpoint(old)
-        warnings = [r.getMessage() for r in caplog.records if "without checksums" in r.getMessage()]
-        assert warnings == [f"{old / 'global_step2'}: saved without checksums (before they were recorded): read "
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert warnings == [f"{old / 'global_step2'}: saved before its state files carried a checksum: their bytes "
+                            f"are not verified (the tensor files' are)" if keep else
+                            f"{old / 'global_step2'}: saved without checksums (before they were recorded): read "
                             f"without verifying its bytes"]
+        assert ("checked against their checksums" in caplog.text) == keep
         assert [_step(engine, BATCHES[2]), _step(engine, BATCHES[3])] == reference[0]
     finally:
         engine.close()
-    assert checkpoint_command(["verify", str(old)]) == 2
+    capsys.readouterr()
+    assert checkpoint_command(["verify", str(old)]) == (0 if keep else 2)
+    out = capsys.readouterr()
+    if keep:  # the tensor files verified, the state file said to be unverifiable
+        assert f"unverified {old / 'global_step2' / 'rank00000_states.json'}" in out.out
+        assert out.out.count("ok ") == 3 and "before they carried a checksum of their own" in out.err
 
 
 @pytest.mark.parametrize("bad", ["missing", "a file", "not a checkpoint", "missing rank file"])

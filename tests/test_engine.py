@@ -790,8 +790,8 @@ def test_a_failed_save_leaves_the_previous_checkpoint_loadable(disk_dir, tmp_pat
     def crash(*args, **kwargs):
         raise OSError(28, "No space left on device (injected)")
 
-    import json
-    monkeypatch.setattr(json, "dump", crash)  # the last file of the new tag fails to write
+    import offload.train.checkpoint.rank_state as rank_state
+    monkeypatch.setattr(rank_state, "states_bytes", crash)  # the last file of the new tag fails to write
     with pytest.raises(OSError, match="injected"):
         engine.save_checkpoint(tmp_path)
     monkeypatch.undo()

@@ -57,7 +57,10 @@ def _consolidate(argv: list[str]) -> None:
     if args.command == "verify":
         files = verify_checkpoint(args.checkpoint, args.tag)
         for file in files:
-            print(f"ok {file.path} ({file.nbytes / 1e6:.1f} MB)")
+            print(f"{'ok' if file.verified else 'unverified'} {file.path} ({file.nbytes / 1e6:.1f} MB)")
+        if not all(file.verified for file in files):
+            print("the state files were saved before they carried a checksum of their own: their bytes cannot be "
+                  "checked (save the checkpoint again to cover them)", file=sys.stderr)
         print(f"verified {len(files)} files, {sum(f.nbytes for f in files) / 1e9:.3f} GB: every checksum matches",
               file=sys.stderr)
         return

@@ -7,6 +7,9 @@ Per rank ``r`` (5 digits), in ``save_dir/<tag>/`` (see `offload.train.checkpoint
     rank<r>_states.json            counters, loss scale, schedule, optimizer steps and param groups,
                                    the parameters' names and shapes, and the caller's ``client_state``
     rank<r>_client.safetensors     tensors of ``client_state``, when it holds any
+
+The state file's own format and checksum, and the checksums it records for the others:
+`offload.train.checkpoint.states_file`.
 """
 
 from __future__ import annotations
@@ -20,11 +23,8 @@ import torch
 
 from tensorio import DIRECT_ALIGN
 
-__all__ = ["FORMAT", "RANK_FILE_ALIGN", "client_file", "decode_state", "encode_state", "optimizer_file", "params_file",
-           "read_checksums", "read_states", "require_file", "states_file", "write_json"]
-
-FORMAT = 1
-"""Version of the rank<r>_states.json layout."""
+__all__ = ["RANK_FILE_ALIGN", "client_file", "decode_state", "encode_state", "optimizer_file", "params_file",
+           "require_file", "states_file", "write_json"]
 
 RANK_FILE_ALIGN = DIRECT_ALIGN
 """The rank files' tensor data starts at a multiple of this in the file (safetensors' header padded
@@ -78,64 +78,6 @@ def write_json(path: str, value: Any) -> None:
     finally:
         if os.path.exists(temporary):
             os.unlink(temporary)
-
-
-def read_states(path: str, rank: int) -> dict[str, Any]:
-    """``rank``'s state (rank<r>_states.json with its client tensors) of the checkpoint in ``path``.
-
-    Raises FileNotFoundError naming the missing file, ValueError naming the file for one that is not
-    a state file of this format or a pickled state of an earlier version (never unpickled),
-    SafetensorsError naming a bad client tensors file.
-    """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    states = os.path.join(path, states_file(rank))
-    if not os.path.exists(states):
-        pickled = os.path.join(path, f"rank{rank:05d}_states.pt")
-        if os.path.exists(pickled):
-            raise ValueError(f"{pickled}: a checkpoint of an earlier version, whose state is pickled; it is not "
-                             f"loaded, because unpickling a file can run any code. Load it with that version and "
-                             f"save it again")
-        require_file(path, states_file(rank))
-    try:
-        with open(states, encoding="utf-8") as file:
-            encoded = json.load(file)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{states}: not a checkpoint state file ({error}); the file is damaged or truncated") from None
-    if not isinstance(encoded, dict) or encoded.pop("format", None) != FORMAT:
-        raise ValueError(f"{states}: not a checkpoint state file of format {FORMAT}")
-    client = os.path.join(path, client_file(rank))
-    record = (encoded.get("checksums") or {}).get(client_file(rank))
-    if record is not None and os.path.exists(client):
-        from offload.storage.file_checksums import FileChecksums, verify_file
-        verify_file(client, FileChecksums.from_json(record, f"{states}: checksums of {client_file(rank)}"))
-    try:
-        tensors = load_file(client) if os.path.exists(client) else {}
-    except SafetensorError as error:
-        raise ValueError(f"{client}: not a readable safetensors file ({error}); the file is damaged or truncated") from None
-    state = decode_state(encoded, tensors)
-    for group in state["optimizer"]["param_groups"]:
-        if isinstance(group.get("betas"), list):
-            group["betas"] = tuple(group["betas"])  # as torch.optim keeps them
-    return state
-
-
-def read_checksums(path: str, rank: int) -> dict[str, Any]:
-    """The checksums ``rank`` recorded for its tensor files (`offload.storage.file_checksums`), by path; empty
-    for a checkpoint saved before they were recorded. Raises ValueError naming the JSON file for a damaged record."""
-    from offload.storage.file_checksums import FileChecksums
-
-    states = os.path.join(path, states_file(rank))
-    try:
-        with open(require_file(path, states_file(rank)), encoding="utf-8") as file:
-            records = json.load(file).get("checksums") or {}
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
-        raise ValueError(f"{states}: not a checkpoint state file ({error}); the file is damaged or truncated") from None
-    if not isinstance(records, dict):
-        raise ValueError(f"{states}: \"checksums\" is not an object; the file is damaged")
-    return {os.path.join(path, name): FileChecksums.from_json(record, f"{states}: checksums of {name}")
-            for name, record in records.items()}
 
 
 def encode_state(state: Any, path: str = "state") -> tuple[Any, dict[str, torch.Tensor]]:

@@ -40,9 +40,10 @@ from tensorio import aligned_tensor
 from offload.params import ParamRecord, ParamStore
 from offload.params.partition import partition_numel
 from offload.storage import SafetensorsWriter, atomic_checkpoint, atomic_safetensors, resolve_tag
-from offload.train.checkpoint.files import (FORMAT, RANK_FILE_ALIGN, client_file, decode_state, encode_state,
-                                            optimizer_file, params_file, states_file, write_json)
+from offload.train.checkpoint.files import (RANK_FILE_ALIGN, client_file, decode_state, encode_state, optimizer_file,
+                                            params_file, states_file, write_json)
 from offload.train.checkpoint.reader import CheckpointReader, PendingRead
+from offload.train.checkpoint.states_file import states_bytes, whole_file_checksum
 from offload.train.surface import in_optimizer_order
 
 __all__ = ["CheckpointLoad", "decode_state", "encode_state", "model_config", "save_16bit_model", "save_checkpoint"]
@@ -111,10 +112,11 @@ def save_checkpoint(save_dir: str | os.PathLike, tag: str, *, rank: int, group: 
                     for name, tensor in tensors.items():
                         out.write(name, tensor)
             checksums[client_file(rank)] = out.checksums.to_json()
-        with _naming_the_file(staging / states_file(rank)) as path, open(path, "w") as file:
-            json.dump({"format": FORMAT, **encoded}, file, allow_nan=True)
-        if rank == 0:
-            _write_beside(staging, model)
+        if rank == 0:  # before the state file, which records their checksums
+            encoded["files"] = {name: f"{whole_file_checksum(staging / name)[0]:016x}"
+                                for name in _write_beside(staging, model)}
+        with _naming_the_file(staging / states_file(rank)) as path, open(path, "wb") as file:
+            file.write(states_bytes(encoded))  # its own checksum in its head
     return os.path.join(os.fspath(save_dir), tag)
 
 
@@ -134,16 +136,19 @@ class CheckpointLoad:
     so that a mismatch never leaves a load half done).
 
     ``optimizer`` None leaves the optimizer's state as it is. Frozen parameters missing from the
-    checkpoint (saved with ``exclude_frozen``) keep their values.
+    checkpoint (saved with ``exclude_frozen``) keep their values. ``backend``: tensorio's, for the reads.
     """
 
     def __init__(self, load_dir: str | os.PathLike, tag: str | None, *, rank: int, world_size: int,
-                 store: ParamStore, optimizer: Any) -> None:
-        self.path = str(resolve_tag(load_dir, tag))
+                 store: ParamStore, optimizer: Any, backend: str = "auto") -> None:
+        self.given = str(resolve_tag(load_dir, tag))
+        """The tag's folder as the caller named it (``load_checkpoint`` returns it, as DeepSpeed's does)."""
+        self.path = os.path.abspath(self.given)
+        """The same, absolute: what the load reads and its messages name."""
         self.rank, self.world_size, self.store, self.optimizer = rank, world_size, store, optimizer
         self.verified_bytes, self.verify_seconds = 0, 0.0
         """What opening read and checked against the checksums (the bytes `apply` will read), and how long it took."""
-        self.reader = CheckpointReader(self.path)
+        self.reader = CheckpointReader(self.path, backend=backend)
         try:
             self.state = dict(self.reader.rank_state(rank))
             self.saved_world_size = self.reader.world_size
@@ -191,7 +196,6 @@ class CheckpointLoad:
         state = dict(self.state)
         saved = state.pop("optimizer")
         state.pop("parameters", None)
-        state.pop("checksums", None)
         if self.optimizer is None:
             return state
         names = self.reader.names("optimizer")
@@ -211,6 +215,7 @@ class CheckpointLoad:
         changes. Two reads in flight; memory: their buffers, from the reader's pool."""
         if not self.reader.checksums:
             return  # saved before checksums: the reader warned that it reads unverified
+        compared = self.reader.bytes_verified
         states = self.reader.names("optimizer") if self.optimizer is not None else []
         reads = itertools.chain((self._read_partition(rec) for rec in self._saved_records()),  # each started when taken
                                 (self._read_state(name, 0, self._trainable[int(name.split(".")[0])].partition_numel)
@@ -219,12 +224,12 @@ class CheckpointLoad:
         in_flight: collections.deque = collections.deque()
         for read in reads:
             in_flight.append(read)
-            self.verified_bytes += in_flight[-1].count * in_flight[-1].dtype.itemsize
             if len(in_flight) > 1:
                 in_flight.popleft().result()  # sync point: two partitions in flight, as `apply` holds
         while in_flight:
             in_flight.popleft().result()
         self.verify_seconds = time.perf_counter() - began
+        self.verified_bytes = self.reader.bytes_verified - compared  # only bytes whose checksums were compared
 
     def _saved_records(self) -> list[ParamRecord]:
         """The store's records the checkpoint holds (frozen ones may be left out of it)."""
@@ -363,20 +368,23 @@ def _optimizer_order(records: list[ParamRecord], optimizer: Any) -> list[ParamRe
     return in_optimizer_order([rec for rec in records if rec.param.requires_grad], optimizer.param_groups)
 
 
-def _write_beside(staging: Any, model: nn.Module | None) -> None:
-    """config.json (when the model has one) and zero_to_fp32.py, into the tag being saved."""
-    _write_config(staging, model)
+def _write_beside(staging: Any, model: nn.Module | None) -> list[str]:
+    """config.json (when the model has one) and zero_to_fp32.py, into the tag being saved; return their names."""
+    written = [CONFIG_NAME] if _write_config(staging, model) else []
     with _naming_the_file(os.path.join(staging, SCRIPT_NAME)) as path, open(path, "w") as file:
         file.write(_SCRIPT)
+    return [*written, SCRIPT_NAME]
 
 
-def _write_config(directory: str | os.PathLike, model: nn.Module | None) -> None:
+def _write_config(directory: str | os.PathLike, model: nn.Module | None) -> bool:
+    """Write ``model``'s config.json into ``directory``; False (nothing written) for a model without one."""
     config = model_config(model)
     if config is None:
-        return
+        return False
     target = os.path.join(os.fspath(directory), CONFIG_NAME)
     with _naming_the_file(target):
         write_json(target, config)
+    return True
 
 
 @contextlib.contextmanager

@@ -13,11 +13,13 @@ as its memory) nor the page cache. Opening checks every file's header, and that 
 enough for the tensors it lists, before anything is read: a truncated or empty file is an error
 naming it.
 
-Checksums (`offload.storage.file_checksums`, recorded in each rank's JSON): opening checks each file's
-header against its record; every read is widened to whole checksum chunks of its tensor and verified in
-tensorio's I/O threads as it completes, so a flipped bit is a `tensorio.ChecksumError` naming the file,
-the tensor, the offset and both checksums. A checkpoint saved before checksums were recorded is read
-unverified, with one warning.
+Checksums (`offload.storage.file_checksums`, recorded in each rank's state file by file name, the state
+files checked against their own: `offload.train.checkpoint.states_file`): opening checks every rank's state
+file, the files written beside them and each tensor file's header against its record; every read is widened
+to whole checksum chunks of its tensor and verified in tensorio's I/O threads as it completes, so a flipped
+bit is a `tensorio.ChecksumError` naming the file, the tensor, the offset and both checksums. The tag's path
+is made absolute once, here, and files are looked up by their name in it: relative, absolute or moved, the
+same checks. A checkpoint saved before checksums were recorded is read unverified, with one warning.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from tensorio import DIRECT_ALIGN, AioHandle, BufferPool, ChecksumError, Checksu
 
 from offload.storage.file_checksums import FileChecksums, header_checksum
 from offload.storage.safetensors_reader import SafetensorsCheckpoint, TensorEntry
-from offload.train.checkpoint.files import optimizer_file, params_file, read_checksums, read_states, require_file
+from offload.train.checkpoint.files import optimizer_file, params_file, require_file
+from offload.train.checkpoint.states_file import read_states, read_states_file, verify_side_files
 
 log = logging.getLogger("offload")
 
@@ -57,16 +60,20 @@ class PendingRead:
 
     out: torch.Tensor | None
     """The result's storage when it is assembled from several pieces (else None: ``pieces[0]`` is it)."""
-    pieces: list[tuple[int, IOFuture, torch.Tensor, int, int, torch.dtype]]
-    """(first element in the result, the read, its buffer, first byte in it, bytes, dtype) per piece."""
+    pieces: list[tuple[int, IOFuture, torch.Tensor, int, int, torch.dtype, int, int]]
+    """(first element in the result, the read, its buffer, first byte in it, bytes, dtype, tensor bytes read,
+    of them bytes compared with their checksums) per piece."""
     count: int
     dtype: torch.dtype
+    reader: "CheckpointReader"
 
     def result(self) -> torch.Tensor:
         """Wait for the reads; return the elements (a tensor of ``count`` elements). Raises TensorIOError."""
         single = None
-        for first, future, buffer, skip, nbytes, dtype in self.pieces:
+        for first, future, buffer, skip, nbytes, dtype, read, verified in self.pieces:
             future.result()
+            self.reader.bytes_read += read
+            self.reader.bytes_verified += verified
             values = _view(buffer, skip, nbytes, dtype)
             if self.out is None:
                 single = values
@@ -82,7 +89,8 @@ class CheckpointReader:
 
     ``tensor(kind, name)`` is the entry of rank 0's file of ``kind`` ("params" or "optimizer");
     `read` returns any element range of a tensor's flat (unpartitioned) form. Use as a context
-    manager, or `close` it, to close its I/O handle.
+    manager, or `close` it, to close its I/O handle. ``backend``: tensorio's, for the handle it makes
+    (the engine passes its ``aio.backend``).
 
     Raises FileNotFoundError naming a missing file, SafetensorsError naming a file with a bad
     header or a truncated one, ValueError naming the file for a state file that is not one, or for
@@ -90,24 +98,38 @@ class CheckpointReader:
     """
 
     def __init__(self, path: str | os.PathLike, handle: AioHandle | None = None, *,
-                 pool_bytes: int = _POOL_BYTES) -> None:
-        self.path = os.fspath(path)
+                 pool_bytes: int = _POOL_BYTES, backend: str = "auto") -> None:
+        self.path = os.path.abspath(os.fspath(path))
         self.pool = BufferPool(pool_bytes)
         """The read buffers, reused once dropped (tensors of one size recur in every layer): memory
         faulted in once, not for every tensor."""
         self._own_handle = handle is None
-        self.handle = handle if handle is not None else AioHandle(block_size=_BLOCK, queue_depth=8)
+        self.handle = handle if handle is not None else AioHandle(block_size=_BLOCK, queue_depth=8, backend=backend)
         self.file_sizes: dict[str, int] = {}
         self.checksums: dict[str, FileChecksums] = {}
-        """Each tensor file's checksums, by path (empty for a checkpoint saved without them)."""
+        """Each tensor file's checksums, by file name (empty for a checkpoint saved before they were)."""
+        self.bytes_read = 0
+        """Tensor bytes read so far (each read widened to whole checksum chunks where they are recorded)."""
+        self.bytes_verified = 0
+        """Of `bytes_read`, the bytes whose checksums were compared (all of them in a checkpoint that has them)."""
         try:
             self.state = read_states(self.path, 0)
             self.world_size = int(self.state["world_size"])
-            for rank in range(self.world_size):
-                self.checksums.update(read_checksums(self.path, rank))
+            states = [read_states_file(self.path, rank) for rank in range(self.world_size)]
+            files = [(state, name, sums) for state in states for name, sums in state.tensor_files()]
+            self.checksums = {name: sums for _, name, sums in files if sums is not None}
             if not self.checksums:
                 log.warning("%s: saved without checksums (before they were recorded): read without verifying its "
                             "bytes", self.path)
+            else:
+                for state, name, sums in files:
+                    if sums is None:  # some ranks record them, this one not: not one checkpoint
+                        raise ValueError(f"{state.path}: records no checksums for {name} while the other ranks "
+                                         f"record theirs; the files are from different checkpoints")
+                if not all(state.verified for state in states):
+                    log.warning("%s: saved before its state files carried a checksum: their bytes are not verified "
+                                "(the tensor files' are)", self.path)
+            verify_side_files(states[0])
             self.files = {"params": self._open_all(params_file), "optimizer": self._open_all(optimizer_file)}
         except BaseException:
             self.close()
@@ -170,19 +192,19 @@ class CheckpointReader:
                 continue
             piece = files[rank][name]
             first_byte = piece.offset + (lo - rank * size) * _itemsize(piece.dtype)
-            pieces.append((lo - start, *self._start(piece, first_byte, (hi - lo) * _itemsize(piece.dtype)),
-                           piece.dtype))
+            pieces.append((lo - start, *self._start(piece, first_byte, (hi - lo) * _itemsize(piece.dtype))))
         whole = len(pieces) == 1 and pieces[0][0] == 0 and stop_data - start == count
         out = None
         if pieces and not whole:  # assembled from several files, or with zeros past the tensor's end
             nbytes = count * _itemsize(entry.dtype)
             out = self.pool.take(-(-nbytes // READ_BUFFER_BYTES) * READ_BUFFER_BYTES, torch.uint8)[:nbytes].view(entry.dtype)
             out[stop_data - start:] = 0
-        return PendingRead(out, pieces, count, entry.dtype)
+        return PendingRead(out, pieces, count, entry.dtype, self)
 
-    def _start(self, piece: TensorEntry, first_byte: int, nbytes: int) -> tuple[IOFuture, torch.Tensor, int, int]:
+    def _start(self, piece: TensorEntry, first_byte: int,
+               nbytes: int) -> tuple[IOFuture, torch.Tensor, int, int, torch.dtype, int, int]:
         path = piece.path
-        sums = self.checksums.get(path)
+        sums = self._checksums_of(path)
         lo, hi = first_byte, first_byte + nbytes
         if sums is not None:  # widened to the tensor's whole checksum chunks, verified as the read completes
             chunk_lo, chunk_hi, values = sums.chunks(piece.name, lo - piece.offset, hi - piece.offset, piece.nbytes)
@@ -195,13 +217,24 @@ class CheckpointReader:
         verify = Checksums(values, sums.chunk, hi - lo, start=lo - begin) if sums is not None else None
         future = self.handle.read(buffer[:length] if length < buffer.numel() else buffer, path, begin, verify=verify,
                                   what=f"tensor {piece.name!r}")
-        return future, buffer, first_byte - begin, nbytes
+        return future, buffer, first_byte - begin, nbytes, piece.dtype, hi - lo, hi - lo if sums is not None else 0
+
+    def _checksums_of(self, path: str) -> FileChecksums | None:
+        """The checksums of the tensor file at ``path``, by its name in the tag; None only in a checkpoint that
+        records none. Raises ValueError naming the file when the checkpoint records them but not for it."""
+        if not self.checksums:
+            return None
+        sums = self.checksums.get(os.path.basename(path))
+        if sums is None or os.path.dirname(path) != self.path:
+            raise ValueError(f"{path}: the checkpoint {self.path} records no checksums for this file; it is not one "
+                             f"of the checkpoint's files")
+        return sums
 
     def _open_all(self, name_of) -> list[SafetensorsCheckpoint]:
         files = []
         for rank in range(self.world_size):
             path = require_file(self.path, name_of(rank))
-            sums = self.checksums.get(path)
+            sums = self._checksums_of(path)
             if sums is not None:  # before its header is parsed: a flipped bit there is named as such
                 try:
                     actual, length = header_checksum(path)

@@ -53,14 +53,15 @@ def load_engine_checkpoint(ctx: StepContext, path: UpdatePath, *, rank: int, wor
     load_optimizer = check_load_arguments(ctx.config, load_optimizer_states=load_optimizer_states,
                                           load_module_only=load_module_only, custom_load_fn=custom_load_fn)
     with CheckpointLoad(load_dir, tag, rank=rank, world_size=world_size, store=ctx.store,
-                                   optimizer=ctx.optimizer if load_optimizer else None) as source:  # checked; nothing changed
+                                   optimizer=ctx.optimizer if load_optimizer else None,
+                                   backend=ctx.config.aio.backend) as source:  # checked; nothing changed
         if source.verified_bytes:
             log.info("load_checkpoint: %.1f MB of %s checked against their checksums in %.3f s before loading",
                      source.verified_bytes / 1e6, source.path, source.verify_seconds)
         path.abandon()  # updates still running would write over the loaded values
         ctx.store.release_all()  # partitions read ahead would hold the values from before the load
         try:
-            loaded, state = source.path, source.apply()
+            loaded, state = source.given, source.apply()
         except BaseException as error:
             ctx.failure.partly_updated(f"load_checkpoint of {source.path} failed part way "
                                        f"({type(error).__name__}: {error})")

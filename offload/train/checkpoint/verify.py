@@ -1,28 +1,29 @@
-"""A checkpoint checked against the checksums its JSON records, without loading it
-(``python -m offload.checkpoint verify CKPT``): every rank's tensor files, header and data, a chunk at a
-time (memory: one chunk, 8 MiB)."""
+"""A checkpoint checked against its checksums, without loading it (``python -m offload.checkpoint verify
+CKPT``): every rank's state file against its own, its tensor files, header and data, a chunk at a time
+(memory: one chunk, 8 MiB), and the files written beside them."""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from offload.storage import resolve_tag
 from offload.storage.file_checksums import verify_file
-from offload.train.checkpoint.files import (client_file, optimizer_file, params_file, read_checksums, require_file,
-                                            states_file)
+from offload.train.checkpoint.files import require_file, states_file
+from offload.train.checkpoint.states_file import read_states_file, verify_side_files
 
 __all__ = ["VerifiedFile", "checkpoint_tag_dir", "verify_checkpoint"]
 
 
 @dataclass(frozen=True, slots=True)
 class VerifiedFile:
-    """One tensor file whose every byte matched its checksums."""
+    """One file of a checkpoint whose every byte matched its checksums (``verified`` False: a state file
+    saved before state files carried a checksum, which has none to match)."""
 
     path: str
     nbytes: int
+    verified: bool = True
 
 
 def checkpoint_tag_dir(path: str | os.PathLike, tag: str | None = None) -> Path:
@@ -42,27 +43,28 @@ def checkpoint_tag_dir(path: str | os.PathLike, tag: str | None = None) -> Path:
 
 
 def verify_checkpoint(path: str | os.PathLike, tag: str | None = None) -> list[VerifiedFile]:
-    """Check every tensor file of the checkpoint at ``path`` (see `checkpoint_tag_dir`) against its checksums;
-    return the files checked. Raises tensorio.ChecksumError naming the file, the tensor (or header), the offset
-    and both checksums; FileNotFoundError naming a missing file; ValueError naming a checkpoint that records no
-    checksums (saved before they were) or a damaged JSON file."""
-    tag_dir = str(checkpoint_tag_dir(path, tag))
-    with open(require_file(tag_dir, states_file(0)), encoding="utf-8") as file:
-        try:
-            world_size = int(json.load(file)["world_size"])
-        except (ValueError, KeyError, TypeError) as error:
-            raise ValueError(f"{os.path.join(tag_dir, states_file(0))}: not a checkpoint state file ({error})") from None
+    """Check every file of the checkpoint at ``path`` (see `checkpoint_tag_dir`) against its checksum: each
+    rank's state file against its own, each tensor file (header and data) against the chunk checksums its
+    rank's state file records, and the files written beside them; return the files checked. Raises
+    tensorio.ChecksumError naming the file, the tensor (or header), the offset and both checksums;
+    FileNotFoundError naming a missing file; ValueError naming a checkpoint that records no checksums
+    (saved before they were) or a damaged state file. The state files of a checkpoint saved before they
+    carried their own checksum (format 1) are listed with ``verified`` False."""
+    tag_dir = os.path.abspath(checkpoint_tag_dir(path, tag))
+    first = read_states_file(tag_dir, 0)
+    try:
+        world_size = int(first.value["world_size"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{first.path}: not a checkpoint state file (world_size: {error})") from None
     checked = []
     for rank in range(world_size):
-        records = read_checksums(tag_dir, rank)
-        if not records:
-            raise ValueError(f"{os.path.join(tag_dir, states_file(rank))} records no checksums (the checkpoint was "
-                             f"saved before they were): nothing to verify it against")
-        for name in (params_file(rank), optimizer_file(rank), client_file(rank)):
-            file = os.path.join(tag_dir, name)
-            if name == client_file(rank) and file not in records:
-                continue  # no client tensors
-            if file not in records:
-                raise ValueError(f"{os.path.join(tag_dir, states_file(rank))}: records no checksums for {name}")
-            checked.append(VerifiedFile(file, verify_file(require_file(tag_dir, name), records[file])))
+        states = first if rank == 0 else read_states_file(tag_dir, rank)
+        checked.append(VerifiedFile(states.path, os.path.getsize(states.path), states.verified))
+        files = states.tensor_files()
+        if all(sums is None for _, sums in files):
+            raise ValueError(f"{states.path} records no checksums (the checkpoint was saved before they were): "
+                             f"nothing to verify it against")
+        for name, sums in files:
+            checked.append(VerifiedFile(os.path.join(tag_dir, name), verify_file(require_file(tag_dir, name), sums)))
+    checked.extend(VerifiedFile(file, nbytes) for file, nbytes in verify_side_files(first))
     return checked
