@@ -27,8 +27,11 @@ from test_engine import engine_config, gpt2, gpt2_batches, gpt2_loss
 BATCHES = gpt2_batches(4)
 
 
-def _engine(tmp):
-    engine, *_ = initialize(model=gpt2(0.0), config=engine_config(tmp, "nvme", "nvme", micro=2))
+def _engine(tmp, aio=None):
+    """GPT-2 with parameters and optimizer state on NVMe; ``aio``: the config's aio section (its backend)."""
+    engine, *_ = initialize(model=gpt2(0.0), config=engine_config(tmp, "nvme", "nvme", micro=2, aio=aio or {}))
+    if aio:
+        assert engine.param_store.swap._io().backend_name == aio["backend"]
     return engine
 
 
@@ -88,17 +91,19 @@ def test_the_json_records_every_file_and_verify_passes(saved, capsys):
     assert out.out.count("ok ") == 12 and "every checksum matches" in out.err
 
 
-def test_the_checked_bytes_are_the_bytes_compared_with_their_checksums(saved, disk_dir, monkeypatch, caplog):
+def test_the_checked_bytes_are_the_bytes_compared_with_their_checksums(saved, disk_dir, monkeypatch, caplog,
+                                                                      aio_backend):
     """The load's figure counts the bytes whose checksums were compared: every byte it read, from a relative
     path too; and none for a checkpoint without checksums, whose load says nothing of a check."""
     tag, _ = saved
     monkeypatch.chdir(disk_dir)
     expected = sum(_tensor_bytes(tag / name) for name in ("rank00000_params.safetensors",
                                                           "rank00000_optimizer.safetensors"))
-    engine = _engine(disk_dir)
+    engine = _engine(disk_dir, aio_backend)
     try:
         with CheckpointLoad(os.path.relpath(tag.parent), None, rank=0, world_size=1, store=engine.param_store,
-                            optimizer=engine.optimizer) as source:
+                            optimizer=engine.optimizer, backend=aio_backend["backend"]) as source:
+            assert source.reader.handle.backend_name == aio_backend["backend"]
             assert source.verified_bytes == source.reader.bytes_verified == source.reader.bytes_read == expected
         with caplog.at_level(logging.INFO, logger="offload"):
             engine.load_checkpoint(os.path.relpath(tag.parent))
@@ -115,7 +120,7 @@ def test_the_checked_bytes_are_the_bytes_compared_with_their_checksums(saved, di
 
 @pytest.mark.parametrize("where", ["params tensor", *(pytest.param(w, marks=pytest.mark.slow) for w in
                                                        ("params header", "optimizer tensor", "client tensor"))])
-def test_a_bit_flipped_at_rest_is_named_by_verify_load_and_consolidate(saved, where, disk_dir, capsys):
+def test_a_bit_flipped_at_rest_is_named_by_verify_load_and_consolidate(saved, where, disk_dir, capsys, aio_backend):
     tag, reference = saved
     file, tensor = {"params tensor": ("rank00000_params.safetensors", "transformer.h.1.mlp.c_fc.weight"),
                     "params header": ("rank00000_params.safetensors", None),
@@ -132,7 +137,7 @@ def test_a_bit_flipped_at_rest_is_named_by_verify_load_and_consolidate(saved, wh
         assert err.count("\n") == 1 and f"checksum mismatch ({what}): {path}" in err and "expected" in err
         # 2. A load refuses it, naming the file and the tensor, before it changes anything: the engine is as
         #    it was (its parameters, and its next step's loss that of a run never asked to load).
-        engine = _engine(disk_dir)
+        engine = _engine(disk_dir, aio_backend)
         try:
             assert _step(engine, BATCHES[0]) == reference[2][0]
             before = dict(engine.full_parameters())
@@ -233,4 +238,6 @@ def test_checkpoint_load_benchmark_reports_the_check_of_every_byte_the_load_read
     assert len(figures["loads_s"]) == len(figures["checks_s"]) == 2
     assert abs(figures["checked_gb"] * 1e9 - 12 * numel) <= 0.05e6  # the log line's figure, to 0.1 MB
     assert 0 < figures["check_s"] < figures["load_s"]
-    assert "of which the check" in capsys.readouterr().out
+    assert figures["state_file_bytes"] > 0 and figures["state_check_s"] > 0 and figures["state_plain_s"] > 0
+    out = capsys.readouterr().out
+    assert "of which the check" in out and "read with its checksum checked" in out

@@ -22,8 +22,11 @@ BATCHES = gpt2_batches(3)
 WAYS = ("relative", "absolute", "moved")
 
 
-def _engine(tmp):
-    engine, *_ = initialize(model=gpt2(0.0), config=engine_config(tmp, "nvme", "nvme", micro=2))
+def _engine(tmp, aio=None):
+    """GPT-2 with parameters and optimizer state on NVMe; ``aio``: the config's aio section (its backend)."""
+    engine, *_ = initialize(model=gpt2(0.0), config=engine_config(tmp, "nvme", "nvme", micro=2, aio=aio or {}))
+    if aio:
+        assert engine.param_store.swap._io().backend_name == aio["backend"]
     return engine
 
 
@@ -65,9 +68,9 @@ CASES = [pytest.param((kind, way), id=f"{kind}-{way}") for kind in FLIPS for way
 
 
 @pytest.mark.parametrize("damaged", CASES, indirect=True)
-def test_load_checkpoint_refuses_it_and_the_engine_trains_on_unchanged(damaged, saved, disk_dir):
+def test_load_checkpoint_refuses_it_and_the_engine_trains_on_unchanged(damaged, saved, disk_dir, aio_backend):
     argument, path, what = damaged
-    engine = _engine(disk_dir)
+    engine = _engine(disk_dir, aio_backend)
     try:
         assert _step(engine, BATCHES[0]) == saved[1][0]
         before = dict(engine.full_parameters())

@@ -275,13 +275,14 @@ def _hooked(engine) -> set[str]:
     return hooked
 
 
-def test_other_dtype_streams_from_a_converted_copy_written_once(models, tmp_path, caplog):
+def test_other_dtype_streams_from_a_converted_copy_written_once(models, tmp_path, caplog, aio_backend):
     directory, model = models["llama", torch.float32]
-    settings = dict(dtype="bfloat16", max_in_cpu="50KiB", nvme_path=str(tmp_path), disk_gbps=1.0)
+    settings = dict(dtype="bfloat16", max_in_cpu="50KiB", nvme_path=str(tmp_path), disk_gbps=1.0, aio=aio_backend)
     ref = reference(copy.deepcopy(model).to(torch.bfloat16), 1, do_sample=False).sequences.tolist()  # the shared model stays fp32
     for run in range(2):
         with init_inference(directory, **settings) as engine:
             assert engine.plan.streamed and engine.dtype == torch.bfloat16
+            assert engine.handle.backend_name == aio_backend["backend"]
             assert engine.checkpoint.directory.startswith(str(tmp_path))
             ours = engine.generate(prompts(1)[0], attention_mask=prompts(1)[1], max_new_tokens=NEW_TOKENS,
                                    pad_token_id=PAD, do_sample=False)

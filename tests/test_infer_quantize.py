@@ -108,10 +108,13 @@ def test_streamed_equals_resident_and_the_cache_is_written_once(llama, bits, cap
     assert record["quantization"]["num_bits"] == int(bits[3:]) and len(record["quantized"]) == 4 * 7
 
 
-def generate_int8(directory, root, ids, mask):
-    """One int8 forward under a tight budget: (logits, the directory the engine read its weights from)."""
+def generate_int8(directory, root, ids, mask, aio=None):
+    """One int8 forward under a tight budget: (logits, the directory the engine read its weights from);
+    ``aio``: the aio section (its backend)."""
     with init_inference(directory, weight_quantization="int8", nvme_path=str(root), max_in_cpu=tight_budget(directory),
-                        disk_gbps=1.0) as engine:
+                        disk_gbps=1.0, **({"aio": aio} if aio else {})) as engine:
+        if aio:
+            assert engine.handle.backend_name == aio["backend"]
         return engine(ids, attention_mask=mask).logits, engine.checkpoint.directory
 
 
@@ -207,11 +210,11 @@ def test_held_out_perplexity_deltas_on_a_tiny_trained_model(tmp_path):
     assert 0 < int8["kl"] < int4["kl"]
 
 
-def test_a_corrupt_cache_is_named_and_written_again(llama, caplog):
+def test_a_corrupt_cache_is_named_and_written_again(llama, caplog, aio_backend):
     directory, _, root = llama
     ids, mask = prompts(1)
 
-    before, cache = generate_int8(directory, root, ids, mask)
+    before, cache = generate_int8(directory, root, ids, mask, aio_backend)
     path = os.path.join(cache, "model.safetensors")
     raw = open(path, "rb").read()
     length = int.from_bytes(raw[:8], "little")
@@ -219,6 +222,6 @@ def test_a_corrupt_cache_is_named_and_written_again(llama, caplog):
     first, _ = json.loads(raw[8:8 + length])[name]["data_offsets"]
     flip_bit(path, 8 + length + first + 3)
     with caplog.at_level(logging.WARNING, logger="offload.infer"):
-        after, again = generate_int8(directory, root, ids, mask)
+        after, again = generate_int8(directory, root, ids, mask, aio_backend)
     assert again == cache and f"the cache {cache} is corrupt (checksum mismatch (tensor {name!r}): {path}" in caplog.text
     assert "writing the" in caplog.text and torch.equal(before, after)

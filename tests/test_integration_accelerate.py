@@ -110,6 +110,41 @@ def test_save_state_and_load_state_resume(disk_dir, tmp_path, fresh_state):
     loader_.engine.close()
 
 
+@pytest.mark.parametrize("kind", ["tensor data", "state file"])
+def test_load_state_of_a_state_with_a_flipped_bit_is_refused(disk_dir, tmp_path, fresh_state, monkeypatch, kind):
+    """save_state's folder moved elsewhere and named by a relative path from a third folder: load_state refuses
+    it, naming the file, and the engine is unchanged."""
+    from checkpoint_flips import copy_elsewhere, flip, relative
+
+    from tensorio import ChecksumError
+
+    saver = OffloadAccelerator(offload_config=config(disk_dir), gradient_accumulation_steps=ACCUMULATION, cpu=True)
+    model, opt, loader, schedule = saver.prepare(*parts())
+    for i, batch in enumerate(loader):
+        if i == 2:
+            break
+        with saver.accumulate(model):
+            saver.backward(model(batch, labels=batch).loss)
+            opt.step()
+            opt.zero_grad()
+    saver.save_state(tmp_path / "state")
+    saver.engine.close()
+    moved = copy_elsewhere(tmp_path / "state", tmp_path / "moved")
+    (tag,) = [p for p in moved.iterdir() if p.name.startswith("global_step")]
+    path, _ = flip(tag, kind)
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    accelerate.state.AcceleratorState._reset_state(True)
+    loader_ = OffloadAccelerator(offload_config=config(disk_dir), gradient_accumulation_steps=ACCUMULATION, cpu=True)
+    model, *_ = loader_.prepare(*parts())
+    before = dict(loader_.engine.full_parameters())
+    with pytest.raises(ChecksumError, match=f"checksum mismatch .*: {path}"):
+        loader_.load_state(relative(moved))
+    assert loader_.engine.global_steps == 0
+    assert all(torch.equal(value, before[name]) for name, value in loader_.engine.full_parameters())
+    loader_.engine.close()
+
+
 @pytest.mark.multiprocess
 def test_two_processes_match_plain_accelerate(disk_dir):
     """Two processes started by ``accelerate launch --multi_gpu --num_processes 2`` (gloo on the CPU):

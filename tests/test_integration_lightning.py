@@ -142,6 +142,27 @@ def test_checkpoint_resumes_identically(disk_dir, tmp_path):
         assert a == pytest.approx(b, rel=1e-5), f"micro batch {i} after the resume"
 
 
+@pytest.mark.parametrize("kind", ["tensor data", "state file"])
+def test_a_resume_from_a_checkpoint_with_a_flipped_bit_is_refused(disk_dir, tmp_path, monkeypatch, kind):
+    """The step-10 checkpoint moved to another folder, named by a relative path from a third one: fit refuses
+    it, naming the file, before any step runs."""
+    from checkpoint_flips import copy_elsewhere, flip, relative
+
+    from tensorio import ChecksumError
+
+    checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=10, save_top_k=-1)
+    trainer(tmp_path, nvme(disk_dir), callbacks=[checkpoints]).fit(Module(), loader())
+    moved = copy_elsewhere(tmp_path / "ckpt" / "epoch=0-step=10.ckpt", tmp_path / "moved")
+    path, _ = flip(moved / "checkpoint", kind)
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    resumed = Module()
+    run = trainer(tmp_path, nvme(disk_dir))
+    with pytest.raises(ChecksumError, match=f"checksum mismatch .*: {path}"):
+        run.fit(resumed, loader(), ckpt_path=relative(moved))
+    assert resumed.seen == [] and run.global_step == 0
+
+
 @pytest.mark.multiprocess
 def test_two_processes_match_lightning_ddp(disk_dir):
     """devices=2, one process per rank started by torchrun (gloo): OffloadStrategy (each rank one

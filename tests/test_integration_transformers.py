@@ -101,21 +101,62 @@ def test_trainer_matches_plain_trainer_and_saves_a_model_that_reloads(reference,
     trainer.engine.close()
 
 
-def test_resume_from_step_10_continues_identically(reference, disk_dir, tmp_path):
-    args = dict(save_strategy="steps", save_steps=10)
-    first = OffloadTrainer(model=tiny_gpt2(), args=arguments(tmp_path / "run", **args), train_dataset=Tokens(200),
-                           offload_config=nvme_config(disk_dir))
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    """The output_dir of a run of STEPS steps that saved at steps 10 and 20 (checkpoint-10, checkpoint-20)."""
+    tmp = tmp_path_factory.mktemp("first")
+    first = OffloadTrainer(model=tiny_gpt2(), args=arguments(tmp / "run", save_strategy="steps", save_steps=10),
+                           train_dataset=Tokens(200), offload_config=nvme_config(tmp))
     first.train()
     first.engine.close()
-    checkpoint = tmp_path / "run" / "checkpoint-10"
+    return tmp / "run"
+
+
+class StepsRun(transformers.TrainerCallback):
+    """The global step at the end of each optimizer step this trainer ran (a resume runs only the rest)."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(state.global_step)
+
+
+def test_resume_from_step_10_continues_identically(first_run, reference, disk_dir, tmp_path):
+    checkpoint = first_run / "checkpoint-10"
     assert (checkpoint / "latest").is_file() and (checkpoint / "model.safetensors").is_file()
-    resumed = OffloadTrainer(model=tiny_gpt2(), args=arguments(tmp_path / "run", **args), train_dataset=Tokens(200),
-                             offload_config=nvme_config(disk_dir))
+    ran = StepsRun()
+    resumed = OffloadTrainer(model=tiny_gpt2(), args=arguments(tmp_path / "run", save_strategy="steps", save_steps=10),
+                             train_dataset=Tokens(200), offload_config=nvme_config(disk_dir), callbacks=[ran])
     resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert ran.steps == list(range(11, STEPS + 1))  # steps 11 to 20 only: resumed, not retrained from step 1
     ours = logged(resumed)  # the first 10 steps' logs come back with the trainer state
     assert len(ours) == STEPS and resumed.engine.global_steps == STEPS
     assert_same_logs(ours[10:], logged(reference)[10:])
     resumed.engine.close()
+
+
+@pytest.mark.parametrize("kind", ["tensor data", "state file"])
+def test_a_resume_from_a_checkpoint_with_a_flipped_bit_is_refused(first_run, disk_dir, tmp_path, monkeypatch, kind):
+    """Moved to another folder and named by a relative path from a third one, as docs/trainer_hf.md's
+    relative paths are: the flipped bit is named before any step runs."""
+    from checkpoint_flips import copy_elsewhere, flip, relative
+
+    from tensorio import ChecksumError
+
+    checkpoint = copy_elsewhere(first_run / "checkpoint-10", tmp_path / "moved")
+    path, _ = flip(checkpoint / "global_step10", kind)
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    ran = StepsRun()
+    resumed = OffloadTrainer(model=tiny_gpt2(), args=arguments(tmp_path / "run"), train_dataset=Tokens(200),
+                             offload_config=nvme_config(disk_dir), callbacks=[ran])
+    try:
+        with pytest.raises(ChecksumError, match=f"checksum mismatch .*: {path}"):
+            resumed.train(resume_from_checkpoint=relative(checkpoint))
+        assert ran.steps == [] and resumed.engine.global_steps == 0
+    finally:
+        resumed.engine.close()
 
 
 def test_config_optimizer_and_scheduler_are_the_engines(disk_dir, tmp_path):
