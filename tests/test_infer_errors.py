@@ -124,8 +124,8 @@ def test_tensor_the_model_lacks(checkpoint):
 
 def test_parameter_missing_from_the_checkpoint(checkpoint):
     _edit_config(checkpoint, num_hidden_layers=5)
-    with pytest.raises(CheckpointMismatchError, match=r"parameter 'model\.layers\.4\.[a-z_.]+' of LlamaForCausalLM is not "
-                                                      r"in the checkpoint"):
+    with pytest.raises(CheckpointMismatchError, match=r"parameter 'model\.layers\.4\.[a-z_.]+' of LlamaForCausalLM "
+                                                      r"\(model_type 'llama'\) is not in the checkpoint"):
         init_inference(checkpoint)
 
 

@@ -15,12 +15,13 @@ from offload.device import Device, device_for
 from offload.infer.config import InferenceConfig
 from offload.infer.plan.units import format_bytes
 from offload.infer.stream.unit import ParamRef, Unit
+from offload.infer.weights.names import CheckpointNames, ParamSource
 from offload.infer.weights.qcache import PAD_PREFIX
 from offload.storage.safetensors_reader import SafetensorsCheckpoint, read_windows, tensor_views, windows_nbytes
 from tensorio import AioHandle, aligned_tensor
 
 __all__ = ["CheckpointMismatchError", "build_units", "checkpoint_directory", "compute_device_for", "contiguous_head_input",
-           "decoder_blocks", "device_budget", "materialize_buffers", "measure_disk", "meta_skeleton"]
+           "decoder_blocks", "device_budget", "materialize_buffers", "measure_disk", "meta_skeleton", "refuse_prequantized"]
 
 # Modules outside the repeated blocks that may be streamed (the output head); the rest stays resident.
 _STREAMABLE_OUTSIDE = (nn.Linear,)
@@ -93,6 +94,7 @@ def meta_skeleton(model: Any, directory: str, dtype: torch.dtype) -> nn.Module:
     import transformers
 
     if isinstance(model, nn.Module):
+        refuse_prequantized(getattr(model, "config", None), directory)
         real = [name for name, p in model.named_parameters() if p.device.type != "meta"]
         if real:
             raise ValueError(f"model: parameter {real[0]!r} is on {model.get_parameter(real[0]).device}, not on the "
@@ -106,12 +108,27 @@ def meta_skeleton(model: Any, directory: str, dtype: torch.dtype) -> nn.Module:
     if not os.path.isfile(os.path.join(directory, "config.json")):
         raise FileNotFoundError(f"checkpoint {directory}: no config.json, so the model's architecture is unknown")
     config = transformers.AutoConfig.from_pretrained(directory)
+    refuse_prequantized(config, directory)
     with torch.device("meta"):
         module = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     if os.path.isfile(os.path.join(directory, "generation_config.json")):
         module.generation_config = transformers.GenerationConfig.from_pretrained(directory)
     module.config._name_or_path = directory
     return module.eval()
+
+
+def refuse_prequantized(config: Any, directory: str) -> None:
+    """Raise ValueError, in one line naming the method, for a checkpoint whose config.json carries a
+    ``quantization_config`` (GPTQ, AWQ, FP8, bitsandbytes, ...): its tensors are packed by that method, not
+    weights this engine can compute with, and reading them as weights would give garbage."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
+    method = str(getattr(method, "value", method) or "unknown")
+    raise ValueError(f"checkpoint {directory}: a {method.upper()}-quantized checkpoint (config.json's quantization_config); "
+                     f"pre-quantized checkpoints are not supported yet: use the model's bf16 or fp16 checkpoint with "
+                     f"weight_quantization \"int4\" or \"int8\" (--quantize int4), which quantizes it once into a cache")
 
 
 def contiguous_head_input(module: nn.Module) -> None:
@@ -139,18 +156,13 @@ def decoder_blocks(module: nn.Module) -> str | None:
     return best
 
 
-def _candidates(name: str, prefix: str) -> tuple[str, ...]:
-    """Checkpoint names a parameter may have: its own, without or with the base model's prefix."""
-    if prefix and name.startswith(prefix + "."):
-        return name, name[len(prefix) + 1:]
-    return (name, f"{prefix}.{name}") if prefix else (name,)
-
-
 def build_units(module: nn.Module, checkpoint: SafetensorsCheckpoint) -> list[Unit]:
     """One `Unit` per decoder layer and per other module with parameters, in forward order, each
-    parameter matched to its checkpoint tensor. Raises CheckpointMismatchError naming the tensor."""
+    parameter matched to its checkpoint tensors by transformers' own conversion of names and layouts
+    (offload/infer/weights/names.py). Raises CheckpointMismatchError naming the first tensor or
+    parameter it cannot place, before anything is read."""
     blocks = decoder_blocks(module)
-    prefix = getattr(module, "base_model_prefix", "") or ""
+    names = CheckpointNames(module, {key: entry.shape for key, entry in checkpoint.entries.items()})
     aliases: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
@@ -160,42 +172,72 @@ def build_units(module: nn.Module, checkpoint: SafetensorsCheckpoint) -> list[Un
     consumed: set[str] = set()
     members: dict[str, list[ParamRef]] = {}
     kinds: dict[str, tuple[nn.Module, bool]] = {}
-    for pid, names in aliases.items():
+    for pid, param_names in aliases.items():
         param = params[pid]
-        found = [key for name in names for key in _candidates(name, prefix) if key in checkpoint]
-        if not found:
+        source = next((found for found in map(names.source, param_names) if found is not None), None)
+        if source is None:
             raise CheckpointMismatchError(
-                f"parameter {names[0]!r} of {type(module).__name__} is not in the checkpoint ({where}); the "
-                f"checkpoint is for another model, or incomplete")
-        consumed.update(found)
-        entry = checkpoint[found[0]]
-        if tuple(entry.shape) != tuple(param.shape):
-            raise CheckpointMismatchError(
-                f"tensor {entry.name!r} in {entry.path} has shape {list(entry.shape)}, but parameter {names[0]!r} of "
-                f"{type(module).__name__} has shape {list(param.shape)}; the checkpoint and config.json disagree")
-        owners = tuple((module.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in names)
+                f"parameter {param_names[0]!r} of {type(module).__name__} ({_family(module)}) is not in the "
+                f"checkpoint ({where}), under its own name or any name transformers converts to it; the checkpoint "
+                f"is for another model, or incomplete")
+        consumed.update(source.tensors)
+        _check_shape(source, param, param_names[0], module, checkpoint)
+        owners = tuple((module.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in param_names)
         placeholder = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False)
-        owner_path = names[0].rpartition(".")[0]
-        match = re.match(rf"{re.escape(blocks)}\.\d+(?=\.)", names[0]) if blocks else None
-        unit = match.group(0) if match and len(names) == 1 else owner_path
-        streamable = len(names) == 1 and (match is not None or (
+        owner_path = param_names[0].rpartition(".")[0]
+        match = re.match(rf"{re.escape(blocks)}\.\d+(?=\.)", param_names[0]) if blocks else None
+        unit = match.group(0) if match and len(param_names) == 1 else owner_path
+        streamable = len(param_names) == 1 and (match is not None or (
             isinstance(owners[0][0], _STREAMABLE_OUTSIDE) or type(owners[0][0]).__name__ in _STREAMABLE_OUTSIDE_NAMES))
-        members.setdefault(unit, []).append(ParamRef(owners, entry.name, placeholder))
+        members.setdefault(unit, []).append(ParamRef(owners, source.tensor, placeholder, source.conversion))
         old = kinds.get(unit)
         kinds[unit] = (module.get_submodule(unit), streamable and (old is None or old[1]))
         for ref_owner, attr in owners:  # meta placeholder until the plan decides
             ref_owner._parameters[attr] = placeholder
-    _check_unexpected(module, checkpoint, consumed, prefix)
+    _check_unexpected(module, checkpoint, consumed, names)
     units = []
     for name, refs in members.items():
         unit_module, streamable = kinds[name]
         nbytes = sum(ref.placeholder.numel() * ref.placeholder.element_size() for ref in refs)
-        units.append(Unit(name, unit_module, tuple(refs), checkpoint.windows([r.tensor for r in refs]), nbytes, streamable))
+        tensors = [key for ref in refs for key in ref.tensors]
+        units.append(Unit(name, unit_module, tuple(refs), checkpoint.windows(tensors), nbytes, streamable))
     return units
 
 
-def _check_unexpected(module: nn.Module, checkpoint: SafetensorsCheckpoint, consumed: set[str], prefix: str) -> None:
-    buffers = {key for name, _ in module.named_buffers() for key in _candidates(name, prefix)}
+def _family(module: nn.Module) -> str:
+    return f"model_type {getattr(getattr(module, 'config', None), 'model_type', None)!r}"
+
+
+def _check_shape(source: ParamSource, param: nn.Parameter, name: str, module: nn.Module,
+                 checkpoint: SafetensorsCheckpoint) -> None:
+    """The checkpoint's tensors make ``param``'s shape (a conversion is run on meta tensors: nothing read).
+    Raises CheckpointMismatchError naming the tensor."""
+    if source.conversion is None:
+        entry = checkpoint[source.tensor]
+        if tuple(entry.shape) != tuple(param.shape):
+            raise CheckpointMismatchError(
+                f"tensor {entry.name!r} in {entry.path} has shape {list(entry.shape)}, but parameter {name!r} of "
+                f"{type(module).__name__} has shape {list(param.shape)}; the checkpoint and config.json disagree")
+        return
+    meta = {key: torch.empty(tuple(checkpoint[key].shape), dtype=checkpoint[key].dtype, device="meta")
+            for key in source.tensors}
+    try:
+        made = source.conversion.run(meta, module)[source.tensor]
+    except (RuntimeError, ValueError, KeyError, IndexError) as error:
+        raise CheckpointMismatchError(
+            f"tensors {source.tensors[0]!r} ... ({len(source.tensors)}) in {checkpoint[source.tensors[0]].path} do not "
+            f"make parameter {name!r} of {type(module).__name__} as transformers converts them ({error}); the "
+            f"checkpoint and config.json disagree") from None
+    if tuple(made.shape) != tuple(param.shape):
+        raise CheckpointMismatchError(
+            f"tensors {source.tensors[0]!r} ... ({len(source.tensors)}) in {checkpoint[source.tensors[0]].path} make "
+            f"shape {list(made.shape)}, but parameter {name!r} of {type(module).__name__} has shape "
+            f"{list(param.shape)}; the checkpoint and config.json disagree")
+
+
+def _check_unexpected(module: nn.Module, checkpoint: SafetensorsCheckpoint, consumed: set[str],
+                      names: CheckpointNames) -> None:
+    buffers = {key for name, _ in module.named_buffers() if (key := names.buffer_key(name)) is not None}
     ignore = [re.compile(p) for p in (getattr(module, "_keys_to_ignore_on_load_unexpected", None) or [])]
     ignore.append(re.compile(r"rotary_emb\.inv_freq"))
     ignore.append(re.compile(rf"^{re.escape(PAD_PREFIX)}"))  # the quantized cache's alignment padding
@@ -205,15 +247,16 @@ def _check_unexpected(module: nn.Module, checkpoint: SafetensorsCheckpoint, cons
         entry = checkpoint[extra[0]]
         more = f" (and {len(extra) - 1} more: {', '.join(extra[1:4])}{', ...' if len(extra) > 4 else ''})" if len(extra) > 1 else ""
         raise CheckpointMismatchError(
-            f"tensor {entry.name!r} in {entry.path} has no parameter or buffer in {type(module).__name__}{more}; the "
-            f"checkpoint is for another model or config.json is wrong")
+            f"tensor {entry.name!r} in {entry.path} has no parameter or buffer in {type(module).__name__} "
+            f"({_family(module)}){more}, under its own name or the one transformers converts it to; the checkpoint "
+            f"is for another model or config.json is wrong")
 
 
 def materialize_buffers(module: nn.Module, checkpoint: SafetensorsCheckpoint, handle: AioHandle,
                          device: torch.device) -> int:
     """Give every meta buffer real memory: persistent ones from the checkpoint, the others (rotary
     frequencies) computed by transformers' own initialisation. Returns bytes read."""
-    prefix = getattr(module, "base_model_prefix", "") or ""
+    names = CheckpointNames(module, {key: entry.shape for key, entry in checkpoint.entries.items()})
     nbytes = 0
     to_init = []
     for name, buffer in list(module.named_buffers()):
@@ -221,7 +264,7 @@ def materialize_buffers(module: nn.Module, checkpoint: SafetensorsCheckpoint, ha
             continue
         owner_path, _, attr = name.rpartition(".")
         owner = module.get_submodule(owner_path)
-        key = next((k for k in _candidates(name, prefix) if k in checkpoint), None)
+        key = names.buffer_key(name)
         if key is not None:
             windows = checkpoint.windows([key])
             raw = aligned_tensor(windows_nbytes(windows), torch.uint8)
@@ -232,7 +275,9 @@ def materialize_buffers(module: nn.Module, checkpoint: SafetensorsCheckpoint, ha
             to_init.append(owner)
     init = getattr(module, "_init_weights", None)
     for owner in dict.fromkeys(to_init):
-        if init is None or any(True for _ in owner.parameters(recurse=False)):
+        # transformers' initialisation computes the buffers (rotary frequencies, Gemma's embedding scale); the
+        # owner's parameters are meta placeholders here, which it leaves as they are (nothing to write to)
+        if init is None or any(p.device.type != "meta" for p in owner.parameters(recurse=False)):
             raise ValueError(f"buffer of {type(owner).__name__} is neither in the checkpoint nor computable here")
         init(owner)
     return nbytes

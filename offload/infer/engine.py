@@ -499,8 +499,11 @@ class InferenceEngine:
         self.checkpoint = SafetensorsCheckpoint(cache, self.handle)
         self.units = build_units(self.module, self.checkpoint)
 
-    def _needs_conversion(self, unit: Unit) -> bool:  # a tensor of the checkpoint in another dtype than it computes in
-        return any(self.checkpoint[ref.tensor].dtype != ref.placeholder.dtype for ref in unit.params)
+    def _needs_conversion(self, unit: Unit) -> bool:
+        """A tensor of the checkpoint in another dtype than it computes in (those the model keeps in a dtype of
+        their own, such as a router in fp32, are converted as they are bound: `ParamRef.value`)."""
+        return any(self.checkpoint[name].dtype != ref.placeholder.dtype for ref in unit.params
+                   if ref.placeholder.dtype == self.dtype for name in ref.tensors)
 
     def _use_converted_copy(self) -> None:
         """Streamed tensors in another dtype than they compute in: read them from a converted copy."""
@@ -515,7 +518,7 @@ class InferenceEngine:
         directory = converted_copy(self.checkpoint, self.dtype, self.settings.nvme_path, self.handle)
         self.checkpoint = SafetensorsCheckpoint(directory, self.handle)
         for unit in self.units:
-            unit.windows = self.checkpoint.windows([ref.tensor for ref in unit.params])
+            unit.windows = self.checkpoint.windows([name for ref in unit.params for name in ref.tensors])
         self.plan = self._make_plan(0, (0, 0))
 
     def _apply(self, plan: Plan) -> None:

@@ -302,10 +302,14 @@ class ResidentLoad:
             self._let_go(i, "host")
             return
         views = unit.device_layout.views(buffer) if self.place else tensor_views(unit.windows, buffer)
+        # Fused experts are copies (`ParamRef.value`): the unit's other tensors are copied out too, so that the
+        # buffer goes once bound and the unit holds its weights' bytes once, not the read bytes beside them.
+        fused = any(ref.conversion is not None for ref in unit.params)
+        storage = buffer.untyped_storage().data_ptr()
         for ref in unit.params:
-            value = views[ref.tensor]
-            if value.dtype != ref.placeholder.dtype:  # on the CPU only: a device's units are read in its dtype
-                value = value.to(dtype=ref.placeholder.dtype)
+            value = ref.value(views)  # converted to the dtype the model keeps it in, where it differs
+            if fused and value.untyped_storage().data_ptr() == storage:
+                value = value.clone()
             ref.bind(value)
         self._let_go(i, "resident")
 

@@ -191,7 +191,7 @@ class LayerStreamer:
         """Bind ``unit``'s parameters to views into ``buffer``; on a device, start the next copies."""
         views = tensor_views(unit.windows, buffer) if self.stager is None else unit.device_layout.views(buffer)
         for ref in unit.params:
-            ref.bind(views[ref.tensor])
+            ref.bind(ref.value(views))
         unit.state, unit.users = state, 1
         if self.stager is not None:
             self._prefetch_after(unit)

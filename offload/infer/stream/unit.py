@@ -5,12 +5,13 @@ states: offload/infer/stream/streamer.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Mapping, Protocol
 
 import torch
 from torch import nn
 
 from offload.infer.stream.device_layout import DeviceLayout
+from offload.infer.weights.names import Conversion
 from offload.storage.safetensors_reader import Window, windows_nbytes
 from tensorio import IOFuture
 
@@ -37,11 +38,26 @@ class UnitLoad(Protocol):
 @dataclass(frozen=True, slots=True)
 class ParamRef:
     """One parameter of a unit: every (module, attribute) that holds it (more than one when tied),
-    the checkpoint tensor it is read from, and its meta placeholder."""
+    the checkpoint tensor it is read from, and its meta placeholder; or, with ``conversion``, the
+    checkpoint tensors it is assembled from (offload/infer/weights/names.py; ``tensor`` is then the
+    model key the conversion makes for it)."""
 
     owners: tuple[tuple[nn.Module, str], ...]
     tensor: str
     placeholder: nn.Parameter
+    conversion: Conversion | None = None
+
+    @property
+    def tensors(self) -> tuple[str, ...]:
+        """The checkpoint tensors it reads."""
+        return (self.tensor,) if self.conversion is None else self.conversion.tensors
+
+    def value(self, views: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Its values from the unit's tensors as read (``views``: checkpoint key -> tensor): a view, or a copy
+        where transformers' conversion assembles it from several, or where it is stored in another dtype
+        than the model keeps it in (a router kept in fp32 by the model, stored in bf16)."""
+        value = views[self.tensor] if self.conversion is None else self.conversion.run(views)[self.tensor]
+        return value if value.dtype == self.placeholder.dtype else value.to(self.placeholder.dtype)
 
     def bind(self, value: torch.Tensor) -> None:
         param = value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad=False)

@@ -136,7 +136,7 @@ def quantized_cache(checkpoint: SafetensorsCheckpoint, units: Sequence[Unit], ta
                 future.result()
             views = tensor_views(unit.windows, buffer)
             for ref in unit.params:
-                for name, value in _converted(sources[id(ref)], views[ref.tensor], spec, dtype, kernels):
+                for name, value in _converted(sources[id(ref)], ref.value(views), spec, dtype, kernels):
                     out.write(name, value)
             del views, buffer
             bar.update(unit.read_nbytes)

@@ -1,0 +1,143 @@
+"""Every popular decoder family generates from its checkpoint as transformers saves it, token for token.
+
+A tiny random model of each family, saved by ``save_pretrained`` in several shards (the names and layouts real
+checkpoints on the Hub have: one tensor per expert for the mixtures of experts, GPT-NeoX's ``embed_out``), is
+generated from greedily in bf16 with every decoder layer resident and with a budget that streams them: the
+tokens equal those of transformers' own ``from_pretrained`` of the same directory in memory. In int4, streamed
+and resident give the same tokens. (offload/infer/weights/names.py: transformers' conversion of names and
+layouts applied to the checkpoint's tensors as they are read.)
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from offload.infer import init_inference
+from offload.infer.build import CheckpointMismatchError
+from test_infer_generate import scratch_dir
+
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+
+FAMILIES = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON),
+    "mistral": lambda: transformers.MistralConfig(**COMMON),
+    "mixtral": lambda: transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**COMMON, **MOE, num_experts=4, shared_expert_intermediate_size=48),
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=16),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, **MOE, head_dim=16, num_experts=4),
+    "gemma2": lambda: transformers.Gemma2Config(**COMMON, head_dim=16),
+    "gemma3_text": lambda: transformers.Gemma3TextConfig(**COMMON, head_dim=16),
+    "phi3": lambda: transformers.Phi3Config(**COMMON),
+    "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=3, n_head=4, vocab_size=256, n_positions=128,
+                                           bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(vocab_size=256, hidden_size=64, num_hidden_layers=3,
+                                                  num_attention_heads=4, intermediate_size=96,
+                                                  max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+                                                  pad_token_id=0),
+    "opt": lambda: transformers.OPTConfig(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                          ffn_dim=96, max_position_embeddings=128, word_embed_proj_dim=64,
+                                          bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, **MOE,
+                                                         n_routed_experts=4, n_shared_experts=1,
+                                                         first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
+                                                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                                                         n_group=1, topk_group=1),
+}
+"""Each family's tiny config (the list of docs/inference.md, "Model families")."""
+
+NEW_TOKENS = 8
+
+pytestmark = pytest.mark.slow  # 14 families, two engines each: a minute and a half on 2 cores
+
+NO_INT4 = {"gpt2": "GPT2LMHeadModel has no nn.Linear in its decoder layers"}
+"""Families whose decoder layers hold no ``nn.Linear`` for the packed kernels (GPT-2's are ``Conv1D``):
+int4 is refused in one line."""
+
+
+def _prompt() -> torch.Tensor:
+    return torch.randint(3, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def saved():
+    """family -> (checkpoint directory, its bf16 bytes, transformers' greedy tokens from it, the scratch root)."""
+    root = scratch_dir("infer-families-")
+    built = {}
+    try:
+        for family, config in FAMILIES.items():
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(config()).to(torch.bfloat16).eval()
+            directory = root / family
+            model.save_pretrained(directory, max_shard_size="100KB")
+            loaded = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).eval()
+            with torch.no_grad():
+                tokens = loaded.generate(_prompt(), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+            size = sum(p.numel() * p.element_size() for p in model.parameters())
+            built[family] = (directory, size, tokens.tolist(), root)
+        yield built
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _generate(directory, budget, **settings):
+    with init_inference(directory, dtype=torch.bfloat16, max_in_cpu=budget, disk_gbps=1.0, **settings) as engine:
+        tokens = engine.generate(_prompt(), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0).tolist()
+        return tokens, [name for name in engine.plan.streamed]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_streamed_and_resident_give_transformers_tokens(saved, family):
+    directory, size, reference, _ = saved[family]
+    resident, streamed_none = _generate(directory, 4 * size)
+    assert streamed_none == [] and resident == reference
+    streamed, names = _generate(directory, size // 3)
+    assert names, "a third of the model's bytes streams its decoder layers"
+    assert streamed == reference
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_int4_streamed_gives_int4_residents_tokens(saved, family):
+    directory, size, _, root = saved[family]
+    if family in NO_INT4:
+        with pytest.raises(ValueError, match=f"weight_quantization: {NO_INT4[family]}"):
+            _generate(directory, 4 * size, weight_quantization="int4", nvme_path=str(root))
+        return
+    resident, streamed_none = _generate(directory, 4 * size, weight_quantization="int4", nvme_path=str(root))
+    streamed, names = _generate(directory, size // 6, weight_quantization="int4", nvme_path=str(root))
+    assert streamed_none == [] and names
+    assert streamed == resident
+
+
+def test_a_tensor_no_parameter_takes_is_named_with_the_family(saved, tmp_path):
+    """A checkpoint of one family under another's config: the first tensor the loader cannot place, named
+    with the model type, before anything is read."""
+    directory, _, _, _ = saved["mixtral"]
+    shutil.copytree(directory, tmp_path / "mixed")
+    config = FAMILIES["llama"]()
+    config.save_pretrained(tmp_path / "mixed")
+    with pytest.raises(CheckpointMismatchError, match=r"parameter 'model\.layers\.0\.mlp\.gate_proj\.weight' of "
+                                                      r"LlamaForCausalLM \(model_type 'llama'\) is not in the checkpoint"):
+        init_inference(tmp_path / "mixed", dtype=torch.bfloat16, disk_gbps=1.0)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "fp8"])
+def test_a_prequantized_checkpoint_is_refused_in_one_line(saved, tmp_path, method):
+    """config.json's quantization_config: its tensors are packed by that method, never read as weights."""
+    import json
+
+    directory, _, _, _ = saved["llama"]
+    shutil.copytree(directory, tmp_path / "quantized")
+    config = json.loads((tmp_path / "quantized" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 128}
+    (tmp_path / "quantized" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"a {method.upper()}-quantized checkpoint .*not supported yet: use the "
+                                         f"model's bf16 or fp16 checkpoint with weight_quantization") as refused:
+        init_inference(tmp_path / "quantized", dtype=torch.bfloat16, disk_gbps=1.0)
+    assert "\n" not in str(refused.value)
