@@ -70,6 +70,25 @@ def test_an_op_mixing_device_and_host_tensors_raises_as_on_a_gpu(late):
     assert torch.equal(host, torch.ones(4, 8))
 
 
+def test_attention_on_the_device_is_torchs_math_path_bit_for_bit(late):
+    """simgpu has no fused attention kernel (torch has them for the CPU and CUDA only): its
+    scaled_dot_product_attention is the CPU's math path to the bit, with and without a mask (the reference
+    the device tests compare with: docs/device.md, "What it does not catch")."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(4, 4, 8, 16, dtype=torch.bfloat16) for _ in range(3))
+    mask = torch.ones(4, 1, 8, 8, dtype=torch.bool).tril()
+    mask[1, :, :, :3] = False  # a left-padded row
+    on = late.torch_device
+    for kwargs in ({"is_causal": True}, {"attn_mask": mask}):
+        with sdpa_kernel([SDPBackend.MATH]):
+            expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
+        device_kwargs = {key: value.to(on) if isinstance(value, torch.Tensor) else value for key, value in kwargs.items()}
+        ours = torch.nn.functional.scaled_dot_product_attention(q.to(on), k.to(on), v.to(on), **device_kwargs)
+        assert ours.device.type == on.type and torch.equal(ours.cpu(), expected)
+
+
 def test_a_device_tensor_as_parameter_data_replaces_its_gradient_accumulator_as_cuda():
     """What broke training on an H100: autograd gives a parameter a new AccumulateGrad node when its
     ``.data`` changes device type (a hook on the old node no longer runs). The simulated device's tensors

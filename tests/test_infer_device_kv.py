@@ -19,7 +19,7 @@ from offload.infer import BudgetError, init_inference
 @contextlib.contextmanager
 def engine_on(directory, budget: int, settings: dict, seed: int = 0):
     """(device, engine) on a simulated device of ``budget`` bytes; every device buffer given back on exit."""
-    with SimulatedDevice(host_tensors=True, budget_bytes=budget, budget_setting="max_memory[0]", seed=seed, register_host=True) as device:
+    with SimulatedDevice(budget_bytes=budget, budget_setting="max_memory[0]", seed=seed, register_host=True) as device:
         with init_inference(directory, compute_device=device, **settings) as engine:
             yield device, engine
         assert device.allocated_bytes == 0

@@ -71,7 +71,7 @@ def small_device(directory, batch: int, tiers: str, **device_args):
     """(device, engine): a simulated device of `tier_settings`' budget, and an engine on it; on exit,
     checks that the engine gave every device buffer back."""
     budget, settings = tier_settings(directory, batch, tiers)
-    with SimulatedDevice(host_tensors=True, budget_bytes=budget, budget_setting="max_memory[0]", **device_args) as device:
+    with SimulatedDevice(budget_bytes=budget, budget_setting="max_memory[0]", **device_args) as device:
         with init_inference(directory, compute_device=device, **settings) as engine:
             yield device, engine
         assert device.allocated_bytes == 0  # closing the engine gave every device buffer back
@@ -119,7 +119,7 @@ def test_generation_on_a_small_device_equals_transformers(models, kind, batch, t
         assert ring.bytes_copied >= NEW_TOKENS * engine.plan.host_to_device_bytes_per_forward
         assert device.allocated_bytes <= device.budget_bytes
         ids, mask = prompts(batch)
-        logits = engine(ids, attention_mask=mask).logits  # the model's own forward agrees too
+        logits = engine(ids, attention_mask=mask).logits.cpu()  # the model's own forward agrees too
     assert_same_generation(ours, reference(model, batch, do_sample=False), torch.float32)
     with torch.no_grad():
         expected = model(ids, attention_mask=mask).logits
@@ -137,11 +137,17 @@ def test_bf16_and_sampling_on_a_small_device_equal_transformers(models, kind):
         sampled = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD,
                                   do_sample=True, top_k=20, temperature=0.9)
     assert_same_generation(greedy, reference(model, 4, do_sample=False), torch.bfloat16)
+    # Sampling draws from the device's generator (as on CUDA): the reference samples on the same device type.
+    on_device = torch.device(sampled.device.type, 0)
     torch.manual_seed(123)
-    with torch.no_grad():
-        ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=True,
-                             top_k=20, temperature=0.9)
-    assert sampled.tolist() == ref.tolist()
+    try:
+        with torch.no_grad():
+            ref = model.to(on_device).generate(ids.to(on_device), attention_mask=mask.to(on_device),
+                                               max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=True, top_k=20,
+                                               temperature=0.9)
+    finally:
+        model.to("cpu")
+    assert sampled.device.type != "cpu" and sampled.cpu().tolist() == ref.cpu().tolist()
 
 
 @pytest.mark.simulated
@@ -152,7 +158,7 @@ def test_a_longer_generation_moves_layers_off_the_device_for_its_kv_cache(models
     budget, settings = tier_settings(directory, 1, "mixed")
     budget += sizes(directory, 1)["slot"]  # room for a decoder layer too
     settings["max_in_cpu"] = "1GiB"
-    with SimulatedDevice(host_tensors=True, seed=4, budget_bytes=budget, budget_setting="max_memory[0]") as device:
+    with SimulatedDevice(seed=4, budget_bytes=budget, budget_setting="max_memory[0]") as device:
         with init_inference(directory, compute_device=device, **settings) as engine:
             short = generate(engine, 1)
             kept = engine.plan.device.resident
@@ -179,7 +185,7 @@ def test_a_meta_model_in_another_dtype_reads_every_unit_from_the_converted_copy(
         meta = transformers.AutoModelForCausalLM.from_config(model.config)
     budget, settings = tier_settings(directory, 1, "mixed")
     ids, mask = prompts(1)
-    with SimulatedDevice(host_tensors=True, seed=5, budget_bytes=budget, budget_setting="max_memory[0]") as device:
+    with SimulatedDevice(seed=5, budget_bytes=budget, budget_setting="max_memory[0]") as device:
         with pytest.raises(ValueError, match=r"offload_param.nvme_path: dtype torch.bfloat16 differs from the "
                                              r"checkpoint's \(torch.float32\) and 9 units are copied to the device as read"):
             init_inference(meta, checkpoint=directory, compute_device=device, dtype="bfloat16", **settings)
@@ -190,8 +196,12 @@ def test_a_meta_model_in_another_dtype_reads_every_unit_from_the_converted_copy(
             ours = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD,
                                    do_sample=False)
         assert device.allocated_bytes == 0
-    ref = reference(copy.deepcopy(model).to(torch.bfloat16), 1, do_sample=False).sequences
-    assert ours.tolist() == ref.tolist()
+    on_device = torch.device(ours.device.type, 0)  # bf16 kernels: the reference computes on the same device type
+    with torch.no_grad():
+        ref = copy.deepcopy(model).to(torch.bfloat16).to(on_device).generate(
+            ids.to(on_device), attention_mask=mask.to(on_device), max_new_tokens=NEW_TOKENS, pad_token_id=PAD,
+            do_sample=False)
+    assert ours.device.type != "cpu" and ours.cpu().tolist() == ref.cpu().tolist()
 
 
 def misaligned_copy(directory, target):
@@ -288,7 +298,7 @@ def test_a_ring_that_skips_a_wait_is_caught(models, ring, message):
     directory, _ = models["llama", torch.float32]
     budget, settings = tier_settings(directory, 1, "streamed")
     ids, mask = prompts(1)
-    with SimulatedDevice(host_tensors=True, schedule="late", budget_bytes=budget) as device:
+    with SimulatedDevice(schedule="late", budget_bytes=budget) as device:
         with init_inference(directory, compute_device=device, **settings) as engine:
             engine.streamer.reset()
             engine.streamer.stager.close()
@@ -303,7 +313,7 @@ def test_a_device_smaller_than_two_ring_slots_names_the_figures(models):
     directory, _ = models["llama", torch.float32]
     budget, settings = tier_settings(directory, 1, "streamed")
     small = budget - sizes(directory, 1)["kv"] - 2 * sizes(directory, 1)["slot"] + 1000
-    with SimulatedDevice(host_tensors=True, budget_bytes=small, budget_setting="max_memory[0]") as device:
+    with SimulatedDevice(budget_bytes=small, budget_setting="max_memory[0]") as device:
         with pytest.raises(BudgetError, match=r"max_memory\[0\]: the device budget of .* cannot hold the units that "
                                               r"must stay on the device \(.*model.embed_tokens.*\) \+ activations .* "
                                               r"\+ a copy ring of 2 x .* \(the largest layer\) = .*; raise max_memory"):

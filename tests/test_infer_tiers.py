@@ -165,7 +165,7 @@ def test_bad_tiers_raise_naming_the_setting_and_leave_nothing(llama, settings, m
 @pytest.mark.simulated
 def test_a_device_passed_with_another_budget_is_refused(llama):
     directory, _ = llama
-    with SimulatedDevice(host_tensors=True, budget_bytes=1 << 20) as device:
+    with SimulatedDevice(budget_bytes=1 << 20) as device:
         with pytest.raises(ValueError, match=r"max_memory\[0\]: 2097152 bytes, but the device passed as "
                                              r"compute_device has a budget of 1048576 bytes"):
             init_inference(directory, compute_device=device, max_memory={0: 2 << 20})

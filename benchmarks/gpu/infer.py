@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
     disk = disk_rates(AioConfig.from_dict(InferenceConfig().aio.to_dict()), directory, parse_size(args.fio_size))
     fio_bps = disk.read_bps
     print(disk.describe())
-    with device_for(args.device, simulated_host_tensors=True) as device:
+    with device_for(args.device) as device:
         h2d_bps = copy_speed(device, min(parse_size(args.copy_size), gpu // 2))
     print(f"host->device: {h2d_bps / 1e9:.2f} GB/s, a plain pinned copy of {_gib(min(parse_size(args.copy_size), gpu // 2))}"
           + (" (simulated device: not a GPU figure)" if simulated else ""))

@@ -20,9 +20,8 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda", "simulated")
 
 
 def device_for(choice: str, *, setting: str = "compute_device", budget_bytes: int | None = None,
-               budget_setting: str = "device budget", simulated_host_tensors: bool = False) -> Device:
-    """The `Device` a setting names (see DEVICE_CHOICES), with an optional memory budget;
-    ``simulated_host_tensors``: a "simulated" device whose buffers are CPU tensors (`SimulatedDevice`).
+               budget_setting: str = "device budget") -> Device:
+    """The `Device` a setting names (see DEVICE_CHOICES), with an optional memory budget.
 
     Raises ValueError naming ``setting`` for an unknown choice or "cuda" without CUDA, and naming
     ``budget_setting`` with the figures for a budget over the device's free memory.
@@ -33,8 +32,7 @@ def device_for(choice: str, *, setting: str = "compute_device", budget_bytes: in
         raise ValueError(f"{setting}: \"cuda\" is asked for but CUDA is not available here (torch {torch.__version__}, "
                          f"{'a CPU build' if torch.version.cuda is None else 'no GPU visible'}); use \"cpu\" or \"auto\"")
     if choice == "simulated":
-        return SimulatedDevice(budget_bytes=budget_bytes, budget_setting=budget_setting,
-                               host_tensors=simulated_host_tensors)
+        return SimulatedDevice(budget_bytes=budget_bytes, budget_setting=budget_setting)
     if choice == "cuda" or (choice == "auto" and cuda_available()):
         return CudaDevice(budget_bytes=budget_bytes, budget_setting=budget_setting)
     return CpuDevice(budget_bytes=budget_bytes, budget_setting=budget_setting)

@@ -297,11 +297,9 @@ class SimulatedDevice(Device):
     ``seed`` fixes each side stream's delays; ``schedule`` is "random" (delays up to ``max_delay_s``)
     or "late" (a copy runs only when waited for); ``memory_bytes`` is the simulated device's memory
     (the budget defaults to all of it); ``register_host``: pin host buffers through its own host
-    registration, as CUDA's (see the module docstring); ``host_tensors``: device buffers are plain CPU
-    tensors (``torch_device`` is the CPU) instead of tensors of the "simgpu" device type, for the
-    inference paths not yet moved to it: the copy, pinned-memory and NaN checks hold either way, but
-    torch cannot see a host tensor mixed into device compute. Close it (or use it as a context manager)
-    to stop its threads (and remove its registration).
+    registration, as CUDA's (see the module docstring). Its buffers are tensors of the "simgpu" device
+    type: a host tensor mixed into device compute raises, as on CUDA. Close it (or use it as a context
+    manager) to stop its threads (and remove its registration).
     """
 
     name = "simulated"
@@ -311,12 +309,9 @@ class SimulatedDevice(Device):
 
     def __init__(self, *, seed: int = 0, schedule: str = "random", max_delay_s: float = 0.002,
                  memory_bytes: int = 1 << 30, budget_bytes: int | None = None,
-                 budget_setting: str = "device budget", register_host: bool = False,
-                 host_tensors: bool = False) -> None:
-        if not host_tensors:
-            install()  # the "simgpu" device type, once per process
-        self.host_tensors = host_tensors
-        self.torch_device = torch.device("cpu") if host_tensors else torch.device(DEVICE_TYPE, 0)
+                 budget_setting: str = "device budget", register_host: bool = False) -> None:
+        install()  # the "simgpu" device type, once per process
+        self.torch_device = torch.device(DEVICE_TYPE, 0)
         if schedule not in _SCHEDULES:
             raise ValueError(f"schedule: {schedule!r} is not allowed; use one of {', '.join(map(repr, _SCHEDULES))}")
         self.memory_bytes = memory_bytes
@@ -382,7 +377,7 @@ class SimulatedDevice(Device):
         return next((alloc for alloc in self._freed if alloc.start <= start < alloc.end), None)
 
     def _empty(self, numel: int, dtype: torch.dtype, name: str) -> torch.Tensor:
-        tensor = torch.empty(numel, dtype=dtype) if self.host_tensors else new_device_tensor((numel,), (1,), dtype)
+        tensor = new_device_tensor((numel,), (1,), dtype)
         _poison(tensor)
         self._allocs.append(_Alloc(name, *_span(tensor), tensor))
         return tensor
@@ -576,7 +571,7 @@ class SimulatedDevice(Device):
     def collective_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host copy of device buffer ``tensor`` (a collective's result), read once it is ready."""
         self.check_ready(tensor)
-        return tensor.clone() if self.host_tensors else tensor.cpu()
+        return tensor.cpu()
 
     def check_collective(self, *tensors: torch.Tensor, op: str = "collective") -> None:
         """Raise CollectiveDeviceError for a tensor that is not a device buffer (NCCL's rule), and

@@ -37,14 +37,11 @@ def compute_device_for(settings: InferenceConfig) -> Device:
     """The device ``compute_device`` names, with ``max_memory``'s device budget (checked against its
     free memory). Raises ValueError naming the setting."""
     tiers = settings.max_memory
-    # Generation has not moved to the simulated device's own device type yet (docs/device.md): its
-    # buffers are CPU tensors there.
-    device = device_for(settings.compute_device, simulated_host_tensors=True)
+    device = device_for(settings.compute_device)
     if tiers is None or tiers.device_bytes in (None, "auto") or not device.separate_memory:
         return device  # a device budget with compute on the CPU is refused by `device_budget`, naming it
     device.close()
-    return device_for(settings.compute_device, budget_bytes=tiers.device_bytes, budget_setting=tiers.device_key,
-                      simulated_host_tensors=True)
+    return device_for(settings.compute_device, budget_bytes=tiers.device_bytes, budget_setting=tiers.device_key)
 
 
 def device_budget(compute: Device, settings: InferenceConfig) -> tuple[int, str] | None:
