@@ -53,7 +53,8 @@ def _rank(rank: int, world: int, args: dict, out: str) -> None:
             zero[key]["nvme_path"] = args["dir"]
     engine, *_ = initialize(model=model, config={
         "train_batch_size": args["batch"], "train_micro_batch_size_per_gpu": args["batch"] // world,
-        "zero_optimization": zero, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
+        "zero_optimization": zero, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "gradient_clipping": 0.0})  # the updates during backward, as the recorded figures ran
     gen = torch.Generator().manual_seed(1)
     vocab = args["model"]["vocab_size"]
     batches = [torch.randint(0, vocab, (args["batch"], args["seq"]), generator=gen)

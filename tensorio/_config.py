@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from dataclasses import asdict, dataclass, fields
@@ -131,8 +132,10 @@ class AioConfig:
                     raise ValueError(f"aio.{key}: {value!r} is not supported here; only false is")
                 continue
             if name not in known:
-                allowed = ", ".join(sorted(known | set(_ALIASES) | set(_ACCEPTED_WHEN_FALSE)))
-                raise ValueError(f"aio.{key}: unknown key; allowed keys are {allowed}")
+                names = sorted(known | set(_ALIASES) | set(_ACCEPTED_WHEN_FALSE))
+                close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+                raise ValueError(f"aio.{key}: unknown key; allowed keys are {', '.join(names)}"
+                                 f"{f'; did you mean {close[0]}?' if close else ''}")
             if name in values:
                 raise ValueError(f"aio.{key}: given twice (as {key} and as its alias); keep one")
             values[name] = value

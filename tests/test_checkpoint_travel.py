@@ -105,7 +105,7 @@ def test_deepspeed_functions_return_the_engines_fp32_weights(disk_dir):
     model = load_state_dict_from_zero_checkpoint(gpt2(0.0), disk_dir / "ckpt", tag="global_step3")
     assert torch.equal(logits(model, gpt2_batches(1)[0]), logits(engine, gpt2_batches(1)[0]))
     assert convert_zero_checkpoint_to_fp32_state_dict(disk_dir / "ckpt", disk_dir / "single") is None
-    assert sorted(os.listdir(disk_dir / "single")) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(disk_dir / "single")) == ["config.json", "generation_config.json", "model.safetensors"]
     engine.close()
 
 
@@ -134,6 +134,63 @@ def test_each_checkpoint_carries_a_zero_to_fp32_script(disk_dir):
     model = transformers.AutoModelForCausalLM.from_pretrained(disk_dir / "weights")
     assert torch.equal(logits(model, gpt2_batches(1)[0]), logits(engine, gpt2_batches(1)[0]))
     engine.close()
+
+
+def test_consolidate_takes_a_tag_folder_and_writes_the_generation_config(disk_dir, monkeypatch):
+    """`consolidate SAVE_DIR/global_step3 OUT` (a tag folder, which verify takes) consolidates that tag; the
+    output holds generation_config.json beside config.json, as save_pretrained writes it."""
+    engine = trained(disk_dir)
+    engine.module.generation_config.max_new_tokens = 7  # a setting of the model's own, not a default
+    engine.save_checkpoint(disk_dir / "ckpt", tag="custom")
+    monkeypatch.chdir(disk_dir)  # the tag folder named by a relative path too
+    assert checkpoint_command(["consolidate", "ckpt/custom/", str(disk_dir / "out"), "--no-progress"]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(disk_dir / "out")
+    assert torch.equal(logits(model, gpt2_batches(1)[0]), logits(engine, gpt2_batches(1)[0]))
+    assert json.loads((disk_dir / "out" / "generation_config.json").read_text())["max_new_tokens"] == 7
+    assert model.generation_config.max_new_tokens == 7
+    engine.close()
+
+
+def test_consolidate_takes_the_generation_config_a_trainer_wrote_beside_an_older_tag(disk_dir, monkeypatch):
+    """A checkpoint saved before the tag carried generation_config.json: the one transformers' Trainer
+    wrote in the checkpoint-<step> folder (the save_dir) goes into the output."""
+    import offload.train.checkpoint.rank_state as rank_state
+
+    monkeypatch.setattr(rank_state, "_generation_config", lambda model: None)
+    engine = trained(disk_dir)
+    assert not (disk_dir / "ckpt" / "global_step3" / "generation_config.json").exists()
+    (disk_dir / "ckpt" / "generation_config.json").write_text(json.dumps({"max_new_tokens": 9}))
+    assert checkpoint_command(["consolidate", str(disk_dir / "ckpt"), str(disk_dir / "out"), "--no-progress"]) == 0
+    assert json.loads((disk_dir / "out" / "generation_config.json").read_text()) == {"max_new_tokens": 9}
+    engine.close()
+
+
+def test_a_checkpoint_with_other_param_groups_names_them_and_load_module_only(disk_dir):
+    """OffloadTrainer's checkpoint (two param groups: decay, no decay) into a bare engine (one group): the
+    error says so and names load_module_only=True, which then loads the weights."""
+    config = engine_config(disk_dir, "nvme", "nvme", micro=2)
+    model = gpt2(0.0)
+    groups = [{"params": [p for p in model.parameters() if p.dim() > 1]},
+              {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
+    engine, *_ = initialize(model=model, model_parameters=groups, config=config)
+    for batch in gpt2_batches(2):
+        engine.backward(gpt2_loss(engine, batch))
+        engine.step()
+    engine.save_checkpoint(disk_dir / "ckpt")
+    weights = full(engine)
+    engine.close()
+    bare, *_ = initialize(model=gpt2(0.0), config=engine_config(disk_dir, "nvme", "nvme", micro=2))
+    with pytest.raises(ValueError) as raised:
+        bare.load_checkpoint(disk_dir / "ckpt")
+    message = str(raised.value)
+    assert message.startswith(f"{disk_dir / 'ckpt' / 'global_step2' / 'rank00000_states.json'}: the checkpoint's "
+                              f"optimizer has 2 param group(s) of [{len(groups[0]['params'])}, "
+                              f"{len(groups[1]['params'])}] parameters, this engine's 1 of ")
+    assert "transformers' Trainer and OffloadTrainer save two" in message and "load_module_only=True" in message
+    assert "\n" not in message
+    bare.load_checkpoint(disk_dir / "ckpt", load_module_only=True)
+    assert all(torch.equal(value, weights[name]) for name, value in bare.full_parameters())
+    bare.close()
 
 
 @pytest.mark.subprocess

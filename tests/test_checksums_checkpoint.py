@@ -79,16 +79,16 @@ def test_the_json_records_every_file_and_verify_passes(saved, capsys):
     records = states["checksums"]
     assert set(records) == {"rank00000_params.safetensors", "rank00000_optimizer.safetensors",
                             "rank00000_client.safetensors"}
-    assert set(states["files"]) == {"config.json", "zero_to_fp32.py"}
+    assert set(states["files"]) == {"config.json", "generation_config.json", "zero_to_fp32.py"}
     params = FileChecksums.from_json(records["rank00000_params.safetensors"], "test")
     assert params.chunk == CHUNK and "transformer.wte.weight" in params.tensors
     assert checkpoint_command(["verify", str(tag)]) == 0
     assert checkpoint_command(["verify", str(tag.parent)]) == 0  # the save_dir, through `latest`
     out = capsys.readouterr()
     every = {"rank00000_states.json", "rank00000_params.safetensors", "rank00000_optimizer.safetensors",
-             "rank00000_client.safetensors", "config.json", "zero_to_fp32.py"}
+             "rank00000_client.safetensors", "config.json", "generation_config.json", "zero_to_fp32.py"}
     assert {line.split()[1].rsplit("/", 1)[1] for line in out.out.splitlines()} == every
-    assert out.out.count("ok ") == 12 and "every checksum matches" in out.err
+    assert out.out.count("ok ") == 14 and "every checksum matches" in out.err
 
 
 def test_the_checked_bytes_are_the_bytes_compared_with_their_checksums(saved, disk_dir, monkeypatch, caplog,
@@ -162,6 +162,24 @@ def test_a_bit_flipped_at_rest_is_named_by_verify_load_and_consolidate(saved, wh
     finally:
         if offset is not None:
             flip_bit(path, offset, 5)
+
+
+def test_verify_prints_the_files_that_passed_before_one_that_fails(saved, capsys):
+    """A flipped bit in the optimizer's file: verify still says "ok" for the state and parameter files it
+    checked before, then the one-line error, exit status 2."""
+    tag, _ = saved
+    path = tag / "rank00000_optimizer.safetensors"
+    offset = sum(_tensor_at(path, "3.exp_avg_sq")) - 3
+    flip_bit(path, offset, 5)
+    try:
+        assert checkpoint_command(["verify", str(tag)]) == 2
+    finally:
+        flip_bit(path, offset, 5)
+    out = capsys.readouterr()
+    assert out.out.splitlines() == [line for line in out.out.splitlines() if line.startswith("ok ")]
+    assert [line.split()[1] for line in out.out.splitlines()] == [str(tag / "rank00000_states.json"),
+                                                                   str(tag / "rank00000_params.safetensors")]
+    assert out.err.count("\n") == 1 and f"checksum mismatch (tensor '3.exp_avg_sq'): {path}" in out.err
 
 
 def _before_checksums(save_dir, into, *, keep_tensor_checksums):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import weakref
 
@@ -77,8 +78,9 @@ def engine_config(tmp, param="none", opt="none", gas=1, micro=4, **extra) -> dic
         zero["offload_param"].update(nvme_path=str(tmp), max_in_cpu=0, buffer_size=16384, buffer_count=2)
     if opt == "nvme":
         zero["offload_optimizer"].update(nvme_path=str(tmp), pipeline_read=True, pipeline_write=True)
+    # No clipping unless a test asks (DeepSpeed's default is 1.0): the references clip only when told.
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas, "zero_optimization": zero,
-              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}}
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}, "gradient_clipping": 0.0}
     config.update(extra)
     return config
 
@@ -353,6 +355,39 @@ def test_parameters_on_disk_updated_during_backward_survive_a_failed_backward_an
         torch.testing.assert_close(value, ref_params[name], rtol=1e-5, atol=1e-7)  # as after step 4
     engine.zero_grad()
     assert all(torch.isfinite(torch.tensor(train(engine, batches, loss_fn))))
+    engine.close()
+
+
+def wide_mlp() -> nn.Module:
+    """Four 512 x 512 layers (about 1 M parameters): the engine would choose sub-groups of 262 144 elements."""
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
+
+
+@pytest.mark.parametrize("build,size,used", [(wide_mlp, 1000, 32768), (wide_mlp, 10, 32768), (mlp, 10, 1024),
+                                             (mlp, 4096, 4096), (wide_mlp, 32768, 32768), (wide_mlp, 1 << 17, 1 << 17)])
+def test_a_tiny_sub_group_size_is_raised_to_the_floor_with_a_warning(disk_dir, caplog, build, size, used):
+    """sub_group_size 10 or 1000 cut the optimizer state into thousands of sub-groups and made each step ~30x
+    slower, silently: it is raised to an eighth of the size the engine would choose (262 144 for the wide
+    MLP: 32 768; at least 1024, the small MLP's), with a warning naming the size, the sub-groups it would
+    make and the cost. A size at or above the floor is kept, without a word."""
+    config = engine_config(disk_dir, "none", "nvme", micro=4)
+    config["zero_optimization"]["sub_group_size"] = size
+    with caplog.at_level("WARNING", logger="offload"):
+        engine, *_ = initialize(model=build(), config=config)
+    assert engine.optimizer.swap_config.sub_group_size == used
+    said = [r.getMessage() for r in caplog.records if "sub_group_size" in r.getMessage()]
+    if used == size:
+        assert said == []
+    else:
+        numel = sum(p.numel() for p in build().parameters())
+        (message,) = said
+        assert message.startswith(f"zero_optimization.sub_group_size {size} would cut this rank's {numel} optimizer "
+                                   f"elements into about {-(-numel // size)} sub-groups")
+        assert "a step many times slower" in message and f"using {used}" in message
+    x = torch.randn(4, 512 if build is wide_mlp else 16)
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()
     engine.close()
 
 
@@ -732,6 +767,50 @@ def test_gradient_clipping_matches_torch(disk_dir, opt):
     losses = train(engine, batches, loss_fn)
     assert_close(losses, dict(engine.full_parameters()), ref_losses, ref_params)
     engine.close()
+
+
+def _large_gradient_run(disk_dir, clipping):
+    """Five steps of the MLP on targets large enough that every step's gradient norm is above 1;
+    ``clipping`` None leaves ``gradient_clipping`` out of the config. Adam's eps of 1 makes the update
+    follow the gradient's scale, so clipping changes it. (losses, norms, parameters, the plan's text)."""
+    build, data, loss_fn = MODELS["mlp"]
+    batches = [(x, 20 * y) for x, y in data(5)]
+    config = engine_config(disk_dir, "nvme", "nvme", gradient_clipping=clipping,
+                           optimizer={"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "eps": 1.0}})
+    if clipping is None:
+        del config["gradient_clipping"]
+    engine, *_ = initialize(model=build(), config=config)
+    losses, norms = [], []
+    for batch in batches:
+        loss = loss_fn(engine, batch)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        norms.append(engine.get_global_grad_norm())
+    plan, params = str(engine.plan), parameters_now(engine)
+    engine.close()
+    return losses, norms, params, plan
+
+
+def test_an_absent_gradient_clipping_clips_at_deepspeeds_default(disk_dir, caplog):
+    """DeepSpeed clips the global norm at 1.0 when the config has no gradient_clipping (its
+    GRADIENT_CLIPPING_DEFAULT): so does the engine, and its plan and log say so; 0 turns it off."""
+    with caplog.at_level(logging.INFO, logger="offload"):
+        absent, norms, absent_params, plan = _large_gradient_run(disk_dir, None)
+    explicit, _, explicit_params, explicit_plan = _large_gradient_run(disk_dir, 1.0)
+    off, _, off_params, off_plan = _large_gradient_run(disk_dir, 0.0)
+    assert min(norms) > 1.0  # the clipping bites on every step
+    assert absent == explicit
+    assert_same_tensors(absent_params, explicit_params)
+    assert off[0] == absent[0] and off[1:] != absent[1:]
+    for name, tensor in off_params.items():  # unclipped, each step moved the weights several times as far
+        assert (tensor - absent_params[name]).abs().max() > 0.01, name
+    default = ("gradient clipping: global norm clipped at 1 (DeepSpeed's default: the config has no "
+               "gradient_clipping; set it to 0 to turn clipping off)")
+    assert default in plan and "the update runs in the next forward" in plan
+    assert default in caplog.text
+    assert "gradient clipping: global norm clipped at 1 (gradient_clipping)" in explicit_plan
+    assert "gradient clipping: off (gradient_clipping 0)" in off_plan and "the update runs during backward" in off_plan
 
 
 @pytest.mark.parametrize("param,opt", [("none", "none"), ("nvme", "nvme")])

@@ -148,7 +148,7 @@ CHECKPOINT_SCRIPT = textwrap.dedent("""
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
-    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW"},
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW"}, "gradient_clipping": 0.0,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1000, "sub_group_size": 262144,
                                     "offload_param": {"device": "nvme", "nvme_path": path, "max_in_cpu": 0,
                                                       "buffer_count": 2, "buffer_size": width * width + width},

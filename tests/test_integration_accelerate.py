@@ -110,6 +110,39 @@ def test_save_state_and_load_state_resume(disk_dir, tmp_path, fresh_state):
     loader_.engine.close()
 
 
+def float_features_run(accelerator):
+    """Two steps of a Linear(32, 32) on float features (torch.randn), prepared by ``accelerator``: the losses."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 32, generator=g), torch.randn(8, 32, generator=g))
+    model, opt, loader = accelerator.prepare(model, opt, torch.utils.data.DataLoader(data, batch_size=4))
+    losses = []
+    for features, targets in loader:
+        loss = torch.nn.functional.mse_loss(model(features).float(), targets.float())
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_bf16_with_float_inputs_matches_plain_accelerate_bf16(fresh_state):
+    """mixed_precision="bf16" and a model whose inputs are floats: they are cast to the engine's bf16, and
+    two steps give plain Accelerate's bf16 losses within bf16's tolerance (before: "mat1 and mat2 must have
+    the same dtype"). Token ids stay integers (the GPT-2 tests above)."""
+    reference = float_features_run(accelerate.Accelerator(cpu=True, mixed_precision="bf16"))
+    accelerate.state.AcceleratorState._reset_state(True)
+    ours = OffloadAccelerator(offload_config={"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 3}},
+                              cpu=True, mixed_precision="bf16")
+    losses = float_features_run(ours)
+    assert ours.engine.config.bf16.enabled
+    assert len(losses) == len(reference) == 2
+    assert losses == pytest.approx(reference, rel=1e-2)
+    ours.engine.close()
+
+
 @pytest.mark.parametrize("kind", ["tensor data", "state file"])
 def test_load_state_of_a_state_with_a_flipped_bit_is_refused(disk_dir, tmp_path, fresh_state, monkeypatch, kind):
     """save_state's folder moved elsewhere and named by a relative path from a third folder: load_state refuses

@@ -224,7 +224,8 @@ def test_accelerate_runs_each_config_unedited(path, disk_dir, monkeypatch, fresh
     engine = accelerate_run(accelerator, want)
     check_filled(engine, want, clip=False)
     clipping = json.loads(path.read_text()).get("gradient_clipping")
-    assert engine.config.gradient_clipping == (1.0 if clipping == "auto" else clipping or 0.0)  # Accelerate's "auto"
+    # Accelerate's "auto", and DeepSpeed's default where the JSON has no gradient_clipping, are both 1.0
+    assert engine.config.gradient_clipping == (1.0 if clipping in ("auto", None) else clipping)
     engine.close()
 
 

@@ -163,6 +163,47 @@ def test_a_resume_from_a_checkpoint_with_a_flipped_bit_is_refused(disk_dir, tmp_
     assert resumed.seen == [] and run.global_step == 0
 
 
+class FloatFeatures(pl.LightningModule):
+    """A Linear(32, 32) on float features (a TensorDataset of torch.randn), not token ids."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(32, 32)
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        features, targets = batch
+        loss = torch.nn.functional.mse_loss(self.layer(features).float(), targets.float())
+        self.seen.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_bf16_with_float_inputs_matches_lightning_bf16_mixed(tmp_path):
+    """The ZeRO-3 JSON's bf16 with Trainer(precision="bf16-mixed") and float inputs: the batch is cast to
+    the engine's bf16 (as Lightning's DeepSpeed precision casts it), and two steps give plain Lightning's
+    bf16-mixed losses within bf16's tolerance (before: "mat1 and mat2 must have the same dtype")."""
+    import json
+
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 32, generator=g), torch.randn(8, 32, generator=g))
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}))
+    seen = {}
+    for name, strategy in (("plain", "auto"), ("ours", OffloadStrategy(config=str(config)))):
+        module = FloatFeatures()
+        pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, precision="bf16-mixed", max_steps=2,
+                   logger=False, enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                   use_distributed_sampler=False, default_root_dir=tmp_path / name
+                   ).fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+        seen[name] = module.seen
+    assert len(seen["ours"]) == len(seen["plain"]) == 2
+    assert seen["ours"] == pytest.approx(seen["plain"], rel=1e-2)
+
+
 @pytest.mark.multiprocess
 def test_two_processes_match_lightning_ddp(disk_dir):
     """devices=2, one process per rank started by torchrun (gloo): OffloadStrategy (each rank one

@@ -136,6 +136,51 @@ def test_resume_from_step_10_continues_identically(first_run, reference, disk_di
     resumed.engine.close()
 
 
+def test_a_save_interrupted_by_ctrl_c_is_skipped_on_resume(reference, disk_dir, tmp_path, monkeypatch, caplog):
+    """Ctrl-C while the engine fsyncs checkpoint-20 leaves the model files there but no engine checkpoint
+    and no trainer_state.json: resume_from_checkpoint=True skips it with a warning naming it and resumes
+    from checkpoint-10 (steps 11-20, plain Trainer's logs), and the run's own save at step 20 makes it
+    whole; that folder passed by its path is refused, naming it and what it lacks."""
+    import logging
+
+    from offload.storage import checkpoint_dir
+
+    fsync_tree = checkpoint_dir._fsync_tree
+
+    def interrupted_at_step_20(root):
+        if ".staging-global_step20-" in root.name:
+            raise KeyboardInterrupt
+        fsync_tree(root)
+
+    monkeypatch.setattr(checkpoint_dir, "_fsync_tree", interrupted_at_step_20)
+    run = tmp_path / "run"
+    first = OffloadTrainer(model=tiny_gpt2(), args=arguments(run, save_strategy="steps", save_steps=10),
+                           train_dataset=Tokens(200), offload_config=nvme_config(disk_dir))
+    with pytest.raises(KeyboardInterrupt):
+        first.train()
+    first.engine.close()
+    monkeypatch.undo()
+    left = run / "checkpoint-20"
+    assert (left / "model.safetensors").is_file()
+    assert not (left / "latest").exists() and not (left / "trainer_state.json").exists()
+
+    with pytest.raises(ValueError, match=rf"^resume_from_checkpoint: {left} is incomplete \(it lacks the engine's "
+                                         rf"checkpoint \('latest'\) and trainer_state.json"):
+        OffloadTrainer(model=tiny_gpt2(), args=arguments(run), train_dataset=Tokens(200),
+                       offload_config=nvme_config(disk_dir)).train(resume_from_checkpoint=str(left))
+
+    ran = StepsRun()
+    resumed = OffloadTrainer(model=tiny_gpt2(), args=arguments(run, save_strategy="steps", save_steps=10),
+                             train_dataset=Tokens(200), offload_config=nvme_config(disk_dir), callbacks=[ran])
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        resumed.train(resume_from_checkpoint=True)
+    assert f"skipping {left}, an incomplete checkpoint" in caplog.text
+    assert ran.steps == list(range(11, STEPS + 1))
+    assert_same_logs(logged(resumed)[10:], logged(reference)[10:])
+    assert (left / "latest").is_file() and (left / "trainer_state.json").is_file()  # saved whole this time
+    resumed.engine.close()
+
+
 @pytest.mark.parametrize("kind", ["tensor data", "state file"])
 def test_a_resume_from_a_checkpoint_with_a_flipped_bit_is_refused(first_run, disk_dir, tmp_path, monkeypatch, kind):
     """Moved to another folder and named by a relative path from a third one, as docs/trainer_hf.md's
@@ -176,6 +221,50 @@ def test_config_optimizer_and_scheduler_are_the_engines(disk_dir, tmp_path):
     # DeepSpeed's log warmup to args.learning_rate over args.warmup_steps ("auto"), logged per step
     assert rates == sorted(rates) and rates[0] == 0.0 and 0 < rates[3] < 1e-3 and rates[-1] == pytest.approx(1e-3)
     trainer.engine.close()
+
+
+class FloatFeatures(torch.nn.Module):
+    """A Linear(32, 32) regression on float features, returning its loss as Trainer expects."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(32, 32)
+
+    def forward(self, features, targets):
+        return {"loss": torch.nn.functional.mse_loss(self.layer(features).float(), targets.float())}
+
+
+class Features(torch.utils.data.Dataset):
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(1)
+        self.features, self.targets = torch.randn(n, 32, generator=g), torch.randn(n, 32, generator=g)
+
+    def __len__(self):
+        return len(self.features)
+
+    def __getitem__(self, i):
+        return {"features": self.features[i], "targets": self.targets[i]}
+
+
+def test_bf16_with_float_inputs_matches_plain_trainer_bf16(disk_dir, tmp_path):
+    """bf16 and a model whose inputs are floats: the batch's floats are cast to the engine's bf16, as
+    Trainer casts them under DeepSpeed, and the losses are plain Trainer's bf16 ones within bf16's
+    tolerance (before: "mat1 and mat2 must have the same dtype")."""
+    config = {"bf16": {"enabled": "auto"}, "gradient_clipping": "auto", "zero_optimization": {"stage": 3}}
+    options = dict(max_steps=3, gradient_accumulation_steps=1, bf16=True, lr_scheduler_type="constant",
+                   warmup_steps=0)
+    plain = transformers.Trainer(model=FloatFeatures(), args=arguments(tmp_path / "plain", **options),
+                                 train_dataset=Features(6))
+    plain.train()
+    ours = OffloadTrainer(model=FloatFeatures(), args=arguments(tmp_path / "ours", **options),
+                          train_dataset=Features(6), offload_config=config)
+    ours.train()
+    assert ours.engine.config.bf16.enabled
+    losses = [[entry["loss"] for entry in trainer.state.log_history if "loss" in entry] for trainer in (ours, plain)]
+    assert len(losses[0]) == len(losses[1]) == 3
+    assert losses[0] == pytest.approx(losses[1], rel=1e-2)
+    ours.engine.close()
 
 
 def test_missing_config_is_refused(tmp_path):

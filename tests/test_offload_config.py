@@ -510,3 +510,35 @@ def test_file_errors(tmp_path):
         EngineConfig.from_file(bad, world_size=1)
     with pytest.raises(FileNotFoundError):
         EngineConfig.from_file(tmp_path / "missing.json", world_size=1)
+
+
+
+def _inference(config=None, **overrides):
+    from offload.infer import InferenceConfig
+
+    return InferenceConfig.from_dict(config, **overrides)
+
+
+def _aio(section):
+    from tensorio import AioConfig
+
+    return AioConfig.from_dict(section)
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: load(changed("zero_optimization.offload_param.nvme_pth", "/nvme")),
+     r"^zero_optimization\.offload_param\.nvme_pth: unknown key; allowed keys are .*; did you mean nvme_path\?$"),
+    (lambda: load(changed("zero_optimisation", {})),
+     r"^zero_optimisation: unknown key; allowed keys are .*; did you mean zero_optimization\?$"),
+    (lambda: load(changed("zero_optimization.offload_param.gibberish", 1)),
+     r"^zero_optimization\.offload_param\.gibberish: unknown key; allowed keys are [a-z_, ]*$"),  # nothing close
+    (lambda: _aio({"queue_dpth": 8}), r"^aio\.queue_dpth: unknown key; allowed keys are .*; did you mean queue_depth\?$"),
+    (lambda: _inference(nvme_pth="/nvme"), r"^nvme_pth: unknown setting; allowed are .*; did you mean nvme_path\?$"),
+    (lambda: _inference({"zero_optimization": {"offload_param": {"nvme_pth": "/nvme"}}}),
+     r"^zero_optimization\.offload_param\.nvme_pth: unknown key; allowed keys are .*; did you mean nvme_path\?$"),
+])
+def test_an_unknown_key_names_the_closest_known_one(build, message):
+    """A misspelt key (nvme_pth) names the key it is closest to, as the integrations' keywords do; a key
+    close to none lists the allowed ones only."""
+    with pytest.raises(ValueError, match=message):
+        build()

@@ -58,6 +58,7 @@ def engine_config(directory: str, args: argparse.Namespace, largest: int) -> dic
     """The DeepSpeed-format config: parameters and optimizer state on NVMe under ``directory``."""
     return {
         "train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,  # the updates during backward, as the recorded figures ran
         "bf16": {"enabled": args.dtype == "bf16"}, "fp16": {"enabled": args.dtype == "fp16"},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
         "zero_optimization": {

@@ -60,8 +60,10 @@ class EngineConfig(Mapping):
     gradient_accumulation_steps: int
     """Forward and backward passes per optimizer step."""
 
-    gradient_clipping: float = 0.0
-    """Clip the global gradient norm to this value; 0 turns clipping off. At least 0."""
+    gradient_clipping: float = 1.0
+    """Clip the global gradient norm to this value; 0 turns clipping off (and lets the update run during
+    backward, the fastest path: docs/engine.md). At least 0. Absent: 1.0, DeepSpeed's default
+    (``GRADIENT_CLIPPING_DEFAULT``, deepspeedai/DeepSpeed#8068)."""
 
     fp16: Fp16Config = field(default_factory=Fp16Config)
     """fp16 mixed precision."""

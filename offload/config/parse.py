@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import difflib
 import errno
 import json
 import math
@@ -88,6 +89,12 @@ def auto_error(key: str) -> ValueError:
     return ValueError(f'{key}: "auto" is not resolved; call offload.{call} first')
 
 
+def did_you_mean(name: str, known: Collection[str]) -> str:
+    """"; did you mean X?" naming the entry of ``known`` closest to ``name`` (difflib), or "" when none is close."""
+    close = difflib.get_close_matches(str(name), [str(k) for k in known], n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
 def section_values(section: Any, key: str, allowed: Collection[str], *,
                    auto_is_a_value: Collection[str] = ()) -> dict[str, Any]:
     """Return a copy of the JSON object at dotted ``key``, refusing keys not in ``allowed`` and "auto" values
@@ -98,7 +105,8 @@ def section_values(section: Any, key: str, allowed: Collection[str], *,
     for name, value in section.items():
         dotted = f"{key}.{name}" if key else name
         if name not in allowed:
-            raise ValueError(f"{dotted}: unknown key; allowed keys are {', '.join(sorted(allowed))}")
+            raise ValueError(f"{dotted}: unknown key; allowed keys are {', '.join(sorted(allowed))}"
+                             f"{did_you_mean(name, allowed)}")
         if isinstance(value, str) and value == AUTO and name not in auto_is_a_value and dotted not in OWN_AUTO_KEYS:
             raise auto_error(dotted)
     return dict(section)

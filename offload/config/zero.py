@@ -38,7 +38,9 @@ class OffloadParamConfig:
     """Directory for the swap files; required with device "nvme". It need not exist until the engine starts."""
 
     pin_memory: bool = False
-    """Stage parameters through page-locked host buffers."""
+    """Accepted as DeepSpeed takes it, and not read: with compute on a GPU the partitions held in host memory
+    and the I/O buffers are page-locked whatever it says (the copies to the device need it); with compute
+    on the CPU nothing is copied to a device, so nothing is pinned."""
 
     buffer_count: int = 5
     """Staging buffers for NVMe reads and writes. At least 1."""

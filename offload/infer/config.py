@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 import torch
 
+from offload.config.parse import did_you_mean
 from offload.device import DEVICE_CHOICES
 from tensorio import AioConfig, parse_size
 
@@ -487,7 +488,8 @@ class InferenceConfig:
         known = {f.name for f in fields(cls)}
         for name, value in overrides.items():
             if name not in known:
-                raise ValueError(f"{name}: unknown setting; allowed are {', '.join(sorted(known))}")
+                raise ValueError(f"{name}: unknown setting; allowed are {', '.join(sorted(known))}"
+                                 f"{did_you_mean(name, known)}")
             values[name] = value
         return cls(**values)
 
@@ -507,7 +509,8 @@ def _section(value: Any, key: str, allowed: set[str]) -> dict[str, Any]:
     for name in value:
         if name not in allowed:
             dotted = f"{key}.{name}" if key else name
-            raise ValueError(f"{dotted}: unknown key; allowed keys are {', '.join(sorted(allowed))}")
+            raise ValueError(f"{dotted}: unknown key; allowed keys are {', '.join(sorted(allowed))}"
+                             f"{did_you_mean(name, allowed)}")
     return {k: v for k, v in value.items() if k not in IGNORED_KEYS.get(key, set())}
 
 

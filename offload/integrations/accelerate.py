@@ -32,8 +32,8 @@ from accelerate import Accelerator
 from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper, DummyOptim, DummyScheduler
 from torch import nn
 
-from offload.integrations.config import (AutoSources, check_keywords, optimizer_hyperparameters, read_argument,
-                                       trainer_config)
+from offload.integrations.config import (AutoSources, cast_floating, check_keywords, half_dtype,
+                                       optimizer_hyperparameters, read_argument, trainer_config)
 from offload.integrations.schedulers import rebind_scheduler
 from offload.train.engine import Engine, initialize
 
@@ -97,7 +97,9 @@ class OffloadAccelerator(Accelerator):
         ``DummyOptim`` for the config's optimizer) go to the engine, a scheduler is moved onto the engine's
         optimizer and stepped by the engine (a ``DummyScheduler`` stands for the config's scheduler).
         Returns the objects in the order given: the engine for the model, Accelerate's DeepSpeed wrappers
-        for the others. "auto" values are filled from these objects and the accelerator's settings."""
+        for the others. "auto" values are filled from these objects and the accelerator's settings. With
+        fp16 / bf16, the model's floating-point inputs are cast to that dtype (integer ones, such as token
+        ids, are not), as Lightning's DeepSpeed strategy and transformers' Trainer cast them."""
         models = [a for a in args if isinstance(a, nn.Module)]
         optimizers = [a for a in args if isinstance(a, (torch.optim.Optimizer, DummyOptim))]
         schedulers = [a for a in args if isinstance(a, DummyScheduler) or (
@@ -128,6 +130,10 @@ class OffloadAccelerator(Accelerator):
             engine, optimizer, _, scheduler = initialize(model=models[0], optimizer=client, model_parameters=groups,
                                                          config=config)
             self.engine = engine
+            dtype = half_dtype(engine.config)
+            if dtype is not None:  # floating inputs meet 16-bit weights: cast them as Lightning and Trainer do
+                engine.module.register_forward_pre_hook(
+                    lambda module, args, kwargs: cast_floating((args, kwargs), dtype), with_kwargs=True)
             prepared[id(models[0])] = engine
             wrapped = DeepSpeedOptimizerWrapper(optimizer)
             if optimizers:

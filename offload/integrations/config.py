@@ -8,14 +8,16 @@ import os
 import warnings
 from typing import Any, Collection, Mapping
 
+import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from offload.config import EngineConfig, resolve_auto
 from offload.config.auto import AutoSources
 from offload.config.parse import AUTO, AUTO_ARGUMENTS, read_config
 
-__all__ = ["AutoSources", "check_keywords", "hidden_size", "optimizer_hyperparameters", "read_argument",
-           "trainer_config"]
+__all__ = ["AutoSources", "cast_floating", "check_keywords", "half_dtype", "hidden_size", "optimizer_hyperparameters",
+           "read_argument", "trainer_config"]
 
 
 def hidden_size(model: nn.Module) -> int | None:
@@ -30,6 +32,22 @@ def hidden_size(model: nn.Module) -> int | None:
         if isinstance(size, int) and not isinstance(size, bool):
             return size
     return None
+
+
+def half_dtype(config: EngineConfig) -> torch.dtype | None:
+    """The 16-bit dtype an engine built from ``config`` trains in (``fp16`` / ``bf16`` enabled), else None."""
+    return torch.float16 if config.fp16.enabled else torch.bfloat16 if config.bf16.enabled else None
+
+
+def cast_floating(data: Any, dtype: torch.dtype | None) -> Any:
+    """``data`` (a tensor, or lists, tuples and dicts of them) with its floating-point tensors cast to
+    ``dtype``, as Lightning's DeepSpeed precision (``convert_input``) and transformers' Trainer under
+    DeepSpeed (``_prepare_input``) cast a batch for 16-bit weights; integer tensors (token ids) and
+    other values are left as they are. ``dtype`` None returns ``data`` unchanged."""
+    if dtype is None:
+        return data
+    return tree_map(lambda leaf: leaf.to(dtype) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
+                    else leaf, data)
 
 
 def optimizer_hyperparameters(optimizer: Any) -> dict[str, Any]:
@@ -58,7 +76,8 @@ def trainer_config(config: Mapping[str, Any] | str | os.PathLike, *, model: nn.M
     Hugging Face's ``HfTrainerDeepSpeedConfig`` fills them from the trainer's arguments (`resolve_auto`).
 
     Differences, on purpose: a config without ``gradient_clipping`` gets the trainer's ``max_grad_norm``
-    (DeepSpeed's default 0 would silently turn off the clipping the trainer asked for). The arguments
+    when one is given (DeepSpeed's own default, 1.0, would ignore what the trainer asked for); with
+    ``max_grad_norm`` None the engine's default applies, DeepSpeed's 1.0. The arguments
     named in ``auto_only`` (Lightning's and Accelerate's optimizer, schedule and precision, as their
     DeepSpeed integrations treat them) only fill "auto": a value the config writes out is kept, except
     that ``fp16``/``bf16`` true still enable a precision the config leaves out or contradicts.

@@ -27,10 +27,11 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.types import LRSchedulerConfig
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
-from offload.integrations.config import (AutoSources, check_keywords, optimizer_hyperparameters, read_argument,
-                                       trainer_config)
+from offload.integrations.config import (AutoSources, check_keywords, half_dtype, optimizer_hyperparameters,
+                                       read_argument, trainer_config)
 from offload.integrations.schedulers import rebind_scheduler
 from offload.train.engine import Engine, initialize
 
@@ -63,16 +64,28 @@ _PRECISIONS = {"32-true": None, "32": None, "bf16-true": "bf16", "bf16-mixed": "
 
 class OffloadPrecision(Precision):
     """Precision for `OffloadStrategy`: the engine casts (fp16 / bf16 from ``precision``), runs the
-    backward and the step, and clips; Lightning's own clipping is then a no-op."""
+    backward and the step, and clips; Lightning's own clipping is then a no-op. Once the engine trains
+    in 16 bits, the floating-point tensors of each batch are cast to its dtype (``convert_input``), as
+    Lightning's DeepSpeed precision casts them; integer tensors (token ids) are left as they are."""
 
     def __init__(self, precision: str = "32-true") -> None:
         if str(precision) not in _PRECISIONS:
             raise ValueError(f"precision: {precision!r} is not supported by OffloadStrategy; use one of "
                              f"{sorted(_PRECISIONS)}")
         self.precision = str(precision)
+        self.input_dtype: torch.dtype | None = None
+        """The engine's 16-bit dtype, set by the strategy when it starts the engine; None: inputs as they are."""
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         return module  # the engine casts the parameters it partitions
+
+    def convert_input(self, data: Any) -> Any:
+        """The batch with its floating-point tensors in the engine's dtype (``input_dtype``)."""
+        dtype = self.input_dtype
+        if dtype is None:
+            return data
+        return apply_to_collection(data, function=lambda t: t.to(dtype) if t.is_floating_point() else t,
+                                   dtype=torch.Tensor)
 
     def backward(self, tensor: torch.Tensor, model: LightningModule, optimizer: Any, *args: Any, **kwargs: Any) -> None:
         """The engine's backward; Lightning has already divided the loss by accumulate_grad_batches."""
@@ -192,6 +205,7 @@ class OffloadStrategy(DDPStrategy):
         engine, optimizer, _, engine_scheduler = initialize(model=module, optimizer=client, config=config,
                                                             dist_init_required=False)
         self.engine = engine
+        self.precision_plugin.input_dtype = half_dtype(engine.config)
         self.optimizers = [optimizer]
         if schedulers and "scheduler" not in config:
             rebind_scheduler(schedulers[0].scheduler, client, optimizer)

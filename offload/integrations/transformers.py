@@ -16,8 +16,10 @@ imports transformers' Trainer.
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import os
+import re
 from typing import Any, Mapping
 
 import torch
@@ -25,7 +27,8 @@ from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper, DeepSpeedSched
 from torch import nn
 from transformers import Trainer
 
-from offload.integrations.config import AutoSources, check_keywords, read_argument, trainer_config
+from offload.integrations.config import (AutoSources, cast_floating, check_keywords, half_dtype, read_argument,
+                                       trainer_config)
 from offload.train.engine import Engine, initialize
 
 __all__ = ["OffloadTrainer"]
@@ -46,6 +49,43 @@ _SOURCES = AutoSources(
 
 _TRAINER_KEYWORDS = {name for name, p in inspect.signature(Trainer.__init__).parameters.items()
                      if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and name != "self"}
+
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+"""A Trainer checkpoint folder's name (transformers' ``PREFIX_CHECKPOINT_DIR``-<step>)."""
+
+
+def _missing_from_checkpoint(folder: str | os.PathLike) -> list[str]:
+    """What a Trainer checkpoint folder of OffloadTrainer lacks to be resumed from: the engine's
+    checkpoint (its ``latest`` file, written once the engine's tag is whole) and ``trainer_state.json``
+    (Trainer writes it last; unreadable counts as missing). Empty when the folder is complete. A save
+    interrupted part way (Ctrl-C while the engine writes) leaves the model files without these."""
+    missing = []
+    if not os.path.isfile(os.path.join(folder, "latest")):
+        missing.append("the engine's checkpoint ('latest')")
+    try:
+        with open(os.path.join(folder, "trainer_state.json"), encoding="utf-8") as file:
+            json.load(file)
+    except (OSError, ValueError):
+        missing.append("trainer_state.json")
+    return missing
+
+
+def _last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """The checkpoint-<step> folder of ``output_dir`` with the highest step that is complete
+    (`_missing_from_checkpoint`), or None; each newer, incomplete one is skipped with a warning naming it."""
+    if not os.path.isdir(output_dir):
+        return None
+    found = sorted(((int(match.group(1)), entry) for entry in os.listdir(output_dir)
+                    if (match := _CHECKPOINT.match(entry)) and os.path.isdir(os.path.join(output_dir, entry))),
+                   reverse=True)
+    for _, entry in found:
+        folder = os.path.join(output_dir, entry)
+        missing = _missing_from_checkpoint(folder)
+        if not missing:
+            return folder
+        log.warning("resume_from_checkpoint=True: skipping %s, an incomplete checkpoint (it lacks %s: its save "
+                    "was interrupted); delete it when you no longer need its files", folder, " and ".join(missing))
+    return None
 
 
 class OffloadTrainer(Trainer):
@@ -80,6 +120,25 @@ class OffloadTrainer(Trainer):
         self.offload_config = config
         self.engine: Engine | None = None
         self._step_lr: float | None = None
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's ``train``; ``resume_from_checkpoint=True`` takes the newest *complete* checkpoint-<step>
+        folder of ``output_dir``, skipping (with a warning naming it) one whose save was interrupted.
+        Raises ValueError naming the folder and what it lacks when the path given is such a folder, or
+        when True finds no complete checkpoint."""
+        if resume_from_checkpoint is True:
+            found = _last_complete_checkpoint(self.args.output_dir)
+            if found is None:
+                raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint-<step> folder in "
+                                 f"{self.args.output_dir}; train without resuming or pass a checkpoint's path")
+            resume_from_checkpoint = found
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)) and os.path.isdir(resume_from_checkpoint):
+            missing = _missing_from_checkpoint(resume_from_checkpoint)
+            if missing:
+                raise ValueError(f"resume_from_checkpoint: {os.fspath(resume_from_checkpoint)} is incomplete (it "
+                                 f"lacks {' and '.join(missing)}: its save was interrupted); pass an earlier "
+                                 f"checkpoint-<step> folder, or resume_from_checkpoint=True, which skips it")
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     # ---- the engine ---------------------------------------------------------------------------------
 
@@ -131,6 +190,14 @@ class OffloadTrainer(Trainer):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
         return self.engine, train_dataloader
+
+    def _prepare_input(self, data: Any) -> Any:
+        """Trainer's, then, once the engine trains in 16 bits, floating-point tensors in its dtype: as
+        Trainer casts them under DeepSpeed (integer tensors such as token ids are left as they are)."""
+        data = super()._prepare_input(data)
+        if self.engine is not None and isinstance(data, torch.Tensor):
+            return cast_floating(data, half_dtype(self.engine.config))
+        return data
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         """Evaluation and prediction run through the engine once it exists."""

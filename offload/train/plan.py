@@ -47,6 +47,20 @@ class TrainingPlan:
     "Where the update runs")."""
     max_in_cpu_source: str = ""
     """How a ``max_in_cpu`` "auto" was found (`offload.train.sizing.auto_max_in_cpu`); "" for a number."""
+    gradient_clipping: float = 0.0
+    """The global gradient norm the step clips to (``gradient_clipping``); 0: no clipping."""
+    clipping_by_default: bool = False
+    """The config has no ``gradient_clipping``: DeepSpeed's default (1.0) is in force."""
+
+    @property
+    def clipping(self) -> str:
+        """The clipping in force, in words, with where it comes from."""
+        if self.gradient_clipping == 0:
+            return "off (gradient_clipping 0)"
+        if self.clipping_by_default:
+            return (f"global norm clipped at {self.gradient_clipping:g} (DeepSpeed's default: the config has no "
+                    f"gradient_clipping; set it to 0 to turn clipping off)")
+        return f"global norm clipped at {self.gradient_clipping:g} (gradient_clipping)"
 
     @property
     def kept_by_max_in_cpu(self) -> bool:
@@ -69,6 +83,7 @@ class TrainingPlan:
         on_nvme = round(self.optimizer_state_bytes * self.optimizer_on_nvme)
         lines.append(f"  optimizer state (offload_optimizer.device {self.optimizer_device!r}): "
                      f"{_gb(on_nvme)} on NVMe, {_gb(self.optimizer_state_bytes - on_nvme)} in memory")
+        lines.append(f"  gradient clipping: {self.clipping}")
         lines.append(f"  the update runs {_MODES[self.update]}")
         return "\n".join(lines)
 
@@ -80,7 +95,8 @@ def training_plan(cfg: EngineConfig, records: Sequence[ParamRecord], update: str
                   rank: int, max_in_cpu_source: str = "") -> TrainingPlan:
     """The plan of an engine built from ``cfg`` with ``records``; ``update`` is where the update runs;
     ``max_in_cpu_source`` how a ``max_in_cpu`` "auto" was found. Logs a warning (once, here) when a
-    number given as ``max_in_cpu`` keeps in memory partitions the config put on NVMe."""
+    number given as ``max_in_cpu`` keeps in memory partitions the config put on NVMe, and (at info) the
+    clipping in force when it is DeepSpeed's default rather than the config's."""
     zero = cfg.zero_optimization
     persistent, in_memory, on_disk = [0, 0], [0, 0], [0, 0]
     state_bytes = 0
@@ -98,13 +114,16 @@ def training_plan(cfg: EngineConfig, records: Sequence[ParamRecord], update: str
                         in_memory=tuple(in_memory), on_disk=tuple(on_disk), optimizer_device=optimizer.device,
                         optimizer_state_bytes=state_bytes,
                         optimizer_on_nvme=optimizer.ratio if optimizer.device == "nvme" else 0.0, update=update,
-                        max_in_cpu_source=max_in_cpu_source)
+                        max_in_cpu_source=max_in_cpu_source, gradient_clipping=cfg.gradient_clipping,
+                        clipping_by_default=bool(cfg.source) and "gradient_clipping" not in cfg.source)
     if plan.kept_by_max_in_cpu and rank == 0 and not max_in_cpu_source:
         log.warning("zero_optimization.offload_param.device is \"nvme\", but max_in_cpu (%s elements) keeps %d of "
                     "%d partitions (%s) in memory and puts %d (%s) on NVMe; set max_in_cpu to 0 to put every "
                     "partition on NVMe (print(engine.plan) shows the placement)", f"{plan.max_in_cpu:,}",
                     plan.in_memory[0], plan.in_memory[0] + plan.on_disk[0], _gb(plan.in_memory[1]),
                     plan.on_disk[0], _gb(plan.on_disk[1]))
+    if plan.clipping_by_default and rank == 0:
+        log.info("gradient clipping: %s", plan.clipping)
     return plan
 
 

@@ -18,8 +18,9 @@ memory is bounded by the read buffers (`_BUFFERS` runs, reused: faulting fresh m
 tensor ran at a tenth of the disk's speed here) and the two chunks, under 1 GB whatever the model's
 size or its largest tensor. What it writes is what ``transformers``' ``save_pretrained`` writes: ``model.safetensors``
 or ``model-0000i-of-0000n.safetensors`` shards with ``model.safetensors.index.json``, ``format: pt``
-metadata, and the model's config.json (saved in the checkpoint), so ``from_pretrained(output_dir)``
-loads it. Tied parameters are written once, under their first name, as ``save_pretrained`` does.
+metadata, the model's config.json (saved in the checkpoint) and its generation_config.json (saved in the
+checkpoint's tag, or, for a checkpoint saved without it, beside the tag, where transformers' Trainer writes
+it in a checkpoint-<step> folder), so ``from_pretrained(output_dir)`` loads it. Tied parameters are written once, under their first name, as ``save_pretrained`` does.
 
 Where DeepSpeed differs: ``safe_serialization=False`` would have it write a pickled
 ``pytorch_model.bin``; pickles run code when loaded, so safetensors are written either way (a log
@@ -31,6 +32,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import json
 import logging
 import math
 import os
@@ -183,7 +185,28 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
             # transformers reads "dtype" (older versions "torch_dtype"): both say what the weights are
             config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")
             write_json(os.path.join(output_dir, "config.json"), config)
+        generation = _generation_config(reader.path, checkpoint_dir)
+        if generation is not None:
+            write_json(os.path.join(output_dir, _GENERATION_CONFIG), generation)
     fsync_dir(output_dir)
+
+
+_GENERATION_CONFIG = "generation_config.json"
+
+
+def _generation_config(tag_dir: str | os.PathLike, save_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The model's generation_config.json: the tag's (checked with the checkpoint's other files), else the
+    one in ``save_dir`` beside the tag (a Trainer's checkpoint-<step> folder holds the one its
+    ``save_model`` wrote), else None. Raises ValueError naming the file when it is not JSON."""
+    for directory in (tag_dir, save_dir):
+        path = os.path.join(os.fspath(directory), _GENERATION_CONFIG)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as file:
+                try:
+                    return json.load(file)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{path}: not a JSON generation config ({error})") from None
+    return None
 
 
 def _sources(reader: CheckpointReader, exclude_frozen: bool) -> list[tuple[dict[str, Any], str, str]]:

@@ -10,8 +10,9 @@ Layout of ``save_dir/<tag>/`` (see docs/engine.md, "Checkpoints"; file names in
                                    the parameters' names and shapes, and the caller's ``client_state``
     rank<r>_client.safetensors     tensors of ``client_state``, when it holds any
 
-and once: ``config.json`` (the model's, when it has a transformers config) and ``zero_to_fp32.py``
-(runs `offload.train.checkpoint.consolidate` on this tag: ``python zero_to_fp32.py OUTPUT_DIR``).
+and once: ``config.json`` (the model's, when it has a transformers config), ``generation_config.json``
+(when the model can generate, as ``save_pretrained`` writes it) and ``zero_to_fp32.py`` (runs
+`offload.train.checkpoint.consolidate` on this tag: ``python zero_to_fp32.py OUTPUT_DIR``).
 
 JSON and safetensors only: loading a checkpoint never unpickles, so a checkpoint from someone else
 cannot execute anything. ``client_state`` may hold what JSON holds (dicts with str keys, lists,
@@ -49,6 +50,7 @@ from offload.train.surface import in_optimizer_order
 __all__ = ["CheckpointLoad", "decode_state", "encode_state", "model_config", "save_16bit_model", "save_checkpoint"]
 
 CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
 SCRIPT_NAME = "zero_to_fp32.py"
 
 _SCRIPT = '''#!/usr/bin/env python
@@ -268,6 +270,17 @@ class CheckpointLoad:
     def _check_optimizer(self) -> None:
         file = os.path.join(self.path, optimizer_file(0))
         saved = self.state["optimizer"]
+        # The groups first: other groups number the parameters in another order, and the sizes below would
+        # then disagree without saying why.
+        groups, ours = saved["param_groups"], self.optimizer.param_groups
+        states = os.path.join(self.path, states_file(0))
+        if len(groups) != len(ours) or any(len(g["params"]) != len(o["params"]) for g, o in zip(groups, ours)):
+            raise ValueError(f"{states}: the checkpoint's optimizer has {len(groups)} param group(s) of "
+                             f"{[len(g['params']) for g in groups]} parameters, this engine's {len(ours)} of "
+                             f"{[len(o['params']) for o in ours]} (transformers' Trainer and OffloadTrainer save "
+                             f"two: with and without weight decay); initialize with the same groups "
+                             f"(model_parameters=) to resume it, or load the weights alone with "
+                             f"load_module_only=True (fp32 training) or engine.load_pretrained")
         for name in self.reader.names("optimizer"):
             index = int(name.split(".")[0])
             if not 0 <= index < len(self._trainable):
@@ -278,12 +291,6 @@ class CheckpointLoad:
             if size != partition_numel(rec.numel, self.saved_world_size):
                 raise ValueError(f"{file}: state {name!r} has {size} elements per rank, the model's {rec.name!r} "
                                  f"({rec.numel} elements) would have {partition_numel(rec.numel, self.saved_world_size)}")
-        groups, ours = saved["param_groups"], self.optimizer.param_groups
-        states = os.path.join(self.path, states_file(0))
-        if len(groups) != len(ours) or any(len(g["params"]) != len(o["params"]) for g, o in zip(groups, ours)):
-            raise ValueError(f"{states}: the optimizer's param groups hold {[len(g['params']) for g in groups]} "
-                             f"parameters, this optimizer's {[len(o['params']) for o in ours]}; load it with the "
-                             f"same parameter groups")
         names = set(self.reader.names("optimizer"))
         for index in saved["steps"]:
             for key in ("exp_avg", "exp_avg_sq"):
@@ -369,11 +376,28 @@ def _optimizer_order(records: list[ParamRecord], optimizer: Any) -> list[ParamRe
 
 
 def _write_beside(staging: Any, model: nn.Module | None) -> list[str]:
-    """config.json (when the model has one) and zero_to_fp32.py, into the tag being saved; return their names."""
+    """config.json (when the model has one), generation_config.json (when it can generate) and zero_to_fp32.py,
+    into the tag being saved; return their names."""
     written = [CONFIG_NAME] if _write_config(staging, model) else []
+    generation = _generation_config(model)
+    if generation is not None:
+        target = os.path.join(os.fspath(staging), GENERATION_CONFIG_NAME)
+        with _naming_the_file(target):
+            write_json(target, generation)
+        written.append(GENERATION_CONFIG_NAME)
     with _naming_the_file(os.path.join(staging, SCRIPT_NAME)) as path, open(path, "w") as file:
         file.write(_SCRIPT)
     return [*written, SCRIPT_NAME]
+
+
+def _generation_config(model: nn.Module | None) -> dict[str, Any] | None:
+    """``model``'s generation config as ``save_pretrained`` writes it (the values that differ from the
+    defaults), or None for a model that cannot generate."""
+    config = getattr(model, "generation_config", None)
+    can_generate = getattr(model, "can_generate", None)
+    if config is None or not hasattr(config, "to_json_string") or not callable(can_generate) or not can_generate():
+        return None
+    return json.loads(config.to_json_string(use_diff=True))
 
 
 def _write_config(directory: str | os.PathLike, model: nn.Module | None) -> bool:

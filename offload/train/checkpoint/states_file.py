@@ -13,7 +13,8 @@ copied elsewhere still verifies):
 
 - ``checksums``: each tensor file of the rank (`offload.storage.file_checksums` records; every params and
   optimizer file must have one, the client file one when it exists);
-- ``files`` (rank 0): the whole-file checksums of ``config.json`` and ``zero_to_fp32.py`` written beside.
+- ``files`` (rank 0): the whole-file checksums of ``config.json``, ``generation_config.json`` (a model that
+  generates) and ``zero_to_fp32.py`` written beside.
 
 Format 1 (before): no checksum of its own; loaded with a warning that its bytes are not verified.
 """
@@ -157,7 +158,7 @@ def read_states_file(directory: str | os.PathLike, rank: int) -> StatesFile:
 
 
 def verify_side_files(states: StatesFile) -> list[tuple[str, int]]:
-    """Check the files rank 0 recorded beside the rank files (config.json, zero_to_fp32.py) against their
+    """Check the files rank 0 recorded beside the rank files (config.json, ...) against their
     whole-file checksums; return (path, bytes) of each. Raises FileNotFoundError naming a recorded file that
     is missing, tensorio.ChecksumError naming one whose bytes changed."""
     checked = []

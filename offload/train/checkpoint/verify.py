@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from offload.storage import resolve_tag
 from offload.storage.file_checksums import verify_file
@@ -42,10 +43,13 @@ def checkpoint_tag_dir(path: str | os.PathLike, tag: str | None = None) -> Path:
     return resolve_tag(path, tag)
 
 
-def verify_checkpoint(path: str | os.PathLike, tag: str | None = None) -> list[VerifiedFile]:
+def verify_checkpoint(path: str | os.PathLike, tag: str | None = None, *,
+                      on_file: Callable[[VerifiedFile], None] | None = None) -> list[VerifiedFile]:
     """Check every file of the checkpoint at ``path`` (see `checkpoint_tag_dir`) against its checksum: each
     rank's state file against its own, each tensor file (header and data) against the chunk checksums its
-    rank's state file records, and the files written beside them; return the files checked. Raises
+    rank's state file records, and the files written beside them; return the files checked.
+    ``on_file`` is called with each file as soon as it has passed (the command prints it), so the files
+    that passed are known even when a later one fails. Raises
     tensorio.ChecksumError naming the file, the tensor (or header), the offset and both checksums;
     FileNotFoundError naming a missing file; ValueError naming a checkpoint that records no checksums
     (saved before they were) or a damaged state file. The state files of a checkpoint saved before they
@@ -56,15 +60,22 @@ def verify_checkpoint(path: str | os.PathLike, tag: str | None = None) -> list[V
         world_size = int(first.value["world_size"])
     except (ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{first.path}: not a checkpoint state file (world_size: {error})") from None
-    checked = []
+    checked: list[VerifiedFile] = []
+
+    def passed(file: VerifiedFile) -> None:
+        checked.append(file)
+        if on_file is not None:
+            on_file(file)
+
     for rank in range(world_size):
         states = first if rank == 0 else read_states_file(tag_dir, rank)
-        checked.append(VerifiedFile(states.path, os.path.getsize(states.path), states.verified))
+        passed(VerifiedFile(states.path, os.path.getsize(states.path), states.verified))
         files = states.tensor_files()
         if all(sums is None for _, sums in files):
             raise ValueError(f"{states.path} records no checksums (the checkpoint was saved before they were): "
                              f"nothing to verify it against")
         for name, sums in files:
-            checked.append(VerifiedFile(os.path.join(tag_dir, name), verify_file(require_file(tag_dir, name), sums)))
-    checked.extend(VerifiedFile(file, nbytes) for file, nbytes in verify_side_files(first))
+            passed(VerifiedFile(os.path.join(tag_dir, name), verify_file(require_file(tag_dir, name), sums)))
+    for file, nbytes in verify_side_files(first):
+        passed(VerifiedFile(file, nbytes))
     return checked
