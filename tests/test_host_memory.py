@@ -119,3 +119,20 @@ def test_auto_budget_never_reaches_zero_which_would_mean_stream_everything():
 def test_this_hosts_figures_are_read():
     memory = host_memory()
     assert 0 < memory.available <= memory.total
+
+
+def test_the_ranks_of_a_node_each_take_their_share(tmp_path, monkeypatch):
+    """torchrun's LOCAL_WORLD_SIZE ranks share the node: each is given 1/ranks of what is available and of
+    the total, so that the shares sized from them (pools, read-ahead, "auto" budgets) add up to the node
+    once; the source says so."""
+    proc = fake_proc(tmp_path, available=20 * GiB)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    memory = host_memory(proc=proc, cgroup_root=tmp_path / "cgroup")
+    assert (memory.available, memory.total, memory.ranks) == (5 * GiB, 6 * GiB, 4)
+    assert memory.source == "this rank's 1/4 (LOCAL_WORLD_SIZE 4) of MemAvailable 20.00 GiB (/proc/meminfo)"
+    alone, _ = auto_budget(host_memory(proc=proc, cgroup_root=tmp_path / "cgroup"), {})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert alone < auto_budget(host_memory(proc=proc, cgroup_root=tmp_path / "cgroup"), {})[0] / 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE: 'two' is not a positive integer"):
+        host_memory(proc=proc, cgroup_root=tmp_path / "cgroup")

@@ -7,6 +7,10 @@ charge: the working set, as Kubernetes counts it). cgroup v1 is read under ``<ro
 ``memory.limit_in_bytes``, usage ``memory.usage_in_bytes``, ``total_inactive_file``), v2 under
 ``<root>`` itself (``memory.max``, ``memory.current``, ``inactive_file``). The paths are arguments,
 so that tests give a fake /proc/meminfo and a fake cgroup tree.
+
+With several ranks of one job on the node (``LOCAL_WORLD_SIZE``), both figures are this rank's share:
+1/ranks of the node's, so that every share the engine sizes from them (its I/O pool, read-ahead, kept
+gradients, optimizer buffers, "auto" budgets) adds up to the node once, not once per rank.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["AUTO_MARGIN_BYTES", "AUTO_MARGIN_SHARE", "HostMemory", "auto_budget", "host_memory"]
+__all__ = ["AUTO_MARGIN_BYTES", "AUTO_MARGIN_SHARE", "HostMemory", "auto_budget", "host_memory", "local_ranks"]
 
 _UNLIMITED = 1 << 60
 """cgroup v1 writes "no limit" as the largest page-aligned 63-bit number; anything above this is none."""
@@ -35,6 +39,9 @@ class HostMemory:
     cache not counted)"."""
     cgroup_limit: int | None = None
     """The tightest cgroup limit found, in bytes; None where no cgroup limits the process."""
+    ranks: int = 1
+    """The ranks on this node sharing its memory (`local_ranks`): ``available`` and ``total`` are this
+    rank's share, 1/``ranks`` of the node's, so that the ranks never claim the same memory twice."""
 
 
 def _gib(nbytes: int) -> str:
@@ -124,8 +131,22 @@ def host_memory(*, proc: str | os.PathLike = "/proc", cgroup_root: str | os.Path
             available = room
             source = (f"cgroup {version} {directory}: limit {_gib(limit)} - usage {_gib(working)}"
                       + (f" ({_gib(inactive)} inactive page cache not counted)" if inactive else ""))
-    return HostMemory(available=available, total=min(total, tightest) if tightest else total, source=source,
-                      cgroup_limit=tightest)
+    total = min(total, tightest) if tightest else total
+    ranks = local_ranks()
+    if ranks > 1:  # the node's memory is shared by its ranks: each takes its share, never the whole
+        available, total = available // ranks, total // ranks
+        source = f"this rank's 1/{ranks} (LOCAL_WORLD_SIZE {ranks}) of {source}"
+    return HostMemory(available=available, total=total, source=source, cgroup_limit=tightest, ranks=ranks)
+
+
+def local_ranks() -> int:
+    """The processes of this job on this node that share its memory: ``LOCAL_WORLD_SIZE`` (torchrun,
+    DeepSpeed's launcher and Accelerate set it), else 1. Raises ValueError naming it when it is not a
+    positive integer."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "1").strip() or "1"
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE: {value!r} is not a positive integer (the ranks on this node)")
+    return int(value)
 
 
 AUTO_MARGIN_BYTES = 512 << 20
