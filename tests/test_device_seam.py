@@ -522,3 +522,18 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_each_rank_of_a_node_takes_its_own_gpu():
+    """Under a launcher (LOCAL_RANK) a rank computes on its own GPU, not GPU 0; a GPU the caller made
+    current wins; a rank with no GPU of its own is refused naming LOCAL_RANK and the count (the decision
+    `CudaDevice` takes; its set_device needs a GPU)."""
+    from offload.device._cuda import rank_gpu
+
+    assert rank_gpu(0, None, 8) == 0  # no launcher
+    assert [rank_gpu(0, str(rank), 8) for rank in range(8)] == list(range(8))
+    assert rank_gpu(3, "5", 8) == 3  # the caller's torch.cuda.set_device(3)
+    with pytest.raises(ValueError, match=r"LOCAL_RANK 2: this process sees 2 GPUs, so rank 2 of this node has none"):
+        rank_gpu(0, "2", 2)
+    with pytest.raises(ValueError, match=r"LOCAL_RANK: 'x' is not a GPU index"):
+        rank_gpu(0, "x", 2)

@@ -6,6 +6,8 @@ machine without a GPU; docs/device.md); keep it that thin.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from offload.device._base import Device, Event, Stream
@@ -64,8 +66,25 @@ class _CudaStream(Stream):
         self.raw.synchronize()
 
 
+def rank_gpu(current: int, local_rank: str | None, count: int) -> int:
+    """The GPU index this process computes on: ``current`` (torch.cuda.current_device()) where the caller
+    chose one (anything but 0) or no launcher set ``LOCAL_RANK``; else ``LOCAL_RANK``, so that the ranks of a
+    node each take their own GPU instead of all computing on GPU 0. Raises ValueError naming LOCAL_RANK when
+    it is not an index of the ``count`` GPUs this process sees."""
+    if current != 0 or local_rank is None or local_rank.strip() == "":
+        return current
+    if not local_rank.strip().isdigit():
+        raise ValueError(f"LOCAL_RANK: {local_rank!r} is not a GPU index")
+    index = int(local_rank)
+    if index >= count:
+        raise ValueError(f"LOCAL_RANK {index}: this process sees {count} GPU{'s' if count != 1 else ''}, so rank "
+                         f"{index} of this node has none of its own; run at most {count} ranks per node "
+                         f"(torchrun --nproc_per_node {count}) or give each rank its GPU (CUDA_VISIBLE_DEVICES)")
+    return index
+
+
 class CudaDevice(Device):
-    """Compute on GPU ``index`` (default: the current one). ``budget_bytes`` (optional) bounds the
+    """Compute on GPU ``index`` (default: the current one, or under a launcher this rank's, `rank_gpu`). ``budget_bytes`` (optional) bounds the
     buffers `empty` makes and must fit in the GPU's free memory. Raises ValueError when CUDA is not
     available, or for a budget over the free memory (naming ``budget_setting`` and the figures)."""
 
@@ -77,7 +96,10 @@ class CudaDevice(Device):
                  budget_setting: str = "device budget") -> None:
         if not cuda_available():
             raise ValueError("CudaDevice: CUDA is not available here (a CPU build of torch, or no GPU visible)")
-        self.torch_device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+        if index is None:  # a rank's own GPU under a launcher, unless the caller chose one
+            index = rank_gpu(torch.cuda.current_device(), os.environ.get("LOCAL_RANK"), torch.cuda.device_count())
+            torch.cuda.set_device(index)
+        self.torch_device = torch.device("cuda", index)
         super().__init__(budget_bytes=budget_bytes, budget_setting=budget_setting)
         self._compute = _CudaStream(torch.cuda.current_stream(self.torch_device), "compute")
         self.packed_kernels = CudaPackedKernels(self.torch_device)
