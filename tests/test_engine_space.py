@@ -67,3 +67,18 @@ def test_the_space_needed_counts_what_goes_to_disk():
     placed = [(1000, 4, True, True), (1024, 4, False, False)]  # placed by zero.Init: their space is taken already
     needed = swap_space_needed(cfg, placed, world_size=1, grads_on_disk=True, grads_in_param_slots=True)
     assert (needed.params, needed.grads) == (0, 0)
+
+
+def test_the_ranks_of_a_node_are_counted_on_its_file_system(tmp_path, monkeypatch):
+    """Each of the node's ranks (LOCAL_WORLD_SIZE) writes as much swap as this one on the same paths: a disk
+    that holds one rank's and not eight ranks' is refused at the start, naming the ranks."""
+    from offload.train.space import SwapSpace, check_swap_space
+
+    cfg = EngineConfig.from_dict(engine_config(str(tmp_path), "nvme", "nvme"), world_size=8)
+    free = shutil.disk_usage(tmp_path).free
+    one = SwapSpace(params=free // 12, optimizer=free // 12, grads=0)  # a rank's: a sixth of the free space
+    check_swap_space(cfg, one, ranks=1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(OSError, match=r"for each of the 8 ranks of this node \(LOCAL_WORLD_SIZE\) need") as info:
+        check_swap_space(cfg, one)
+    assert info.value.errno == errno.ENOSPC

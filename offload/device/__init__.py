@@ -14,7 +14,8 @@ from offload.device._errors import (CollectiveDeviceError, DeviceError, DeviceMe
                                     PinnedMemoryError)
 from offload.device._select import (DEVICE_CHOICES, check_process_group, collective_device, device_for,
                                     process_group_backend, start_process_group)
-from offload.device._host_memory import AUTO_MARGIN_BYTES, AUTO_MARGIN_SHARE, HostMemory, auto_budget, host_memory
+from offload.device._host_memory import (AUTO_MARGIN_BYTES, AUTO_MARGIN_SHARE, HostMemory, auto_budget, host_memory,
+                                        local_ranks)
 from offload.device._packed import CPU_KERNELS, PackedKernels
 from offload.device._simulated import CopyRecord, SimulatedDevice
 
@@ -44,6 +45,7 @@ __all__ = [
     "cuda_available",
     "device_for",
     "host_memory",
+    "local_ranks",
     "process_group_backend",
     "start_process_group",
 ]

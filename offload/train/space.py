@@ -69,10 +69,14 @@ def swap_space_needed(cfg: EngineConfig, params: list[tuple[int, int, bool, bool
     return SwapSpace(params=on_disk, optimizer=optimizer, grads=grads if grads_on_disk and off.device == "nvme" else 0)
 
 
-def check_swap_space(cfg: EngineConfig, needed: SwapSpace) -> None:
+def check_swap_space(cfg: EngineConfig, needed: SwapSpace, ranks: int | None = None) -> None:
     """Raise OSError(ENOSPC) naming the directories, the bytes needed and the bytes free, when the file
     systems of ``offload_param.nvme_path`` and ``offload_optimizer.nvme_path`` cannot hold ``needed``
-    (the two may share one file system)."""
+    (the two may share one file system) for each of the ``ranks`` of this node (default: ``LOCAL_WORLD_SIZE``,
+    `offload.device.local_ranks`), whose partitions are the same size and whose swap files share the paths."""
+    from offload.device import local_ranks
+
+    ranks = local_ranks() if ranks is None else ranks
     zero = cfg.zero_optimization
     wanted: dict[int, list[tuple[str, str, int]]] = {}
     for key, path, nbytes in (("offload_param.nvme_path", zero.offload_param.nvme_path, needed.params),
@@ -81,11 +85,12 @@ def check_swap_space(cfg: EngineConfig, needed: SwapSpace) -> None:
         if nbytes and path:
             wanted.setdefault(os.stat(path).st_dev, []).append((key, os.path.abspath(path), nbytes))
     for entries in wanted.values():
-        total = sum(nbytes for _, _, nbytes in entries)
+        total = ranks * sum(nbytes for _, _, nbytes in entries)
         free = shutil.disk_usage(entries[0][1]).free
         if total > free:
             what = " and ".join(f"zero_optimization.{key} {path!r} ({_gb(nbytes)})" for key, path, nbytes in entries)
-            raise OSError(errno.ENOSPC, f"not enough swap space: {what} need {_gb(total)} in all (parameters "
+            each = f" for each of the {ranks} ranks of this node (LOCAL_WORLD_SIZE)" if ranks > 1 else ""
+            raise OSError(errno.ENOSPC, f"not enough swap space: {what}{each} need {_gb(total)} in all (parameters "
                                         f"{_gb(needed.params)}, optimizer state in two slots {_gb(needed.optimizer)}, "
                                         f"gradients {_gb(needed.grads)}), the file system has {_gb(free)} free; free "
                                         f"space, point nvme_path at a larger disk, or keep more in memory (max_in_cpu, "
