@@ -85,16 +85,31 @@ class OptimizerState:
                     put(member.param, key, member.start, region[member.offset:member.offset + member.numel])
 
     def _each_state(self):
-        """Yield (plan, state regions) for every sub-group; offloaded ones are read into a buffer one at a time."""
-        for plan in self.plans:
-            if not plan.offloaded:
-                yield plan, self.resident[plan.index]
-                continue
-            rec = self.swapper.records[plan.index]
-            try:
-                yield plan, self.swapper.read_now(rec)
-            finally:
-                self.swapper.evict(rec)
+        """Yield (plan, state regions) for every sub-group; offloaded ones are read into a buffer, the next
+        one's read started (where a buffer is free without waiting) while the caller uses this one."""
+        offloaded = [plan for plan in self.plans if plan.offloaded]
+        following = {plan.index: after for plan, after in zip(offloaded, offloaded[1:])}
+        ahead = None
+        try:
+            for plan in self.plans:
+                if not plan.offloaded:
+                    yield plan, self.resident[plan.index]
+                    continue
+                rec = self.swapper.records[plan.index]
+                ahead = None
+                try:
+                    regions = self.swapper.read_now(rec)
+                    after = following.get(plan.index)
+                    if after is not None and self.swapper.free_buffers > 0:
+                        ahead = self.swapper.records[after.index]
+                        if ahead.where is Where.ON_DISK:
+                            self.swapper.start_read(ahead)  # overlaps the caller's use of this one
+                    yield plan, regions
+                finally:
+                    self.swapper.evict(rec)
+        finally:
+            if ahead is not None and ahead.where is not Where.ON_DISK:  # left early: let the read ahead go
+                self.swapper.evict(ahead)
 
     def _packed_groups(self) -> list[dict[str, Any]]:
         groups, start = [], 0

@@ -373,10 +373,14 @@ class ParamStore:
         """A copy of ``rec``'s partition (read from NVMe when it is there: sync point)."""
         if not rec.on_disk:
             return rec.partition.detach().clone()
-        buffer, future = self.region.read_new(rec.slots, rec.partition_numel, rec.partition.dtype,
-                                              what=self.describe(rec))
+        buffer, future = self.start_read_partition(rec)
         future.result()
         return buffer
+
+    def start_read_partition(self, rec: ParamRecord) -> tuple[torch.Tensor, IOFuture]:
+        """Start reading ``rec``'s on-disk partition (its newest slot, verified) into a new page-aligned
+        buffer; (the buffer, the read: ``result()`` waits)."""
+        return self.region.read_new(rec.slots, rec.partition_numel, rec.partition.dtype, what=self.describe(rec))
 
     def describe(self, rec: ParamRecord) -> str:
         """How errors name ``rec``'s partition on disk."""

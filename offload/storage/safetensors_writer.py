@@ -101,6 +101,7 @@ class SafetensorsWriter:
         """With ``checksums``: the header's and each tensor's chunk checksums, once closed
         (`offload.storage.file_checksums`); tensors written front to back are hashed as they are written."""
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._unflushed = 0
         try:
             _pwrite_all(self._fd, head, 0)
             os.ftruncate(self._fd, self._data + end)
@@ -123,6 +124,10 @@ class SafetensorsWriter:
         _pwrite_all(self._fd, raw, self._data + start + first * flat.element_size())
         if self._hasher is not None:
             self._hasher.feed(name, first * flat.element_size(), memoryview(raw).cast("B"))
+        self._unflushed += raw.nbytes
+        if self._unflushed >= _WRITE_BEHIND_BYTES:  # the disk writes the last bytes while the caller reads the next
+            self._unflushed = 0
+            _drop_cached(self._fd)
 
     def close(self) -> None:
         """Flush the file to the disk (fsync) and close it (with ``checksums``: finish them first)."""
@@ -131,6 +136,7 @@ class SafetensorsWriter:
                 if self._hasher is not None:
                     self.checksums = self._hasher.finish(self._fd)
                 os.fsync(self._fd)
+                _drop_cached(self._fd)  # written and on the disk: its pages need not stay in the page cache
             finally:
                 os.close(self._fd)
                 self._fd = -1
@@ -337,6 +343,21 @@ def _header(layout: Mapping[str, tuple[torch.dtype, Sequence[int]]], metadata: M
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+_WRITE_BEHIND_BYTES = 64 << 20
+"""Bytes a `SafetensorsWriter` writes before it asks the kernel to write its dirty pages back and drop the
+clean ones (`_drop_cached`): the disk writes while the caller goes on (reading the next partition), and the
+page cache holds at most about this much of the file, not a second copy of the whole checkpoint."""
+
+
+def _drop_cached(fd: int) -> None:
+    """``posix_fadvise(DONTNEED)`` on the whole file: Linux starts writing its dirty pages back (without
+    waiting) and drops its clean ones from the page cache. Best effort: a system without it keeps them."""
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except (AttributeError, OSError):
+        pass
 
 
 def _pwrite_all(fd: int, data, offset: int) -> None:

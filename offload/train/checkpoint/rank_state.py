@@ -97,8 +97,8 @@ def save_checkpoint(save_dir: str | os.PathLike, tag: str, *, rank: int, group: 
         layout = {rec.name: (rec.partition.dtype, (rec.partition_numel,)) for rec in saved}
         with _naming_the_file(staging / params_file(rank)) as path, \
                 SafetensorsWriter(path, layout, data_align=RANK_FILE_ALIGN, checksums=True) as out:
-            for rec in saved:
-                out.write(rec.name, store.read_partition(rec))
+            for rec, values in _partitions_read_ahead(store, saved):
+                out.write(rec.name, values)
         checksums[params_file(rank)] = out.checksums.to_json()
         # 2. The optimizer state, one sub-group at a time.
         with sized_partitions([rec for rec in records if rec.param.requires_grad]):
@@ -342,6 +342,26 @@ def save_16bit_model(save_dir: str | os.PathLike, save_filename: str, *, rank: i
         _write_config(save_dir, model)
     if world_size > 1:
         dist.barrier(group=group)
+
+
+def _partitions_read_ahead(store: ParamStore, records: list[ParamRecord]) -> Iterator[tuple[ParamRecord, torch.Tensor]]:
+    """(record, its partition) in order, the next on-disk partition's read started before this one is given
+    out, so that reading one overlaps writing the other; two partitions in memory at most. An in-memory
+    partition is given as it is (the save reads it and changes nothing). Raises TensorIOError."""
+    pending: collections.deque = collections.deque()
+    for rec in records:
+        pending.append((rec, store.start_read_partition(rec) if rec.on_disk else (rec.partition.detach(), None)))
+        if len(pending) > 1:
+            yield _arrived(pending.popleft())
+    while pending:
+        yield _arrived(pending.popleft())
+
+
+def _arrived(entry: tuple[ParamRecord, tuple[torch.Tensor, Any]]) -> tuple[ParamRecord, torch.Tensor]:
+    rec, (values, future) = entry
+    if future is not None:
+        future.result()  # sync point
+    return rec, values
 
 
 class sized_partitions:

@@ -1,0 +1,148 @@
+"""What a checkpoint save costs, beside ``torch.save`` and fio on the same disk.
+
+A GPT-2 (default: small) with parameters and optimizer state on NVMe takes one step; then, ``--repeats``
+times and alternated so that the disk's swings hit every side alike:
+
+- **ours**: ``engine.save_checkpoint`` (a new tag each time, removed after): every partition read from the
+  swap files and written with its optimizer state, checksummed, fsynced;
+- **torch.save**: the same model's fp32 weights and AdamW's two moments, held in memory (what
+  ``offload_optimizer: cpu`` holds), written with ``torch.save`` to one file and fsynced: the bytes on the disk;
+- **fio**: fio writing, then reading, the checkpoint's bytes with O_DIRECT in 1 MiB requests, 32 in flight:
+  the disk's floor for a save that reads the state from the swap files and writes it again (ours has to; the
+  in-memory ``torch.save`` only writes).
+
+Reported: the medians, ours over each, the checkpoint's bytes, and the page cache's growth during our save
+(``Cached`` of /proc/meminfo) as a share of the checkpoint.
+
+    python -m benchmarks.checkpoint_save --dir DIR --repeats 5
+    python -m benchmarks.checkpoint_save --dir DIR --model-config '{"n_layer": 2, "n_embd": 64, "n_head": 2}' --no-fio
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+import transformers
+
+from offload.train.engine import initialize
+
+GPT2_SMALL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark; print and return its figures."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default=None, help="directory on the disk for the swap files and the checkpoints")
+    parser.add_argument("--model-config", default=json.dumps(GPT2_SMALL), help="GPT2Config keywords, JSON")
+    parser.add_argument("--repeats", type=int, default=5, help="saves of each kind; medians reported (default 5)")
+    parser.add_argument("--no-fio", action="store_true", help="leave fio out (it is skipped where not installed)")
+    parser.add_argument("--out", default=None, help="write the figures to this JSON file")
+    args = parser.parse_args(argv)
+    root = tempfile.mkdtemp(prefix="checkpoint-save-", dir=args.dir)
+    try:
+        figures = _measure(root, json.loads(args.model_config), args.repeats, fio=not args.no_fio)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    line = (f"checkpoint {figures['checkpoint_gb']:.3f} GB: ours {figures['ours_s']:.3f} s, torch.save + fsync "
+            f"{figures['torch_save_s']:.3f} s ({figures['ours_over_torch_save']:.2f}x)")
+    if figures.get("fio_write_read_s"):
+        line += (f", fio write + read {figures['fio_write_read_s']:.3f} s ({figures['ours_over_fio']:.2f}x; "
+                 f"write {figures['fio_write_s']:.3f} s, read {figures['fio_read_s']:.3f} s)")
+    print(line + f"; page cache grew {figures['page_cache_share']:.1%} of the checkpoint during ours "
+                 f"(medians of {args.repeats})")
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as file:
+            json.dump(figures, file, indent=1)
+    return figures
+
+
+def _measure(root: str, model_config: dict, repeats: int, *, fio: bool) -> dict:
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**model_config))
+    in_memory = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                 "optimizer": {k: {"exp_avg": torch.randn_like(v), "exp_avg_sq": torch.rand_like(v)}
+                               for k, v in model.named_parameters()}}
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+              "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": root, "max_in_cpu": 0},
+                                    "offload_optimizer": {"device": "nvme", "nvme_path": root}}}
+    engine, *_ = initialize(model=model, config=config)
+    batch = torch.randint(0, model.config.vocab_size, (1, 16))
+    engine.backward(engine(batch, labels=batch).loss)
+    engine.step()
+    ours, saves, cached, checkpoint_bytes = [], [], [], 0
+    fio_times: dict[str, list[float]] = {"write": [], "read": []}
+    try:
+        for repeat in range(repeats):
+            before = _cached_bytes()
+            began = time.perf_counter()
+            path = engine.save_checkpoint(f"{root}/ours", tag=f"r{repeat}")
+            ours.append(time.perf_counter() - began)
+            cached.append(_cached_bytes() - before)
+            checkpoint_bytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+            shutil.rmtree(path)
+            target = f"{root}/torch-{repeat}.pt"
+            began = time.perf_counter()
+            with open(target, "wb") as file:
+                torch.save(in_memory, file)
+                file.flush()
+                os.fsync(file.fileno())
+            saves.append(time.perf_counter() - began)
+            os.unlink(target)
+            if fio:
+                for rw, seconds in _fio(root, checkpoint_bytes).items():
+                    fio_times[rw].append(seconds)
+    finally:
+        engine.close()
+    figures = {"checkpoint_gb": checkpoint_bytes / 1e9, "ours_s": statistics.median(ours),
+               "torch_save_s": statistics.median(saves), "ours_runs_s": [round(s, 3) for s in ours],
+               "torch_save_runs_s": [round(s, 3) for s in saves],
+               "page_cache_share": max(0, statistics.median(cached)) / max(checkpoint_bytes, 1)}
+    figures["ours_over_torch_save"] = figures["ours_s"] / figures["torch_save_s"]
+    if fio_times["write"] and fio_times["read"]:
+        figures.update(fio_write_s=statistics.median(fio_times["write"]), fio_read_s=statistics.median(fio_times["read"]))
+        figures["fio_write_read_s"] = figures["fio_write_s"] + figures["fio_read_s"]
+        figures["ours_over_fio"] = figures["ours_s"] / figures["fio_write_read_s"]
+    return figures
+
+
+def _fio(directory: str, nbytes: int) -> dict[str, float]:
+    """fio's seconds to write then read ``nbytes`` (O_DIRECT, 1 MiB, 32 in flight) in ``directory``; {} without fio."""
+    from bench.fio import FILE_PREFIX, FioError, FioJob, run_fio
+
+    size = max(1 << 20, nbytes // (1 << 20) * (1 << 20))
+    filename = os.path.join(directory, f"{FILE_PREFIX}checkpoint-save-{os.getpid()}.dat")
+    out = {}
+    try:
+        for rw in ("write", "read"):
+            try:
+                result = run_fio(FioJob(directory=directory, rw=rw, size=size, block_size=1 << 20, queue_depth=32),
+                                 filename=filename)
+            except FioError as error:
+                print(f"fio {rw}: not measured ({error})")
+                return {}
+            out[rw] = result.io_bytes / result.bw_bytes if result.bw_bytes else float("nan")
+    finally:
+        if os.path.exists(filename):
+            os.unlink(filename)
+    return out
+
+
+def _cached_bytes() -> int:
+    """The page cache's size now (``Cached`` of /proc/meminfo), in bytes."""
+    with open("/proc/meminfo", encoding="ascii") as file:
+        for line in file:
+            if line.startswith("Cached:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+if __name__ == "__main__":
+    main()
