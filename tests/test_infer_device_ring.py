@@ -381,3 +381,36 @@ def test_generation_on_a_small_gpu_equals_transformers_on_it(models, kind, tiers
     for a, b in zip(ours.logits, ref.logits):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max()  # TF32 and kernel choice may differ by shape
 
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize("tiers", ["all", "streamed", "mixed"])
+def test_the_host_waits_for_the_device_no_more_than_transformers_plus_one_per_copied_unit(models, tiers):
+    """Where every weight is on the device, a generation makes the host wait for the device exactly where
+    transformers' own generate does (its token reads): no per-layer host work. Streaming adds one wait per
+    unit copied to the device in a forward (the host buffer refilled from NVMe only once its copy is done).
+    Counted on simgpu (`count_host_syncs`: copies to the host, values read back, synchronisations)."""
+    from offload.device._simtorch import count_host_syncs
+
+    directory, model = models["llama", torch.float32]
+    ids, mask = prompts(1)
+    kwargs = dict(max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False)
+    on_device = torch.device("simgpu", 0)
+    try:
+        with torch.no_grad(), count_host_syncs() as theirs:
+            model.to(on_device).generate(ids.to(on_device), attention_mask=mask.to(on_device), **kwargs)
+    finally:
+        model.to("cpu")
+    budget, settings = (None, {"disk_gbps": 1.0}) if tiers == "all" else tier_settings(directory, 1, tiers)
+    with SimulatedDevice(seed=0, budget_bytes=budget, budget_setting="max_memory[0]") as device:
+        with init_inference(directory, compute_device=device, **settings) as engine:
+            engine.generate(ids, attention_mask=mask, **kwargs)  # the loads done, the ring made
+            engine.wait_loaded()
+            copied = [u for u in engine.units if u.name not in engine.plan.device.resident]
+            with count_host_syncs() as ours:
+                engine.generate(ids, attention_mask=mask, **kwargs)
+    forwards = NEW_TOKENS  # the prefill and a forward per new token but the last
+    assert theirs.total > 0 and ours.by_cause.get("aten::_local_scalar_dense") == theirs.total
+    assert ours.total - theirs.total <= len(copied) * forwards
+    if tiers == "all":
+        assert copied == [] and ours.by_cause == theirs.by_cause

@@ -27,7 +27,8 @@ import warnings
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["DEVICE_TYPE", "install", "host_view", "new_device_tensor", "is_device_tensor"]
+__all__ = ["DEVICE_TYPE", "HostSyncs", "count_host_syncs", "install", "host_view", "new_device_tensor",
+           "is_device_tensor"]
 
 DEVICE_TYPE = "simgpu"
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -41,6 +42,53 @@ _MIXING_ALLOWED = {
     "aten::set_.source_Storage_storage_offset", "aten::set_.source_Storage", "aten::is_pinned",
 }
 """Operators that CUDA also runs on a device tensor together with host tensors."""
+
+_SYNCING = {"aten::_local_scalar_dense", "aten::equal", "aten::is_nonzero", "aten::nonzero", "aten::unique",
+            "aten::_unique2", "aten::masked_select"}
+"""Operators whose result on a GPU makes the host wait for the device: a value read back (``.item()``,
+``bool(t)``, ``torch.equal``) or a result whose size depends on the data."""
+
+
+class HostSyncs:
+    """Where the host waited for the simulated device while counting (`count_host_syncs`), by cause: a copy
+    to host memory ("to host"), an operator of `_SYNCING` (its name), a stream, event or device
+    synchronisation of `SimulatedDevice` ("synchronize")."""
+
+    def __init__(self) -> None:
+        self.by_cause: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, cause: str) -> None:
+        """Count one wait of the host for the device, for ``cause``."""
+        with self._lock:
+            self.by_cause[cause] = self.by_cause.get(cause, 0) + 1
+
+    @property
+    def total(self) -> int:
+        """Every wait counted."""
+        return sum(self.by_cause.values())
+
+
+_counters: list[HostSyncs] = []
+
+
+class count_host_syncs:
+    """``with count_host_syncs() as syncs:`` counts where the host waits for the simulated device inside the
+    block (`HostSyncs`): what a GPU's timeline would show as synchronisations (docs/device.md)."""
+
+    def __enter__(self) -> HostSyncs:
+        self.syncs = HostSyncs()
+        _counters.append(self.syncs)
+        return self.syncs
+
+    def __exit__(self, *exc: object) -> None:
+        _counters.remove(self.syncs)
+
+
+def note_host_sync(cause: str) -> None:
+    """Count a wait of the host for the device in every active `count_host_syncs`."""
+    for counter in _counters:
+        counter.add(cause)
 
 
 def is_device_tensor(value: object) -> bool:
@@ -109,11 +157,15 @@ def _run(op: torch._ops.OpOverload, *args, **kwargs):
     if wants_device:
         kwargs = {**kwargs, "device": torch.device("cpu")}
     host_args, host_kwargs = pytree.tree_map(_to_host, (args, kwargs))
+    if op.name() in _SYNCING and _counters:
+        note_host_sync(op.name())
     with torch._C._AutoDispatchBelowAutograd():
         result = op(*host_args, **host_kwargs)
     if op.name() == "aten::_to_copy" and not wants_device:
         target = kwargs.get("device")
         if target is not None and torch.device(target).type == "cpu":
+            if _counters and any(is_device_tensor(t) for t in tensors) and not kwargs.get("non_blocking"):
+                note_host_sync("to host")
             return result  # a new host tensor (_to_copy always copies)
     schema = op._schema
     outputs = result if isinstance(result, (tuple, list)) else (result,)
@@ -167,6 +219,8 @@ def _as_strided(tensor, size, stride, storage_offset=None):
 
 
 def _copy_from(src, dst, non_blocking=False):
+    if is_device_tensor(src) and not is_device_tensor(dst) and not non_blocking:
+        note_host_sync("to host")
     _to_host(dst).copy_(_to_host(src))
     return dst
 

@@ -49,7 +49,7 @@ from offload.at_exit import end_at_exit
 from offload.device._base import Device, Event, Stream
 from offload.device._errors import CollectiveDeviceError, DeviceError, DeviceSyncError, describe_bytes
 from offload.device._packed import SimulatedPackedKernels
-from offload.device._simtorch import DEVICE_TYPE, host_view, install, new_device_tensor
+from offload.device._simtorch import DEVICE_TYPE, host_view, install, new_device_tensor, note_host_sync
 from tensorio import HostRegistration, in_locked_buffer, lock_status, set_host_registration
 
 __all__ = ["CopyRecord", "SimulatedDevice"]
@@ -196,6 +196,7 @@ class _SimEvent(Event):
         return False
 
     def synchronize(self) -> None:
+        note_host_sync("synchronize")
         self._device.raise_faults()
         self.run()
         self._device._observe(self.clock)
@@ -461,6 +462,7 @@ class SimulatedDevice(Device):
         return _SideStream(self, queue)
 
     def synchronize(self) -> None:
+        note_host_sync("synchronize")
         self.raise_faults()
         self._compute.run_pending()
         for queue in list(self._queues):
