@@ -47,7 +47,7 @@ def sizes(directory, batch: int) -> dict:
     with init_inference(directory, device="cpu", disk_gbps=1.0, compute_device="cpu") as probe:
         layers = [u for u in probe.units if u.streamable]
         return {"required": sum(u.buffer_nbytes for u in probe.units if not u.streamable),  # as the device holds them
-                "kv": probe.kv_bytes(batch, TOKENS), "activations": probe.activation_bytes(batch, TOKENS),
+                "kv": probe.kv_bytes(batch, TOKENS), "activations": probe.activation_bytes(batch, TOKENS, logits=1),
                 "slot": max(u.buffer_nbytes for u in layers), "layer": min(u.buffer_nbytes for u in layers),
                 "model": sum(u.nbytes for u in probe.units)}
 

@@ -61,7 +61,7 @@ def on_the_cpu(directory, root, quantization, batch: int, **extra):
                         compute_device="cpu", **extra) as engine, sdpa_kernel([SDPBackend.MATH]):
         layers = [u for u in engine.units if u.streamable]
         sizes = {"required": sum(u.buffer_nbytes for u in engine.units if not u.streamable),  # as a device holds them
-                 "kv": engine.kv_bytes(batch, TOKENS), "activations": engine.activation_bytes(batch, TOKENS),
+                 "kv": engine.kv_bytes(batch, TOKENS), "activations": engine.activation_bytes(batch, TOKENS, logits=1),
                  "slot": max(u.buffer_nbytes for u in layers), "layer": max(u.nbytes for u in layers),
                  "layer_buffer": max(u.buffer_nbytes for u in layers),
                  "model": sum(u.nbytes for u in engine.units), "cache": engine.checkpoint.directory}
@@ -127,7 +127,7 @@ def test_quantized_generation_on_a_small_device_equals_the_cpu_path(llama, bits,
             engine.streamer.reset()  # nothing prefetched: this forward copies all it uses
             ring = engine.streamer.stager
             before = ring.bytes_copied
-            engine(ids, attention_mask=mask)
+            engine(ids, attention_mask=mask, logits_to_keep=1)  # as generate's forwards: the last position's logits
             ahead = sum(u.copy_nbytes for u in engine.units if ring.holds(u))  # copied for the next forward
             copied = ring.bytes_copied - before - ahead
             assert (engine.plan.resident, engine.plan.device.resident) == (plan.resident, plan.device.resident)
@@ -155,7 +155,7 @@ def test_the_plan_shows_each_link_s_bytes_packed_and_unquantized(llama):
     with SimulatedDevice(budget_bytes=budget, budget_setting="max_memory[0]") as device:
         with init_inference(directory, compute_device=device, weight_quantization="int4", nvme_path=str(root),
                             max_in_cpu="0B", buffer_count=1, disk_gbps=1.0, host_to_device_gbps=10.0) as engine:
-            plan = engine.reserve(1, TOKENS)
+            plan = engine.reserve(1, TOKENS, logits=1)
     before = plan.unquantized_host_to_device_bytes
     assert before == sum(sizes["unquantized_copies"][n] for n in unquantized)  # unquantized: every layer through the ring
     assert len(plan.device.resident) > len(sizes["unquantized"]) - len(unquantized)  # packed: some kept there

@@ -157,7 +157,7 @@ class InferenceEngine:
         total = prompt + new if new is not None else kwargs.get("max_length", generation.max_length)
         beams = kwargs.get("num_beams", generation.num_beams) or 1
         returns = kwargs.get("num_return_sequences", generation.num_return_sequences) or 1
-        plan = self.reserve(batch * max(beams, returns), total)
+        plan = self.reserve(batch * max(beams, returns), total, logits=1)  # generate keeps the last position's logits
         cache = None
         placement = plan.kv
         if beams > 1 and (placement.nvme_layers or placement.micro_batches > 1):  # refused before the prefill's minutes
@@ -202,22 +202,24 @@ class InferenceEngine:
         if ids is not None:
             cache = kwargs.get("past_key_values", kwargs.get("cache"))
             past = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
-            self.reserve(ids.shape[0], past + ids.shape[-1])
+            keep = kwargs.get("logits_to_keep")  # transformers' forward computes the logits of the last ones only
+            self.reserve(ids.shape[0], past + ids.shape[-1], logits=keep if isinstance(keep, int) and keep > 0 else None)
         with self._running():
             return self.module(*args, **kwargs)
 
-    def reserve(self, batch: int, tokens: int) -> Plan:
+    def reserve(self, batch: int, tokens: int, *, logits: int | None = None) -> Plan:
         """Re-plan for a KV cache of ``batch`` sequences of ``tokens`` tokens: it counts against the
         budget, so resident layers become streamed where it needs their room (and come back when it
         shrinks again). Returns the plan. Raises BudgetError naming the figures when even the weights
-        that must stay plus that cache exceed the budget, or the plan exceeds the machine's memory."""
+        that must stay plus that cache exceed the budget, or the plan exceeds the machine's memory.
+        ``logits``: the positions whose logits a forward keeps (`activation_bytes`; generate: 1)."""
         self._check_open()
         setting, schedule = self.settings.kv_offload, self.settings.block_schedule
-        micro = micro_batch_size(batch, lambda size: self.activation_bytes(size, tokens),
+        micro = micro_batch_size(batch, lambda size: self.activation_bytes(size, tokens, logits=logits),
                                  schedule.max_activation_bytes, schedule.micro_batch_size)
         layers = self._text_config().num_hidden_layers
         if self._device_budget is not None:
-            return self._reserve_on_device(batch, tokens, micro)
+            return self._reserve_on_device(batch, tokens, micro, logits)
         placement = place_kv(self._sizes(), budget=self._budget(), layers=layers,
                              layer_nbytes=self.kv_bytes(batch, tokens) // layers, device=setting.device,
                              cpu_percent=setting.cpu_percent, buffer_count=setting.buffer_count,
@@ -226,7 +228,7 @@ class InferenceEngine:
         plan = dataclasses.replace(self._make_plan(kv, (batch, tokens), disk=(self.plan.disk_bps, self.plan.disk_source),
                                                    kv_what=kv_in_memory(placement)), kv=placement)
         total = host_memory().total  # the cgroup's limit where smaller
-        activations = self.activation_bytes(micro, tokens)
+        activations = self.activation_bytes(micro, tokens, logits=logits)
         need = plan.memory_bytes + activations
         if need > total:
             raise BudgetError(
@@ -240,7 +242,7 @@ class InferenceEngine:
         self.plan = plan
         return plan
 
-    def _reserve_on_device(self, batch: int, tokens: int, micro: int) -> Plan:
+    def _reserve_on_device(self, batch: int, tokens: int, micro: int, logits: int | None = None) -> Plan:
         """`reserve` where compute has memory of its own: the activations on the device, and the KV cache
         there while the budget holds it (``kv_offload.device`` "auto"); else, or with "cpu" / "nvme", the
         cache on the host (in memory or on NVMe, as `place_kv` places it there), each layer's copied to
@@ -248,7 +250,7 @@ class InferenceEngine:
         setting = self.settings.kv_offload
         layers = self._text_config().num_hidden_layers
         kv, shape, parts = self.kv_bytes(batch, tokens), (batch, tokens), batch // micro
-        disk, activations = (self.plan.disk_bps, self.plan.disk_source), self.activation_bytes(micro, tokens)
+        disk, activations = (self.plan.disk_bps, self.plan.disk_source), self.activation_bytes(micro, tokens, logits=logits)
         plan = None
         if setting.device == "auto":
             try:
@@ -329,14 +331,24 @@ class InferenceEngine:
         row = KVCodec(self.settings.kv_offload.quantization if quantized else None, head_dim, self.dtype).nbytes
         return 2 * text.num_hidden_layers * batch * tokens * kv_heads * row
 
-    def activation_bytes(self, batch: int, tokens: int) -> int:
-        """An upper estimate of one forward's activations over ``tokens`` tokens: hidden states and the
-        MLP's intermediates, attention scores in fp32, and fp32 logits for every position."""
+    def activation_bytes(self, batch: int, tokens: int, *, logits: int | None = None) -> int:
+        """An upper estimate of one forward's activations over ``tokens`` tokens, as transformers allocates
+        them: hidden states and the MLP's intermediates in the compute dtype; the attention scores of every
+        head (their product, fp32 softmax and cast back) only where the model's attention implementation
+        materialises them ("eager"), else
+        (SDPA, flash attention: computed in tiles, never all at once) the boolean mask of a padded batch;
+        fp32 logits for ``logits`` positions of each sequence (None: every position, as a forward returns
+        them; ``generate`` keeps the last position's only)."""
         text = self._text_config()
         hidden, heads = text.hidden_size, text.num_attention_heads
         inner = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return batch * tokens * ((6 * hidden + 3 * inner) * itemsize + 4 * (heads * tokens + text.vocab_size))
+        eager = getattr(self.module.config, "_attn_implementation", None) in (None, "eager")
+        # per token: every head's scores (in the compute dtype, their fp32 softmax and its cast back), or the
+        # mask's row of a padded batch
+        scores = heads * tokens * (4 + 3 * itemsize) if eager else tokens
+        positions = tokens if logits is None else min(logits, tokens)
+        return batch * (tokens * ((6 * hidden + 3 * inner) * itemsize + scores) + 4 * positions * text.vocab_size)
 
     # ---- lifetime ---------------------------------------------------------------------------------
 
