@@ -73,28 +73,35 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 # ---- run -------------------------------------------------------------------------------------------
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .measure import Buffers, MeasurementError, measure_point
-    from .report import BUFFERED_NOTE, format_point
+    from .measure import MeasurementError, measure_point
+    from .report import BUFFERED_NOTE, format_point, point_json
     from .scratch import scratch_dir
     from tensorio import TensorIOError
 
+    say = _say(args)  # with --json, stdout holds the JSON alone
     config = _config_from_args(args)
     request_size = _request_size(args, [config.block_size])
     rws = ("write", "read") if args.rw == "both" else (args.rw,)
-    print(f"tensorio-bench run {args.directory}: {args.rw} {format_size(args.size)} as requests of "
-          f"{format_size(request_size)}, {args.repeats} repeats (median), after an untimed warm-up write")
-    print(f"aio: {_json_line(config.to_dict())}")
+    say(f"tensorio-bench run {args.directory}: {args.rw} {format_size(args.size)} as requests of "
+        f"{format_size(request_size)}, {args.repeats} repeats (median), after an untimed warm-up write")
+    say(f"aio: {_json_line(config.to_dict())}")
     v = _usable_directory(args.directory, args.size)
     _check_backend(config, v)
-    buffers = Buffers(args.size)
-    print(f"disk: {v.filesystem}, {'O_DIRECT' if v.direct and config.direct is not False else 'buffered'}; "
-          f"buffers {buffers.lock_status}")
+    (buffers,) = _buffers(args.size)
+    say(f"disk: {v.filesystem}, {'O_DIRECT' if v.direct and config.direct is not False else 'buffered'}; "
+        f"buffers {buffers.lock_status}")
     try:
         with scratch_dir(v.directory) as scratch:
             point = measure_point(config, scratch / "run.dat", buffers, request_size=request_size,
                                   repeats=args.repeats, direct=v.direct, rws=rws)
     except (TensorIOError, MeasurementError) as exc:
         raise CliError(str(exc)) from None
+    if args.json:
+        print(_json_line({"tool": "tensorio-bench run", "directory": str(Path(v.directory).resolve()),
+                          "filesystem": v.filesystem, "rw": args.rw, "size": args.size, "request_size": request_size,
+                          "repeats": args.repeats, "buffers": buffers.lock_status, **point_json(point),
+                          "note": None if point.direct else BUFFERED_NOTE}, indent=2))
+        return 0
     print(f"backend: {point.backend}")
     print(format_point(point))
     if not point.direct:
@@ -105,13 +112,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
 # ---- sweep -----------------------------------------------------------------------------------------
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from tensorio import AioConfig, TensorIOError
-
-    from .measure import Buffers, MeasurementError
-    from .report import format_best, format_table, sweep_json, write_aio_config, write_csv, write_json
-    from .sweep import GRIDS, chosen_config, config_label, sweep_directory
+    from .configfile import check_config_out, check_merge_target
+    from .journal import SweepJournal, load_partial
+    from .report import (format_best, format_choice, format_noise, format_table, format_together, sweep_json,
+                         write_csv, write_json)
+    from .sweep import GRIDS, REFERENCE_MEASUREMENTS, choose_config, config_label, sweep_plan
 
     grid_name = "quick" if args.quick else "full" if args.full else "default"
     grid = GRIDS[grid_name]
@@ -120,19 +125,42 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     size = args.size or grid.size
     request_size = _request_size(args, grid.block_sizes, size=size)
     direct = _direct_arg(args.direct)
+    config_out = args.config_out or (None if args.merge_into else DEFAULT_CONFIG_OUT)
 
-    # 1. Check every directory before any I/O: a sweep that fails on its second disk wastes the first.
+    # 1. Check every directory, where the answer goes and the memory before any I/O: a sweep that fails
+    #    on its second disk, or refuses its output at the end, wastes the first.
     validations = [_usable_directory(d, size) for d in args.directories]
+    _check_devices(args.directories, args.same_device)
     for v in validations:
         if direct is True and not v.direct:
             raise CliError(f"--direct true but {v.directory} has no O_DIRECT ({v.filesystem}); use --direct auto")
+    try:
+        if config_out:
+            check_config_out(config_out)
+        if args.merge_into:
+            check_merge_target(args.merge_into)
+    except (OSError, ValueError) as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
     backends_here = [b for b in grid.backends if b != "io_uring" or all(v.io_uring for v in validations)]
     if not backends_here:
         raise CliError(f"io_uring cannot run here ({_io_uring_reason()}); use --backend threads")
     configs = grid.configs(backends=backends_here, direct=direct)
-    passes = len(configs) * (1 + 2 * args.repeats)
-    print(f"tensorio-bench sweep ({grid_name} grid): {len(configs)} points x {len(validations)} disk(s), "
+    plan = sweep_plan(configs, references=REFERENCE_MEASUREMENTS)
+    settings = {"grid": grid_name, **{k: list(v) for k, v in asdict(grid).items() if k != "size"},
+                "backends": backends_here, "size": size, "request_size": request_size, "repeats": args.repeats,
+                "direct": direct, "references": REFERENCE_MEASUREMENTS}
+    journal_path = args.out_dir / "sweep.json"
+    try:
+        done = load_partial(journal_path, settings, args.directories) if args.resume else None
+    except ValueError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+
+    passes = len(plan) * (1 + 2 * args.repeats)
+    at_once = ", all at once (a thread per directory, each step started together)" if len(validations) > 1 else ""
+    print(f"tensorio-bench sweep ({grid_name} grid): {len(configs)} points x {len(validations)} disk(s){at_once}, "
           f"{args.repeats} repeats (median)")
+    print(f"  reference    {config_label(plan[0].config)}, measured {REFERENCE_MEASUREMENTS} times among them "
+          f"for the disk's noise")
     print(f"  block sizes  {', '.join(format_size(b) for b in grid.block_sizes)}")
     print(f"  queue depths {', '.join(map(str, grid.queue_depths))}; threads {', '.join(map(str, grid.thread_counts))}")
     print(f"  single_submit {_bools(grid.single_submit)}; overlap_events {_bools(grid.overlap_events)} (io_uring only)")
@@ -143,51 +171,105 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     for v in validations:
         print(f"  disk {v.directory}: {v.filesystem}, {'O_DIRECT' if v.direct else 'buffered I/O (no O_DIRECT)'}, "
               f"{format_bytes(v.free_bytes)} free")
-    print(f"  results to {args.out_dir}/, aio section to {args.config_out}")
+    outputs = [f"results to {args.out_dir}/"] + ([f"aio section to {config_out}"] if config_out else []) + \
+              ([f"merged into {args.merge_into} (a backup first)"] if args.merge_into else [])
+    print(f"  {', '.join(outputs)}")
+    journal = SweepJournal(journal_path, settings, args.directories, done)
+    if done:
+        print(f"  resuming: {journal.measured} of {len(plan) * len(validations)} measurements kept in {journal_path}")
 
-    buffers = Buffers(size)
-    disks = []
+    # 2. Measure, saving as it goes.
+    buffers = _buffers(size, len(validations))
+    settings["buffers"] = buffers[0].lock_status
     started = time.monotonic()
-    with tqdm(total=len(configs) * len(validations), file=sys.stderr, unit="pt", dynamic_ncols=True,
-              disable=args.no_progress) as bar:
-        for index, v in enumerate(validations, 1):
-            def on_point(phase: str, config: AioConfig, result: Any, index: int = index) -> None:
-                if phase == "start":
-                    bar.set_description_str(f"disk {index}/{len(validations)} {config_label(config)}")
-                else:
-                    bar.set_postfix_str(f"W {result.write.gb_per_s:.2f} R {result.read.gb_per_s:.2f} GB/s")
-                    bar.update(1)
-
-            try:
-                disks.append(sweep_directory(v, configs, buffers, request_size=request_size, repeats=args.repeats,
-                                             with_fio=not args.no_fio, on_point=on_point))
-            except (TensorIOError, MeasurementError) as exc:
-                raise CliError(f"{v.directory}: {exc}") from None
+    disks = _measure(args, validations, plan, buffers, journal, request_size)
     elapsed = time.monotonic() - started
 
-    # 2. Report: tables and bests per disk, then the files.
+    # 3. The choice: the lightest configuration within the noisiest disk's noise of the best round trip.
+    cpu_noises = [d.noise.cpu for d in disks if d.noise.cpu is not None]
+    choice = choose_config([d.points for d in disks], max(d.noise.relative for d in disks),
+                           max(cpu_noises) if cpu_noises else None)
+
+    # 4. Report: tables, noise and bests per disk, the choice, then the files and the answer.
     for d in disks:
         print(f"\n== {Path(d.validation.directory).resolve()} ({d.validation.filesystem}) ==")
-        print(format_table(d.points, limit=args.top))
+        print(format_table(d.points, limit=args.top, choice=choice))
         if args.top and len(d.points) > args.top:
             print(f"... {len(d.points) - args.top} more rows in the CSV")
+        print(format_noise(d))
         print(format_best(d))
-    chosen = chosen_config([d.points for d in disks])
-    settings = {"grid": grid_name, **{k: list(v) for k, v in asdict(grid).items() if k != "size"},
-                "backends": backends_here, "size": size, "request_size": request_size, "repeats": args.repeats,
-                "direct": direct, "elapsed_s": round(elapsed, 1), "buffers": buffers.lock_status}
+    settings["elapsed_s"] = round(elapsed, 1)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(args.out_dir / "sweep.json", sweep_json(disks, settings, chosen))
-    write_csv(args.out_dir / "sweep.csv", disks)
-    charts = _draw_charts(disks, args.out_dir, size, chosen)
-    write_aio_config(args.config_out, chosen)
-    print(f"\nchosen (best round trip{' over all disks' if len(disks) > 1 else ''}): {config_label(chosen)}")
-    print(f"wrote {args.config_out}: {_json_line({'aio': chosen.to_dict()})}")
-    print(f"wrote {', '.join(map(str, [args.out_dir / 'sweep.json', args.out_dir / 'sweep.csv', *charts]))} "
-          f"({elapsed:.0f} s)")
+    write_json(journal_path, sweep_json(disks, settings, choice))
+    write_csv(args.out_dir / "sweep.csv", disks, choice)
+    charts = _draw_charts(disks, args.out_dir, size, choice.config)
+    if len(disks) > 1:
+        print()
+        print(format_together(disks, choice))
+    print()
+    print(format_choice(choice, len(disks)))
+    _write_answer(choice.config, config_out, args.merge_into)
+    print(f"wrote {', '.join(map(str, [journal_path, args.out_dir / 'sweep.csv', *charts]))} ({elapsed:.0f} s)")
     if not charts:
         print(f"no chart: matplotlib is not installed; `pip install '{CHART_EXTRA}'` gives sweep.png")
     return 0
+
+
+def _measure(args: argparse.Namespace, validations: list[Any], plan: list[Any], buffers: list[Any], journal: Any,
+             request_size: int) -> list[Any]:
+    """Sweep every directory (at once where there are several), recording each step in ``journal``
+    and showing progress; on an interrupt or a failure, save what was measured and say how to go on."""
+    from tensorio import TensorIOError
+
+    from .measure import MeasurementError
+    from .progress import Progress
+    from .sweep import sweep_directory
+    from .together import sweep_together
+
+    total = len(plan) * len(validations)
+    try:
+        with Progress(total, enabled=not args.no_progress, done=journal.measured) as bar:
+            def on_step(index: int, phase: str, step: Any, result: Any) -> None:
+                if phase == "start":
+                    bar.describe(f"{step.config.backend} bs={format_size(step.config.block_size)} "
+                                 f"qd={step.config.queue_depth} t={step.config.thread_count}")
+                elif phase == "done":
+                    journal.record(index, step, result)
+                    bar.step(f"W {result.write.gb_per_s:.2f} R {result.read.gb_per_s:.2f} GB/s")
+
+            try:
+                if len(validations) == 1:  # in this thread: Ctrl-C stops the point in flight at once
+                    return [sweep_directory(validations[0], plan, buffers[0], request_size=request_size,
+                                            repeats=args.repeats, with_fio=not args.no_fio, done=journal.done(0),
+                                            on_step=lambda *event: on_step(0, *event))]
+                return sweep_together(validations, plan, buffers, request_size=request_size, repeats=args.repeats,
+                                      with_fio=not args.no_fio, done=[journal.done(i) for i in range(len(buffers))],
+                                      on_step=on_step, on_stopping=lambda: print(
+                                          "\ntensorio-bench sweep: stopping; waiting for the step in flight on each "
+                                          "directory", file=sys.stderr))
+            except (TensorIOError, MeasurementError) as exc:
+                raise CliError(str(exc)) from None
+    except (KeyboardInterrupt, CliError):
+        if journal.measured:
+            journal.save()
+            print(f"tensorio-bench sweep: kept {journal.measured} of {total} measurements in {journal.path} (marked "
+                  f"incomplete); run the same command with --resume to go on", file=sys.stderr)
+        raise
+
+
+def _write_answer(config: Any, config_out: Path | None, merge_target: Path | None) -> None:
+    """Write the chosen ``config`` as an aio section alone and/or into the user's config."""
+    from .configfile import merge_into, write_aio_config
+
+    if config_out:
+        write_aio_config(config_out, config)
+        print(f"wrote {config_out}: {_json_line({'aio': config.to_dict()})}")
+    if merge_target:
+        try:
+            backup = merge_into(merge_target, config)
+        except (OSError, ValueError) as exc:
+            raise CliError(f"--merge-into {merge_target}: {exc}") from None
+        print(f"merged the aio section into {merge_target}, every other key kept (the original is in {backup})")
 
 
 def _draw_charts(disks: list[Any], out_dir: Path, size: int, chosen: Any) -> list[Path]:
@@ -214,18 +296,24 @@ def _draw_charts(disks: list[Any], out_dir: Path, size: int, chosen: Any) -> lis
 def _cmd_fio(args: argparse.Namespace) -> int:
     from .fio import FioError, FioNotFound, job_for_config, run_fio
 
+    say = _say(args)
     config = _config_from_args(args)
     try:
         job = replace(job_for_config(config, directory=args.directory, rw=args.rw, size=args.size),
                       ioengine=args.ioengine, overwrite=args.rw == "write" and not args.fresh)
     except ValueError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
-    print(f"tensorio-bench fio {args.directory}: {args.rw} {format_size(job.size)} with the settings of")
-    print(f"aio: {_json_line(config.to_dict())}")
+    say(f"tensorio-bench fio {args.directory}: {args.rw} {format_size(job.size)} with the settings of")
+    say(f"aio: {_json_line(config.to_dict())}")
     try:
         result = run_fio(job)
     except (FioNotFound, FioError, OSError) as exc:
         raise CliError(str(exc)) from None
+    if args.json:
+        print(_json_line({"tool": "tensorio-bench fio", "directory": str(Path(args.directory).resolve()),
+                          "aio": config.to_dict(), "ioengine": job.ioengine, "direct": job.direct,
+                          "block_size": job.block_size, **result.to_json()}, indent=2))
+        return 0
     print(" ".join(result.command))
     print(f"{result.fio_version}: {result.rw} {result.gb_per_s:.2f} GB/s  {result.iops:.0f} IOPS "
           f"({format_size(job.block_size)})  clat p50 {format_ns(result.clat_ns_p50)}, "
@@ -247,6 +335,19 @@ def _usable_directory(directory: Path, size: int):
     return v
 
 
+def _check_devices(directories: list[Path], allow_shared: bool) -> None:
+    """Refuse two directories on one device (they would share its bandwidth, measured at once) unless
+    ``allow_shared``."""
+    from .device import shared_devices
+
+    if allow_shared:
+        return
+    for a, b, disk in shared_devices(directories):
+        raise CliError(f"{a} and {b} are on the same device ({disk}): measured at once they share its bandwidth; "
+                       f"give one directory per device, or --same-device to measure them together anyway",
+                       EXIT_USAGE)
+
+
 def _check_backend(config: Any, v: Any) -> None:
     if config.backend == "io_uring" and not v.io_uring:
         raise CliError(f"backend io_uring cannot run here ({_io_uring_reason()}); use --backend threads or auto")
@@ -261,11 +362,14 @@ def _io_uring_reason() -> str:
 
 
 def _config_from_args(args: argparse.Namespace):
-    """The aio config of ``--config FILE`` (or the defaults) with the flags given on top."""
+    """The aio config of ``--config FILE`` (or the defaults) with the flags given on top; a file
+    without an aio section is refused rather than read as the defaults."""
     from tensorio import AioConfig
 
+    from .configfile import read_aio_config
+
     try:
-        values = AioConfig.from_file(args.config).to_dict() if args.config else AioConfig().to_dict()
+        values = read_aio_config(args.config).to_dict() if args.config else AioConfig().to_dict()
         for key in ("block_size", "queue_depth", "thread_count", "single_submit", "overlap_events", "backend"):
             if getattr(args, key) is not None:
                 values[key] = getattr(args, key)
@@ -275,7 +379,38 @@ def _config_from_args(args: argparse.Namespace):
     except FileNotFoundError:
         raise CliError(f"--config {args.config}: no such file", EXIT_USAGE) from None
     except ValueError as exc:
-        raise CliError(str(exc), EXIT_USAGE) from None
+        raise CliError(f"--config {exc}" if args.config and str(exc).startswith(str(args.config)) else str(exc),
+                       EXIT_USAGE) from None
+
+
+def _buffers(size: int, count: int = 1) -> list[Any]:
+    """``count`` pairs of locked buffers of ``size`` bytes (a point writes one and reads back into the
+    other; one pair per directory measured at once), after checking that the memory holds them all; a
+    refusal (ours or the kernel's) is one line naming the size and what is available."""
+    from .measure import Buffers
+    from .memory import NotEnoughMemory, check_room, memory_room
+
+    what = f"two buffers of {format_size(size)} (written, then read back into the second)"
+    if count > 1:
+        what = f"{count} pairs of buffers of {format_size(size)} (one pair per directory)"
+    try:
+        check_room(2 * size * count, what)
+        return [Buffers(size) for _ in range(count)]
+    except NotEnoughMemory as exc:
+        raise CliError(str(exc)) from None
+    except (MemoryError, OSError) as exc:  # a limit the check could not see (overcommit, a cgroup in a namespace)
+        try:
+            room = f"{format_bytes(memory_room().available)} available"
+        except OSError:
+            room = "available memory unknown"
+        reason = getattr(exc, "strerror", None) or type(exc).__name__
+        raise CliError(f"{what} could not be allocated ({reason}; {room}); use a smaller --size") from None
+
+
+def _say(args: argparse.Namespace):
+    """print, or print to stderr where ``--json`` keeps stdout for the JSON document."""
+    stream = sys.stderr if getattr(args, "json", False) else sys.stdout
+    return lambda text: print(text, file=stream)
 
 
 def _request_size(args: argparse.Namespace, block_sizes: Any, *, size: int | None = None) -> int:
@@ -303,10 +438,10 @@ def _bools(values: tuple[bool, ...]) -> str:
     return "/".join(str(v).lower() for v in values)
 
 
-def _json_line(data: dict[str, Any]) -> str:
+def _json_line(data: dict[str, Any], indent: int | None = None) -> str:
     import json
 
-    return json.dumps(data)
+    return json.dumps(data, indent=indent)
 
 
 def _size(text: str) -> int:
@@ -369,6 +504,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--size", type=_size, default=_size("256M"), metavar="SIZE", help="bytes per pass (default 256M)")
     p.add_argument("--request-size", type=_size, metavar="SIZE", help="bytes per request (default 16M)")
     p.add_argument("--repeats", type=_positive, default=3, metavar="N", help="timed passes; the median is reported")
+    p.add_argument("--json", action="store_true",
+                   help="print the result as one JSON document on stdout (the settings go to stderr)")
     _add_aio_flags(p)
     p.set_defaults(func=_cmd_run)
 
@@ -376,7 +513,10 @@ def _parser() -> argparse.ArgumentParser:
                        description="Sweep block size x queue depth x threads x single_submit x overlap_events x "
                                    "backend on each directory (one per disk), reading and writing; save JSON, CSV "
                                    "and a chart, compare the best with fio, and write the chosen `aio` section.")
-    p.add_argument("directories", type=Path, nargs="+", metavar="DIR", help="one directory per disk")
+    p.add_argument("directories", type=Path, nargs="+", metavar="DIR",
+                   help="one directory per device; several are swept at once")
+    p.add_argument("--same-device", action="store_true",
+                   help="accept several directories on one device (measured at once, they share it)")
     grid = p.add_mutually_exclusive_group()
     grid.add_argument("--quick", action="store_true", help="16 points at 128M: under a minute")
     grid.add_argument("--full", action="store_true", help="the whole cross product at 1G: hours")
@@ -388,11 +528,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="O_DIRECT (auto: where the file system has it)")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR, metavar="RESULTS",
                    help=f"where sweep.json, sweep.csv and sweep.png (with matplotlib) go (default {DEFAULT_OUT_DIR})")
-    p.add_argument("--config-out", type=Path, default=DEFAULT_CONFIG_OUT, metavar="FILE",
-                   help=f"where the chosen `aio` section goes (default {DEFAULT_CONFIG_OUT})")
+    p.add_argument("--config-out", type=Path, metavar="FILE",
+                   help=f"where the chosen `aio` section goes alone (default {DEFAULT_CONFIG_OUT}, unless "
+                        f"--merge-into is given); a file with other sections is refused")
+    p.add_argument("--merge-into", type=Path, metavar="FILE",
+                   help="set the chosen settings in the aio section of this DeepSpeed or inference config, keeping "
+                        "every other key (the original is copied to FILE.bak first)")
+    p.add_argument("--resume", action="store_true",
+                   help="go on with the interrupted sweep saved in RESULTS/sweep.json (same directories and options)")
     p.add_argument("--top", type=_positive, default=15, metavar="N", help="rows of the summary table (default 15)")
     p.add_argument("--no-fio", action="store_true", help="skip the comparison with fio")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress (a bar on a terminal, else a line every tenth of the sweep)")
     p.set_defaults(func=_cmd_sweep)
 
     p = sub.add_parser("fio", help="run the fio binary with the settings of a configuration",
@@ -404,6 +551,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ioengine", choices=("io_uring", "libaio", "psync"), default="io_uring")
     p.add_argument("--fresh", action="store_true",
                    help="write into a fresh file (allocating writes) instead of overwriting a laid-out one")
+    p.add_argument("--json", action="store_true",
+                   help="print fio's figures as one JSON document on stdout (the settings go to stderr)")
     _add_aio_flags(p)
     p.set_defaults(func=_cmd_fio)
     for p in (parser, *sub.choices.values()):  # main() reads it: listed here for --help

@@ -214,6 +214,21 @@ class FioResult:
         except (KeyError, TypeError, ValueError):
             return None
 
+    def to_json(self) -> dict[str, Any]:
+        """The figures in fio's own field names (clat per I/O), the command and fio's version."""
+        cpu = self.cpu_us_per_io
+        record: dict[str, Any] = {
+            "rw": self.rw, "io_bytes": self.io_bytes, "bw_bytes": self.bw_bytes, "iops": round(self.iops, 3),
+            "runtime_s": self.runtime_s,
+            "clat_ns": {"mean": round(self.clat_ns_mean, 1),
+                        "percentile": {"50.000000": self.clat_ns_p50, "99.000000": self.clat_ns_p99}},
+            "cpu_us_per_io": None if cpu is None else round(cpu, 3),
+            "fio_version": self.fio_version, "command": self.command,
+        }
+        if self.mix_write_bw_bytes is not None:
+            record["mix_write_bw_bytes"] = self.mix_write_bw_bytes
+        return record
+
 
 def job_for_config(config: Any, *, directory: str | os.PathLike, rw: str, size: int,
                    ioengine: str = "io_uring") -> FioJob:

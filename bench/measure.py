@@ -10,8 +10,9 @@ What the figures mean, next to fio's:
   completion of the last; the median over the repeats.
 - ``iops``: block-sized pieces per second at that bandwidth (fio's IOPS of ``bs``-sized I/Os).
 - ``clat_ns``: completion latency of one *request* (``request_size`` bytes, split into pieces),
-  from its submission to its future resolving, over all repeats. fio's clat is per block-sized
-  I/O, so ours is larger by design; compare ours with ours.
+  from its submission to its future resolving, over all repeats (``clat_samples`` of them: below
+  100, the nearest-rank p99 is their maximum). fio's clat is per block-sized I/O, so ours is larger
+  by design; compare ours with ours.
 - ``cpu_us_per_io``: CPU time (user + system, every thread of the process) per block-sized piece,
   the median over the repeats: fio's usr_cpu + sys_cpu per I/O is the figure to set beside it.
 
@@ -35,6 +36,8 @@ from typing import Any
 import torch
 
 from tensorio import AioConfig, AioHandle, lock_status, locked_tensor
+
+from .stats import Summary, round_trip, summarize
 
 #: Request size when none is given: large enough for every block size we sweep.
 DEFAULT_REQUEST_BYTES = 16 << 20
@@ -64,26 +67,55 @@ class Measurement:
     request_bytes: int
     cpu_us_per_io: float = 0.0
     """Median CPU microseconds (user + system, the whole process) per block-sized piece."""
+    clat_samples: int = 0
+    """Requests timed for the latency percentiles, over all repeats: below 100, p99 is their maximum."""
 
     @property
     def gb_per_s(self) -> float:
         """Bandwidth in GB/s (10**9 bytes per second)."""
         return self.bw_bytes / 1e9
 
+    @property
+    def summary(self) -> Summary:
+        """The repeats' median, 95% confidence interval of the mean and spread (bytes per second)."""
+        return summarize(self.bw_bytes_samples)
+
+    def cpu_ms_per_gb(self, block_size: int) -> float:
+        """CPU milliseconds per GB (10**9 bytes) moved, from ``cpu_us_per_io`` and the pieces of
+        ``block_size`` bytes each request is split into."""
+        pieces_per_byte = -(-self.request_bytes // block_size) / self.request_bytes
+        return self.cpu_us_per_io * pieces_per_byte * 1e9 / 1e3
+
     def to_json(self) -> dict[str, Any]:
-        """fio's field names: bw_bytes, iops, clat_ns.percentile in ns (per request, see the module doc)."""
+        """fio's field names: bw_bytes, iops, clat_ns.percentile in ns (per request, see the module doc),
+        and the repeats' spread and 95% confidence interval of the mean (``bw_bytes_ci95``)."""
+        summary = self.summary
         return {
             "io_bytes": self.io_bytes,
             "bw_bytes": self.bw_bytes,
             "iops": round(self.iops, 3),
             "clat_ns": {
                 "unit_bytes": self.request_bytes,
+                "samples": self.clat_samples,
                 "mean": round(self.clat_ns_mean, 1),
                 "percentile": {"50.000000": self.clat_ns_p50, "99.000000": self.clat_ns_p99},
             },
             "bw_bytes_samples": self.bw_bytes_samples,
+            "bw_bytes_spread": round(summary.spread, 4),
+            "bw_bytes_ci95": [round(summary.low), round(summary.high)],
             "cpu_us_per_io": round(self.cpu_us_per_io, 3),
         }
+
+    @classmethod
+    def from_json(cls, rw: str, data: dict[str, Any]) -> "Measurement":
+        """The measurement ``to_json`` wrote (a resumed sweep reads its points back). Raises KeyError,
+        TypeError or ValueError for a record that is not one."""
+        clat = data["clat_ns"]
+        return cls(rw=rw, bw_bytes=int(data["bw_bytes"]), iops=float(data["iops"]),
+                   clat_ns_p50=int(clat["percentile"]["50.000000"]), clat_ns_p99=int(clat["percentile"]["99.000000"]),
+                   clat_ns_mean=float(clat["mean"]), bw_bytes_samples=[int(s) for s in data["bw_bytes_samples"]],
+                   io_bytes=int(data["io_bytes"]), request_bytes=int(clat["unit_bytes"]),
+                   cpu_us_per_io=float(data["cpu_us_per_io"]), clat_samples=int(clat.get("samples", 0)))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -104,9 +136,28 @@ class PointResult:
         """Rate of a round trip (write then read the same bytes): the harmonic mean of the two."""
         return 2 / (1 / self.write.bw_bytes + 1 / self.read.bw_bytes)
 
+    @property
+    def both_summary(self) -> Summary:
+        """Spread and 95% interval of the round trip, from each repeat's write and read."""
+        return summarize(round_trip(self.write.bw_bytes_samples, self.read.bw_bytes_samples))
+
+    @property
+    def cpu_ms_per_gb(self) -> float:
+        """CPU milliseconds per GB moved, the mean over the directions measured."""
+        per_gb = [m.cpu_ms_per_gb(self.config.block_size) for m in self.measurements()]
+        return sum(per_gb) / len(per_gb)
+
     def measurements(self) -> list[Measurement]:
         """The directions measured, write first."""
         return [m for m in (self.write, self.read) if m is not None]
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "PointResult":
+        """The point ``bench.report.point_json`` wrote. Raises KeyError, TypeError or ValueError (the
+        config's own, naming the key) for a record that is not one."""
+        return cls(config=AioConfig.from_dict(data["aio"]), backend=str(data["backend"]), direct=bool(data["direct"]),
+                   write=Measurement.from_json("write", data["write"]) if data.get("write") else None,
+                   read=Measurement.from_json("read", data["read"]) if data.get("read") else None)
 
 
 class Buffers:
@@ -247,6 +298,7 @@ def _summarise(rw: str, runs: list[tuple[int, list[int], float]], nbytes: int, r
         io_bytes=nbytes,
         request_bytes=request_size,
         cpu_us_per_io=statistics.median(cpu * 1e6 / pieces for _, _, cpu in runs),
+        clat_samples=len(latencies),
     )
 
 

@@ -21,12 +21,25 @@ def scratch_dir(directory: str | os.PathLike) -> Iterator[Path]:
     Raises OSError (naming the directory) when it cannot be created.
     """
     path = Path(tempfile.mkdtemp(prefix=PREFIX, dir=directory))
+    with sigterm_as_interrupt():
+        try:
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt while the body runs, so that ``kill`` cleans up like Ctrl-C.
+
+    Only the main thread can handle signals: elsewhere this does nothing (the main thread, waiting for
+    the others, is the one to use it).
+    """
     previous = signal.getsignal(signal.SIGTERM) or signal.SIG_DFL  # None: set outside Python
     in_main_thread = _set_sigterm(_raise_interrupt)
     try:
-        yield path
+        yield
     finally:
-        shutil.rmtree(path, ignore_errors=True)
         if in_main_thread:
             _set_sigterm(previous)
 

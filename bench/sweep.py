@@ -1,30 +1,35 @@
-"""The sweep: every configuration of a grid measured on each disk, the best ones, and fio beside them.
+"""The sweep: every configuration of a grid measured on each disk, a reference point measured again
+through it for the disk's noise, the best ones, the choice, and fio beside them.
 
-``Grid.configs`` and ``best_points`` / ``chosen_config`` are pure; ``sweep_directory`` does the I/O
-inside a scratch directory that is removed on every exit (Ctrl-C and SIGTERM included).
+``Grid.configs``, ``sweep_plan``, ``best_points`` and ``choose_config`` are pure; ``sweep_directory``
+does the I/O inside a scratch directory that is removed on every exit (Ctrl-C and SIGTERM included).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import math
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tensorio import AioConfig
 
 from ._units import format_size
+from .choose import Choice, candidates, choose
 from .fio import INSTALL_HINT, FioError, FioNotFound, FioResult, fio_path, job_for_config, run_fio
-from .measure import Buffers, PointResult, measure_point
+from .measure import Buffers, Measurement, PointResult, measure_point
 from .scratch import scratch_dir
+from .stats import Noise, disk_noise
 from .validate import Validation
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
-#: The thread backend makes one system call per piece whatever these say, so it is swept once.
-_URING_ONLY_KNOBS = ("single_submit", "overlap_events")
+REFERENCE_MEASUREMENTS = 5
+"""How often the reference point is measured through a sweep (first, last and evenly between)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,22 +90,58 @@ def best_points(points: Sequence[PointResult]) -> dict[str, PointResult]:
     }
 
 
-def chosen_config(disks: Sequence[Sequence[PointResult]]) -> AioConfig:
-    """The configuration with the highest round-trip bandwidth summed over every disk it ran on.
+def choose_config(disks: Sequence[Sequence[PointResult]], noise: float, cpu_noise: float | None = None) -> Choice:
+    """The lightest configuration of those whose round trip, summed over every disk, lies within
+    ``noise`` (a fraction: the noisiest disk's) of the best (see `bench.choose`), and why; CPU figures
+    within ``cpu_noise`` (at least `bench.choose.CPU_TOLERANCE`) of the lowest count as equally low.
 
-    With one disk this is that disk's best "both". Raises ValueError when nothing was measured.
+    Only configurations measured on every disk take part. Raises ValueError when nothing was measured.
     """
-    totals: dict[str, float] = {}
-    configs: dict[str, AioConfig] = {}
-    for points in disks:
-        for p in points:
-            key = config_key(p.config)
-            totals[key] = totals.get(key, 0.0) + p.both_bw_bytes
-            configs[key] = p.config
-    if not totals:
-        raise ValueError("no points measured")
-    complete = [k for k in totals if all(any(config_key(p.config) == k for p in d) for d in disks)]
-    return configs[max(complete or totals, key=totals.__getitem__)]
+    return choose(candidates(disks, label=config_label), noise, cpu_noise=cpu_noise)
+
+
+def reference_config(configs: Sequence[AioConfig]) -> AioConfig:
+    """The configuration measured again through the sweep for its noise: the grid's closest to
+    AioConfig's defaults (block size, then queue depth, threads and flags; the first backend)."""
+    if not configs:
+        raise ValueError("no configurations")
+    default = AioConfig()
+    return min(configs, key=lambda c: (abs(math.log2(c.block_size / default.block_size)),
+                                       abs(math.log2(c.queue_depth / default.queue_depth)), c.thread_count,
+                                       c.single_submit != default.single_submit,
+                                       c.overlap_events != default.overlap_events))
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One measurement of a sweep: a grid point, or the reference point measured again."""
+
+    kind: str
+    """"point" or "reference"."""
+    config: AioConfig
+    slot: int
+    """The point's index in the grid, or which of the reference's measurements this is."""
+
+    @property
+    def key(self) -> str:
+        """Names the step in a saved sweep (a resumed sweep skips the steps it has)."""
+        return config_key(self.config) if self.kind == "point" else f"reference {self.slot}"
+
+
+def sweep_plan(configs: Sequence[AioConfig], *, references: int = REFERENCE_MEASUREMENTS) -> list[Step]:
+    """The grid's points in order with the reference point (`reference_config`) measured ``references``
+    times among them, evenly: first, last, and between. Raises ValueError for no configs or
+    ``references`` below 2 (one measurement shows no drift)."""
+    if references < 2:
+        raise ValueError(f"references {references}: at least 2 measurements are needed to see the noise")
+    reference = reference_config(configs)
+    at = [round(i * len(configs) / (references - 1)) for i in range(references)]
+    steps: list[Step] = []
+    for i in range(len(configs) + 1):
+        steps += [Step("reference", reference, slot) for slot, position in enumerate(at) if position == i]
+        if i < len(configs):
+            steps.append(Step("point", configs[i], i))
+    return steps
 
 
 @dataclass(kw_only=True, slots=True)
@@ -157,41 +198,98 @@ class DiskSweep:
     """Why there is no fio column (fio not installed), or None."""
     fio_curve: list[FioCurvePoint] = field(default_factory=list)
     """fio at each block size and thread count of the grid (empty without fio)."""
+    references: list[PointResult] = field(default_factory=list)
+    """The reference point (`reference_config`) each time it was measured, in order."""
+    noise: Noise = field(default_factory=lambda: Noise(relative=0.0))
+    """How far one configuration's round trip moved on this disk during the sweep (`disk_noise`)."""
 
 
-def sweep_directory(validation: Validation, configs: Sequence[AioConfig], buffers: Buffers, *, request_size: int,
-                    repeats: int, with_fio: bool = True,
-                    on_point: Callable[[str, AioConfig, PointResult | None], None] | None = None) -> DiskSweep:
-    """Measure every config in ``validation.directory``, then run fio for the best ones.
+def pooled(point: PointResult, again: Sequence[PointResult]) -> PointResult:
+    """``point`` with the repeats of its measurements ``again`` (the same configuration: the reference
+    point measured through the sweep) added to its own: bandwidth the median of all the passes, CPU per
+    I/O the median of the measurements'. Latency percentiles stay ``point``'s (those of different
+    measurements do not combine). Raises ValueError for a measurement of another configuration."""
+    if any(config_key(p.config) != config_key(point.config) for p in again):
+        raise ValueError("pooled: every measurement must be of the point's configuration")
+    measured = [point, *again]
 
-    ``on_point(phase, config, result)`` is called with "start" (result None) and "done" around each
-    point, for a progress bar. All files live in a scratch directory removed on every exit.
-    Raises TensorIOError / MeasurementError from a point (the sweep stops: a disk that fails a
-    point is not one to tune) and KeyboardInterrupt when interrupted, after cleaning up.
+    def pool(rw: str) -> Measurement | None:
+        own = getattr(point, rw)
+        if own is None:
+            return None
+        samples = [s for p in measured for s in getattr(p, rw).bw_bytes_samples]
+        bw = int(statistics.median(samples))
+        return replace(own, bw_bytes=bw, iops=own.iops * bw / own.bw_bytes, bw_bytes_samples=samples,
+                       cpu_us_per_io=statistics.median(getattr(p, rw).cpu_us_per_io for p in measured))
+
+    return replace(point, write=pool("write"), read=pool("read"))
+
+
+def sweep_noise(points: Sequence[PointResult], references: Sequence[PointResult]) -> Noise:
+    """The disk's noise: the reference's round trips over the sweep, and each point's repeats (where
+    there were at least two)."""
+    spreads = [p.both_summary.spread for p in points if len(p.write.bw_bytes_samples) > 1]
+    return disk_noise([r.both_bw_bytes for r in references], spreads, [r.cpu_ms_per_gb for r in references])
+
+
+class SweepStopped(Exception):
+    """The caller asked the sweep to stop (``sweep_directory(stop=...)``); raised at the next step or fio run."""
+
+
+def _check(stop: threading.Event | None) -> None:
+    if stop is not None and stop.is_set():
+        raise SweepStopped
+
+
+def sweep_directory(validation: Validation, plan: Sequence[Step], buffers: Buffers, *, request_size: int,
+                    repeats: int, with_fio: bool = True, done: Mapping[str, PointResult] | None = None,
+                    on_step: Callable[[str, Step, PointResult | None], None] | None = None,
+                    stop: threading.Event | None = None) -> DiskSweep:
+    """Measure every step of ``plan`` (`sweep_plan`) in ``validation.directory``, then run fio for the
+    best points.
+
+    Steps whose `Step.key` is in ``done`` (a resumed sweep's) are not measured again. ``on_step(phase,
+    step, result)`` is called with "start" (result None) and "done" around each step measured, for a
+    progress bar and for saving results as they come, and with "skip" for each step taken from ``done``. All files live in a scratch directory removed on
+    every exit. Raises TensorIOError / MeasurementError from a point (the sweep stops: a disk that
+    fails a point is not one to tune) and KeyboardInterrupt when interrupted, after cleaning up; and
+    `SweepStopped` before the next step or fio run once ``stop`` is set (another thread's way to stop it).
     """
-    points: list[PointResult] = []
+    done = done or {}
+    results: dict[str, PointResult] = {}
     with scratch_dir(validation.directory) as scratch:
         path = scratch / "sweep.dat"
-        for config in configs:
-            if on_point:
-                on_point("start", config, None)
+        for step in plan:
+            if step.key in done:
+                results[step.key] = done[step.key]
+                if on_step:
+                    on_step("skip", step, done[step.key])
+                continue
+            _check(stop)
+            if on_step:
+                on_step("start", step, None)
             try:
-                result = measure_point(config, path, buffers, request_size=request_size, repeats=repeats,
+                result = measure_point(step.config, path, buffers, request_size=request_size, repeats=repeats,
                                        direct=validation.direct)
             finally:
                 path.unlink(missing_ok=True)
-            points.append(result)
-            if on_point:
-                on_point("done", config, result)
+            results[step.key] = result
+            if on_step:
+                on_step("done", step, result)
+        references = [results[s.key] for s in plan if s.kind == "reference"]
+        # The reference configuration was measured again through the sweep: its figure is all of them.
+        points = [pooled(results[s.key], references) if references and config_key(s.config) ==
+                  config_key(references[0].config) else results[s.key] for s in plan if s.kind == "point"]
         best = best_points(points)
-        comparisons, missing = (_compare_with_fio(scratch, best, buffers, request_size, repeats) if with_fio
+        comparisons, missing = (_compare_with_fio(scratch, best, buffers, request_size, repeats, stop) if with_fio
                                 else ([], "skipped (--no-fio)"))
-        curve = _fio_curve(scratch, points, buffers.nbytes, repeats) if with_fio and missing is None else []
+        curve = _fio_curve(scratch, points, buffers.nbytes, repeats, stop) if with_fio and missing is None else []
     return DiskSweep(validation=validation, points=points, best=best, fio=comparisons, fio_missing=missing,
-                     fio_curve=curve)
+                     fio_curve=curve, references=references, noise=sweep_noise(points, references))
 
 
-def _fio_curve(scratch: Path, points: Sequence[PointResult], size: int, repeats: int) -> list[FioCurvePoint]:
+def _fio_curve(scratch: Path, points: Sequence[PointResult], size: int, repeats: int,
+               stop: threading.Event | None = None) -> list[FioCurvePoint]:
     """fio at every block size and thread count of the sweep, at its deepest queue depth (fio's best
     case), O_DIRECT as ours had it; empty when fio fails (the comparison above already says why)."""
     depth = max(p.config.queue_depth for p in points)
@@ -201,7 +299,7 @@ def _fio_curve(scratch: Path, points: Sequence[PointResult], size: int, repeats:
         for bs in sorted({p.config.block_size for p in points}):
             config = AioConfig(block_size=bs, queue_depth=depth, thread_count=tc)
             try:
-                runs = _fio_runs(config, direct, scratch, size, repeats)
+                runs = _fio_runs(config, direct, scratch, size, repeats, stop)
             except (FioError, OSError, ValueError):
                 return []
             curve += [FioCurvePoint(rw=rw, block_size=bs, thread_count=tc, queue_depth=depth,
@@ -217,7 +315,7 @@ def _median_or_none(values: list[float | None]) -> float | None:
 
 
 def _compare_with_fio(scratch: Path, best: dict[str, PointResult], buffers: Buffers, request_size: int,
-                      repeats: int) -> tuple[list[FioComparison], str | None]:
+                      repeats: int, stop: threading.Event | None = None) -> tuple[list[FioComparison], str | None]:
     """fio with the settings of each best point, in the direction it is best at ("both": each).
 
     Ours is measured again right before fio: the best of many noisy points is flattered by its
@@ -230,6 +328,7 @@ def _compare_with_fio(scratch: Path, best: dict[str, PointResult], buffers: Buff
     for role, point in best.items():
         key = config_key(point.config)
         if key not in measured:
+            _check(stop)
             path = scratch / "again.dat"
             try:
                 again = measure_point(point.config, path, buffers, request_size=request_size, repeats=repeats,
@@ -237,7 +336,7 @@ def _compare_with_fio(scratch: Path, best: dict[str, PointResult], buffers: Buff
             finally:
                 path.unlink(missing_ok=True)
             try:
-                measured[key] = again, _fio_runs(point.config, point.direct, scratch, buffers.nbytes, repeats)
+                measured[key] = again, _fio_runs(point.config, point.direct, scratch, buffers.nbytes, repeats, stop)
             except FioNotFound as exc:
                 return [], str(exc)
             except (FioError, OSError) as exc:
@@ -258,7 +357,8 @@ def _compare_with_fio(scratch: Path, best: dict[str, PointResult], buffers: Buff
     return comparisons, None
 
 
-def _fio_runs(config: AioConfig, direct: bool, scratch: Path, size: int, repeats: int) -> dict[str, list[FioResult]]:
+def _fio_runs(config: AioConfig, direct: bool, scratch: Path, size: int, repeats: int,
+              stop: threading.Event | None = None) -> dict[str, list[FioResult]]:
     """fio on ``config``'s settings with our protocol: a warm-up write lays one file out, then each
     repeat writes it over and reads it back; O_DIRECT exactly when ours had it (``direct``)."""
     path = scratch / "fio.dat"
@@ -268,6 +368,7 @@ def _fio_runs(config: AioConfig, direct: bool, scratch: Path, size: int, repeats
     try:
         run_fio(write, filename=path)  # untimed warm-up
         for _ in range(repeats):
+            _check(stop)
             runs["write"].append(run_fio(write, filename=path))
             runs["read"].append(run_fio(read, filename=path))
     finally:

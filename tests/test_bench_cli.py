@@ -88,6 +88,48 @@ def test_sweep_writes_json_csv_png_and_an_aio_section_that_loads_unchanged(disk_
     assert list(disk_dir.iterdir()) == []  # every benchmark file removed
 
 
+def test_sweep_reports_spread_noise_ties_and_why_it_chose(disk_dir, tmp_path, capsys):
+    """One quick real sweep at a small size, end to end: each point's spread and interval, the noise
+    from the reference point measured through the sweep, the tied configurations and the reason."""
+    out = tmp_path / "results"
+    args = ["--quick", "--size", "8M", "--request-size", "2M", "--repeats", "3", "--no-progress", "--no-fio"]
+    assert main(["sweep", str(disk_dir), *args, "--out-dir", str(out), "--config-out", str(tmp_path / "a.json")]) == 0
+    printed = capsys.readouterr().out
+    doc = json.loads((out / "sweep.json").read_text())
+    assert doc["complete"] is True and doc["settings"]["references"] == 5
+    (disk,) = doc["disks"]
+    refs = disk["reference_points"]
+    assert [r["slot"] for r in refs] == list(range(5))
+    assert all(AioConfig.from_dict(r["aio"]) == AioConfig.from_dict(refs[0]["aio"]) for r in refs)
+    noise = disk["noise"]
+    assert noise["reference_bw_bytes"] == [r["both_bw_bytes"] for r in refs]
+    assert noise["relative"] == max(noise["reference_difference"], noise["repeat_spread"]) >= 0
+    for p in disk["points"]:
+        low, high = p["both_ci95"]
+        assert 0 <= low <= high and p["both_spread"] >= 0 and p["cpu_ms_per_gb"] > 0
+        pooled = p["aio"] == refs[0]["aio"]  # the reference's configuration: all six measurements
+        assert len(p["write"]["bw_bytes_samples"]) == (18 if pooled else 3) and len(p["write"]["bw_bytes_ci95"]) == 2
+    assert sum(p["aio"] == refs[0]["aio"] for p in disk["points"]) == 1
+
+    choice = doc["choice"]
+    best = max(disk["points"], key=lambda p: p["both_bw_bytes"])
+    assert choice["best"]["aio"] == best["aio"] and choice["aio"] == doc["chosen"]["aio"]
+    tied = [p for p in disk["points"] if p["tied"]]
+    assert {json.dumps(p["aio"]) for p in tied} == {json.dumps(t["aio"]) for t in choice["tied"]}
+    assert all(p["both_bw_bytes"] >= best["both_bw_bytes"] * (1 - noise["relative"]) - 1 for p in tied)
+    chosen = next(p for p in tied if p["aio"] == choice["aio"])
+    assert chosen["aio"]["thread_count"] == min(p["aio"]["thread_count"] for p in tied)  # the lightest
+
+    assert f"noise {noise['relative']:.0%}: " in printed and "measured 5 times through the sweep" in printed
+    assert choice["reason"] in printed
+    assert choice["reason"].startswith(f"tied within {noise['relative']:.0%}: chose" if len(tied) > 1
+                                       else f"none within {noise['relative']:.0%}")
+    table = printed[printed.index("95% CI"):].splitlines()
+    assert sum(line.endswith(" chosen") for line in table) == 1
+    with open(out / "sweep.csv", newline="") as f:
+        assert sum(row["tied"] == "True" for row in csv.DictReader(f)) == len(tied)
+
+
 @pytest.mark.fio
 def test_sweep_compares_its_best_with_fio(disk_dir, tmp_path, capsys):
     assert main(["sweep", str(disk_dir), *TINY_SWEEP, "--backend", "threads", "--out-dir", str(tmp_path / "r"),
@@ -154,6 +196,74 @@ def test_interrupted_sweep_leaves_no_files(disk_dir, tmp_path, sig):
     assert "interrupted; benchmark files removed" in err
     assert list(disk_dir.iterdir()) == []
     assert not (tmp_path / "a.json").exists()
+
+
+@pytest.mark.subprocess
+def test_an_interrupted_sweep_keeps_its_points_and_resume_finishes_it(disk_dir, tmp_path, capsys):
+    out, aio = tmp_path / "r", tmp_path / "a.json"
+    args = ["sweep", str(disk_dir), "--quick", "--size", "64M", "--request-size", "16M", "--repeats", "2", "--no-fio",
+            "--out-dir", str(out), "--config-out", str(aio)]
+    proc = subprocess.Popen([sys.executable, "-m", "bench.cli", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # Not on a terminal: progress comes as whole lines, a tenth of the sweep at a time. The first one
+    # says some points are measured; most are still to come.
+    first = proc.stderr.readline()
+    assert first.startswith("sweep: 3/21 points"), (first, proc.communicate())
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate()
+    err = first + err
+    assert proc.returncode == 130, err
+    assert "\r" not in err  # no progress bar redrawn into a log
+    assert "run the same command with --resume to go on" in err and "interrupted; benchmark files removed" in err
+    saved = json.loads((out / "sweep.json").read_text())
+    assert saved["complete"] is False
+    (disk,) = saved["disks"]
+    kept = len(disk["points"]) + len(disk["reference_points"])
+    assert 3 <= kept < 21 and f"kept {kept} of 21 measurements" in err
+    assert not aio.exists() and list(disk_dir.iterdir()) == []
+
+    assert main([*args, "--resume", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert f"resuming: {kept} of 21 measurements kept in {out / 'sweep.json'}" in printed
+    done = json.loads((out / "sweep.json").read_text())
+    assert done["complete"] is True and len(done["disks"][0]["points"]) == 16
+    assert len(done["disks"][0]["reference_points"]) == 5
+    before = {json.dumps(p["aio"]): p["write"]["bw_bytes_samples"] for p in disk["points"]}
+    after = {json.dumps(p["aio"]): p["write"]["bw_bytes_samples"] for p in done["disks"][0]["points"]}
+    assert all(after[key] == samples for key, samples in before.items())  # kept, not measured again
+    assert AioConfig.from_file(aio).to_dict() == done["chosen"]["aio"]
+
+    assert main([*args, "--resume"]) == 2  # nothing left to resume
+    assert "is complete, nothing to resume" in capsys.readouterr().err
+
+
+def test_run_and_fio_print_json_on_stdout_and_their_settings_on_stderr(disk_dir, capsys):
+    assert main(["run", str(disk_dir), "--size", "4M", "--request-size", "1M", "--repeats", "2", "--bs", "256K",
+                 "--backend", "threads", "--json"]) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert doc["tool"] == "tensorio-bench run" and doc["aio"]["block_size"] == 256 << 10
+    assert doc["backend"] == "threads" and doc["direct"] is True and doc["size"] == 4 << 20
+    for rw in ("write", "read"):
+        assert doc[rw]["bw_bytes"] > 0 and len(doc[rw]["bw_bytes_samples"]) == 2
+        assert doc[rw]["clat_ns"]["percentile"]["99.000000"] > 0
+    assert doc["both_bw_bytes"] > 0 and captured.err.startswith(f"tensorio-bench run {disk_dir}: both 4M")
+    assert main(["run", str(disk_dir), "--size", "1M", "--rw", "read", "--repeats", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["write"] is None and doc["read"]["bw_bytes"] > 0 and "both_bw_bytes" not in doc
+
+
+@pytest.mark.fio
+def test_fio_json(disk_dir, capsys):
+    assert main(["fio", str(disk_dir), "--rw", "read", "--size", "8M", "--bs", "1M", "--qd", "4", "--json"]) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert doc["tool"] == "tensorio-bench fio" and doc["rw"] == "read" and doc["bw_bytes"] > 0
+    assert doc["io_bytes"] == 8 << 20 and "--iodepth=4" in doc["command"] and doc["fio_version"].startswith("fio-")
+    assert doc["clat_ns"]["percentile"]["50.000000"] > 0 and doc["aio"]["queue_depth"] == 4
+    assert captured.err.startswith(f"tensorio-bench fio {disk_dir}: read 8M")
+    assert list(disk_dir.iterdir()) == []
 
 
 def test_validate_tells_tmpfs_from_a_disk(disk_dir, shm_dir, capsys):

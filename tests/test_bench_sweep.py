@@ -1,11 +1,12 @@
-"""The sweep's pure parts: grids, picking the best, percentiles. No disk involved (sizes: test_tensorio_units.py)."""
+"""The sweep's pure parts: grids, the plan with its reference point, picking the best, percentiles. No disk
+involved (sizes: test_tensorio_units.py; the choice among tied points: test_bench_choose.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from bench.measure import Measurement, PointResult, _percentile
-from bench.sweep import GRIDS, Grid, best_points, chosen_config, config_key
+from bench.sweep import GRIDS, Grid, best_points, choose_config, config_key, reference_config, sweep_plan
 from tensorio import AioConfig
 
 MiB = 1 << 20
@@ -53,11 +54,38 @@ def test_best_points_by_direction_and_round_trip():
         best_points([])
 
 
-def test_chosen_config_is_best_over_all_disks():
+def test_without_noise_the_choice_is_the_best_over_all_disks():
     disk1 = [_point(4096, 3.0, 3.0), _point(MiB, 2.0, 2.0)]
     disk2 = [_point(4096, 0.5, 0.5), _point(MiB, 2.0, 2.0)]
-    assert chosen_config([disk1]).block_size == 4096
-    assert chosen_config([disk1, disk2]).block_size == MiB  # 4.0 GB/s summed beats 3.5
+    assert choose_config([disk1], 0.0).config.block_size == 4096
+    assert choose_config([disk1, disk2], 0.0).config.block_size == MiB  # 4.0 GB/s summed beats 3.5
+    only_on_one = [_point(8192, 9.0, 9.0)]  # measured on one disk of two: its sum does not compare
+    assert choose_config([disk1 + only_on_one, disk2], 0.0).config.block_size == MiB
+
+
+def test_the_reference_is_the_grids_point_closest_to_the_defaults():
+    for name, grid in GRIDS.items():
+        configs = grid.configs(backends=["io_uring", "threads"])
+        ref = reference_config(configs)
+        assert ref in configs and ref.thread_count == 1 and ref.backend == "io_uring", name
+    assert reference_config(GRIDS["quick"].configs(backends=["io_uring"])).queue_depth == 8
+    assert reference_config(GRIDS["default"].configs(backends=["io_uring"])).block_size == MiB
+
+
+@pytest.mark.parametrize("points", [1, 2, 16, 120])
+def test_the_plan_measures_every_point_once_and_the_reference_first_last_and_between(points):
+    configs = [AioConfig(block_size=4096 * (i + 1)) for i in range(points)]
+    plan = sweep_plan(configs, references=5)
+    assert [s.config for s in plan if s.kind == "point"] == configs
+    refs = [i for i, s in enumerate(plan) if s.kind == "reference"]
+    assert len(refs) == 5 and refs[0] == 0 and refs[-1] == len(plan) - 1
+    assert [plan[i].slot for i in refs] == list(range(5))
+    assert len({s.key for s in plan}) == len(plan)  # a resumed sweep tells every step apart
+    if points >= 8:
+        gaps = [b - a for a, b in zip(refs, refs[1:])]
+        assert max(gaps) - min(gaps) <= 1  # evenly spread
+    with pytest.raises(ValueError, match="at least 2"):
+        sweep_plan(configs, references=1)
 
 
 def test_percentile_nearest_rank():
@@ -83,7 +111,7 @@ def test_chart_keeps_every_point_inside_its_axes_marks_the_chosen_and_draws_fio(
     points = [point(bs, tc, qd, w, r) for bs, tc, qd, w, r in [
         (128 << 10, 1, 8, 0.4, 0.6), (MiB, 1, 8, 0.5, 0.7), (128 << 10, 1, 32, 0.5, 0.8), (MiB, 1, 32, 0.6, 0.9),
         (128 << 10, 2, 8, 1.0, 1.5), (MiB, 2, 8, 2.0, 2.5), (128 << 10, 2, 32, 1.2, 1.6), (MiB, 2, 32, 3.32, 4.1)]]
-    chosen = chosen_config([points])
+    chosen = choose_config([points], 0.0).config
     assert (chosen.block_size, chosen.thread_count, chosen.queue_depth) == (MiB, 2, 32)
     fio = [FioCurvePoint(rw=rw, block_size=bs, thread_count=tc, queue_depth=32, bw_bytes=int(gbs * 1e9))
            for rw, gbs in (("write", 3.5), ("read", 4.6)) for bs in (128 << 10, MiB) for tc in (1, 2)]
