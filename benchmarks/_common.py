@@ -176,3 +176,25 @@ def traffic_at_pace(directory: str, read_bytes: float, written_bytes: float, sec
     return FioLoad(directory=directory, block_size=block_size,
                    read_rate=max(LEAST_LOAD_RATE, round(read_bytes / seconds)),
                    write_rate=max(LEAST_LOAD_RATE, round(written_bytes / seconds)))
+
+
+def gpt2_on_nvme_after_a_step(root: str, model_config: dict):
+    """(model, engine): a random GPT-2 of ``model_config`` (GPT2Config keywords) with parameters and optimizer
+    state on NVMe under ``root``, after one step of a 16-token batch; clipping off (the checkpoint benchmarks'
+    recorded figures ran so)."""
+    import torch
+    import transformers
+
+    from offload.train.engine import initialize
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**model_config))
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+              "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": root, "max_in_cpu": 0},
+                                    "offload_optimizer": {"device": "nvme", "nvme_path": root}}}
+    engine, *_ = initialize(model=model, config=config)
+    batch = torch.randint(0, model.config.vocab_size, (1, 16))
+    engine.backward(engine(batch, labels=batch).loss)
+    engine.step()
+    return model, engine

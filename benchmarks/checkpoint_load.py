@@ -25,10 +25,7 @@ import statistics
 import tempfile
 import time
 
-import torch
-import transformers
-
-from offload.train.engine import initialize
+from benchmarks._common import gpt2_on_nvme_after_a_step
 
 GPT2_SMALL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
 _CHECKED = re.compile(r"load_checkpoint: ([0-9.]+) MB of .* checked against their checksums in ([0-9.]+) s")
@@ -73,16 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _measure(root: str, model_config: dict, repeats: int) -> dict:
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**model_config))
-    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-              "gradient_clipping": 0.0,  # as the recorded figures ran (before DeepSpeed's default of 1.0 applied)
-              "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": root, "max_in_cpu": 0},
-                                    "offload_optimizer": {"device": "nvme", "nvme_path": root}}}
-    engine, *_ = initialize(model=model, config=config)
-    batch = torch.randint(0, model.config.vocab_size, (1, 16))
-    engine.backward(engine(batch, labels=batch).loss)
-    engine.step()
+    _, engine = gpt2_on_nvme_after_a_step(root, model_config)
     engine.save_checkpoint(f"{root}/ckpt")
     state = _state_file_cost(f"{root}/ckpt/global_step1")
     handler = _Checked()

@@ -31,7 +31,7 @@ import time
 import torch
 import transformers
 
-from offload.train.engine import initialize
+from benchmarks._common import gpt2_on_nvme_after_a_step
 
 GPT2_SMALL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
 
@@ -65,18 +65,12 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _measure(root: str, model_config: dict, repeats: int, *, fio: bool) -> dict:
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**model_config))
-    in_memory = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    shapes = transformers.GPT2LMHeadModel(transformers.GPT2Config(**model_config))
+    in_memory = {"model": {k: v.detach().clone() for k, v in shapes.state_dict().items()},
                  "optimizer": {k: {"exp_avg": torch.randn_like(v), "exp_avg_sq": torch.rand_like(v)}
-                               for k, v in model.named_parameters()}}
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-              "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": root, "max_in_cpu": 0},
-                                    "offload_optimizer": {"device": "nvme", "nvme_path": root}}}
-    engine, *_ = initialize(model=model, config=config)
-    batch = torch.randint(0, model.config.vocab_size, (1, 16))
-    engine.backward(engine(batch, labels=batch).loss)
-    engine.step()
+                               for k, v in shapes.named_parameters()}}
+    del shapes
+    _, engine = gpt2_on_nvme_after_a_step(root, model_config)
     ours, saves, cached, checkpoint_bytes = [], [], [], 0
     fio_times: dict[str, list[float]] = {"write": [], "read": []}
     try:

@@ -14,27 +14,12 @@ import torch
 
 from checkpoint_flips import FLIPS, WHAT, copy_elsewhere, flip, relative
 from offload.checkpoint import main as checkpoint_command
-from offload.train.engine import initialize
 from tensorio import ChecksumError
-from test_engine import engine_config, gpt2, gpt2_batches, gpt2_loss
+from test_checksums_checkpoint import _engine, _step
+from test_engine import gpt2_batches
 
 BATCHES = gpt2_batches(3)
 WAYS = ("relative", "absolute", "moved")
-
-
-def _engine(tmp, aio=None):
-    """GPT-2 with parameters and optimizer state on NVMe; ``aio``: the config's aio section (its backend)."""
-    engine, *_ = initialize(model=gpt2(0.0), config=engine_config(tmp, "nvme", "nvme", micro=2, aio=aio or {}))
-    if aio:
-        assert engine.param_store.swap._io().backend_name == aio["backend"]
-    return engine
-
-
-def _step(engine, batch):
-    loss = gpt2_loss(engine, batch)
-    engine.backward(loss)
-    engine.step()
-    return loss.item()
 
 
 @pytest.fixture(scope="module")
