@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.subprocess
+
 
 _CHILD = r'''
 import json, resource, shutil, sys, tempfile
@@ -23,7 +23,7 @@ config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hi
                                   num_key_value_heads=8, vocab_size=32000, max_position_embeddings=65536)
 transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(root + "/llama")
 ids = torch.randint(3, 32000, (1, tokens), generator=torch.Generator().manual_seed(1))
-with init_inference(root + "/llama", disk_gbps=1.0) as engine:
+with init_inference(root + "/llama", disk_gbps=1.0, block_schedule={"max_activation_bytes": 1 << 36}) as engine:  # unchunked
     engine.module.config._attn_implementation = impl
     engine.generate(ids[:, :16], max_new_tokens=2, do_sample=False, pad_token_id=0)  # every lazy allocation made
     base = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, psutil.Process().memory_info().rss)
@@ -35,6 +35,7 @@ with init_inference(root + "/llama", disk_gbps=1.0) as engine:
 '''
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_the_estimate_bounds_a_long_prompts_peak(impl, disk_dir):
     run = subprocess.run([sys.executable, "-c", _CHILD, "2048", impl, str(disk_dir)], capture_output=True, text=True)
@@ -45,3 +46,40 @@ def test_the_estimate_bounds_a_long_prompts_peak(impl, disk_dir):
         assert figures["estimate"] + figures["kv"] <= 1.5 * figures["growth"]
     else:  # tiled attention: a 16K-token prompt of this 32-head model takes well under a GiB
         assert figures["issue_16k"] < 1 << 30
+
+
+def test_a_prompt_whose_activations_exceed_the_limit_is_prefilled_in_chunks(caplog):
+    """One sequence's prefill over max_activation_bytes runs in chunks (transformers' prefill_chunk_size), each a
+    forward that reads the streamed layers once: the tokens are the unchunked run's, and the forwards are the
+    chunks' plus one per new token."""
+    import logging
+    import shutil
+
+    import torch
+
+    from offload.infer import init_inference
+    from test_infer_generate import build_model, save_checkpoint, scratch_dir
+
+    root = scratch_dir("infer-chunks-")
+    try:
+        model = build_model("llama", torch.float32)
+        directory = save_checkpoint(model, root / "llama")
+        ids = torch.randint(3, 256, (1, 64), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            expected = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        with init_inference(directory, disk_gbps=1.0, max_in_cpu="200KiB") as probe:
+            limit = probe.activation_bytes(1, 20, logits=1, context=72)  # room for a chunk of 16 to 20 tokens
+        with init_inference(directory, disk_gbps=1.0, max_in_cpu="200KiB",
+                            block_schedule={"max_activation_bytes": limit}) as engine:
+            forwards = []
+            engine.module.register_forward_pre_hook(lambda module, args, kwargs: forwards.append(
+                (kwargs.get("input_ids") if kwargs.get("input_ids") is not None else args[0]).shape[-1]),
+                with_kwargs=True)
+            with caplog.at_level(logging.INFO, logger="offload.infer"):
+                ours = engine.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+            assert engine.plan.streamed  # every chunk reads the streamed layers
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    assert ours.tolist() == expected.tolist()
+    assert forwards == [16, 16, 16, 16] + [1] * 7
+    assert "prefilling the 64-token prompt in chunks of 16 tokens" in caplog.text
