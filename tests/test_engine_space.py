@@ -82,3 +82,24 @@ def test_the_ranks_of_a_node_are_counted_on_its_file_system(tmp_path, monkeypatc
     with pytest.raises(OSError, match=r"for each of the 8 ranks of this node \(LOCAL_WORLD_SIZE\) need") as info:
         check_swap_space(cfg, one)
     assert info.value.errno == errno.ENOSPC
+
+
+def test_a_rank_writes_its_swap_files_on_its_drive_of_the_list(tmp_path, monkeypatch):
+    """``nvme_path`` as a list: local rank 1 of the node keeps its parameter and optimizer swap files on the
+    second drive, and trains as on one."""
+    from test_engine import mlp, mlp_batches, mlp_loss, train
+
+    drives = [tmp_path / "nvme0", tmp_path / "nvme1"]
+    for drive in drives:
+        drive.mkdir()
+    config = engine_config(drives[0], "nvme", "nvme")
+    for key in ("offload_param", "offload_optimizer"):
+        config["zero_optimization"][key]["nvme_path"] = [str(d) for d in drives]
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    engine, *_ = initialize(model=mlp(), config=config)
+    try:
+        losses = train(engine, mlp_batches(2), mlp_loss)
+        assert os.listdir(drives[0]) == [] and any(n.startswith("offload-params-") for n in os.listdir(drives[1]))
+        assert any(n.startswith("offload-adam-") for n in os.listdir(drives[1])) and len(losses) == 2
+    finally:
+        engine.close()

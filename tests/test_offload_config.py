@@ -542,3 +542,28 @@ def test_an_unknown_key_names_the_closest_known_one(build, message):
     close to none lists the allowed ones only."""
     with pytest.raises(ValueError, match=message):
         build()
+
+
+def test_a_list_of_nvme_paths_spreads_the_nodes_ranks_and_each_is_checked(tmp_path, monkeypatch):
+    """Several NVMe drives: ``nvme_path`` as a list gives local rank r the directory r modulo the list (the
+    node's ranks spread over the drives); every directory of it is checked at the start, this rank's or not."""
+    from offload.config import EngineConfig, check_nvme_paths
+
+    drives = [tmp_path / "nvme0", tmp_path / "nvme1"]
+    for drive in drives:
+        drive.mkdir()
+    section = {"device": "nvme", "nvme_path": [str(d) for d in drives]}
+    config = {"train_micro_batch_size_per_gpu": 1,
+              "zero_optimization": {"stage": 3, "offload_param": dict(section), "offload_optimizer": dict(section)}}
+    for local, expected in (("0", drives[0]), ("1", drives[1]), ("3", drives[1])):
+        monkeypatch.setenv("LOCAL_RANK", local)
+        zero = EngineConfig.from_dict(config, world_size=4).zero_optimization
+        assert zero.offload_param.nvme_path == zero.offload_optimizer.nvme_path == str(expected)
+        assert zero.offload_param.nvme_paths == tuple(str(d) for d in drives)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    drives[1].rmdir()  # another rank's drive is missing: named at the start here too
+    with pytest.raises(FileNotFoundError, match=r"zero_optimization\.offload_param\.nvme_path: '.*nvme1' does not exist"):
+        check_nvme_paths(EngineConfig.from_dict(config, world_size=4))
+    with pytest.raises(ValueError, match=r"offload_param\.nvme_path: expected a directory path or a non-empty list"):
+        EngineConfig.from_dict({**config, "zero_optimization": {"stage": 3, "offload_param": {
+            "device": "nvme", "nvme_path": []}}}, world_size=1)

@@ -267,17 +267,20 @@ def check_nvme_paths(config: EngineConfig) -> None:
     for key, offload in (("offload_param", zero.offload_param), ("offload_optimizer", zero.offload_optimizer)):
         if offload.device != "nvme":
             continue
-        where = f"zero_optimization.{key}.nvme_path: {offload.nvme_path!r}"
-        try:
-            os.stat(offload.nvme_path)
-        except PermissionError:
-            raise PermissionError(errno.EACCES, f"{where}: permission denied (a directory on its path may not be "
-                                  f"searched by this process); fix its permissions or the path",
-                                  offload.nvme_path) from None
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{where} does not exist; create the directory on the NVMe drive or fix the path") from None
-        if not os.path.isdir(offload.nvme_path):
-            raise NotADirectoryError(f"{where} is not a directory; point it at a directory on the NVMe drive")
-        if not os.access(offload.nvme_path, os.W_OK | os.X_OK):
-            raise PermissionError(errno.EACCES, f"{where}: permission denied (not writable by this process); fix its "
-                                  f"permissions or the path", offload.nvme_path)
+        for path in offload.nvme_paths or (offload.nvme_path,):  # every drive of a list, not only this rank's
+            _check_nvme_path(f"zero_optimization.{key}.nvme_path: {path!r}", path)
+
+
+def _check_nvme_path(where: str, path: str) -> None:
+    try:
+        os.stat(path)
+    except PermissionError:
+        raise PermissionError(errno.EACCES, f"{where}: permission denied (a directory on its path may not be "
+                              f"searched by this process); fix its permissions or the path", path) from None
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{where} does not exist; create the directory on the NVMe drive or fix the path") from None
+    if not os.path.isdir(path):
+        raise NotADirectoryError(f"{where} is not a directory; point it at a directory on the NVMe drive")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, f"{where}: permission denied (not writable by this process); fix its "
+                              f"permissions or the path", path)

@@ -114,7 +114,7 @@ def section_values(section: Any, key: str, allowed: Collection[str], *,
 
 def build(cls: Any, section: Any, key: str | None = None) -> Any:
     """Build dataclass ``cls`` from the JSON object at dotted ``key`` (default ``cls._KEY``), fields as keys."""
-    return cls(**section_values(section, cls._KEY if key is None else key, {f.name for f in fields(cls)}))
+    return cls(**section_values(section, cls._KEY if key is None else key, {f.name for f in fields(cls) if f.init}))
 
 
 def renamed(written: str, canonical: str, error: ValueError) -> ValueError:

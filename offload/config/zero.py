@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Mapping
@@ -12,6 +13,21 @@ from offload.config.parse import boolean, build, choice, integral, number, secti
 from offload.config.swap import SwapConfig, prefixed
 
 DEVICES = ("none", "cpu", "nvme")
+
+
+def rank_path(key: str, nvme_path: Any) -> tuple[Any, tuple[str, ...]]:
+    """(this rank's directory, every directory) of an ``nvme_path`` that is one directory or a list of them:
+    the node's ranks are spread over a list, local rank ``LOCAL_RANK`` modulo its length (several NVMe drives,
+    a rank's swap files on one of them). Raises ValueError naming ``key`` for an empty list or one holding
+    anything but non-empty strings."""
+    if not isinstance(nvme_path, (list, tuple)):
+        return nvme_path, (nvme_path,) if isinstance(nvme_path, str) and nvme_path else ()
+    if not nvme_path or not all(isinstance(path, str) and path for path in nvme_path):
+        raise ValueError(f"{key}.nvme_path: expected a directory path or a non-empty list of them, got {nvme_path!r}")
+    local = os.environ.get("LOCAL_RANK", "0").strip() or "0"
+    if not local.isdigit():
+        raise ValueError(f"LOCAL_RANK: {local!r} is not a rank number (it spreads the ranks over {key}.nvme_path)")
+    return nvme_path[int(local) % len(nvme_path)], tuple(nvme_path)
 
 
 def _check_device(key: str, device: Any, nvme_path: Any) -> None:
@@ -35,7 +51,12 @@ class OffloadParamConfig:
     """"none" keeps parameters in accelerator memory, "cpu" in host memory, "nvme" in files under nvme_path."""
 
     nvme_path: str | None = None
-    """Directory for the swap files; required with device "nvme". It need not exist until the engine starts."""
+    """Directory for the swap files; required with device "nvme". It need not exist until the engine starts.
+    A list of directories (one per NVMe drive) spreads the node's ranks over them (`rank_path`): this is then
+    this rank's, and ``nvme_paths`` holds them all."""
+
+    nvme_paths: tuple[str, ...] = field(default=(), init=False)
+    """Every directory ``nvme_path`` named (one, or the list given)."""
 
     pin_memory: bool = False
     """Accepted as DeepSpeed takes it, and not read: with compute on a GPU the partitions held in host memory
@@ -55,6 +76,7 @@ class OffloadParamConfig:
     `offload.zero.Init`) starts; ``engine.plan`` prints the figures."""
 
     def __post_init__(self) -> None:
+        self.nvme_path, self.nvme_paths = rank_path(self._KEY, self.nvme_path)
         _check_device(self._KEY, self.device, self.nvme_path)
         self.pin_memory = boolean(f"{self._KEY}.pin_memory", self.pin_memory)
         self.buffer_count = integral(f"{self._KEY}.buffer_count", self.buffer_count, minimum=1)
@@ -76,7 +98,11 @@ class OffloadOptimizerConfig:
     """"none" keeps optimizer states in accelerator memory, "cpu" in host memory, "nvme" in files under nvme_path."""
 
     nvme_path: str | None = None
-    """Directory for the swap files; required with device "nvme". It need not exist until the engine starts."""
+    """Directory for the swap files; required with device "nvme". It need not exist until the engine starts.
+    A list of directories spreads the node's ranks over them, as ``offload_param.nvme_path`` does."""
+
+    nvme_paths: tuple[str, ...] = field(default=(), init=False)
+    """Every directory ``nvme_path`` named (one, or the list given)."""
 
     pin_memory: bool = False
     """Stage optimizer states through page-locked host buffers."""
@@ -101,6 +127,7 @@ class OffloadOptimizerConfig:
     """Fraction of the optimizer states offloaded, from 0 to 1."""
 
     def __post_init__(self) -> None:
+        self.nvme_path, self.nvme_paths = rank_path(self._KEY, self.nvme_path)
         _check_device(self._KEY, self.device, self.nvme_path)
         self.fast_init = boolean(f"{self._KEY}.fast_init", self.fast_init)
         self.ratio = number(f"{self._KEY}.ratio", self.ratio, minimum=0, maximum=1)
