@@ -79,9 +79,12 @@ def test_the_ranks_of_a_node_are_counted_on_its_file_system(tmp_path, monkeypatc
     one = SwapSpace(params=free // 12, optimizer=free // 12, grads=0)  # a rank's: a sixth of the free space
     check_swap_space(cfg, one, ranks=1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    with pytest.raises(OSError, match=r"for each of the 8 ranks of this node \(LOCAL_WORLD_SIZE\) need") as info:
+    with pytest.raises(OSError, match=r"for each of the 8 ranks of this node on it \(LOCAL_WORLD_SIZE 8\) need") as info:
         check_swap_space(cfg, one)
     assert info.value.errno == errno.ENOSPC
+    for key in ("offload_param", "offload_optimizer"):  # four drives: two ranks on each, which this disk holds
+        getattr(cfg.zero_optimization, key).nvme_paths = (str(tmp_path),) * 4
+    check_swap_space(cfg, one)
 
 
 def test_a_rank_writes_its_swap_files_on_its_drive_of_the_list(tmp_path, monkeypatch):

@@ -73,23 +73,27 @@ def check_swap_space(cfg: EngineConfig, needed: SwapSpace, ranks: int | None = N
     """Raise OSError(ENOSPC) naming the directories, the bytes needed and the bytes free, when the file
     systems of ``offload_param.nvme_path`` and ``offload_optimizer.nvme_path`` cannot hold ``needed``
     (the two may share one file system) for each of the ``ranks`` of this node (default: ``LOCAL_WORLD_SIZE``,
-    `offload.device.local_ranks`), whose partitions are the same size and whose swap files share the paths."""
+    `offload.device.local_ranks`) that shares this rank's drive (all of them, or their share of a list of
+    ``nvme_path``s), whose partitions are the same size."""
     from offload.device import local_ranks
 
     ranks = local_ranks() if ranks is None else ranks
     zero = cfg.zero_optimization
     wanted: dict[int, list[tuple[str, str, int]]] = {}
-    for key, path, nbytes in (("offload_param.nvme_path", zero.offload_param.nvme_path, needed.params),
-                              ("offload_optimizer.nvme_path", zero.offload_optimizer.nvme_path,
-                               needed.optimizer + needed.grads)):
+    sharing = 1
+    for key, offload, nbytes in (("offload_param.nvme_path", zero.offload_param, needed.params),
+                                 ("offload_optimizer.nvme_path", zero.offload_optimizer, needed.optimizer + needed.grads)):
+        path = offload.nvme_path
         if nbytes and path:
             wanted.setdefault(os.stat(path).st_dev, []).append((key, os.path.abspath(path), nbytes))
+            drives = max(1, len(offload.nvme_paths))  # a list spreads the node's ranks over its drives
+            sharing = max(sharing, -(-ranks // drives))
     for entries in wanted.values():
-        total = ranks * sum(nbytes for _, _, nbytes in entries)
+        total = sharing * sum(nbytes for _, _, nbytes in entries)
         free = shutil.disk_usage(entries[0][1]).free
         if total > free:
             what = " and ".join(f"zero_optimization.{key} {path!r} ({_gb(nbytes)})" for key, path, nbytes in entries)
-            each = f" for each of the {ranks} ranks of this node (LOCAL_WORLD_SIZE)" if ranks > 1 else ""
+            each = f" for each of the {sharing} ranks of this node on it (LOCAL_WORLD_SIZE {ranks})" if sharing > 1 else ""
             raise OSError(errno.ENOSPC, f"not enough swap space: {what}{each} need {_gb(total)} in all (parameters "
                                         f"{_gb(needed.params)}, optimizer state in two slots {_gb(needed.optimizer)}, "
                                         f"gradients {_gb(needed.grads)}), the file system has {_gb(free)} free; free "
