@@ -141,3 +141,40 @@ def test_world_size_two_on_the_simulated_device_matches_one(disk_dir, param, opt
     """Two ranks computing on the simulated device (partitions all-gathered and gradients all-reduced as
     device buffers, as NCCL needs them) give world size one's results on that device."""
     two_ranks_match_one(disk_dir, monkeypatch, (str(disk_dir), param, opt, gas, clip), (bucket, True), simulated=True)
+
+
+def _check_with_rank_1_corrupt(rank: int, world_size: int, out: str) -> None:
+    """Rank 1's failure state is corrupt (a checksum mismatch on its swap file); every rank checks before a save."""
+    from offload.train.step.failure import FailureState
+    from tensorio import ChecksumError
+
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        failure = FailureState()
+        if rank == 1:
+            failure.corrupt(ChecksumError(path="/nvme/offload-params-1.swp", offset=0, length=4096, expected=1,
+                                          actual=2, what="parameter 'w'"))
+        try:
+            failure.check_all_ranks("save a checkpoint", group=None, world_size=world_size, rank=rank)
+            refused = ""
+        except RuntimeError as error:
+            refused = str(error)
+        with open(f"{out}.{rank}", "w", encoding="utf-8") as file:
+            file.write(refused)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_a_save_after_one_rank_failed_is_refused_on_every_rank(disk_dir, monkeypatch):
+    """The ranks agree before a save (one all-reduce of a flag): rank 1 cannot save, so rank 0 refuses too,
+    naming rank 1, instead of entering the save's collectives alone; rank 2 likewise."""
+    from ranks import run_ranks
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    out = str(disk_dir / "refused")
+    run_ranks(_check_with_rank_1_corrupt, [(r, 3, out) for r in range(3)], timeout=60)
+    zero, one, two = (open(f"{out}.{r}", encoding="utf-8").read() for r in range(3))
+    assert zero == two and zero.startswith("cannot save a checkpoint: rank 1 cannot (a step there failed part way")
+    assert one.startswith("cannot save a checkpoint: a swap file returned corrupt bytes")

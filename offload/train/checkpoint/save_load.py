@@ -24,7 +24,7 @@ def save_engine_checkpoint(ctx: StepContext, path: UpdatePath, module: nn.Module
                            save_dir: str | os.PathLike, tag: str | None, client_state: Mapping[str, Any] | None,
                            save_latest: bool, exclude_frozen: bool) -> str:
     """`Engine.save_checkpoint` (see it for the layout, the guarantees and what it raises)."""
-    ctx.failure.check("save a checkpoint")
+    ctx.failure.check_all_ranks("save a checkpoint", group=ctx.group, world_size=world_size, rank=rank)
     counters = ctx.counters
     tag = tag if tag is not None else f"global_step{counters.global_steps}"
     path.settle()

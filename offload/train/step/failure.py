@@ -100,6 +100,28 @@ class FailureState:
         raise RuntimeError(f"cannot {what}: {self.reason}, so some parameters may carry its update and others "
                            f"not; {what} would go on from a mixed model. Resume with {resume}")
 
+    def check_all_ranks(self, what: str, *, group: Any, world_size: int, rank: int) -> None:
+        """`check` agreed by every rank of ``group`` (one all-reduce of a flag per rank): where any rank cannot
+        ``what`` (its parameters partly updated or corrupt), every rank raises, the others naming it, so that
+        none is left waiting in the collectives that ``what`` begins. Every rank must call it."""
+        import torch
+        import torch.distributed as dist
+
+        from offload.device import collective_device
+
+        blocked = self.kind in _NEEDS_LOAD
+        if world_size > 1 and dist.is_available() and dist.is_initialized():
+            flags = torch.zeros(world_size, dtype=torch.int32, device=collective_device(group))
+            flags[rank] = int(blocked)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+            others = [r for r, flag in enumerate(flags.tolist()) if flag and r != rank]
+            if others and not blocked:
+                raise RuntimeError(f"cannot {what}: rank{'s' if len(others) > 1 else ''} "
+                                   f"{', '.join(map(str, others))} cannot (a step there failed part way or read corrupt "
+                                   f"bytes; its error says which), and every rank refuses with it; resume every rank "
+                                   f"with load_checkpoint(...)")
+        self.check(what)
+
     def check_step(self) -> None:
         """Raise RuntimeError when ``step()`` cannot run: partly updated parameters, or lost gradients."""
         self.check("step")
