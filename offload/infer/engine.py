@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from offload.device import Device, auto_budget, host_memory
+from offload.infer.activations import activation_bytes, prefill_chunk
 from offload.infer.build import (CheckpointMismatchError, build_units, checkpoint_directory, compute_device_for,
                                   contiguous_head_input, decoder_blocks, device_budget, materialize_buffers,
                                   measure_disk, meta_skeleton)
@@ -157,13 +158,10 @@ class InferenceEngine:
         total = prompt + new if new is not None else kwargs.get("max_length", generation.max_length)
         beams = kwargs.get("num_beams", generation.num_beams) or 1
         returns = kwargs.get("num_return_sequences", generation.num_return_sequences) or 1
-        sequences = batch * max(beams, returns)
-        chunk = kwargs.get("prefill_chunk_size", getattr(generation, "prefill_chunk_size", None))
-        if chunk is None:
-            chunk = self._prefill_chunk(prompt, total)
-            if chunk is not None:
-                kwargs["prefill_chunk_size"] = chunk
-        plan = self.reserve(sequences, total, logits=1, chunk=chunk)  # generate keeps the last position's logits
+        chunk = kwargs.get("prefill_chunk_size", getattr(generation, "prefill_chunk_size", None)) or prefill_chunk(
+            self.activation_bytes, prompt, total, self.settings.block_schedule.max_activation_bytes)
+        kwargs.update({"prefill_chunk_size": chunk} if chunk else {})
+        plan = self.reserve(batch * max(beams, returns), total, logits=1, chunk=chunk)  # the last position's logits
         cache = None
         placement = plan.kv
         if beams > 1 and (placement.nvme_layers or placement.micro_batches > 1):  # refused before the prefill's minutes
@@ -208,8 +206,8 @@ class InferenceEngine:
         if ids is not None:
             cache = kwargs.get("past_key_values", kwargs.get("cache"))
             past = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
-            keep = kwargs.get("logits_to_keep")  # transformers' forward computes the logits of the last ones only
-            self.reserve(ids.shape[0], past + ids.shape[-1], logits=keep if isinstance(keep, int) and keep > 0 else None)
+            keep = kwargs.get("logits_to_keep")  # the logits of the last ones only: an int > 0
+            self.reserve(ids.shape[0], past + ids.shape[-1], logits=keep if isinstance(keep, int) and keep else None)
         with self._running():
             return self.module(*args, **kwargs)
 
@@ -218,8 +216,7 @@ class InferenceEngine:
         budget, so resident layers become streamed where it needs their room (and come back when it
         shrinks again). Returns the plan. Raises BudgetError naming the figures when even the weights
         that must stay plus that cache exceed the budget, or the plan exceeds the machine's memory.
-        ``logits``: the positions whose logits a forward keeps (`activation_bytes`; generate: 1); ``chunk``: the
-        tokens of the largest forward (a chunked prefill's chunk), default ``tokens``."""
+        ``logits``, ``chunk``: the positions whose logits, and the tokens, the largest forward keeps and takes."""
         self._check_open()
         setting, schedule = self.settings.kv_offload, self.settings.block_schedule
         step = tokens if chunk is None else min(chunk, tokens)
@@ -250,8 +247,7 @@ class InferenceEngine:
         self.plan = plan
         return plan
 
-    def _reserve_on_device(self, batch: int, tokens: int, micro: int, logits: int | None = None,
-                           step: int | None = None) -> Plan:
+    def _reserve_on_device(self, batch: int, tokens: int, micro: int, logits: int | None, step: int) -> Plan:
         """`reserve` where compute has memory of its own: the activations on the device, and the KV cache
         there while the budget holds it (``kv_offload.device`` "auto"); else, or with "cpu" / "nvme", the
         cache on the host (in memory or on NVMe, as `place_kv` places it there), each layer's copied to
@@ -259,8 +255,8 @@ class InferenceEngine:
         setting = self.settings.kv_offload
         layers = self._text_config().num_hidden_layers
         kv, shape, parts = self.kv_bytes(batch, tokens), (batch, tokens), batch // micro
-        disk = (self.plan.disk_bps, self.plan.disk_source)
-        activations = self.activation_bytes(micro, step or tokens, logits=logits, context=tokens)
+        disk, activations = (self.plan.disk_bps, self.plan.disk_source), self.activation_bytes(micro, step, logits=logits,
+                                                                                                context=tokens)
         plan = None
         if setting.device == "auto":
             try:
@@ -342,41 +338,9 @@ class InferenceEngine:
         return 2 * text.num_hidden_layers * batch * tokens * kv_heads * row
 
     def activation_bytes(self, batch: int, tokens: int, *, logits: int | None = None, context: int | None = None) -> int:
-        """An upper estimate of one forward's activations over ``tokens`` tokens, as transformers allocates
-        them: hidden states and the MLP's intermediates in the compute dtype; the attention scores of every
-        head (their product, fp32 softmax and cast back) only where the model's attention implementation
-        materialises them ("eager"), else
-        (SDPA, flash attention: computed in tiles, never all at once) the boolean mask of a padded batch;
-        fp32 logits for ``logits`` positions of each sequence (None: every position, as a forward returns
-        them; ``generate`` keeps the last position's only). ``context``: the tokens attended to (the cache's
-        and these; default ``tokens``), for a chunk of a longer prompt."""
-        text = self._text_config()
-        hidden, heads = text.hidden_size, text.num_attention_heads
-        inner = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        eager = getattr(self.module.config, "_attn_implementation", None) in (None, "eager")
-        # per token: every head's scores (in the compute dtype, their fp32 softmax and its cast back), or the
-        # mask's row of a padded batch
-        context = tokens if context is None else max(context, tokens)
-        scores = heads * context * (4 + 3 * itemsize) if eager else context
-        positions = tokens if logits is None else min(logits, tokens)
-        return batch * (tokens * ((6 * hidden + 3 * inner) * itemsize + scores) + 4 * positions * text.vocab_size)
-
-    def _prefill_chunk(self, prompt: int, total: int) -> int | None:
-        """The chunk a prompt of ``prompt`` tokens is prefilled in (transformers' ``prefill_chunk_size``), or None
-        when one sequence's prefill fits ``block_schedule.max_activation_bytes`` whole: the largest halving of
-        the prompt whose activations fit (at least 16 tokens). Each chunk is a forward, so streamed layers are
-        read once per chunk: chunks are as large as the limit allows."""
-        limit = self.settings.block_schedule.max_activation_bytes
-        if prompt <= 16 or self.activation_bytes(1, prompt, logits=1, context=total) <= limit:
-            return None
-        chunk = prompt
-        while chunk > 16 and self.activation_bytes(1, chunk, logits=1, context=total) > limit:
-            chunk = -(-chunk // 2)
-        log.info("offload.infer: prefilling the %d-token prompt in chunks of %d tokens (one sequence's activations "
-                 "would exceed block_schedule.max_activation_bytes %s; each chunk reads the streamed layers once)",
-                 prompt, chunk, format_bytes(limit))
-        return chunk
+        """One forward's activations over ``tokens`` tokens, an upper estimate (offload/infer/activations.py)."""
+        attention = getattr(self.module.config, "_attn_implementation", None)
+        return activation_bytes(self._text_config(), attention, self.dtype, batch, tokens, logits=logits, context=context)
 
     # ---- lifetime ---------------------------------------------------------------------------------
 
@@ -540,8 +504,7 @@ class InferenceEngine:
         self.units = build_units(self.module, self.checkpoint)
 
     def _needs_conversion(self, unit: Unit) -> bool:
-        """A tensor of the checkpoint in another dtype than it computes in (those the model keeps in a dtype of
-        their own, such as a router in fp32, are converted as they are bound: `ParamRef.value`)."""
+        """A tensor stored in another dtype than it computes in (a router kept in fp32 is converted as bound)."""
         return any(self.checkpoint[name].dtype != ref.placeholder.dtype for ref in unit.params
                    if ref.placeholder.dtype == self.dtype for name in ref.tensors)
 

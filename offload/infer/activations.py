@@ -1,0 +1,55 @@
+"""One forward's activations as transformers allocates them (the estimate the plan reserves beside the
+weights and the KV cache), and the chunk a long prompt is prefilled in so that they fit."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from offload.infer.plan.units import format_bytes
+
+__all__ = ["activation_bytes", "prefill_chunk"]
+
+log = logging.getLogger("offload.infer")
+
+_SMALLEST_CHUNK = 16
+"""Tokens of the smallest prefill chunk: below it a prompt is prefilled whole."""
+
+
+def activation_bytes(text: Any, attention: str | None, dtype: torch.dtype, batch: int, tokens: int, *,
+                     logits: int | None = None, context: int | None = None) -> int:
+    """An upper estimate of one forward's activations over ``tokens`` tokens of a model whose text config is
+    ``text``, computing in ``dtype`` with attention implementation ``attention``: hidden states and the MLP's
+    intermediates in ``dtype``; the attention scores of every head (their product, fp32 softmax and cast
+    back) only where the implementation materialises them ("eager"), else (SDPA, flash attention: computed
+    in tiles, never all at once) the boolean mask of a padded batch; fp32 logits for ``logits`` positions of
+    each sequence (None: every position, as a forward returns them; ``generate`` keeps the last one's).
+    ``context``: the tokens attended to (the cache's and these; default ``tokens``), for a chunk of a prompt."""
+    hidden, heads = text.hidden_size, text.num_attention_heads
+    inner = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    context = tokens if context is None else max(context, tokens)
+    # per token: every head's scores (in the compute dtype, their fp32 softmax and its cast back), or the
+    # mask's row of a padded batch
+    scores = heads * context * (4 + 3 * itemsize) if attention in (None, "eager") else context
+    positions = tokens if logits is None else min(logits, tokens)
+    return batch * (tokens * ((6 * hidden + 3 * inner) * itemsize + scores) + 4 * positions * text.vocab_size)
+
+
+def prefill_chunk(estimate: Callable[..., int], prompt: int, total: int, limit: int) -> int | None:
+    """The chunk a prompt of ``prompt`` tokens (of ``total`` with the new ones) is prefilled in (transformers'
+    ``prefill_chunk_size``), or None when one sequence's prefill fits ``limit`` bytes of activations whole:
+    the largest halving of the prompt whose activations (``estimate(batch, tokens, logits=, context=)``)
+    fit, at least 16 tokens. Each chunk is a forward, so streamed layers are read once per chunk: chunks
+    are as large as the limit allows."""
+    if prompt <= _SMALLEST_CHUNK or estimate(1, prompt, logits=1, context=total) <= limit:
+        return None
+    chunk = prompt
+    while chunk > _SMALLEST_CHUNK and estimate(1, chunk, logits=1, context=total) > limit:
+        chunk = -(-chunk // 2)
+    log.info("offload.infer: prefilling the %d-token prompt in chunks of %d tokens (one sequence's activations "
+             "would exceed block_schedule.max_activation_bytes %s; each chunk reads the streamed layers once)",
+             prompt, chunk, format_bytes(limit))
+    return chunk
