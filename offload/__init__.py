@@ -11,6 +11,7 @@ One subpackage per concern, each using only those listed before it:
 - `offload.train`: the stage-3 engine (`initialize`), gradient reduction, write-back, loss scaling,
   schedulers, clipping, timers, engine checkpoints;
 - `offload.infer`: generation with weights streamed from NVMe.
+- `offload.serve`: ``python -m offload.serve``, an OpenAI-compatible server on `offload.infer`'s batch.
 """
 
 from offload.config import (

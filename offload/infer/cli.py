@@ -3,11 +3,13 @@
     python -m offload.generate CHECKPOINT --prompt "Once upon a time" --max-new-tokens 32 --max-in-cpu 8GiB
     python -m offload.generate CHECKPOINT --prompt-ids 1,450,4996 --batch-size 16 --config ds.json
     python -m offload.generate CHECKPOINT --prompt "Once upon a time" --max-memory 0=6GiB,cpu=16GiB
+    python -m offload.generate CHECKPOINT --prompts-file prompts.jsonl --output answers.jsonl --batch-size 32
 
 Prints the plan, then the tokens as they come (the first sequence's; text where the checkpoint
 directory has a tokenizer), then time to first token, seconds per token, the read speed during
 decoding and that speed against the disk's (measured with a short O_DIRECT read of the checkpoint,
-or --disk-gbps).
+or --disk-gbps). With --prompts-file, every prompt of a JSON-lines file is answered into --output
+(offload/infer/prompts_file.py): batched, each answer in the input's order.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from typing import Any
 import torch
 
 from offload.cli_errors import add_debug_flag
-from offload.device import DEVICE_CHOICES
-from offload.infer.config import InferenceConfig
 from offload.infer.engine import init_inference
+from offload.infer.options import add_engine_options, check_engine_options, engine_overrides, parse_max_memory
+from offload.infer.prompt import TOKENIZER_FILES, find_tokenizer
+
+__all__ = ["main", "parse_max_memory"]  # parse_max_memory lives in offload/infer/options.py
 
 
 class _Printer:
@@ -57,41 +61,6 @@ class _Printer:
         self.out.flush()
 
 
-def parse_max_memory(text: str) -> dict[str, str]:
-    """``--max-memory 0=6GiB,cpu=16GiB`` as the mapping Accelerate's ``max_memory`` is; the keys and
-    sizes are checked by `InferenceConfig` (which names the key). Raises ValueError for a part without "="."""
-    pairs = [part.strip() for part in text.split(",") if part.strip()]
-    bad = [part for part in pairs if "=" not in part]
-    if bad or not pairs:
-        raise ValueError(f"--max-memory: {bad[0] if bad else text!r} is not KEY=SIZE; write e.g. 0=6GiB,cpu=16GiB")
-    return {key.strip(): size.strip() for key, size in (part.split("=", 1) for part in pairs)}
-
-
-def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    if args.max_memory is not None:
-        values["max_memory"] = parse_max_memory(args.max_memory)
-    if args.max_in_cpu is not None:
-        values["max_in_cpu"] = int(args.max_in_cpu) if args.max_in_cpu.isdigit() else args.max_in_cpu
-    for key in ("buffer_count", "dtype", "disk_gbps", "nvme_path", "compute_device", "host_to_device_gbps"):
-        if getattr(args, key) is not None:
-            values[key] = getattr(args, key)
-    if args.quantize is not None:
-        values["weight_quantization"] = args.quantize if args.quantize_group_size is None else {
-            "num_bits": 4, "group_size": args.quantize_group_size}
-    if args.micro_batch_size is not None:
-        values["block_schedule"] = {"micro_batch_size": args.micro_batch_size}
-    if any(v is not None for v in (args.kv_offload, args.kv_cpu_percent, args.kv_quantize, args.kv_buffer_count)):
-        values["kv_offload"] = {"device": args.kv_offload or ("nvme" if args.kv_cpu_percent is not None else "auto")}
-        if args.kv_buffer_count is not None:
-            values["kv_offload"]["buffer_count"] = args.kv_buffer_count
-        if args.kv_cpu_percent is not None:
-            values["kv_offload"]["cpu_percent"] = args.kv_cpu_percent
-        if args.kv_quantize is not None:
-            values["kv_offload"]["quantization"] = args.kv_quantize
-    return values
-
-
 def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
     """Run the command; print as it goes; return the figures (also printed as JSON with --json)."""
     out = out or sys.stdout
@@ -101,44 +70,17 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
     prompt = ap.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (needs a tokenizer in the checkpoint directory)")
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated (no tokenizer needed)")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--batch-size", type=int, default=1, help="the prompt repeated this many times")
-    ap.add_argument("--max-in-cpu", help="memory budget: elements, bytes such as 8GiB, or auto (the default unless "
-                                         "--config or --max-memory gives one: the host's available memory, or the "
-                                         "cgroup's room, less the ring buffers and a margin; the plan prints it)")
-    ap.add_argument("--max-memory", help="the tiers' budgets as Accelerate's max_memory: DEVICE=SIZE for the GPU's "
-                                         "(weights kept there, its copy ring, the KV cache, activations), cpu=SIZE for "
-                                         "pinned host memory (as --max-in-cpu), e.g. 0=6GiB,cpu=16GiB")
-    ap.add_argument("--compute-device", choices=DEVICE_CHOICES,
-                    help="where the model computes (default auto: a GPU where one is available)")
-    ap.add_argument("--host-to-device-gbps", type=float,
-                    help="the host-to-device link's speed in GB/s, for the plan's bound (default: unknown)")
-    ap.add_argument("--buffer-count", type=int, help="locked buffers in the prefetch ring")
-    ap.add_argument("--dtype", help="compute dtype (default: the checkpoint's)")
-    ap.add_argument("--nvme-path", help="directory for a converted copy when --dtype differs from the checkpoint's, "
-                                           "and for the quantized cache of --quantize")
-    ap.add_argument("--quantize", choices=("int8", "int4", "none"),
-                    help="decoder weights as int8 (per channel) or int4 (group 64), quantized once into a cache "
-                         "under --nvme-path (default: the checkpoint's directory)")
-    ap.add_argument("--quantize-group-size", type=int,
-                    help="with --quantize int4: weights per scale and zero, 32, 64 (default, ZeRO-Inference's), 128 "
-                         "(GPTQ's and AWQ's: about 6%% fewer bytes per token than 64) or 256")
-    ap.add_argument("--kv-offload", choices=("auto", "cpu", "nvme"),
-                    help="where the KV cache lives: auto (default: in memory while the budget holds it, the layers "
-                         "beyond it on NVMe), cpu (all in memory), nvme (on NVMe but --kv-cpu-percent of the layers); "
-                         "its files go under --nvme-path (default: the checkpoint's directory)")
-    ap.add_argument("--kv-cpu-percent", type=float,
-                    help="with --kv-offload nvme: the share of layers (0-100) whose cache stays in memory")
-    ap.add_argument("--kv-buffer-count", type=int,
-                    help="buffers of the read-ahead ring of a KV cache on NVMe, one layer's cache each (default 2)")
-    ap.add_argument("--kv-quantize", choices=("int8", "int4", "none"),
-                    help="the KV cache's keys and values stored as int8 or int4 (group 64 along the head dimension, "
-                         "asymmetric), in memory and on NVMe alike")
-    ap.add_argument("--micro-batch-size", type=int,
-                    help="block schedule: run the batch through each layer's one read in micro-batches of this many "
-                         "sequences (default: as large as 1 GiB of activations allows)")
-    ap.add_argument("--config", help="DeepSpeed-style JSON config (command-line options override it)")
-    ap.add_argument("--disk-gbps", type=float, help="the disk's read speed in GB/s (default: measure it)")
+    prompt.add_argument("--prompts-file", help="a JSON-lines file of prompts, each answered into --output (one "
+                                               "object per line: prompt or messages, and sampling options)")
+    ap.add_argument("--output", help="with --prompts-file: the JSON-lines file of answers, in the prompts' order")
+    ap.add_argument("--resume", action="store_true",
+                    help="with --prompts-file: continue an existing --output, skipping the lines it has")
+    ap.add_argument("--max-new-tokens", type=int, default=32,
+                    help="tokens to generate (with --prompts-file: a line's max_tokens by default)")
+    ap.add_argument("--batch-size", type=int,
+                    help="the prompt repeated this many times (default 1); with --prompts-file: prompts running "
+                         "together at most (default 16)")
+    add_engine_options(ap)
     ap.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=50)
@@ -147,29 +89,22 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
                     help="print the figures as one JSON line on stdout, everything else on stderr")
     add_debug_flag(ap)  # read by offload.cli_errors.run_command (python -m offload.generate)
     args = ap.parse_args(argv)
+    if args.batch_size is None:
+        args.batch_size = 16 if args.prompts_file is not None else 1
     if args.batch_size < 1 or args.max_new_tokens < 1:
         ap.error("--batch-size and --max-new-tokens must be at least 1")
-    if args.quantize_group_size is not None and args.quantize != "int4":
-        ap.error(f"--quantize-group-size {args.quantize_group_size} needs --quantize int4 (int8 weights get one scale "
-                 f"per output channel)")
-    if args.max_memory is not None:
-        try:
-            parse_max_memory(args.max_memory)
-        except ValueError as exc:
-            ap.error(str(exc))
+    if (args.output is not None or args.resume) and args.prompts_file is None:
+        ap.error("--output and --resume go with --prompts-file")
+    check_engine_options(ap, args)
+    if args.prompts_file is not None:
+        return _answer_file(ap, args, out)
 
     tokenizer = None
     if args.prompt is not None:
-        import transformers
-
-        names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-        if not any(os.path.isfile(os.path.join(args.checkpoint, name)) for name in names):
-            ap.error(f"--prompt needs a tokenizer in {args.checkpoint} (none of {', '.join(names)}); "
+        tokenizer = _tokenizer(ap, args.checkpoint, "--prompt", "use --prompt-ids instead")
+        if tokenizer is None:
+            ap.error(f"--prompt needs a tokenizer in {args.checkpoint} (none of {', '.join(TOKENIZER_FILES)}); "
                      f"use --prompt-ids instead")
-        try:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(args.checkpoint)
-        except (OSError, ValueError) as exc:
-            ap.error(f"--prompt: the tokenizer in {args.checkpoint} cannot be loaded ({exc}); use --prompt-ids instead")
         ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     else:
         try:
@@ -178,16 +113,12 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
             ap.error(f"--prompt-ids: {args.prompt_ids!r} is not a comma-separated list of integers")
     _check_prompt_ids(ap, ids, args.checkpoint)
     ids = ids.repeat(args.batch_size, 1)
-    if args.nvme_path is not None and not os.path.isdir(args.nvme_path):
-        ap.error(f"--nvme-path: {args.nvme_path} is not an existing directory; create it or pass one that exists")
     if args.json:  # stdout carries the JSON line alone (| jq); the plan and the tokens go to stderr
         out, json_out = sys.stderr, out
     else:
         json_out = out
 
-    overrides = _overrides(args)
-    if InferenceConfig.from_dict(args.config, **overrides).max_in_cpu is None:
-        overrides["max_in_cpu"] = "auto"  # the host's available memory less a margin; the plan says how much
+    overrides = engine_overrides(args)
     with init_inference(args.checkpoint, args.config, **overrides) as engine:
         plan = engine.reserve(args.batch_size, ids.shape[1] + args.max_new_tokens)
         print(plan.describe(), file=out)
@@ -208,6 +139,48 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
         read_end = engine.io_bytes()
         figures = _figures(engine, printer, start, end, read_start, read_end, args.batch_size)
     _report(figures, out)
+    if args.json:
+        print(json.dumps(figures), file=json_out)
+    return figures
+
+
+def _tokenizer(ap: argparse.ArgumentParser, checkpoint: str, option: str, instead: str) -> Any:
+    """The checkpoint directory's tokenizer, None where it has none; one line (``ap.error``) where it cannot be
+    loaded, saying what to do ``instead``."""
+    try:
+        return find_tokenizer(checkpoint)
+    except (OSError, ValueError) as exc:
+        ap.error(f"{option}: the tokenizer in {checkpoint} cannot be loaded ({exc}); {instead}")
+
+
+def _answer_file(ap: argparse.ArgumentParser, args: argparse.Namespace, out) -> dict[str, Any]:
+    """``--prompts-file``: every prompt answered into ``--output`` (offload/infer/prompts_file.py); the figures."""
+    from offload.infer.batch import check_settings
+    from offload.infer.config import InferenceConfig
+    from offload.infer.prompts_file import answer_prompts_file
+
+    if args.output is None:
+        ap.error("--prompts-file needs --output FILE, where the answers go (one JSON object per line)")
+    if not os.path.isfile(args.prompts_file):
+        ap.error(f"--prompts-file: {args.prompts_file} is not a file")
+    tokenizer = _tokenizer(ap, args.checkpoint, "--prompts-file", "fix it, or remove it and give token ids as prompts")
+    defaults = {"max_tokens": args.max_new_tokens, "temperature": args.temperature if args.do_sample else 0.0,
+                "top_k": args.top_k if args.do_sample else 0, "seed": args.seed}
+    if args.json:  # stdout carries the JSON line alone (| jq); the plan and the progress go to stderr
+        out, json_out = sys.stderr, out
+    else:
+        json_out = out
+    overrides = engine_overrides(args)
+    check_settings(InferenceConfig.from_dict(args.config, **overrides))  # before the engine's build
+    with init_inference(args.checkpoint, args.config, **overrides) as engine:
+        print(engine.plan.describe(), file=out)
+        figures = answer_prompts_file(engine, tokenizer, args.prompts_file, args.output, max_batch=args.batch_size,
+                                      defaults=defaults, resume=args.resume, out=out)
+    rate = f"{figures['tokens_per_s']:.2f} tokens/s" if figures["tokens_per_s"] else "-"
+    print(f"answered {figures['answered']} of {figures['prompts']} prompts into {args.output} ({figures['errors']} "
+          f"refused or failed, {figures['skipped']} skipped as recorded before): {figures['tokens']} tokens in "
+          f"{figures['seconds']:.2f} s, {rate}; {figures['steps']} forwards, at most {figures['largest_batch']} "
+          f"sequences at once", file=out)
     if args.json:
         print(json.dumps(figures), file=json_out)
     return figures
