@@ -15,7 +15,8 @@ import threading
 import pytest
 import torch
 import transformers
-from test_infer_generate import PAD, build_model, save_checkpoint, scratch_dir, write_tokenizer
+from test_infer_generate import (  # noqa: F401 - one_thread: the module's autouse fixture
+    PAD, build_model, one_thread, save_checkpoint, scratch_dir, write_tokenizer)
 
 from offload.infer import init_inference
 from offload.infer.answer import Answer
@@ -76,14 +77,6 @@ class Collector:
 
     def wait(self) -> None:
         assert self._done.wait(120), f"only {self._finished} of {self.expected} requests finished"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 from test_infer_batch import reference, write_chat_tokenizer
-from test_infer_generate import REPO, build_model, save_checkpoint, scratch_dir
+from test_infer_generate import (  # noqa: F401 - one_thread: the module's autouse fixture
+    REPO, build_model, one_thread, save_checkpoint, scratch_dir)
 
 from offload.infer import init_inference
 from offload.infer.cli import main
@@ -30,14 +31,6 @@ LINES = [
     {"prompt": "w3 w3 w3", "ignore_eos": True},
 ]
 PROMPT_IDS = {1: [5, 17, 99, 3], 2: [7, 8, 9, 10, 11, 12, 13, 14, 15], 4: [1, 5, 17, 9], 8: [3, 3, 3]}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

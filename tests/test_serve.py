@@ -23,7 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from test_infer_batch import PROMPTS, reference, write_chat_tokenizer
-from test_infer_generate import REPO, build_model, save_checkpoint, scratch_dir
+from test_infer_generate import (  # noqa: F401 - one_thread: the module's autouse fixture
+    REPO, build_model, one_thread, save_checkpoint, scratch_dir)
 
 fastapi = pytest.importorskip("fastapi", reason="the serve extra: pip install -e '.[serve]'")
 httpx = pytest.importorskip("httpx", reason="the test extra: pip install -e '.[test]'")
@@ -41,14 +42,6 @@ CONTEXT = 128
 
 def words(ids: list[int]) -> str:
     return " ".join(f"w{i}" for i in ids)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
