@@ -70,3 +70,53 @@ def test_module_entry_with_a_tokenizer(gpt2, tmp_path):
     expected = tokenizer.decode(_expected(model, [5, 17, 99, 3], 5), skip_special_tokens=True)
     assert expected in done.stdout
     assert "streamed: nothing" in done.stdout and "read: nothing streamed" in done.stdout
+
+
+@pytest.fixture(scope="module")
+def with_chat_tokenizer(gpt2, tmp_path_factory):
+    """(a copy of the checkpoint with a word-level tokenizer that has a chat template, the model, the tokenizer)."""
+    from test_infer_batch import write_chat_tokenizer
+
+    directory, model = gpt2
+    target = tmp_path_factory.mktemp("chat") / "ckpt"
+    shutil.copytree(directory, target)
+    return target, model, write_chat_tokenizer(target)
+
+
+def test_chat_top_p_repetition_penalty_and_stop_are_transformers(with_chat_tokenizer):
+    """--chat wraps --prompt in the checkpoint's chat template; --repetition-penalty, --top-p (with --do-sample and
+    --seed) and --stop give what transformers' generate gives with the same settings on the same ids."""
+    directory, model, tokenizer = with_chat_tokenizer
+    messages = [{"role": "user", "content": "w5 w17 w99"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+    base = [str(directory), "--prompt", "w5 w17 w99", "--chat", "--max-new-tokens", "8", "--max-in-cpu", "1GiB",
+            "--disk-gbps", "1.0"]
+
+    def transformers_tokens(**kwargs):
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, pad_token_id=PAD, **kwargs)
+        return out[0, ids.shape[1]:].tolist()
+
+    penalized = main(base + ["--repetition-penalty", "1.3"], out=io.StringIO())
+    assert penalized["tokens"] == transformers_tokens(do_sample=False, repetition_penalty=1.3)
+    sampled = main(base + ["--do-sample", "--top-p", "0.5", "--top-k", "0", "--seed", "7"], out=io.StringIO())
+    torch.manual_seed(7)
+    assert sampled["tokens"] == transformers_tokens(do_sample=True, top_p=0.5, top_k=0, temperature=1.0)
+    greedy = transformers_tokens(do_sample=False)
+    stop = tokenizer.decode(greedy[2:3])
+    stopped = main(base + ["--stop", stop], out=io.StringIO())
+    assert stopped["tokens"] == greedy[:greedy.index(greedy[2]) + 1]  # ends with the first token that makes the text
+
+
+def test_chat_without_a_template_and_stop_without_a_tokenizer_are_refused(gpt2, tmp_path, capsys):
+    directory, _ = gpt2
+    plain = tmp_path / "plain"
+    shutil.copytree(directory, plain)
+    write_tokenizer(plain)
+    with pytest.raises(SystemExit):
+        main([str(plain), "--prompt", "w5", "--chat"], out=io.StringIO())
+    assert "--chat: the tokenizer in" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([str(directory), "--prompt-ids", "5,17", "--stop", "w3"], out=io.StringIO())
+    assert "--stop needs a tokenizer in" in capsys.readouterr().err

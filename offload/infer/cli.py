@@ -84,6 +84,14 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
     ap.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=50)
+    ap.add_argument("--top-p", type=float, default=1.0,
+                    help="with --do-sample: sample from the fewest tokens whose probabilities reach it (1.0: all)")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0,
+                    help="divide the scores of tokens already in the sequence by it (1.0: off)")
+    ap.add_argument("--stop", action="append", default=[],
+                    help="end the answer at this text (repeatable; needs the checkpoint's tokenizer)")
+    ap.add_argument("--chat", action="store_true",
+                    help="--prompt is a user message: apply the checkpoint's chat template to it")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true",
                     help="print the figures as one JSON line on stdout, everything else on stderr")
@@ -99,13 +107,19 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
     if args.prompts_file is not None:
         return _answer_file(ap, args, out)
 
+    if not 0 < args.top_p <= 1 or args.repetition_penalty <= 0:
+        ap.error("--top-p must be in (0, 1] and --repetition-penalty above 0")
+    if args.chat and args.prompt is None:
+        ap.error("--chat goes with --prompt (the user message the template wraps)")
     tokenizer = None
-    if args.prompt is not None:
-        tokenizer = _tokenizer(ap, args.checkpoint, "--prompt", "use --prompt-ids instead")
+    if args.prompt is not None or args.stop:
+        option = "--prompt" if args.prompt is not None else "--stop"
+        tokenizer = _tokenizer(ap, args.checkpoint, option, "use --prompt-ids instead")
         if tokenizer is None:
-            ap.error(f"--prompt needs a tokenizer in {args.checkpoint} (none of {', '.join(TOKENIZER_FILES)}); "
-                     f"use --prompt-ids instead")
-        ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+            ap.error(f"{option} needs a tokenizer in {args.checkpoint} (none of {', '.join(TOKENIZER_FILES)})"
+                     f"{'; use --prompt-ids instead' if option == '--prompt' else ''}")
+    if args.prompt is not None:
+        ids = _prompt_ids(ap, tokenizer, args.prompt, args.chat, args.checkpoint)
     else:
         try:
             ids = torch.tensor([[int(t) for t in args.prompt_ids.split(",") if t.strip()]])
@@ -129,7 +143,12 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
         torch.manual_seed(args.seed)
         start = time.perf_counter()
         read_start = engine.io_bytes()
-        sampling = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k} if args.do_sample else {"do_sample": False}
+        sampling = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p} \
+            if args.do_sample else {"do_sample": False}
+        if args.repetition_penalty != 1.0:
+            sampling["repetition_penalty"] = args.repetition_penalty
+        if args.stop:
+            sampling["stopping_criteria"] = _stop_texts(tokenizer, args.stop, ids.shape[1])
         pad = engine.module.generation_config.pad_token_id
         if pad is None:
             pad = engine.module.generation_config.eos_token_id
@@ -142,6 +161,34 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
     if args.json:
         print(json.dumps(figures), file=json_out)
     return figures
+
+
+def _stop_texts(tokenizer: Any, stops: list[str], prompt: int) -> Any:
+    """A transformers stopping criterion that ends a sequence once its answer's text (decoded from the tokens
+    after the ``prompt`` first ones) holds one of ``stops``: the answer ends with the token that completed it.
+    (transformers' own ``stop_strings`` needs a vocabulary it can read token by token, which word-level and
+    some other tokenizers do not give.)"""
+    import transformers
+
+    class StopTexts(transformers.StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            texts = tokenizer.batch_decode(input_ids[:, prompt:].cpu(), skip_special_tokens=True)
+            return torch.tensor([any(stop in text for stop in stops) for text in texts], device=input_ids.device)
+
+    return transformers.StoppingCriteriaList([StopTexts()])
+
+
+def _prompt_ids(ap: argparse.ArgumentParser, tokenizer: Any, prompt: str, chat: bool, checkpoint: str) -> torch.Tensor:
+    """``prompt`` as token ids [1, n]: tokenized, or with ``chat`` a user message in the checkpoint's chat template
+    (with the assistant's turn opened). One line (``ap.error``) for a tokenizer without a template."""
+    if not chat:
+        return tokenizer(prompt, return_tensors="pt").input_ids
+    if not getattr(tokenizer, "chat_template", None):
+        ap.error(f"--chat: the tokenizer in {checkpoint} has no chat template (tokenizer_config.json's chat_template); "
+                 f"leave --chat out to send the prompt as it is")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        return_tensors="pt")
+    return ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids
 
 
 def _tokenizer(ap: argparse.ArgumentParser, checkpoint: str, option: str, instead: str) -> Any:
