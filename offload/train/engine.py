@@ -333,8 +333,8 @@ class Engine:
         scheduler, counters and ``client_state`` under ``save_dir/tag`` (default tag
         ``global_step<N>``); return the path. Layout and guarantees: `offload.train.checkpoint.rank_state`.
 
-        Streamed: one partition and one optimizer sub-group in memory at a time, whatever the model's
-        size. Written atomically: until the new tag is complete the previous checkpoint and ``latest``
+        Streamed: two partitions and two optimizer sub-groups in memory at a time (one written, the next
+        read ahead), whatever the model's size. Written atomically: until the new tag is complete the previous checkpoint and ``latest``
         are untouched. Nothing is pickled: ``client_state`` holds JSON values and tensors. Every rank
         must call it. ``save_latest`` False leaves ``latest`` as it was. ``exclude_frozen_parameters``
         leaves out the partitions of parameters with ``requires_grad=False`` (a load keeps the model's
