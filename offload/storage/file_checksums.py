@@ -72,8 +72,10 @@ class TensorHasher:
     """Chunk checksums of the tensors of one file, fed front to back (`feed`), finished from the file for
     any tensor that was not (`finish`)."""
 
-    def __init__(self, places: dict[str, tuple[int, int]], header: bytes, chunk: int = CHUNK) -> None:
-        """``places``: tensor name -> (absolute byte offset in the file, bytes)."""
+    def __init__(self, places: dict[str, tuple[int, int]], header: bytes, chunk: int | None = None) -> None:
+        """``places``: tensor name -> (absolute byte offset in the file, bytes); ``chunk``: bytes per checksum,
+        default `CHUNK` as it is when the hasher is made (tests make it small)."""
+        chunk = CHUNK if chunk is None else chunk
         self.places, self.chunk = places, chunk
         self.header = checksum(header)
         self._fed: dict[str, int] = {name: 0 for name in places}  # bytes hashed in order so far; -1: out of order

@@ -21,7 +21,6 @@ import torch
 from tensorio import DIRECT_ALIGN, AioHandle, IOFuture, aligned_tensor
 
 from offload.storage.checkpoint_dir import fsync_dir
-from offload.storage import file_checksums
 from offload.storage.file_checksums import FileChecksums, TensorHasher
 
 __all__ = ["SAFETENSORS_DTYPES", "DirectSafetensorsWriter", "SafetensorsWriter", "atomic_safetensors",
@@ -95,8 +94,7 @@ class SafetensorsWriter:
         self._data = len(head)
         self.path = os.fspath(path)
         self._hasher = TensorHasher({name: (self._data + start, numel * _itemsize(dtype))
-                                     for name, (dtype, start, numel) in self._places.items()}, head,
-                                    file_checksums.CHUNK) if checksums else None  # read now: tests make it small
+                                     for name, (dtype, start, numel) in self._places.items()}, head) if checksums else None
         self.checksums: FileChecksums | None = None
         """With ``checksums``: the header's and each tensor's chunk checksums, once closed
         (`offload.storage.file_checksums`); tensors written front to back are hashed as they are written."""

@@ -37,7 +37,7 @@ from tensorio import DIRECT_ALIGN, AioHandle, BufferPool, ChecksumError, Checksu
 from offload.storage.file_checksums import FileChecksums, header_checksum
 from offload.storage.safetensors_reader import SafetensorsCheckpoint, TensorEntry
 from offload.train.checkpoint.files import optimizer_file, params_file, require_file
-from offload.train.checkpoint.states_file import read_states, read_states_file, verify_side_files
+from offload.train.checkpoint.states_file import decoded_state, read_states, read_states_file, verify_side_files
 
 log = logging.getLogger("offload")
 
@@ -113,9 +113,10 @@ class CheckpointReader:
         self.bytes_verified = 0
         """Of `bytes_read`, the bytes whose checksums were compared (all of them in a checkpoint that has them)."""
         try:
-            self.state = read_states(self.path, 0)
+            first = read_states_file(self.path, 0)
+            self.state = decoded_state(first)
             self.world_size = int(self.state["world_size"])
-            states = [read_states_file(self.path, rank) for rank in range(self.world_size)]
+            states = [first, *(read_states_file(self.path, rank) for rank in range(1, self.world_size))]
             files = [(state, name, sums) for state in states for name, sums in state.tensor_files()]
             self.checksums = {name: sums for _, name, sums in files if sums is not None}
             if not self.checksums:

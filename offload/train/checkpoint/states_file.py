@@ -32,8 +32,8 @@ from offload.storage.file_checksums import FileChecksums, verify_file
 from offload.train.checkpoint.files import (client_file, decode_state, optimizer_file, params_file, require_file,
                                             states_file)
 
-__all__ = ["FORMAT", "StatesFile", "read_states", "read_states_file", "states_bytes", "verify_side_files",
-           "whole_file_checksum"]
+__all__ = ["FORMAT", "StatesFile", "decoded_state", "read_states", "read_states_file", "states_bytes",
+           "verify_side_files", "whole_file_checksum"]
 
 FORMAT = 2
 """Version of the rank<r>_states.json layout written now (1: before the file carried its own checksum)."""
@@ -180,10 +180,16 @@ def read_states(directory: str | os.PathLike, rank: int) -> dict[str, Any]:
     flipped byte in it, ValueError naming it for one that is not a safetensors file, FileNotFoundError
     naming it when its checksums are recorded and it is missing.
     """
+    return decoded_state(read_states_file(directory, rank))
+
+
+def decoded_state(states: StatesFile) -> dict[str, Any]:
+    """The state ``states`` holds, with its client tensors (checked against their checksums) in place: what
+    `read_states` returns, from a state file already read."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    states = read_states_file(directory, rank)
+    rank = states.rank
     encoded = dict(states.value)
     encoded.pop("checksums", None)
     encoded.pop("files", None)
