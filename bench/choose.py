@@ -32,7 +32,8 @@ class Candidate:
 
     config: AioConfig
     bw_bytes: float
-    """The goal's figure: round-trip bytes per second, summed over the disks it was measured on."""
+    """The goal's figure, summed over the disks it was measured on: the round trip's bytes per second, or
+    the engine's workload's where the sweep measured it (`PointResult.goal_bw_bytes`)."""
     cpu_ms_per_gb: float | None = None
     """CPU milliseconds (user + system) per GB moved, averaged over directions and disks; None if unknown."""
     label: str = ""
@@ -76,7 +77,7 @@ def candidates(disks: Sequence[Sequence[Any]], label: Callable[[AioConfig], str]
             continue  # not on every disk: a sum over fewer disks is not comparable
         cpu = [p.cpu_ms_per_gb for p in measured if p.cpu_ms_per_gb is not None]
         config = measured[0].config
-        out.append(Candidate(config=config, bw_bytes=sum(p.both_bw_bytes for p in measured),
+        out.append(Candidate(config=config, bw_bytes=sum(p.goal_bw_bytes for p in measured),
                              cpu_ms_per_gb=sum(cpu) / len(cpu) if cpu else None,
                              label=label(config) if label else ""))
     return out

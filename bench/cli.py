@@ -18,7 +18,7 @@ from typing import Any
 
 from ._units import format_bytes, format_ns, format_size, parse_size
 
-EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+from ._errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, CliError
 
 DEBUG_ENV = "OFFLOAD_DEBUG"
 """Set to 1 to see the traceback of an error: the variable of the ``python -m offload.*`` commands
@@ -29,14 +29,6 @@ DEFAULT_CONFIG_OUT = Path("configs/aio_tuned.json")
 #: The extra that brings matplotlib, which the sweep's chart needs (the JSON and CSV need nothing more).
 CHART_EXTRA = "tensorio-offload[bench]"
 DEFAULT_OUT_DIR = Path("results/aio-sweep")
-
-
-class CliError(Exception):
-    """A failure to report in one line and exit with ``status``, without a traceback."""
-
-    def __init__(self, message: str, status: int = EXIT_FAILED) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,8 +70,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from .scratch import scratch_dir
     from tensorio import TensorIOError
 
+    from .workload_cli import run_workload_command, workload_or_usage
+
     say = _say(args)  # with --json, stdout holds the JSON alone
     config = _config_from_args(args)
+    workload = workload_or_usage(args)
+    if workload is not None:
+        return run_workload_command(args, config, workload, say, _usable_directory, _check_backend)
+    if args.fio:
+        raise CliError("--fio goes with --workload training or inference (the sweep compares the sequential "
+                       "passes with fio)", EXIT_USAGE)
     request_size = _request_size(args, [config.block_size])
     rws = ("write", "read") if args.rw == "both" else (args.rw,)
     say(f"tensorio-bench run {args.directory}: {args.rw} {format_size(args.size)} as requests of "
@@ -117,11 +117,19 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from .report import (format_best, format_choice, format_noise, format_table, format_together, sweep_json,
                          write_csv, write_json)
     from .sweep import GRIDS, REFERENCE_MEASUREMENTS, choose_config, config_label, sweep_plan
+    from .workload import INFERENCE_PIECE
+    from .workload_cli import check_memory, describe, like_for_like, workload_or_usage
 
     grid_name = "quick" if args.quick else "full" if args.full else "default"
     grid = GRIDS[grid_name]
     if args.backend:
         grid = replace(grid, backends=(args.backend,))
+    workload = workload_or_usage(args)
+    if workload is not None and workload.kind == "inference" and INFERENCE_PIECE not in grid.block_sizes:
+        grid = replace(grid, block_sizes=(*grid.block_sizes, INFERENCE_PIECE))  # the engine's pieces
+    if workload is not None and workload.request_bytes % max(grid.block_sizes):
+        raise CliError(f"--partition-size {format_size(workload.request_bytes)} is not a multiple of the largest "
+                       f"block size {format_size(max(grid.block_sizes))}", EXIT_USAGE)
     size = args.size or grid.size
     request_size = _request_size(args, grid.block_sizes, size=size)
     direct = _direct_arg(args.direct)
@@ -129,7 +137,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     # 1. Check every directory, where the answer goes and the memory before any I/O: a sweep that fails
     #    on its second disk, or refuses its output at the end, wastes the first.
-    validations = [_usable_directory(d, size) for d in args.directories]
+    validations = [_usable_directory(d, size + (workload.disk_bytes() if workload else 0)) for d in args.directories]
     _check_devices(args.directories, args.same_device)
     for v in validations:
         if direct is True and not v.direct:
@@ -148,7 +156,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     plan = sweep_plan(configs, references=REFERENCE_MEASUREMENTS)
     settings = {"grid": grid_name, **{k: list(v) for k, v in asdict(grid).items() if k != "size"},
                 "backends": backends_here, "size": size, "request_size": request_size, "repeats": args.repeats,
-                "direct": direct, "references": REFERENCE_MEASUREMENTS}
+                "direct": direct, "references": REFERENCE_MEASUREMENTS,
+                "workload": workload.to_json() if workload else None}
     journal_path = args.out_dir / "sweep.json"
     try:
         done = load_partial(journal_path, settings, args.directories) if args.resume else None
@@ -168,6 +177,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
           ("" if backends_here == list(grid.backends) else f" (io_uring unavailable: {_io_uring_reason()})"))
     print(f"  size {format_size(size)} per pass in requests of {format_size(request_size)}; direct={direct}; "
           f"{passes} passes = {format_bytes(passes * size)} per disk")
+    if workload is not None:
+        print(f"  {describe(workload, plan[0].config)}; the choice goes by it")
     for v in validations:
         print(f"  disk {v.directory}: {v.filesystem}, {'O_DIRECT' if v.direct else 'buffered I/O (no O_DIRECT)'}, "
               f"{format_bytes(v.free_bytes)} free")
@@ -182,7 +193,10 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     buffers = _buffers(size, len(validations))
     settings["buffers"] = buffers[0].lock_status
     started = time.monotonic()
-    disks = _measure(args, validations, plan, buffers, journal, request_size)
+    if workload is not None:
+        check_memory(workload.buffer_bytes(plan[0].config) * len(validations) + 2 * size * len(validations),
+                      "the workload's buffers beside the sweep's")
+    disks = _measure(args, validations, plan, buffers, journal, request_size, workload)
     elapsed = time.monotonic() - started
 
     # 3. The choice: the lightest configuration within the noisiest disk's noise of the best round trip.
@@ -198,16 +212,20 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
             print(f"... {len(d.points) - args.top} more rows in the CSV")
         print(format_noise(d))
         print(format_best(d))
+    like = like_for_like(args, validations[0], choice.config, workload) if workload and not args.no_fio else None
     settings["elapsed_s"] = round(elapsed, 1)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(journal_path, sweep_json(disks, settings, choice))
+    document = sweep_json(disks, settings, choice)
+    if like is not None:
+        document["like_for_like"] = like.to_json()
+    write_json(journal_path, document)
     write_csv(args.out_dir / "sweep.csv", disks, choice)
     charts = _draw_charts(disks, args.out_dir, size, choice.config)
     if len(disks) > 1:
         print()
         print(format_together(disks, choice))
     print()
-    print(format_choice(choice, len(disks)))
+    print(format_choice(choice, len(disks), f"{workload.kind} figure" if workload else "round trip"))
     _write_answer(choice.config, config_out, args.merge_into)
     print(f"wrote {', '.join(map(str, [journal_path, args.out_dir / 'sweep.csv', *charts]))} ({elapsed:.0f} s)")
     if not charts:
@@ -216,7 +234,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _measure(args: argparse.Namespace, validations: list[Any], plan: list[Any], buffers: list[Any], journal: Any,
-             request_size: int) -> list[Any]:
+             request_size: int, workload: Any = None) -> list[Any]:
     """Sweep every directory (at once where there are several), recording each step in ``journal``
     and showing progress; on an interrupt or a failure, save what was measured and say how to go on."""
     from tensorio import TensorIOError
@@ -241,12 +259,12 @@ def _measure(args: argparse.Namespace, validations: list[Any], plan: list[Any], 
                 if len(validations) == 1:  # in this thread: Ctrl-C stops the point in flight at once
                     return [sweep_directory(validations[0], plan, buffers[0], request_size=request_size,
                                             repeats=args.repeats, with_fio=not args.no_fio, done=journal.done(0),
-                                            on_step=lambda *event: on_step(0, *event))]
+                                            on_step=lambda *event: on_step(0, *event), workload=workload)]
                 return sweep_together(validations, plan, buffers, request_size=request_size, repeats=args.repeats,
                                       with_fio=not args.no_fio, done=[journal.done(i) for i in range(len(buffers))],
                                       on_step=on_step, on_stopping=lambda: print(
                                           "\ntensorio-bench sweep: stopping; waiting for the step in flight on each "
-                                          "directory", file=sys.stderr))
+                                          "directory", file=sys.stderr), workload=workload)
             except (TensorIOError, MeasurementError) as exc:
                 raise CliError(str(exc)) from None
     except (KeyboardInterrupt, CliError):
@@ -481,6 +499,9 @@ def _add_aio_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from .compare import add_compare_parser
+    from .workload_cli import RUN_RUNTIME_S, SWEEP_RUNTIME_S, add_workload_flags
+
     parser = argparse.ArgumentParser(
         prog="tensorio-bench",
         description="Tune tensorio's aio settings for a disk: check a directory, measure one configuration, "
@@ -506,7 +527,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=_positive, default=3, metavar="N", help="timed passes; the median is reported")
     p.add_argument("--json", action="store_true",
                    help="print the result as one JSON document on stdout (the settings go to stderr)")
+    p.add_argument("--fio", action="store_true",
+                   help="with --workload: ours (2 MiB and 4 KiB pages) beside fio on the same workload, in turn")
     _add_aio_flags(p)
+    add_workload_flags(p, runtime_s=RUN_RUNTIME_S)
     p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("sweep", help="measure a grid of configurations and pick the best",
@@ -540,6 +564,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fio", action="store_true", help="skip the comparison with fio")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress (a bar on a terminal, else a line every tenth of the sweep)")
+    add_workload_flags(p, runtime_s=SWEEP_RUNTIME_S)
     p.set_defaults(func=_cmd_sweep)
 
     p = sub.add_parser("fio", help="run the fio binary with the settings of a configuration",
@@ -555,6 +580,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="print fio's figures as one JSON document on stdout (the settings go to stderr)")
     _add_aio_flags(p)
     p.set_defaults(func=_cmd_fio)
+    add_compare_parser(sub, _add_aio_flags)
     for p in (parser, *sub.choices.values()):  # main() reads it: listed here for --help
         p.add_argument("--debug", action="store_true",
                        help=f"show the traceback of an error instead of one line (or set {DEBUG_ENV}=1)")

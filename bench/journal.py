@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .measure import PointResult
+from .workload import WorkloadResult
 from .report import point_json
 from .sweep import Step, config_key
 
@@ -125,13 +126,21 @@ def load_partial(path: Path, settings: dict[str, Any],
         for disk in saved["disks"]:
             results: dict[str, _Entry] = {}
             for record in disk.get("points", []):
-                point = PointResult.from_json(record)
+                point = _point(record)
                 results[config_key(point.config)] = ("point", -1, point)
             for record in disk.get("reference_points", []):
-                point = PointResult.from_json(record)
+                point = _point(record)
                 step = Step("reference", point.config, int(record["slot"]))
                 results[step.key] = ("reference", step.slot, point)
             loaded.append(results)
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"--resume: {path} holds a record that cannot be read ({exc}); run without --resume") from None
     return loaded
+
+
+def _point(record: dict[str, Any]) -> PointResult:
+    """A saved point, with the engine's workload where the sweep measured it."""
+    point = PointResult.from_json(record)
+    if record.get("workload"):
+        point.workload = WorkloadResult.from_json(record["workload"])
+    return point

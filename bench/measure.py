@@ -130,6 +130,20 @@ class PointResult:
     write: Measurement | None
     """None when only reads were measured (``run --rw read``); a sweep measures both."""
     read: Measurement | None
+    workload: Any = None
+    """The engine's own traffic with this configuration (`bench.workload.WorkloadResult`), where the
+    sweep measured it (``--workload``); None otherwise."""
+
+    @property
+    def goal_bw_bytes(self) -> float:
+        """The figure a choice goes by: the workload's (reads for inference, reads plus writes for
+        training) where measured, else the round trip."""
+        return self.workload.goal_bw_bytes if self.workload is not None else self.both_bw_bytes
+
+    @property
+    def goal_summary(self) -> Summary:
+        """Spread and 95% interval of the goal: the workload's slices, else the round trip's repeats."""
+        return self.workload.summary if self.workload is not None else self.both_summary
 
     @property
     def both_bw_bytes(self) -> float:
@@ -153,7 +167,7 @@ class PointResult:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "PointResult":
-        """The point ``bench.report.point_json`` wrote. Raises KeyError, TypeError or ValueError (the
+        """The point ``bench.report.point_json`` wrote, without its workload (`bench.journal` adds it). Raises KeyError, TypeError or ValueError (the
         config's own, naming the key) for a record that is not one."""
         return cls(config=AioConfig.from_dict(data["aio"]), backend=str(data["backend"]), direct=bool(data["direct"]),
                    write=Measurement.from_json("write", data["write"]) if data.get("write") else None,

@@ -23,7 +23,7 @@ CSV_FIELDS = [
     "overlap_events", "direct", "write_bw_bytes", "write_iops", "write_clat_ns_p50", "write_clat_ns_p99",
     "read_bw_bytes", "read_iops", "read_clat_ns_p50", "read_clat_ns_p99", "both_bw_bytes",
     "write_cpu_us_per_io", "read_cpu_us_per_io", "both_ci95_low", "both_ci95_high", "both_spread", "cpu_ms_per_gb",
-    "tied",
+    "tied", "workload", "workload_read_bw_bytes", "workload_write_bw_bytes", "workload_spread",
 ]
 
 BUFFERED_NOTE = ("buffered I/O (no O_DIRECT here): the page cache absorbs writes and serves reads, so these "
@@ -46,6 +46,8 @@ def point_json(point: PointResult, *, tied: bool | None = None) -> dict[str, Any
         record.update(both_bw_bytes=round(point.both_bw_bytes), both_spread=round(both.spread, 4),
                       both_ci95=[round(both.low), round(both.high)])
     record["cpu_ms_per_gb"] = round(point.cpu_ms_per_gb, 2)
+    if point.workload is not None:
+        record["workload"] = point.workload.to_json()
     if tied is not None:
         record["tied"] = tied
     return record
@@ -144,7 +146,16 @@ def write_csv(path: Path, disks: Sequence[DiskSweep], choice: Choice) -> None:
                     "both_ci95_low": round(p.both_summary.low), "both_ci95_high": round(p.both_summary.high),
                     "both_spread": round(p.both_summary.spread, 4), "cpu_ms_per_gb": round(p.cpu_ms_per_gb, 2),
                     "tied": config_key(c) in tied,
+                    **_workload_columns(p),
                 })
+
+
+def _workload_columns(p: PointResult) -> dict[str, Any]:
+    w = p.workload
+    if w is None:
+        return {}
+    return {"workload": w.workload.kind, "workload_read_bw_bytes": w.read_bw_bytes,
+            "workload_write_bw_bytes": w.write_bw_bytes, "workload_spread": round(w.summary.spread, 4)}
 
 
 def format_point(point: PointResult) -> str:
@@ -168,15 +179,18 @@ def _interval(summary: Summary) -> str:
 
 
 def format_table(points: Sequence[PointResult], limit: int | None = None, choice: Choice | None = None) -> str:
-    """Points sorted by round-trip bandwidth, best first, as an aligned table: the round trip's 95%
-    interval and the repeats' spread beside it, and with ``choice`` a mark: "=" tied with the best,
-    "chosen" the choice."""
-    rows = sorted(points, key=lambda p: p.both_bw_bytes, reverse=True)[:limit]
+    """Points sorted by the goal (the round trip, or the engine's workload where measured), best first,
+    as an aligned table: the round trip's 95% interval and the repeats' spread beside it, the workload's
+    figure and the spread of its slices where measured, and with ``choice`` a mark: "=" tied with the
+    best, "chosen" the choice."""
+    rows = sorted(points, key=lambda p: p.goal_bw_bytes, reverse=True)[:limit]
+    kind = points[0].workload.workload.kind if points and points[0].workload is not None else None
     tied = {config_key(c.config) for c in choice.tied} if choice else set()
     chosen = config_key(choice.config) if choice else None
     header = (f"{'backend':<9}{'block':>6}{'qd':>5}{'thr':>4}{'ss':>3}{'oe':>3}"
               f"{'write GB/s':>12}{'read GB/s':>11}{'both GB/s':>11}{'95% CI':>12}{'spread':>7}"
-              f"{'write p99':>11}{'read p99':>10}  tie")
+              f"{'write p99':>11}{'read p99':>10}" + (f"{kind[:5] + ' GB/s':>12}{'spread':>7}" if kind else "")
+              + "  tie")
     lines = [header, "-" * len(header)]
     for p in rows:
         c = p.config
@@ -188,7 +202,8 @@ def format_table(points: Sequence[PointResult], limit: int | None = None, choice
                      f"{flags[0]:>3}{flags[1]:>3}{p.write.gb_per_s:>12.2f}{p.read.gb_per_s:>11.2f}"
                      f"{p.both_bw_bytes / 1e9:>11.2f}{f'{both.low / 1e9:.2f}-{both.high / 1e9:.2f}':>12}"
                      f"{both.spread:>7.0%}{format_ns(p.write.clat_ns_p99):>11}{format_ns(p.read.clat_ns_p99):>10}"
-                     f"  {mark}".rstrip())
+                     + (f"{p.goal_bw_bytes / 1e9:>12.2f}{p.goal_summary.spread:>7.0%}" if p.workload is not None else "")
+                     + f"  {mark}".rstrip())
     return "\n".join(lines)
 
 
@@ -227,14 +242,14 @@ NOISY = 0.25
 """Noise above which the report says the sweep cannot rank the configurations."""
 
 
-def format_choice(choice: Choice, disks: int = 1) -> str:
-    """How many configurations are tied with the best and which was chosen, and why; a note when the
-    noise is above `NOISY`."""
+def format_choice(choice: Choice, disks: int = 1, goal: str = "round trip") -> str:
+    """How many configurations are tied with the best ``goal`` figure ("round trip", or the workload's)
+    and which was chosen, and why; a note when the noise is above `NOISY`."""
     lines = [choice.reason]
     if len(choice.tied) > 1:
         over = ", summed over the disks" if disks > 1 else ""
         lines.insert(0, f"{len(choice.tied)} configurations lie within the noise ({choice.noise:.0%}) of the best "
-                        f"round trip ({choice.best.bw_bytes / 1e9:.2f} GB/s{over}): tied, marked in the table")
+                        f"{goal} ({choice.best.bw_bytes / 1e9:.2f} GB/s{over}): tied, marked in the table")
     if choice.noise > NOISY:
         lines.append(f"note: figures {choice.noise:.0%} apart cannot rank configurations; sweep again when the disk "
                      f"is quiet, or with a larger --size and more --repeats")
@@ -250,6 +265,10 @@ def format_best(disk: DiskSweep) -> str:
         f"best both : {config_label(b['both'].config):<40} write {b['both'].write.gb_per_s:.2f}, "
         f"read {b['both'].read.gb_per_s:.2f}, round trip {b['both'].both_bw_bytes / 1e9:.2f} GB/s",
     ]
+    if "workload" in b:
+        lines.append(f"best {b['workload'].workload.workload.kind}: {config_label(b['workload'].config):<36} "
+                     f"{format_workload(b['workload'].workload)}; its sequential round trip "
+                     f"{b['workload'].both_bw_bytes / 1e9:.2f} GB/s")
     if disk.fio_missing:
         lines.append(f"fio column missing: {disk.fio_missing}")
     if disk.fio:
@@ -265,6 +284,23 @@ def format_best(disk: DiskSweep) -> str:
     if not disk.validation.direct:
         lines.append(f"note: {BUFFERED_NOTE}")
     return "\n".join(lines)
+
+
+def format_workload(result: Any) -> str:
+    """The engine's workload in one line: reads and writes per second, latency percentiles with their
+    sample counts (a percentile the samples cannot give is left out, the maximum named instead), CPU."""
+    parts = []
+    for rw, bw in (("reads", result.read_bw_bytes), ("writes", result.write_bw_bytes)):
+        lat = result.latency_ns.get(rw[:-1])
+        if not lat:
+            continue
+        shown = [f"{name} {format_ns(lat[name])}" for name in ("p50", "p99", "p99.9") if lat.get(name) is not None]
+        if lat.get("p99") is None and lat.get("max") is not None:
+            shown.append(f"max {format_ns(lat['max'])} (too few for p99)")
+        parts.append(f"{rw} {bw / 1e9:.2f} GB/s (per {format_size(result.workload.request_bytes)} request: "
+                     f"{', '.join(shown)}; {lat['samples']} timed)")
+    return (", ".join(parts) + f", CPU {result.cpu_ms_per_gb:.0f} ms/GB = {result.cpu_share:.0%} of a core, "
+            f"{result.summary.spread:.0%} spread over {len(result.total_samples)} slices")
 
 
 def format_block_table(disk: DiskSweep) -> str:

@@ -25,6 +25,7 @@ from .measure import Buffers, Measurement, PointResult, measure_point
 from .scratch import scratch_dir
 from .stats import Noise, disk_noise
 from .validate import Validation
+from .workload import Workload, measure_workload
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -80,13 +81,15 @@ def config_label(config: AioConfig) -> str:
 
 
 def best_points(points: Sequence[PointResult]) -> dict[str, PointResult]:
-    """The point with the highest read, write and round-trip ("both") bandwidth."""
+    """The point with the highest read, write and round-trip ("both") bandwidth, and with the engine's
+    workload measured on every point, the best at it ("workload")."""
     if not points:
         raise ValueError("no points measured")
     return {
         "read": max(points, key=lambda p: p.read.bw_bytes),
         "write": max(points, key=lambda p: p.write.bw_bytes),
         "both": max(points, key=lambda p: p.both_bw_bytes),
+        **({"workload": max(points, key=lambda p: p.goal_bw_bytes)} if all(p.workload for p in points) else {}),
     }
 
 
@@ -226,10 +229,11 @@ def pooled(point: PointResult, again: Sequence[PointResult]) -> PointResult:
 
 
 def sweep_noise(points: Sequence[PointResult], references: Sequence[PointResult]) -> Noise:
-    """The disk's noise: the reference's round trips over the sweep, and each point's repeats (where
-    there were at least two)."""
-    spreads = [p.both_summary.spread for p in points if len(p.write.bw_bytes_samples) > 1]
-    return disk_noise([r.both_bw_bytes for r in references], spreads, [r.cpu_ms_per_gb for r in references])
+    """The disk's noise: the reference's goal figures over the sweep (round trips, or the engine's
+    workload where measured), and each point's repeats or workload slices."""
+    spreads = [p.goal_summary.spread for p in points if p.workload is not None or len(p.write.bw_bytes_samples) > 1]
+    cpu = [r.workload.cpu_ms_per_gb if r.workload is not None else r.cpu_ms_per_gb for r in references]
+    return disk_noise([r.goal_bw_bytes for r in references], spreads, cpu)
 
 
 class SweepStopped(Exception):
@@ -244,7 +248,7 @@ def _check(stop: threading.Event | None) -> None:
 def sweep_directory(validation: Validation, plan: Sequence[Step], buffers: Buffers, *, request_size: int,
                     repeats: int, with_fio: bool = True, done: Mapping[str, PointResult] | None = None,
                     on_step: Callable[[str, Step, PointResult | None], None] | None = None,
-                    stop: threading.Event | None = None) -> DiskSweep:
+                    stop: threading.Event | None = None, workload: Workload | None = None) -> DiskSweep:
     """Measure every step of ``plan`` (`sweep_plan`) in ``validation.directory``, then run fio for the
     best points.
 
@@ -254,6 +258,8 @@ def sweep_directory(validation: Validation, plan: Sequence[Step], buffers: Buffe
     every exit. Raises TensorIOError / MeasurementError from a point (the sweep stops: a disk that
     fails a point is not one to tune) and KeyboardInterrupt when interrupted, after cleaning up; and
     `SweepStopped` before the next step or fio run once ``stop`` is set (another thread's way to stop it).
+    With ``workload`` each step also drives the engine's traffic (`bench.workload`) after its sequential
+    passes, and the choice goes by it (`PointResult.goal_bw_bytes`).
     """
     done = done or {}
     results: dict[str, PointResult] = {}
@@ -273,6 +279,8 @@ def sweep_directory(validation: Validation, plan: Sequence[Step], buffers: Buffe
                                        direct=validation.direct)
             finally:
                 path.unlink(missing_ok=True)
+            if workload is not None:
+                result.workload = measure_workload(step.config, scratch, workload, disks=validation.disks, stop=stop)
             results[step.key] = result
             if on_step:
                 on_step("done", step, result)
@@ -281,7 +289,8 @@ def sweep_directory(validation: Validation, plan: Sequence[Step], buffers: Buffe
         points = [pooled(results[s.key], references) if references and config_key(s.config) ==
                   config_key(references[0].config) else results[s.key] for s in plan if s.kind == "point"]
         best = best_points(points)
-        comparisons, missing = (_compare_with_fio(scratch, best, buffers, request_size, repeats, stop) if with_fio
+        sequential = {role: p for role, p in best.items() if role != "workload"}  # fio's passes are sequential
+        comparisons, missing = (_compare_with_fio(scratch, sequential, buffers, request_size, repeats, stop) if with_fio
                                 else ([], "skipped (--no-fio)"))
         curve = _fio_curve(scratch, points, buffers.nbytes, repeats, stop) if with_fio and missing is None else []
     return DiskSweep(validation=validation, points=points, best=best, fio=comparisons, fio_missing=missing,

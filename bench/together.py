@@ -16,6 +16,7 @@ from .measure import Buffers, PointResult
 from .scratch import sigterm_as_interrupt
 from .sweep import DiskSweep, Step, SweepStopped, sweep_directory
 from .validate import Validation
+from .workload import Workload
 
 __all__ = ["sweep_together"]
 
@@ -24,11 +25,12 @@ def sweep_together(validations: Sequence[Validation], plan: Sequence[Step], buff
                    request_size: int, repeats: int, with_fio: bool = True,
                    done: Sequence[Mapping[str, PointResult]] | None = None,
                    on_step: Callable[[int, str, Step, PointResult | None], None] | None = None,
-                   on_stopping: Callable[[], None] | None = None) -> list[DiskSweep]:
+                   on_stopping: Callable[[], None] | None = None, workload: Workload | None = None) -> list[DiskSweep]:
     """`sweep_directory` on every directory at once, each with its own ``buffers[i]``, in step.
 
     ``done[i]`` are directory i's results already measured (a resumed sweep); ``on_step(i, phase,
-    step, result)`` is called from directory i's thread as ``sweep_directory`` calls its own.
+    step, result)`` is called from directory i's thread as ``sweep_directory`` calls its own; ``workload``
+    is the engine's traffic each step also drives (`sweep_directory`).
     Raises the first error of any directory (TensorIOError, MeasurementError), after every thread
     has stopped, and KeyboardInterrupt on Ctrl-C or SIGTERM, after calling ``on_stopping()`` and
     waiting for the step or fio run in flight on each to end (their files are then removed).
@@ -58,7 +60,8 @@ def sweep_together(validations: Sequence[Validation], plan: Sequence[Step], buff
 
         try:
             results[i] = sweep_directory(validations[i], plan, buffers[i], request_size=request_size, repeats=repeats,
-                                         with_fio=with_fio, done=done[i], on_step=gate, stop=stop)
+                                         with_fio=with_fio, done=done[i], on_step=gate, stop=stop,
+                                         workload=workload)
         except SweepStopped:
             pass
         except BaseException as exc:  # handed to the caller's thread below

@@ -54,6 +54,14 @@ class Validation:
     """O_DIRECT works here (tmpfs and ramfs count as not: they are memory)."""
     io_uring: bool = False
     free_bytes: int = 0
+    devices: list[dict] = field(default_factory=list)
+    """The queue settings of each disk under the directory (`bench.diskstat.device_facts`); empty for
+    tmpfs and other file systems without a block device."""
+
+    @property
+    def disks(self) -> tuple[str, ...]:
+        """The names of the disks under the directory (``vda``), whose counters `bench.diskstat` reads."""
+        return tuple(f["name"] for f in self.devices)
 
     @property
     def usable(self) -> bool:
@@ -86,6 +94,7 @@ def validate_directory(directory: str | os.PathLike, *, need_bytes: int = 0) -> 
     if _check_directory(v):
         _check_filesystem(v)
         _check_free_space(v, need_bytes)
+        _check_device(v)
     v.checks.append(_check_io_uring(v))
     v.checks.append(_check_memlock())
     v.checks.append(_check_cuda())
@@ -154,6 +163,20 @@ def _check_free_space(v: Validation, need_bytes: int) -> None:
                                                   f"{format_bytes(MIN_FREE_BYTES)}"))
     else:
         v.checks.append(Check("free space", OK, f"{free} free"))
+
+
+def _check_device(v: Validation) -> None:
+    from .diskstat import describe_facts, device_facts, disk_names
+
+    try:
+        names = disk_names(v.directory)
+    except OSError:
+        names = ()
+    v.devices = [device_facts(name) for name in names]
+    if v.devices:
+        v.checks.append(Check("device", INFO, "; ".join(describe_facts(f) for f in v.devices)))
+    else:
+        v.checks.append(Check("device", INFO, "no block device under this file system: no request counts"))
 
 
 def _check_io_uring(v: Validation) -> Check:
