@@ -31,6 +31,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -256,7 +257,8 @@ def child(args: dict) -> dict:
                        plan_budget=plan.budget, budget_source=plan.budget_source,
                        activation_bytes=model.activation_bytes(args["batch"], args["prompt_tokens"] + args["new_tokens"]),
                        io_bytes=model.io_bytes(), plan=plan.describe(), quantization=plan.quantization,
-                       unquantized_read_bytes_per_forward=plan.unquantized_read_bytes)
+                       unquantized_read_bytes_per_forward=plan.unquantized_read_bytes,
+                       expert_counts=dataclasses.asdict(model.experts.counts) if model.experts is not None else None)
         if args.get("log_probs_path"):  # benchmarks/infer_quant.py: the prompt's next-token distributions, for KL
             np.save(args["log_probs_path"], torch.log_softmax(model(ids).logits[0].float(), dim=-1).numpy())
         model.close()
@@ -330,6 +332,8 @@ def _load(kind: str, checkpoint: Path, config, args: dict):
             ring.update(weight_quantization=args["quantize"], nvme_path=args["nvme_path"])
         if args.get("block_schedule"):
             ring.update(block_schedule=args["block_schedule"])
+        if args.get("experts"):  # benchmarks/infer_moe.py: "routed" or "whole"
+            ring.update(experts=args["experts"])
         return init_inference(checkpoint, max_in_cpu="auto" if auto else f"{budget}B", aio=args["aio"],  # bytes
                               disk_gbps=args["disk_gbps"], **ring)
     max_memory = None if auto else {"cpu": budget}

@@ -83,3 +83,38 @@ def test_a_prompt_whose_activations_exceed_the_limit_is_prefilled_in_chunks(capl
     assert ours.tolist() == expected.tolist()
     assert forwards == [16, 16, 16, 16] + [1] * 7
     assert "prefilling the 64-token prompt in chunks of 16 tokens" in caplog.text
+
+
+@pytest.mark.simulated
+def test_the_prefills_reserve_is_freed_for_the_decode():
+    """On a device of its own, the prompt's activations are reserved beside the weights for the prefill only:
+    from the first decode step the plan holds one token's, and the room goes to weights kept on the device
+    (more units there), with the tokens of the model in memory."""
+    import shutil
+
+    import torch
+
+    from offload.infer import init_inference
+    from test_infer_generate import build_model, save_checkpoint, scratch_dir
+
+    root = scratch_dir("infer-decode-reserve-")
+    try:
+        model = build_model("llama", torch.float32)
+        directory = save_checkpoint(model, root / "llama")
+        ids = torch.randint(3, 256, (1, 96), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            expected = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        with init_inference(directory, disk_gbps=1.0, compute_device="simulated",
+                            max_memory={0: "900KiB", "cpu": 0}) as engine:
+            seen = []  # (tokens of the forward, units kept on the device, activations reserved there)
+            engine.module.register_forward_hook(lambda module, args, kwargs, out: seen.append(
+                (kwargs["input_ids"].shape[-1], len(engine.plan.device.resident), engine.plan.device.activation_bytes)),
+                with_kwargs=True)
+            ours = engine.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+            decode_step = engine.activation_bytes(1, 1, logits=1, context=102)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    assert ours.tolist() == expected.tolist()
+    (prompt, kept_prefill, reserved_prefill), *steps = seen
+    assert prompt == 96 and reserved_prefill > 50 * decode_step
+    assert all(tokens == 1 and reserved == decode_step and kept > kept_prefill for tokens, kept, reserved in steps)

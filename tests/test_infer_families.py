@@ -89,7 +89,8 @@ def saved():
 def _generate(directory, budget, **settings):
     with init_inference(directory, dtype=torch.bfloat16, max_in_cpu=budget, disk_gbps=1.0, **settings) as engine:
         tokens = engine.generate(_prompt(), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0).tolist()
-        return tokens, [name for name in engine.plan.streamed]
+        experts = [layer.name for layer in engine.experts.layers] if engine.experts is not None else []
+        return tokens, [name for name in engine.plan.streamed] + experts  # a MoE's experts are streamed on their own
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -6,11 +6,14 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
 import torch
 
 from offload.infer.plan.units import format_bytes
 
-__all__ = ["activation_bytes", "prefill_chunk"]
+__all__ = ["activation_bytes", "before_decode", "prefill_chunk"]
 
 log = logging.getLogger("offload.infer")
 
@@ -53,3 +56,21 @@ def prefill_chunk(estimate: Callable[..., int], prompt: int, total: int, limit: 
              "would exceed block_schedule.max_activation_bytes %s; each chunk reads the streamed layers once)",
              prompt, chunk, format_bytes(limit))
     return chunk
+
+
+def before_decode(module: nn.Module, release: Callable[[], Any]) -> RemovableHandle:
+    """Call ``release`` once, just before ``module``'s first forward over one token per sequence: ``generate``'s
+    first decode step, once the prompt's prefill (whole or in chunks) is done; the plan is then re-made for
+    one token's activations, so that the prefill's reserve is free for weights during the decode. The handle
+    removes the hook (at the end of the generate call)."""
+    done = False
+
+    def hook(_: nn.Module, args: tuple, kwargs: dict) -> None:
+        nonlocal done
+        ids = args[0] if args else kwargs.get("input_ids")
+        ids = ids if ids is not None else kwargs.get("inputs_embeds")
+        if not done and ids is not None and ids.shape[1] == 1:  # a one-token prompt: its prefill is one token's
+            done = True
+            release()
+
+    return module.register_forward_pre_hook(hook, with_kwargs=True)

@@ -421,8 +421,18 @@ class InferenceConfig:
     """``block_schedule``: micro-batches sharing each layer's read; a mapping or a
     `BlockScheduleConfig`. Not a DeepSpeed key (FlexGen's)."""
 
+    experts: str = "routed"
+    """``experts``: how a mixture-of-experts model's experts are read where its layers are streamed:
+    "routed" reads each expert on its own, only those the router picks for some token of the batch (the
+    most used kept in memory, the next layer's guessed and read ahead: offload/infer/experts/); "whole"
+    streams them with their layer, every expert every forward (as Accelerate and ZeRO-Inference do). On a
+    device with memory of its own experts are streamed whole for now. Not a DeepSpeed key."""
+
     def __post_init__(self) -> None:
         key = "zero_optimization.offload_param"
+        if self.experts not in ("routed", "whole"):
+            raise ValueError(f"experts: {self.experts!r} is not allowed; use \"routed\" (only the experts the router "
+                             f"picks are read) or \"whole\" (every expert streamed with its layer)")
         if self.device not in ("nvme", "cpu"):
             raise ValueError(f"{key}.device: {self.device!r} is not allowed; use \"nvme\" or \"cpu\"")
         self.max_memory = MaxMemory.parse(self.max_memory)
@@ -517,7 +527,7 @@ def _section(value: Any, key: str, allowed: set[str]) -> dict[str, Any]:
 def _from_deepspeed(config: Mapping[str, Any]) -> dict[str, Any]:
     """The `InferenceConfig` fields a DeepSpeed-style config sets, its keys checked."""
     top = _section(config, "", {"zero_optimization", "aio", "dtype", "bf16", "bfloat16", "fp16", "weight_quantization",
-                                 "kv_offload", "block_schedule", "max_memory", "compute_device"})
+                                 "kv_offload", "block_schedule", "max_memory", "compute_device", "experts"})
     values: dict[str, Any] = {}
     if "weight_quantization" in top:
         values["weight_quantization"] = WeightQuantization.parse(top["weight_quantization"])
@@ -525,7 +535,7 @@ def _from_deepspeed(config: Mapping[str, Any]) -> dict[str, Any]:
         values["kv_offload"] = KVOffload.parse(top["kv_offload"])
     if "block_schedule" in top:
         values["block_schedule"] = BlockScheduleConfig.parse(top["block_schedule"])
-    for key in ("max_memory", "compute_device"):
+    for key in ("max_memory", "compute_device", "experts"):
         if key in top:
             values[key] = top[key]
     zero = _section(top.get("zero_optimization", {}), "zero_optimization",

@@ -15,11 +15,13 @@ import torch
 from torch import nn
 
 from offload.device import Device, auto_budget, host_memory
-from offload.infer.activations import activation_bytes, prefill_chunk
+from offload.infer.activations import activation_bytes, before_decode, prefill_chunk
 from offload.infer.build import (CheckpointMismatchError, build_units, checkpoint_directory, compute_device_for,
                                   contiguous_head_input, decoder_blocks, device_budget, materialize_buffers,
                                   measure_disk, meta_skeleton)
 from offload.infer.config import InferenceConfig
+from offload.infer.device_reserve import DeviceReservation
+from offload.infer.experts import ExpertStore, expert_plan, route_experts
 from offload.infer.kv.cache import CACHE_KEYWORD, MicroBatchedLayer, NvmeKVLayer, OffloadedKVCache
 from offload.infer.kv.device import KVStager, StagedKVLayer
 from offload.infer.kv.quant import KVCodec
@@ -32,9 +34,9 @@ from offload.infer.stream.device_ring import DeviceRing
 from offload.infer.stream.resident_load import ResidentLoad
 from offload.infer.stream.streamer import LayerStreamer
 from offload.infer.stream.unit import Unit
-from offload.infer.weights.convert import converted_copy
+from offload.infer.weights.convert import checkpoint_in_dtype
 from offload.infer.weights.qcache import quantized_cache
-from offload.infer.weights.quantize import block_linears, swap_linears
+from offload.infer.weights.quantize import quantization_targets, swap_linears
 from offload.storage.safetensors_reader import SafetensorsCheckpoint
 from tensorio import AioHandle
 
@@ -69,7 +71,7 @@ def init_inference(model: str | os.PathLike | nn.Module, config: Mapping[str, An
     return InferenceEngine(model, InferenceConfig.from_dict(config, **overrides), checkpoint=checkpoint, compute=compute)
 
 
-class InferenceEngine:
+class InferenceEngine(DeviceReservation):
     """A model ready to generate; see `init_inference`. ``module`` is the transformers model;
     ``plan`` says what is resident and what is streamed. Use as a context manager or call ``close``."""
 
@@ -89,6 +91,8 @@ class InferenceEngine:
         self._copies = self.compute.new_stream("resident-copies")
         self._closed = False
         self._loads: list[ResidentLoad] = []
+        self.experts: ExpertStore | None = None
+        """A mixture-of-experts model's experts, read by the router's choice (offload/infer/experts/)."""
         self.kv_bytes_read = self.kv_bytes_written = 0
         """Bytes of KV cache read from and written to NVMe by `generate` calls so far."""
         self.kv_wait_seconds = 0.0
@@ -116,10 +120,14 @@ class InferenceEngine:
             self.plan = self._make_plan(kv_bytes=0, kv_shape=(0, 0))
             if any(self._needs_conversion(u) for u in self._read_in_place()):
                 self._use_converted_copy()
+            self.units, self.experts = route_experts(self.units, self.module, self.checkpoint, self.handle, self.plan,
+                                                     settings, separate_memory=self.compute.separate_memory)
             if self.plan.streamed and settings.disk_gbps is None:
                 self.plan = self._make_plan(0, (0, 0), disk=measure_disk(self.handle, self.checkpoint))
+            elif self.experts is not None:
+                self.plan = self._make_plan(0, (0, 0))
             # 5. Resident weights read once, in the background; the streamer's hooks on every unit not resident.
-            self.streamer = LayerStreamer(self.handle, buffer_count=settings.buffer_count)
+            self.streamer = LayerStreamer(self.handle, buffer_count=settings.buffer_count, experts=self.experts)
             self.schedule = BlockSchedule(self.module.get_submodule(decoder_blocks(self.module)))
             """Micro-batches through each decoder layer (`generate` runs them as the plan says)."""
             self._release_hook = self.module.register_forward_hook(lambda *_: self._release_loads())
@@ -161,9 +169,12 @@ class InferenceEngine:
         chunk = kwargs.get("prefill_chunk_size", getattr(generation, "prefill_chunk_size", None)) or prefill_chunk(
             self.activation_bytes, prompt, total, self.settings.block_schedule.max_activation_bytes)
         kwargs.update({"prefill_chunk_size": chunk} if chunk else {})
-        plan = self.reserve(batch * max(beams, returns), total, logits=1, chunk=chunk)  # the last position's logits
+        sequences = batch * max(beams, returns)
+        plan = self.reserve(sequences, total, logits=1, chunk=chunk)  # the last position's logits
         cache = None
         placement = plan.kv
+        decode = before_decode(self.module, lambda: self.reserve(sequences, total, logits=1, chunk=1,  # the prefill's
+                                                                 micro_batches=placement.micro_batches))  # room freed
         if beams > 1 and (placement.nvme_layers or placement.micro_batches > 1):  # refused before the prefill's minutes
             raise (NvmeKVLayer if placement.nvme_layers else MicroBatchedLayer).beam_search_refusal()
         if beams > 1 and placement.staged_nbytes:
@@ -176,6 +187,7 @@ class InferenceEngine:
             with self._running(), self.schedule.running(placement.micro_batches if cache is not None else 1):
                 return self.module.generate(inputs, **kwargs)
         finally:
+            decode.remove()
             if cache is not None:
                 self.kv_bytes_read += cache.ring.bytes_read
                 self.kv_bytes_written += cache.ring.bytes_written
@@ -211,17 +223,20 @@ class InferenceEngine:
         with self._running():
             return self.module(*args, **kwargs)
 
-    def reserve(self, batch: int, tokens: int, *, logits: int | None = None, chunk: int | None = None) -> Plan:
+    def reserve(self, batch: int, tokens: int, *, logits: int | None = None, chunk: int | None = None,
+                micro_batches: int | None = None) -> Plan:
         """Re-plan for a KV cache of ``batch`` sequences of ``tokens`` tokens: it counts against the
         budget, so resident layers become streamed where it needs their room (and come back when it
         shrinks again). Returns the plan. Raises BudgetError naming the figures when even the weights
         that must stay plus that cache exceed the budget, or the plan exceeds the machine's memory.
-        ``logits``, ``chunk``: the positions whose logits, and the tokens, the largest forward keeps and takes."""
+        ``logits``, ``chunk``: the positions whose logits, and the tokens, the largest forward keeps and takes;
+        ``micro_batches``: the block schedule's, where a generate already runs with them (None: chosen here)."""
         self._check_open()
         setting, schedule = self.settings.kv_offload, self.settings.block_schedule
         step = tokens if chunk is None else min(chunk, tokens)
-        micro = micro_batch_size(batch, lambda size: self.activation_bytes(size, step, logits=logits, context=tokens),
-                                 schedule.max_activation_bytes, schedule.micro_batch_size)
+        micro = batch // micro_batches if micro_batches else micro_batch_size(
+            batch, lambda size: self.activation_bytes(size, step, logits=logits, context=tokens),
+            schedule.max_activation_bytes, schedule.micro_batch_size)
         layers = self._text_config().num_hidden_layers
         if self._device_budget is not None:
             return self._reserve_on_device(batch, tokens, micro, logits, step)
@@ -247,60 +262,6 @@ class InferenceEngine:
         self.plan = plan
         return plan
 
-    def _reserve_on_device(self, batch: int, tokens: int, micro: int, logits: int | None, step: int) -> Plan:
-        """`reserve` where compute has memory of its own: the activations on the device, and the KV cache
-        there while the budget holds it (``kv_offload.device`` "auto"); else, or with "cpu" / "nvme", the
-        cache on the host (in memory or on NVMe, as `place_kv` places it there), each layer's copied to
-        the device per token through two device buffers (offload/infer/kv/device.py)."""
-        setting = self.settings.kv_offload
-        layers = self._text_config().num_hidden_layers
-        kv, shape, parts = self.kv_bytes(batch, tokens), (batch, tokens), batch // micro
-        disk, activations = (self.plan.disk_bps, self.plan.disk_source), self.activation_bytes(micro, step, logits=logits,
-                                                                                                context=tokens)
-        plan = None
-        if setting.device == "auto":
-            try:
-                plan = self._make_plan(kv, shape, disk=disk, activations=activations)
-                plan = dataclasses.replace(plan, kv=KVPlacement(layers, kv // layers, micro_batches=parts))
-            except BudgetError:
-                if not kv:
-                    raise
-                log.info("offload.infer: a KV cache of %s does not fit the device budget; it goes to the host",
-                         format_bytes(kv))
-        if plan is None:
-            plan = self._plan_host_kv(layers, kv, shape, parts, disk, activations)
-        total = host_memory().total  # the cgroup's limit where smaller
-        if plan.memory_bytes > total:
-            raise BudgetError(f"the plan keeps {format_bytes(plan.memory_bytes)} in host memory, more than this machine's "
-                              f"{format_bytes(total)}; lower max_in_cpu (max_memory['cpu'])")
-        if plan.resident != self.plan.resident or plan.device.resident != self.plan.device.resident:
-            log.info("offload.infer: re-placing for batch %d x %d tokens (KV cache %s on the %s)", batch, tokens,
-                     format_bytes(kv), "host" if plan.kv.staged_nbytes else "device")
-            self._apply(plan)
-        self.plan = plan
-        return plan
-
-    def _plan_host_kv(self, layers: int, kv: int, shape: tuple[int, int], parts: int,
-                      disk: tuple[float | None, str], activations: int) -> Plan:
-        """The device plan with the KV cache on the host: two device buffers of one layer's cache (one
-        micro-batch's, in the compute dtype) on the device, the cache placed by `place_kv` among the units
-        the device does not keep. Raises BudgetError naming the figures where even that does not fit."""
-        setting = self.settings.kv_offload
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        decoded = self.kv_bytes(shape[0], shape[1], quantized=False)
-        staged = -(-decoded // (layers * parts) // itemsize) * itemsize
-        plan = self._make_plan(2 * staged, shape, disk=disk, activations=activations, kv_link_bytes=decoded)
-        host_units = [u for u in self._sizes() if u.name not in plan.device.resident]
-        budget = self._budget()  # less the pinned staging buffers (None or 0: no limit)
-        budget = max(budget - 2 * staged, 1) if budget else budget
-        placement = place_kv(host_units, budget=budget, layers=layers, layer_nbytes=kv // layers,
-                             device=setting.device, cpu_percent=setting.cpu_percent, buffer_count=setting.buffer_count,
-                             kv_shape=shape, micro_batches=parts)
-        placement = dataclasses.replace(placement, staged_nbytes=staged)
-        plan = self._make_plan(2 * staged, shape, disk=disk, activations=activations, kv_link_bytes=decoded,
-                               host_kv_bytes=placement.memory_bytes)
-        return dataclasses.replace(plan, kv=placement)
-
     # ---- figures ----------------------------------------------------------------------------------
 
     def wait_loaded(self) -> float:
@@ -319,7 +280,8 @@ class InferenceEngine:
 
     def io_bytes(self) -> int:
         """Bytes read from the checkpoint so far: resident weights once (those loaded yet), plus every streamed read."""
-        return self._load_bytes + sum(load.nbytes for load in self._loads) + self.streamer.bytes_read
+        return (self._load_bytes + sum(load.nbytes for load in self._loads) + self.streamer.bytes_read
+                + (self.experts.counts.bytes_read if self.experts is not None else 0))
 
     @property
     def read_wait_seconds(self) -> float:
@@ -426,6 +388,9 @@ class InferenceEngine:
         ``kv_what`` names the ``kv_bytes`` in the errors when they are not the whole cache (`make_plan`)."""
         args = (kv_bytes, kv_shape, disk, activations, kv_link_bytes, host_kv_bytes, kv_what)
         plan = self._placement(self._sizes(), *args)
+        if self.experts is not None:  # what the budget leaves after resident weights and the KV cache
+            room = None if plan.budget < 0 else plan.budget - plan.resident_bytes - plan.kv_bytes
+            plan = dataclasses.replace(plan, experts=expert_plan(self.experts, room=room, batch=kv_shape[0]))
         kv_quant = self.settings.kv_offload.quantization
         if kv_quant is not None:
             text = self._text_config()
@@ -483,14 +448,7 @@ class InferenceEngine:
         every weight from the quantized cache (written once under ``nvme_path``, else in the checkpoint's
         directory). Raises ValueError naming ``weight_quantization`` where the device cannot run it."""
         spec, kernels = self.settings.weight_quantization, self.compute.packed_kernels
-        refusal = kernels.unsupported(spec.num_bits, self.dtype)
-        if refusal is not None:
-            raise ValueError(f"weight_quantization: {spec.name} cannot compute on the {self.compute.name} device: {refusal}")
-        targets = {path: self.module.get_submodule(path) for path in block_linears(self.module, decoder_blocks(self.module), spec)}
-        if not targets:
-            raise ValueError(f"weight_quantization: {type(self.module).__name__} has no nn.Linear in its decoder layers "
-                             f"that the int{spec.num_bits} kernel takes (int8: in features a multiple of 16; int4: out "
-                             f"features a multiple of 16, in features of {spec.group_size}); leave weight_quantization out")
+        targets = quantization_targets(self.module, decoder_blocks(self.module), spec, kernels, self.dtype, self.compute.name)
         self._unquantized_sizes = self._sizes()
         settings = self.settings  # before the cache is written (minutes): the units that must stay in memory fit
         if settings.device != "cpu" and settings.max_in_cpu != "auto" and self._device_budget is None:
@@ -510,16 +468,9 @@ class InferenceEngine:
 
     def _use_converted_copy(self) -> None:
         """Streamed tensors in another dtype than they compute in: read them from a converted copy."""
-        if self.settings.nvme_path is None:
-            names = [u.name for u in self._read_in_place() if self._needs_conversion(u)]
-            raise ValueError(
-                f"zero_optimization.offload_param.nvme_path: dtype {self.dtype} differs from the checkpoint's "
-                f"({self.checkpoint.dominant_dtype()}) and {len(names)} units are "
-                f"{'copied to the device' if self.compute.separate_memory else 'streamed'} as read ({names[0]}, ...), "
-                f"so they must be on the disk in {self.dtype}; set nvme_path to a directory for a "
-                f"converted copy (written once), or use the checkpoint's dtype, or a budget that holds them")
-        directory = converted_copy(self.checkpoint, self.dtype, self.settings.nvme_path, self.handle)
-        self.checkpoint = SafetensorsCheckpoint(directory, self.handle)
+        names = [u.name for u in self._read_in_place() if self._needs_conversion(u)]
+        self.checkpoint = checkpoint_in_dtype(self.checkpoint, self.dtype, self.settings.nvme_path, self.handle,
+                                              units=names, to_device=self.compute.separate_memory)
         for unit in self.units:
             unit.windows = self.checkpoint.windows([name for ref in unit.params for name in ref.tensors])
         self.plan = self._make_plan(0, (0, 0))
@@ -564,6 +515,8 @@ class InferenceEngine:
             self.streamer.stager = DeviceRing(self.compute, slots, slot_nbytes)
         self.streamer.set_units([u for u in self.units if u.streamable], plan.buffer_nbytes if streamed else 0,
                                 self._lookahead_units(plan))
+        if self.experts is not None:
+            self.experts.set_capacity(plan.experts.cache_bytes)
         # 3. transformers takes the model's device and dtype from its first parameter: bind it now.
         first = next(self.module.parameters(), None)
         for unit in self.units:

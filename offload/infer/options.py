@@ -61,6 +61,9 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--micro-batch-size", type=int,
                     help="block schedule: run the batch through each layer's one read in micro-batches of this many "
                          "sequences (default: as large as 1 GiB of activations allows)")
+    ap.add_argument("--experts", choices=("routed", "whole"),
+                    help="a mixture of experts whose layers are streamed: routed (default) reads only the experts the "
+                         "router picks, the most used kept in memory; whole streams every expert with its layer")
     ap.add_argument("--config", help="DeepSpeed-style JSON config (command-line options override it)")
     ap.add_argument("--disk-gbps", type=float, help="the disk's read speed in GB/s (default: measure it)")
 
@@ -88,7 +91,8 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
         values["max_memory"] = parse_max_memory(args.max_memory)
     if args.max_in_cpu is not None:
         values["max_in_cpu"] = int(args.max_in_cpu) if args.max_in_cpu.isdigit() else args.max_in_cpu
-    for key in ("buffer_count", "dtype", "disk_gbps", "nvme_path", "compute_device", "host_to_device_gbps"):
+    for key in ("buffer_count", "dtype", "disk_gbps", "nvme_path", "compute_device", "host_to_device_gbps",
+                "experts"):
         if getattr(args, key) is not None:
             values[key] = getattr(args, key)
     if args.quantize is not None:

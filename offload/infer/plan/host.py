@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from offload.infer.plan.experts import ExpertPlan
 from offload.infer.plan.units import BudgetError, UnitSize, format_bytes, spread_order, unit_names
 
 if TYPE_CHECKING:
@@ -143,6 +144,9 @@ class Plan:
     ``resident`` but not in ``device.resident`` are kept in pinned host memory. None: the host is the device."""
     budget_source: str = ""
     """How an "auto" ``budget`` was found (the memory available, from where, less what): "" for a number given."""
+    experts: ExpertPlan | None = None
+    """Where a mixture-of-experts model's experts are read by the router's choice (offload/infer/experts/):
+    their reads per forward, slots and cache; None where experts are streamed with their layers."""
 
     @property
     def streamed(self) -> tuple[UnitSize, ...]:
@@ -185,8 +189,9 @@ class Plan:
 
     @property
     def read_bytes_per_forward(self) -> int:
-        """Bytes read from the disk per forward (the streamed units' windows, alignment slack included)."""
-        return sum(u.read_nbytes for u in self.streamed)
+        """Bytes read from the disk per forward (the streamed units' windows, alignment slack included, and
+        the picked experts the cache does not hold)."""
+        return sum(u.read_nbytes for u in self.streamed) + (self.experts.read_bytes_per_forward if self.experts else 0)
 
     @property
     def buffers_bytes(self) -> int:
@@ -201,8 +206,9 @@ class Plan:
 
     @property
     def memory_bytes(self) -> int:
-        """Resident weights + ring buffers + reserved KV cache: the plan's memory, activations aside."""
-        return self.resident_bytes + self.buffers_bytes + self.kv_bytes
+        """Resident weights + ring buffers + reserved KV cache (+ the experts' slots and cache): the plan's
+        memory, activations aside."""
+        return self.resident_bytes + self.buffers_bytes + self.kv_bytes + (self.experts.memory_bytes if self.experts else 0)
 
     def describe(self) -> str:
         """The plan as a few lines for people."""
@@ -233,11 +239,13 @@ class Plan:
         streamed = self.streamed
         if streamed:
             lines.append(f"  streamed: {format_bytes(self.streamed_bytes)} per forward from the checkpoint "
-                         f"({format_bytes(self.read_bytes_per_forward)} read, alignment included): {unit_names(streamed)}")
+                         f"({format_bytes(sum(u.read_nbytes for u in streamed))} read, alignment included): {unit_names(streamed)}")
             lines.append(f"  buffers: {self.buffer_count} x {format_bytes(self.buffer_nbytes)} (locked ring, "
                          f"read ahead while a layer computes)")
         else:
             lines.append("  streamed: nothing (every weight is in memory)")
+        if self.experts is not None:
+            lines.append(self.experts.describe())
         if self.quantization:
             lines.append(f"  quantized: {self.quantization} linear weights in the decoder layers: "
                          + _before_after(self.read_bytes_per_forward, self.unquantized_read_bytes, "read per forward"))
@@ -259,8 +267,9 @@ class Plan:
         if kv is not None and kv.micro_batches > 1:
             lines.append(f"  block schedule: batch {batch} as {kv.micro_batches} micro-batches of "
                          f"{batch // kv.micro_batches} through each layer's one read")
-        lines.append(f"  memory: {format_bytes(self.memory_bytes)} = resident + buffers + KV cache, activations aside")
-        if streamed:
+        lines.append(f"  memory: {format_bytes(self.memory_bytes)} = resident + buffers + KV cache"
+                     + (" + experts" if self.experts else "") + ", activations aside")
+        if streamed or self.experts is not None:
             if self.disk_bps:
                 lines.append(f"  disk: {self.disk_bps / 1e9:.2f} GB/s ({self.disk_source}): "
                              f"{self.disk_seconds_per_forward:.3f} s per forward to read the streamed weights")

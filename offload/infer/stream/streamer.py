@@ -17,6 +17,7 @@ its layer's forward has returned.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -26,6 +27,9 @@ from offload.infer.stream.device_ring import DeviceRing
 from offload.infer.stream.unit import Unit
 from offload.storage.safetensors_reader import read_windows, tensor_views
 from tensorio import AioHandle, free_locked_tensor, locked_tensor
+
+if TYPE_CHECKING:
+    from offload.infer.experts.store import ExpertStore
 
 __all__ = ["LayerStreamer"]
 
@@ -37,11 +41,14 @@ class LayerStreamer:
     the hooks of those not resident and removes the others'. ``stager``
     (a `DeviceRing`, where the compute device has memory of its own) copies a buffer to the device
     before the layer computes, and the next units' ahead of use while it does; None computes on the
-    CPU, in the ring buffer itself.
+    CPU, in the ring buffer itself. ``experts`` (a mixture-of-experts model's `ExpertStore`, which reads
+    the experts the router picks inside their layers' forwards) is reset and closed with the ring.
     """
 
-    def __init__(self, handle: AioHandle, *, buffer_count: int, stager: DeviceRing | None = None) -> None:
+    def __init__(self, handle: AioHandle, *, buffer_count: int, stager: DeviceRing | None = None,
+                 experts: ExpertStore | None = None) -> None:
         self.handle = handle
+        self.experts = experts
         self.buffer_count = buffer_count
         self.lookahead = buffer_count
         """Reads in flight at most (``stage3_prefetch_bucket_size``), at most ``buffer_count``."""
@@ -300,6 +307,8 @@ class LayerStreamer:
         """After an error or before a change of plan: no read in flight, every streamed unit back on disk."""
         if self.stager is not None:
             self.stager.reset()  # first: no copy to the device still reads a host buffer given back below
+        if self.experts is not None:
+            self.experts.reset()
         self._drain()
         for unit in self.units:
             if unit.state in ("in use", "staged"):
@@ -331,4 +340,7 @@ class LayerStreamer:
         if self.stager is not None:
             self.stager.close()
             self.stager = None
+        if self.experts is not None:
+            self.experts.close()
+            self.experts = None
         self._free_buffers()

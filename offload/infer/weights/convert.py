@@ -98,6 +98,20 @@ def converted_copy(checkpoint: SafetensorsCheckpoint, dtype: torch.dtype, nvme_p
     return target
 
 
+def checkpoint_in_dtype(checkpoint: SafetensorsCheckpoint, dtype: torch.dtype, nvme_path: str | os.PathLike | None,
+                        handle: AioHandle, *, units: list[str], to_device: bool) -> SafetensorsCheckpoint:
+    """The checkpoint's converted copy in ``dtype`` under ``nvme_path`` (`converted_copy`), for ``units`` that are
+    streamed (or copied to a device, ``to_device``) as read. Raises ValueError naming ``nvme_path`` without one."""
+    if nvme_path is None:
+        raise ValueError(
+            f"zero_optimization.offload_param.nvme_path: dtype {dtype} differs from the checkpoint's "
+            f"({checkpoint.dominant_dtype()}) and {len(units)} units are "
+            f"{'copied to the device' if to_device else 'streamed'} as read ({units[0]}, ...), "
+            f"so they must be on the disk in {dtype}; set nvme_path to a directory for a "
+            f"converted copy (written once), or use the checkpoint's dtype, or a budget that holds them")
+    return SafetensorsCheckpoint(converted_copy(checkpoint, dtype, nvme_path, handle), handle)
+
+
 def verified_cache(directory: str, checksums: dict | None) -> bool:
     """Whether every file of the cache in ``directory`` matches the ``checksums`` its marker recorded (each
     read whole, once, when the cache is reused): False, with a warning naming the corrupt file and tensor

@@ -30,7 +30,8 @@ from torch import nn
 from offload.device import CPU_KERNELS, PackedKernels
 from offload.infer.config import WeightQuantization
 
-__all__ = ["QuantLinear", "block_linears", "quantizable", "quantize_weight", "quantized_layout", "swap_linears"]
+__all__ = ["QuantLinear", "block_linears", "quantizable", "quantization_targets", "quantize_weight", "quantized_layout",
+           "swap_linears"]
 
 
 def quantizable(linear: nn.Module, spec: WeightQuantization) -> bool:
@@ -157,3 +158,18 @@ def block_linears(module: nn.Module, blocks: str | None, spec: WeightQuantizatio
     for name, child in module.get_submodule(blocks).named_modules():
         if name and quantizable(child, spec):
             yield f"{blocks}.{name}"
+
+
+def quantization_targets(module: nn.Module, blocks: str | None, spec: WeightQuantization, kernels: PackedKernels,
+                         dtype: torch.dtype, device_name: str) -> dict[str, nn.Linear]:
+    """The decoder layers' linear layers ``spec`` packs (path -> module). Raises ValueError naming
+    ``weight_quantization`` where the device's kernels cannot run it, or where no layer takes it."""
+    refusal = kernels.unsupported(spec.num_bits, dtype)
+    if refusal is not None:
+        raise ValueError(f"weight_quantization: {spec.name} cannot compute on the {device_name} device: {refusal}")
+    targets = {path: module.get_submodule(path) for path in block_linears(module, blocks, spec)}
+    if not targets:
+        raise ValueError(f"weight_quantization: {type(module).__name__} has no nn.Linear in its decoder layers "
+                         f"that the int{spec.num_bits} kernel takes (int8: in features a multiple of 16; int4: out "
+                         f"features a multiple of 16, in features of {spec.group_size}); leave weight_quantization out")
+    return targets

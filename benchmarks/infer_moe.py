@@ -1,0 +1,290 @@
+"""Benchmark: a mixture-of-experts model from NVMe, only the experts the router picks read, beside
+whole-layer streaming of the same model, the disk (fio) and Accelerate.
+
+    python -m benchmarks.infer_moe --dir /work/bench-moe            # the 6.3 GB Mixtral-shaped model
+    python -m benchmarks.infer_moe --dir /tmp/x --layers 2 --hidden 128 --intermediate 256 --vocab 512 \\
+        --accelerate none --fio-size 16MiB                          # tiny, as the test runs it
+
+1. Writes, once, a random Mixtral-shaped checkpoint with one tensor per expert, as checkpoints on the Hub are
+   (hidden 1024, intermediate 3584, 8 experts, top 2, 34 layers, 16 heads, 4 KV heads, vocab 32000, bf16:
+   6.3 GB), one tensor at a time, each shard dropped from the page cache once written.
+2. Measures fio's O_DIRECT sequential read speed on the same disk, with the engine's aio settings.
+3. Runs, each in a fresh process with the checkpoint's pages dropped: ours with ``experts: "routed"`` (the
+   default) at batch 1 and at ``--big-batch``, and ``experts: "whole"`` (every expert streamed with its layer,
+   as Accelerate and ZeRO-Inference read) at batch 1, all at ``--fraction`` of the checkpoint's bytes. Each
+   decodes ``--new-tokens`` tokens after a warm-up generate; the figures are the decode's (a generate of one
+   token, timed and counted the same way, subtracted: the prefill and its reads). Bytes read per token (the
+   engine's own count), the bytes that were needed (the streamed layers' + the picked experts'), and the
+   experts' counts (picked, found in the cache, guessed, guessed right).
+4. Accelerate (``from_pretrained(device_map="auto")`` with disk offload) and ours, each in a memory cgroup of
+   the same budget + its own overhead (benchmarks/_peers.py's "equal" row; ours "auto" in it).
+5. Prints the targets (issue 48): bytes per token <= 1.15 x the needed bytes; s/token <= 1.2 x (bytes per
+   token / fio); routed >= 2.2 x whole's tokens/s; >= 2.5 x Accelerate's at equal memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks._common import ChildError, run_child
+from benchmarks._page_cache import _files
+from benchmarks._peers import PeerRunner
+from benchmarks.infer_stream import _Clock, _make_cold, fio_read_speed, run_config
+from tensorio import parse_size
+
+MARKER = "bench-moe-checkpoint.json"
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The random Mixtral-shaped model written for the benchmark."""
+
+    hidden: int = 1024
+    intermediate: int = 3584
+    experts: int = 8
+    top_k: int = 2
+    layers: int = 34
+    heads: int = 16
+    kv_heads: int = 4
+    vocab: int = 32000
+    shards: int = 24
+    seed: int = 0
+
+    def config(self):
+        import transformers
+
+        return transformers.MixtralConfig(
+            hidden_size=self.hidden, intermediate_size=self.intermediate, num_local_experts=self.experts,
+            num_experts_per_tok=self.top_k, num_hidden_layers=self.layers, num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads, vocab_size=self.vocab, max_position_embeddings=4096,
+            tie_word_embeddings=False, dtype="bfloat16", bos_token_id=1, eos_token_id=2)
+
+    def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The checkpoint's tensors as Mixtral checkpoints name them (one per expert), in forward order."""
+        h, i, head = self.hidden, self.intermediate, self.hidden // self.heads
+        out = [("model.embed_tokens.weight", (self.vocab, h))]
+        for n in range(self.layers):
+            p = f"model.layers.{n}"
+            out += [(f"{p}.input_layernorm.weight", (h,)), (f"{p}.post_attention_layernorm.weight", (h,)),
+                    (f"{p}.self_attn.q_proj.weight", (h, h)), (f"{p}.self_attn.k_proj.weight", (self.kv_heads * head, h)),
+                    (f"{p}.self_attn.v_proj.weight", (self.kv_heads * head, h)), (f"{p}.self_attn.o_proj.weight", (h, h)),
+                    (f"{p}.block_sparse_moe.gate.weight", (self.experts, h))]
+            for e in range(self.experts):
+                q = f"{p}.block_sparse_moe.experts.{e}"
+                out += [(f"{q}.w1.weight", (i, h)), (f"{q}.w2.weight", (h, i)), (f"{q}.w3.weight", (i, h))]
+        return out + [("model.norm.weight", (h,)), ("lm_head.weight", (self.vocab, h))]
+
+
+def write_checkpoint(directory: Path, spec: MoESpec) -> Path:
+    """Write ``spec``'s random bf16 checkpoint to ``directory`` once (reused when its marker matches)."""
+    import torch
+
+    from offload.infer.weights.convert import drop_page_cache
+    from offload.storage.safetensors_writer import atomic_safetensors
+
+    marker = directory / MARKER
+    if marker.is_file() and json.loads(marker.read_text()) == asdict(spec):
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = spec.tensors()
+    total = sum(int(np.prod(shape)) * 2 for _, shape in tensors)
+    shards: dict[int, list] = {}
+    offset = 0
+    for name, shape in tensors:
+        shards.setdefault(offset * spec.shards // total, []).append((name, shape))
+        offset += int(np.prod(shape)) * 2
+    generator = torch.Generator().manual_seed(spec.seed)
+    weight_map = {}
+    groups = list(shards.values())
+    for number, members in enumerate(groups, 1):
+        file = f"model-{number:05d}-of-{len(groups):05d}.safetensors"
+        members = sorted(members)
+        with atomic_safetensors(directory / file, {n: (torch.bfloat16, s) for n, s in members}, {"format": "pt"}) as out:
+            for name, shape in members:
+                value = (torch.ones(shape, dtype=torch.bfloat16) if name.endswith("norm.weight")
+                         else torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=generator))
+                out.write(name, value)
+        drop_page_cache(directory / file)
+        weight_map.update({name: file for name, _ in members})
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    spec.config().save_pretrained(directory)
+    marker.write_text(json.dumps(asdict(spec)))
+    return directory
+
+
+# ---- one run of ours, in a fresh process -----------------------------------------------------------------
+
+
+def _snapshot(engine) -> dict:
+    counts = dataclasses.asdict(engine.experts.counts) if engine.experts is not None else {}
+    return {"io": engine.io_bytes(), **counts}
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before.get(k, 0) for k in after}
+
+
+def child(args: dict) -> dict:
+    """Ours: load at ``args["budget"]`` with ``args["experts"]``, warm up, then a decode of ``new_tokens`` and
+    a generate of one token (the prefill), each counted; the decode's figures per token."""
+    import torch
+
+    from offload.infer import init_inference
+
+    ids = torch.randint(3, args["vocab"], (args["batch"], args["prompt_tokens"]), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    with init_inference(args["checkpoint"], max_in_cpu=f"{args['budget']}B", disk_gbps=args["disk_gbps"],
+                        experts=args["experts"]) as engine:
+        engine.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
+        engine.wait_loaded()
+        runs = {}
+        for name, new in (("decode", args["new_tokens"]), ("prefill", 1)):
+            clock, before = _Clock(), _snapshot(engine)
+            start = time.perf_counter()
+            engine.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
+                            min_new_tokens=new, streamer=clock)
+            runs[name] = {**_delta(_snapshot(engine), before), "seconds": time.perf_counter() - start,
+                          "steps": np.diff(np.array(clock.times)).tolist()}
+        decode, prefill = runs["decode"], runs["prefill"]
+        tokens = args["new_tokens"] - 1  # decode steps beyond the prefill's token
+        per = {k: (decode[k] - prefill[k]) / tokens for k in decode if k not in ("steps", "seconds")}
+        plan = engine.plan
+        streamed = sum(u.read_nbytes for u in plan.streamed)
+        expert_read = plan.experts.expert_read_nbytes if plan.experts is not None else 0
+        return {"experts": args["experts"], "batch": args["batch"], "budget": args["budget"],
+                "s_per_token": float(np.median(decode["steps"])), "per_token": per,
+                "needed_bytes_per_token": streamed + per.get("picked", 0) * expert_read,
+                "streamed_layer_bytes": streamed, "expert_read_nbytes": expert_read, "plan": plan.describe()}
+
+
+# ---- the run ---------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark; print each run, then the targets; return every figure."""
+    from offload.infer.config import InferenceConfig
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", help="where the checkpoint is written (once) and fio runs: the disk to measure")
+    for name in ("hidden", "intermediate", "experts", "layers", "vocab"):
+        ap.add_argument(f"--{name}", type=int, default=getattr(MoESpec, name))
+    ap.add_argument("--fraction", type=float, default=0.25, help="our budget as a share of the checkpoint's bytes")
+    ap.add_argument("--prompt-tokens", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=12)
+    ap.add_argument("--big-batch", type=int, default=8)
+    ap.add_argument("--accelerate", default="auto", help="auto: Accelerate beside ours at equal memory; none")
+    ap.add_argument("--fio-size", default="4GiB")
+    ap.add_argument("--out", help="write every figure to this JSON file")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return {}
+    if not args.dir:
+        ap.error("--dir is required")
+    directory = Path(args.dir).resolve()
+    spec = MoESpec(hidden=args.hidden, intermediate=args.intermediate, experts=args.experts, layers=args.layers,
+                   vocab=args.vocab, heads=max(1, args.hidden // 64), kv_heads=max(1, args.hidden // 256))
+    start = time.perf_counter()
+    checkpoint = write_checkpoint(directory / "checkpoint", spec)
+    size = sum(os.path.getsize(f) for f in _files(checkpoint) if f.endswith(".safetensors"))
+    budget = int(size * args.fraction)
+    print(f"checkpoint: {checkpoint} ({size / 1e9:.2f} GB, {spec}; ready in {time.perf_counter() - start:.1f} s); "
+          f"budget {budget / 2**30:.2f} GiB ({args.fraction:.0%})")
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
+    fio_bps = fio_read_speed(InferenceConfig().aio, directory, args.fio_size)
+    results = []
+    for experts, batch in (("routed", 1), ("whole", 1), ("routed", args.big_batch)):
+        _make_cold(checkpoint, directory / "accelerate-offload")
+        payload = {"checkpoint": str(checkpoint), "budget": budget, "batch": batch, "experts": experts,
+                   "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "vocab": spec.vocab,
+                   "disk_gbps": fio_bps / 1e9 if fio_bps else 1.0}
+        try:
+            result = run_child("benchmarks.infer_moe", ["--child", json.dumps(payload)])
+        except ChildError as exc:
+            result = {"experts": experts, "batch": batch, "error": exc.one_line()}
+        results.append(result)
+        _print(result, fio_bps)
+    peers = []
+    if args.accelerate == "auto":
+        offload_folder = directory / "accelerate-offload"
+        runner = PeerRunner(lambda payload, group: run_child("benchmarks.infer_stream", ["--child", json.dumps(payload)],
+                                                             cgroup=group),
+                            before_each=lambda: _make_cold(checkpoint, offload_folder))
+        base = {"checkpoint": str(checkpoint), "batch": 1, "prompt_tokens": args.prompt_tokens,
+                "new_tokens": max(4, args.new_tokens // 3), "buffer_count": None, "aio": InferenceConfig().aio.to_dict(),
+                "disk_gbps": fio_bps / 1e9 if fio_bps else None, "offload_folder": str(offload_folder)}
+        peers = runner.rows(["equal"], ["ours", "accelerate-auto"], base, budget)
+    figures = {"spec": asdict(spec), "checkpoint_bytes": size, "budget": budget, "fio_bps": fio_bps,
+               "runs": results, "peers": peers, "targets": targets(results, peers, fio_bps)}
+    print("\n".join(figures["targets"]))
+    if args.out:
+        Path(args.out).write_text(json.dumps(figures, indent=1))
+    return figures
+
+
+def _print(r: dict, fio_bps: float | None) -> None:
+    if "error" in r:
+        print(f"experts {r['experts']:>6} batch {r['batch']:>2}: FAILED, {r['error']}")
+        return
+    per = r["per_token"]
+    line = (f"experts {r['experts']:>6} batch {r['batch']:>2}: {r['s_per_token']:.3f} s/token, "
+            f"{r['batch'] / r['s_per_token']:.2f} tokens/s, {per['io'] / 2**20:.1f} MiB read per token")
+    if r["experts"] == "routed":
+        calls = max(per.get("calls", 0), 1e-9)
+        line += (f" (needed {r['needed_bytes_per_token'] / 2**20:.1f} MiB: layers {r['streamed_layer_bytes'] / 2**20:.1f} + "
+                 f"{per['picked']:.1f} picked experts; {per['picked'] / calls:.2f} picked a layer, "
+                 f"{per['hits'] / max(per['picked'], 1e-9):.0%} in the cache, {per['guessed']:.1f} guessed, "
+                 f"{per['guessed_used'] / max(per['guessed'], 1e-9):.0%} of them right)")
+    if fio_bps:
+        line += f"; disk floor {per['io'] / fio_bps:.3f} s/token"
+    print(line)
+
+
+def targets(runs: list[dict], peers: list[dict], fio_bps: float | None) -> list[str]:
+    """The issue's targets, one line each, with the figures they compare."""
+    def find(experts: str, batch: int) -> dict | None:
+        return next((r for r in runs if r.get("experts") == experts and r.get("batch") == batch and "error" not in r), None)
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    lines = []
+    routed, whole = find("routed", 1), find("whole", 1)
+    if routed:
+        ratio = routed["per_token"]["io"] / routed["needed_bytes_per_token"]
+        lines.append(f"bytes read per token {ratio:.2f}x the needed bytes (target <= 1.15): {verdict(ratio <= 1.15)}")
+        if fio_bps:
+            floor = routed["per_token"]["io"] / fio_bps
+            lines.append(f"s/token {routed['s_per_token']:.3f} = {routed['s_per_token'] / floor:.2f}x its bytes at fio's "
+                         f"speed (target <= 1.2): {verdict(routed['s_per_token'] <= 1.2 * floor)}")
+    if routed and whole:
+        ratio = whole["s_per_token"] / routed["s_per_token"]
+        lines.append(f"routed {ratio:.2f}x whole-layer streaming's tokens/s (target >= 2.2): {verdict(ratio >= 2.2)}")
+    big = find("routed", max((r.get("batch", 1) for r in runs), default=1))
+    if big and big is not routed:
+        per = big["per_token"]
+        lines.append(f"batch {big['batch']}: {per['picked'] / max(per['calls'], 1e-9):.2f} distinct experts a layer "
+                     f"per step, {per['io'] / 2**20:.1f} MiB read per step, {big['batch'] / big['s_per_token']:.2f} tokens/s")
+    ours = next((p for p in peers if p.get("kind") == "ours" and "error" not in p), None)
+    acc = next((p for p in peers if p.get("kind") == "accelerate-auto" and "error" not in p), None)
+    if ours and acc and ours.get("s_per_token") and acc.get("s_per_token"):
+        ratio = acc["s_per_token"] / ours["s_per_token"]
+        lines.append(f"{ratio:.2f}x Accelerate's tokens/s at equal memory (target >= 2.5): {verdict(ratio >= 2.5)}")
+    elif peers:
+        failed = [f"{p.get('kind')}: {p.get('error')}" for p in peers if "error" in p]
+        lines.append(f"Accelerate at equal memory: not compared ({'; '.join(failed) or 'no figures'})")
+    return lines
+
+
+if __name__ == "__main__":
+    main()
