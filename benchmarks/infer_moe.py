@@ -12,10 +12,10 @@ whole-layer streaming of the same model, the disk (fio) and Accelerate.
 3. Runs, each in a fresh process with the checkpoint's pages dropped: ours with ``experts: "routed"`` (the
    default) at batch 1 and at ``--big-batch``, and ``experts: "whole"`` (every expert streamed with its layer,
    as Accelerate and ZeRO-Inference read) at batch 1, all at ``--fraction`` of the checkpoint's bytes. Each
-   decodes ``--new-tokens`` tokens after a warm-up generate; the figures are the decode's (a generate of one
-   token, timed and counted the same way, subtracted: the prefill and its reads). Bytes read per token (the
-   engine's own count), the bytes that were needed (the streamed layers' + the picked experts'), and the
-   experts' counts (picked, found in the cache, guessed, guessed right).
+   decodes ``--new-tokens`` tokens after a warm-up generate on another prompt; the figures are the decode's
+   (counted before each forward: the prefill's left out). Bytes read per token (the engine's own count), the
+   bytes that were needed (the streamed layers' + the picked experts'), and the experts' counts (picked,
+   found in the cache, guessed, guessed right).
 4. Accelerate (``from_pretrained(device_map="auto")`` with disk offload) and ours, each in a memory cgroup of
    the same budget + its own overhead (benchmarks/_peers.py's "equal" row; ours "auto" in it).
 5. Prints the targets (issue 48): bytes per token <= 1.15 x the needed bytes; s/token <= 1.2 x (bytes per
@@ -37,8 +37,7 @@ import numpy as np
 from benchmarks._common import ChildError, run_child
 from benchmarks._page_cache import _files
 from benchmarks._peers import PeerRunner
-from benchmarks.infer_stream import _Clock, _make_cold, fio_read_speed, run_config
-from tensorio import parse_size
+from benchmarks.infer_stream import _Clock, _make_cold, fio_read_speed
 
 MARKER = "bench-moe-checkpoint.json"
 
@@ -57,6 +56,11 @@ class MoESpec:
     vocab: int = 32000
     shards: int = 24
     seed: int = 0
+    scaled_residual: bool = True
+    """The projections that write to the residual stream (``o_proj``, the experts' ``w2``) drawn with std
+    0.02 / sqrt(2 x layers), as GPT-2 and Megatron initialise them, so that each layer changes the residual
+    stream by a share of it as in trained models (0.02 everywhere makes every layer rewrite it: the next
+    layer's router, applied early, then guesses no better than chance)."""
 
     def config(self):
         import transformers
@@ -109,8 +113,10 @@ def write_checkpoint(directory: Path, spec: MoESpec) -> Path:
         members = sorted(members)
         with atomic_safetensors(directory / file, {n: (torch.bfloat16, s) for n, s in members}, {"format": "pt"}) as out:
             for name, shape in members:
+                std = 0.02 / (2 * spec.layers) ** 0.5 if spec.scaled_residual and name.endswith(
+                    ("o_proj.weight", "w2.weight")) else 0.02
                 value = (torch.ones(shape, dtype=torch.bfloat16) if name.endswith("norm.weight")
-                         else torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=generator))
+                         else torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, std, generator=generator))
                 out.write(name, value)
         drop_page_cache(directory / file)
         weight_map.update({name: file for name, _ in members})
@@ -134,34 +140,33 @@ def _delta(after: dict, before: dict) -> dict:
 
 
 def child(args: dict) -> dict:
-    """Ours: load at ``args["budget"]`` with ``args["experts"]``, warm up, then a decode of ``new_tokens`` and
-    a generate of one token (the prefill), each counted; the decode's figures per token."""
+    """Ours: load at ``args["budget"]`` with ``args["experts"]``, warm up on another prompt, then a generate of
+    ``new_tokens`` whose forwards are each counted: the decode's figures per token (the prefill's forward left
+    out)."""
     import torch
 
     from offload.infer import init_inference
 
-    ids = torch.randint(3, args["vocab"], (args["batch"], args["prompt_tokens"]), generator=torch.Generator().manual_seed(0))
+    ids, warm = (torch.randint(3, args["vocab"], (args["batch"], args["prompt_tokens"]),
+                               generator=torch.Generator().manual_seed(seed)) for seed in (0, 1))
     mask = torch.ones_like(ids)
     with init_inference(args["checkpoint"], max_in_cpu=f"{args['budget']}B", disk_gbps=args["disk_gbps"],
                         experts=args["experts"]) as engine:
-        engine.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
+        engine.generate(warm, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)  # another prompt
         engine.wait_loaded()
-        runs = {}
-        for name, new in (("decode", args["new_tokens"]), ("prefill", 1)):
-            clock, before = _Clock(), _snapshot(engine)
-            start = time.perf_counter()
-            engine.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
-                            min_new_tokens=new, streamer=clock)
-            runs[name] = {**_delta(_snapshot(engine), before), "seconds": time.perf_counter() - start,
-                          "steps": np.diff(np.array(clock.times)).tolist()}
-        decode, prefill = runs["decode"], runs["prefill"]
-        tokens = args["new_tokens"] - 1  # decode steps beyond the prefill's token
-        per = {k: (decode[k] - prefill[k]) / tokens for k in decode if k not in ("steps", "seconds")}
+        snapshots = []  # before each forward of the measured generate: its reads and counts so far
+        engine.module.register_forward_pre_hook(lambda *_: snapshots.append(_snapshot(engine)))
+        clock = _Clock()
+        engine.generate(ids, attention_mask=mask, max_new_tokens=args["new_tokens"], do_sample=False, pad_token_id=0,
+                        min_new_tokens=args["new_tokens"], streamer=clock)
+        snapshots.append(_snapshot(engine))
+        steps = len(snapshots) - 2  # the decode's forwards: all but the prefill's
+        per = {k: v / steps for k, v in _delta(snapshots[-1], snapshots[1]).items()}
         plan = engine.plan
         streamed = sum(u.read_nbytes for u in plan.streamed)
         expert_read = plan.experts.expert_read_nbytes if plan.experts is not None else 0
         return {"experts": args["experts"], "batch": args["batch"], "budget": args["budget"],
-                "s_per_token": float(np.median(decode["steps"])), "per_token": per,
+                "s_per_token": float(np.median(np.diff(np.array(clock.times)))), "per_token": per,
                 "needed_bytes_per_token": streamed + per.get("picked", 0) * expert_read,
                 "streamed_layer_bytes": streamed, "expert_read_nbytes": expert_read, "plan": plan.describe()}
 

@@ -11,8 +11,9 @@ import torch
 from test_infer_generate import NEW_TOKENS, PAD, models, one_thread, prompts, reference, required_and_kv  # noqa: F401
 
 import offload.infer.engine as engine_module
-from offload.device import AUTO_MARGIN_BYTES, AUTO_MARGIN_SHARE, HostMemory, SimulatedDevice, host_memory
+from offload.device import AUTO_MARGIN_SHARE, HostMemory, SimulatedDevice, host_memory
 from offload.infer import init_inference
+from offload.infer.activations import AUTO_PROCESS_MARGIN_BYTES
 from offload.infer.cli import main
 from offload.infer.config import InferenceConfig
 from offload.infer.plan.host import BudgetError
@@ -22,15 +23,15 @@ GiB = 1 << 30
 
 def available_for(budget: int, ring: int) -> int:
     """The available memory (whole kB, as /proc/meminfo gives it) whose "auto" budget beside ``ring`` bytes
-    of ring buffers is at least ``budget`` and at most 1 kB more."""
-    available = int((budget + ring + AUTO_MARGIN_BYTES) / (1 - AUTO_MARGIN_SHARE)) // 1024 * 1024
+    of ring buffers and activations (`reserved_bytes`) is at least ``budget`` and at most 1 kB more."""
+    available = int((budget + ring + AUTO_PROCESS_MARGIN_BYTES) / (1 - AUTO_MARGIN_SHARE)) // 1024 * 1024
     while auto_of(available, ring) < budget:
         available += 1024
     return available
 
 
 def auto_of(available: int, ring: int) -> int:
-    return available - ring - AUTO_MARGIN_BYTES - int(AUTO_MARGIN_SHARE * available)
+    return available - ring - AUTO_PROCESS_MARGIN_BYTES - int(AUTO_MARGIN_SHARE * available)
 
 
 def fake_host(monkeypatch, tmp_path, *, available: int, cgroup_limit: int | None = None, usage: int = 0) -> None:
@@ -50,8 +51,12 @@ def fake_host(monkeypatch, tmp_path, *, available: int, cgroup_limit: int | None
 
 
 def ring_bytes(directory, buffer_count: int = 2) -> int:
+    """What "auto" reserves beside its budget: the ring buffers, and the activations of one sequence of the
+    tiny model's whole context (128 tokens: shorter than AUTO_ACTIVATION_TOKENS)."""
     _, _, largest = required_and_kv(directory, 1)
-    return buffer_count * largest
+    with init_inference(directory, device="cpu", disk_gbps=1.0) as probe:
+        activations = probe.activation_bytes(1, 128, logits=1)
+    return buffer_count * largest + activations
 
 
 @pytest.mark.parametrize("setting", [{"max_in_cpu": "auto"}, {"max_memory": {"cpu": "auto"}},
@@ -142,3 +147,39 @@ def test_the_commands_default_budget_is_auto(models):
     main([str(directory), "--prompt-ids", "5,17,99", "--max-new-tokens", "2", "--disk-gbps", "1.0",
           "--max-in-cpu", "100000"], out=out)
     assert "\"auto\"" not in out.getvalue()
+
+
+@pytest.mark.slow
+def test_auto_streams_a_600_mb_model_in_a_container_of_800_mib(monkeypatch, tmp_path):
+    """The issue's case: a 592 MiB Llama, "auto", in a cgroup of 800 MiB of which the process holds 0.26 GiB.
+    The margin is what generation will take (one 2048-token sequence's activations, by estimate) and 64 MiB,
+    not a fixed 512 MiB: the plan streams the decoder layers within the room instead of refusing."""
+    import shutil
+
+    import transformers
+
+    from test_infer_generate import scratch_dir
+
+    root = scratch_dir("infer-small-container-")
+    try:
+        config = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=22,
+                                          num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
+                                          max_position_embeddings=4096, tie_word_embeddings=False)
+        with torch.device("meta"):
+            shapes = {n: p.shape for n, p in transformers.AutoModelForCausalLM.from_config(config).named_parameters()}
+        from safetensors.torch import save_file
+
+        save_file({n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()}, str(root / "model.safetensors"))
+        config.save_pretrained(root)
+        size = sum(s.numel() * 2 for s in shapes.values())
+        assert 560 << 20 < size < 640 << 20
+        fake_host(monkeypatch, tmp_path, available=24 * GiB, cgroup_limit=800 << 20, usage=int(0.26 * GiB))
+        with init_inference(root, max_in_cpu="auto", disk_gbps=1.0, dtype=torch.bfloat16) as engine:
+            plan = engine.plan
+            assert plan.streamed and plan.resident_bytes < size
+            must = sum(u.nbytes for u in plan.units if not u.streamable)
+            assert must < plan.budget < (800 << 20) - int(0.26 * GiB)
+            assert plan.memory_bytes + engine.activation_bytes(1, 2048, logits=1) <= (800 << 20) - int(0.26 * GiB)
+            assert "activations (1 x 2048 tokens)" in plan.describe()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

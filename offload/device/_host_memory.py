@@ -158,17 +158,20 @@ AUTO_MARGIN_SHARE = 0.05
 on the host take after the figure was read."""
 
 
-def auto_budget(memory: HostMemory, reserved: dict[str, int] | None = None) -> tuple[int, str]:
+def auto_budget(memory: HostMemory, reserved: dict[str, int] | None = None, *,
+                margin_bytes: int = AUTO_MARGIN_BYTES) -> tuple[int, str]:
     """(bytes, how they were found) of an "auto" budget: ``memory.available`` less ``reserved`` (what the
     caller will also take beside the budget, by name: {"ring buffers": n}) less the margin of
-    `AUTO_MARGIN_BYTES` + `AUTO_MARGIN_SHARE` of the available memory. At least 1 byte (0 would mean
-    "stream everything" to a DeepSpeed config): a budget too small for what must stay is then refused
-    by the plan, which names these figures."""
+    ``margin_bytes`` (default `AUTO_MARGIN_BYTES`; a caller that reserves its own estimates gives less) +
+    `AUTO_MARGIN_SHARE` of the available memory. At least 1 byte (0 would mean "stream everything" to a
+    DeepSpeed config): a budget too small for what must stay is then refused by the plan, which names these
+    figures."""
     reserved = {name: nbytes for name, nbytes in (reserved or {}).items() if nbytes}
-    margin = AUTO_MARGIN_BYTES + int(AUTO_MARGIN_SHARE * memory.available)
+    margin = margin_bytes + int(AUTO_MARGIN_SHARE * memory.available)
     budget = memory.available - sum(reserved.values()) - margin
     parts = "".join(f" - {name} {_gib(nbytes)}" for name, nbytes in reserved.items())
     how = (f"\"auto\": {_gib(memory.available)} available ({memory.source}){parts} - margin {_gib(margin)} "
-           f"({AUTO_MARGIN_BYTES >> 20} MiB + {AUTO_MARGIN_SHARE:.0%}: activations, the process's growth, other "
-           f"processes)")
+           f"({margin_bytes >> 20} MiB + {AUTO_MARGIN_SHARE:.0%}: "
+           + ("activations, " if margin_bytes >= AUTO_MARGIN_BYTES else "")
+           + "the process's growth, other processes)")
     return max(1, budget), how

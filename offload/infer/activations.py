@@ -13,7 +13,16 @@ import torch
 
 from offload.infer.plan.units import format_bytes
 
-__all__ = ["activation_bytes", "before_decode", "prefill_chunk"]
+__all__ = ["AUTO_ACTIVATION_TOKENS", "AUTO_PROCESS_MARGIN_BYTES", "activation_bytes", "before_decode", "prefill_chunk"]
+
+AUTO_ACTIVATION_TOKENS = 2048
+"""The prompt "auto" keeps activation room for beside its budget: one sequence of this many tokens (or the
+model's context, where shorter). Longer prompts are prefilled in chunks within that room."""
+
+AUTO_PROCESS_MARGIN_BYTES = 64 << 20
+"""The rest of "auto"'s margin for generation, beside the activations it reserves by estimate: allocator
+slack, generate's small tensors, thread stacks (the 512 MiB of `offload.device.AUTO_MARGIN_BYTES`, which
+covers activations nobody estimated, would alone fill a small container)."""
 
 log = logging.getLogger("offload.infer")
 
@@ -53,7 +62,8 @@ def prefill_chunk(estimate: Callable[..., int], prompt: int, total: int, limit: 
     while chunk > _SMALLEST_CHUNK and estimate(1, chunk, logits=1, context=total) > limit:
         chunk = -(-chunk // 2)
     log.info("offload.infer: prefilling the %d-token prompt in chunks of %d tokens (one sequence's activations "
-             "would exceed block_schedule.max_activation_bytes %s; each chunk reads the streamed layers once)",
+             "would exceed %s: block_schedule.max_activation_bytes, or the room \"auto\" kept; each chunk reads "
+             "the streamed layers once)",
              prompt, chunk, format_bytes(limit))
     return chunk
 

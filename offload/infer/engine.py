@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from offload.device import Device, auto_budget, host_memory
-from offload.infer.activations import activation_bytes, before_decode, prefill_chunk
+from offload.infer.activations import (AUTO_ACTIVATION_TOKENS, AUTO_PROCESS_MARGIN_BYTES, activation_bytes, before_decode,
+                                       prefill_chunk)
 from offload.infer.build import (CheckpointMismatchError, build_units, checkpoint_directory, compute_device_for,
                                   contiguous_head_input, decoder_blocks, device_budget, materialize_buffers,
                                   measure_disk, meta_skeleton)
@@ -167,7 +168,7 @@ class InferenceEngine(DeviceReservation):
         beams = kwargs.get("num_beams", generation.num_beams) or 1
         returns = kwargs.get("num_return_sequences", generation.num_return_sequences) or 1
         chunk = kwargs.get("prefill_chunk_size", getattr(generation, "prefill_chunk_size", None)) or prefill_chunk(
-            self.activation_bytes, prompt, total, self.settings.block_schedule.max_activation_bytes)
+            self.activation_bytes, prompt, total, self._activation_limit)
         kwargs.update({"prefill_chunk_size": chunk} if chunk else {})
         sequences = batch * max(beams, returns)
         plan = self.reserve(sequences, total, logits=1, chunk=chunk)  # the last position's logits
@@ -236,7 +237,7 @@ class InferenceEngine(DeviceReservation):
         step = tokens if chunk is None else min(chunk, tokens)
         micro = batch // micro_batches if micro_batches else micro_batch_size(
             batch, lambda size: self.activation_bytes(size, step, logits=logits, context=tokens),
-            schedule.max_activation_bytes, schedule.micro_batch_size)
+            self._activation_limit, schedule.micro_batch_size)
         layers = self._text_config().num_hidden_layers
         if self._device_budget is not None:
             return self._reserve_on_device(batch, tokens, micro, logits, step)
@@ -372,8 +373,18 @@ class InferenceEngine(DeviceReservation):
         self.compute.load_runtime(self.dtype)  # its host memory in use before the room is read
         largest = max((u.buffer_nbytes for u in self._sizes() if u.streamable), default=0)
         where = "pinned ring buffers" if self.compute.separate_memory else "ring buffers"
+        tokens = min(AUTO_ACTIVATION_TOKENS, getattr(self._text_config(), "max_position_embeddings", None) or 1 << 30)
+        self._auto_activations = self.activation_bytes(1, tokens, logits=1)  # a longer prompt: prefilled in chunks
         return auto_budget(host_memory(), {f"{where} ({self.settings.buffer_count} x {format_bytes(largest)})":
-                                           self.settings.buffer_count * largest})
+                                           self.settings.buffer_count * largest,
+                                           f"activations (1 x {tokens} tokens)": self._auto_activations},
+                           margin_bytes=AUTO_PROCESS_MARGIN_BYTES)
+
+    @property
+    def _activation_limit(self) -> int:
+        """``block_schedule.max_activation_bytes``, and with "auto" at most the activations it kept room for."""
+        limit = self.settings.block_schedule.max_activation_bytes
+        return min(limit, self._auto_activations) if self._auto_budget is not None else limit
 
     def _sizes(self) -> list[UnitSize]:
         return [UnitSize(u.name, u.nbytes, u.read_nbytes, u.buffer_nbytes, u.streamable, u.copy_nbytes) for u in self.units]

@@ -1,0 +1,48 @@
+"""benchmarks/infer_moe.py at a tiny scale: its checkpoint loads in transformers with the names Mixtral's
+checkpoints have, and a run writes it, measures fio, runs ours routed and whole in child processes and
+prints the targets (the figures themselves mean nothing at this size)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import transformers
+from test_infer_generate import scratch_dir
+
+from benchmarks.infer_moe import MoESpec, main, write_checkpoint
+
+TINY = dict(hidden=128, intermediate=256, layers=2, vocab=512, heads=2, kv_heads=1, shards=3)
+
+
+def test_the_checkpoint_has_one_tensor_per_expert_and_loads_in_transformers(tmp_path):
+    spec = MoESpec(**TINY)
+    directory = write_checkpoint(tmp_path / "ckpt", spec)
+    names = set(__import__("json").loads((directory / "model.safetensors.index.json").read_text())["weight_map"])
+    assert "model.layers.1.block_sparse_moe.experts.7.w3.weight" in names
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and model.dtype == torch.bfloat16
+    assert model.model.layers[0].mlp.experts.gate_up_proj.shape == (8, 2 * 256, 128)
+    o_proj = model.model.layers[0].self_attn.o_proj.weight.float().std().item()
+    assert o_proj < 0.5 * model.model.layers[0].self_attn.q_proj.weight.float().std().item()  # scaled residual
+
+
+@pytest.mark.bench
+@pytest.mark.fio
+def test_tiny_run_end_to_end(capsys):
+    root = scratch_dir("infer-moe-bench-")
+    try:
+        figures = main(["--dir", str(root), "--layers", "2", "--hidden", "128", "--intermediate", "256", "--vocab",
+                        "512", "--accelerate", "none", "--fio-size", "16MiB", "--new-tokens", "4", "--big-batch", "3"])
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    runs = {(r["experts"], r["batch"]): r for r in figures["runs"]}
+    assert set(runs) == {("routed", 1), ("whole", 1), ("routed", 3)}
+    routed, whole = runs[("routed", 1)], runs[("whole", 1)]
+    assert routed["per_token"]["picked"] == 2 * 2  # top 2 in each of the 2 layers, per decode step
+    assert 0 < routed["per_token"]["io"] < whole["per_token"]["io"]
+    assert "experts:" in routed["plan"] and "experts:" not in whole["plan"]
+    printed = capsys.readouterr().out
+    assert "fio:" in printed and any(line.startswith("bytes read per token") for line in figures["targets"])
+    assert any("whole-layer streaming's tokens/s" in line for line in figures["targets"])
