@@ -42,9 +42,16 @@ class Conversion:
 
     def run(self, tensors: Mapping[str, torch.Tensor], model: nn.Module | None = None) -> dict[str, torch.Tensor]:
         """The parameters it makes (full model keys -> tensors) from the checkpoint's ``tensors`` (views as
-        read, or meta tensors for their shapes), by the converter's operations in order."""
-        collected: dict = {pattern: [tensors[key] for key in keys] for pattern, keys in self.sources.items()}
+        read, or meta tensors for their shapes), by the converter's operations in order. Over one expert
+        (each source one tensor) whose first operation stacks along dim 0, that stack of one is a view of
+        it (transformers' ``MergeModulelist`` passes a tensor through): one copy fewer."""
         converter = self.converter
+        first = converter.operations[0] if converter.operations else None
+        if (type(first).__name__ == "MergeModulelist" and getattr(first, "dim", None) == 0
+                and all(len(keys) == 1 for keys in self.sources.values())):
+            collected: dict = {pattern: tensors[keys[0]].unsqueeze(0) for pattern, keys in self.sources.items()}
+        else:
+            collected = {pattern: [tensors[key] for key in keys] for pattern, keys in self.sources.items()}
         config = getattr(model, "config", None)
         for op in converter.operations:
             collected = op.convert(collected, source_patterns=converter.source_patterns,
