@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 
 import bench.fio
 from benchmarks.disk_floor import disk_rates
-from benchmarks.gpu import check
+from benchmarks.gpu import _report, check
 from offload.device import cuda_available
 from tensorio import AioConfig
 
@@ -41,7 +42,8 @@ def test_the_check_runs_end_to_end_at_a_tiny_size_without_fio(tmp_path):
     assert "# GPU check: no GPU (CUDA not available); the simulated device stood in (--tiny)" in summary
     assert "- fio: not installed; the disk's floors come from a tensorio sequential write/read" in summary
     # Each part ran under its limit and left its log; pytest's counts are in the table.
-    for part, log in (("pytest", "pytest-gpu.log"), ("train", "train.log"), ("infer", "infer.log")):
+    for part, log in (("pytest", "pytest-gpu.log"), ("train", "train.log"), ("profile", "profile.log"),
+                      ("infer", "infer.log")):
         assert f"| {part} | passed" in summary and (out / log).stat().st_size > 0
     assert "| pytest | passed: 0 passed, 0 failed, 0 errors, 1 skipped |" in summary
     assert "not fio: fio is not installed" in (out / "train.log").read_text()  # the benchmark said so too
@@ -64,6 +66,27 @@ def test_the_check_runs_end_to_end_at_a_tiny_size_without_fio(tmp_path):
     assert "- memory flat over 100 training steps: not measured by this check" in summary
     assert "none of the figures above is a GPU's" in summary
     assert not (out / "work").exists()  # the default work directory (swap files, checkpoint) is removed
+    # Issue 51: each GPU target listed with its verdict; on the simulated device none is judged.
+    lines = summary.splitlines()
+    for name in _report.TARGETS:
+        line = next((x for x in lines if x.startswith(f"- {name} (")), None)
+        assert line is not None, f"{name} missing from summary.md"
+        assert re.search(r": (met|not met|not measured)( \(.*\))?$", line), line
+        assert line.endswith(")") and ": not measured (" in line, line
+    # The breakdowns: side by side per token, per training step, at equal memory (no cgroup at this size).
+    assert "Generation with each side's default, per token (benchmarks.gpu profile, simulated" in summary
+    assert "| per token (ms) | ours | transformers |" in summary and "| synchronisations (count) |" in summary
+    assert "| per step (s) | custom |" in summary and "| NVMe read waits (training thread) |" in summary
+    assert "| ours |" in summary and "page cache unbounded" in summary
+    # The small tables: present, each with rows beyond its header; no raw trace kept.
+    for name in ("profile-ours.md", "profile-transformers.md", "generation-breakdown.md", "train-custom.md",
+                 "train-breakdown.md"):
+        rows = [x for x in (out / name).read_text().splitlines() if x.startswith("| ") and not x.startswith("|---")]
+        assert len(rows) >= 3, f"{name}: {rows}"
+    assert "| aten::" in (out / "profile-ours.md").read_text() and "| aten::" in (out / "train-custom.md").read_text()
+    assert not [p for p in out.iterdir() if p.suffix in (".json", ".gz") and "trace" in p.name]
+    profile = json.loads((out / "profile.json").read_text())
+    assert profile["sides"]["ours"]["breakdown"]["syncs"] > 0  # counted by the simulated device
 
 
 def test_without_write_access_to_the_work_directory_the_benchmarks_are_skipped_saying_why(tmp_path):

@@ -1,9 +1,11 @@
-"""``python -m benchmarks.gpu [infer|train|check] [ARGS]``: the GPU benchmarks.
+"""``python -m benchmarks.gpu [infer|profile|train|check] [ARGS]``: the GPU benchmarks.
 
     python -m benchmarks.gpu infer --dir /nvme/bench-gpu      # generation (benchmarks/gpu/infer.py)
+    python -m benchmarks.gpu profile --dir /nvme/bench-gpu    # generation with each side's default, traced
+                                                              # (benchmarks/gpu/profile.py)
     python -m benchmarks.gpu train ...                        # training (benchmarks/gpu/train.py)
     python -m benchmarks.gpu check OUTDIR                     # the GPU machine's check: the gpu tests and
-                                                              # both benchmarks, logs and summary.md in OUTDIR
+                                                              # the benchmarks, logs, tables and summary.md in OUTDIR
                                                               # (benchmarks/gpu/check.py; exits 0 when all passed)
     python -m benchmarks.gpu --dir /nvme/bench-gpu            # both: generation with these arguments,
                                                               # then training with its defaults
@@ -16,7 +18,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-PARTS = ("infer", "train", "check")
+PARTS = ("infer", "profile", "train", "check")
 
 
 def _part(name: str):

@@ -183,32 +183,40 @@ def main(argv: list[str] | None = None) -> dict:
                "offload_folder": str(directory / "accelerate-offload")}
     kinds = ["ours"] + (["accelerate"] if args.accelerate and not simulated else [])
     runner = PeerRunner(lambda p, group: run_child("benchmarks.gpu.infer", ["--child", json.dumps(p)], cgroup=group),
-                        use_cgroups=not (args.no_cgroups or simulated))  # the smoke test: no peer, no cgroup
+                        use_cgroups=not args.no_cgroups)  # the smoke test too: its path, labelled where none
     rows = [row for row in args.rows.split(",") if row in ("equal", "defaults") and not (simulated and row != "equal")]
-    results = runner.rows(rows, kinds, payload, host)
-    for result in results:
-        if "plan" in result:
-            print(result["plan"])
+    figures = {"spec": asdict(spec), "checkpoint_bytes": size, "fio_bps": fio_bps, "disk_source": disk.source,
+               "fio_missing": disk.fio_missing, "h2d_bps": h2d_bps, "device": args.device}
+    results: list[dict] = []
+    for row in rows:
+        for kind in kinds:  # one at a time, the figures so far written after each: a time limit keeps them
+            results += runner.rows([row], [kind], payload, host)
+            if "plan" in results[-1]:
+                print(results[-1]["plan"], flush=True)
+            _finish(figures, results, simulated, args.out, final=False)
+    return _finish(figures, results, simulated, args.out, final=True)
+
+
+def _finish(figures: dict, results: list[dict], simulated: bool, out: str | None, *, final: bool) -> dict:
+    """``figures`` with the runs so far and their targets (printed when ``final``), written to ``out``."""
     runs = {r["kind"]: r for r in results if r["row"] == "equal"}
     defaults = {r["kind"]: r for r in results if r["row"] == "defaults"}
-
-    # 4. The targets.
     targets = _targets(runs, simulated) + _default_targets(defaults)
-    print("targets:")
-    for line in targets:
-        print("  " + line)
-    figures = {"spec": asdict(spec), "checkpoint_bytes": size, "fio_bps": fio_bps, "disk_source": disk.source,
-               "fio_missing": disk.fio_missing, "h2d_bps": h2d_bps,
-               "device": args.device, "runs": runs, "defaults": defaults, "targets": targets}
-    if args.out:
-        Path(args.out).write_text(json.dumps(figures, indent=1))
+    if final:
+        print("targets:")
+        for line in targets:
+            print("  " + line)
+    figures.update(runs=runs, defaults=defaults, targets=targets, complete=final)
+    if out:
+        Path(out).write_text(json.dumps(figures, indent=1))
     return figures
 
 
 def _targets(runs: dict, simulated: bool) -> list[str]:
     ours = runs.get("ours", {})
     if "error" in ours or not ours.get("s_per_token"):
-        return ["not judged: our run gave no seconds per token"]
+        oom = f", {ours['cgroup_oom_kills']} OOM kills in its cgroup" if ours.get("cgroup_oom_kills") else ""
+        return [f"not judged: our run gave no seconds per token ({ours.get('error', 'no figure')}{oom})"]
     bound = ours["bound_s"]
     lines = []
     if simulated:

@@ -28,6 +28,7 @@ that keeps this script from rotting; its timings mean nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -40,6 +41,8 @@ import torch
 
 from benchmarks._common import RssSampler
 from benchmarks.disk_floor import disk_rates
+from benchmarks.gpu import _trace
+from benchmarks.gpu._waits import NvmeWaits
 from offload.device import Device, SimulatedDevice, cuda_available, device_for
 from tensorio import AioConfig
 
@@ -68,6 +71,7 @@ def engine_config(directory: str, args: argparse.Namespace, largest: int) -> dic
             "offload_optimizer": {"device": "nvme", "nvme_path": directory},
         },
         "aio": {"block_size": args.block_size, "queue_depth": args.queue_depth},
+        "wall_clock_breakdown": True, "steps_per_print": 1 << 30,  # phase totals (engine.timers), never logged
     }
 
 
@@ -128,10 +132,12 @@ def run_model(name: str, model_config: dict, args: argparse.Namespace, device: D
     times, device_peak, used_peak = [], 0, 0
     io_before = to_device_before = to_host_before = 0
     total = device.memory_info()[1]
-    with RssSampler(kernel_peak=True) as rss:
+    before: dict[str, dict[str, float]] = {}
+    with RssSampler(kernel_peak=True) as rss, NvmeWaits() as waits:
         for i in range(args.warmup + args.steps):
             if i == args.warmup:
                 io_before, to_device_before, to_host_before = _moved(engine)
+                before = _clocks(engine, waits)
             device.synchronize()
             start = time.perf_counter()
             loss = engine(tokens, labels=tokens).loss
@@ -142,7 +148,9 @@ def run_model(name: str, model_config: dict, args: argparse.Namespace, device: D
             device.synchronize()
             if i >= args.warmup:
                 times.append(time.perf_counter() - start)
-    io_after, to_device_after, to_host_after = _moved(engine)
+        after = _clocks(engine, waits)
+        io_after, to_device_after, to_host_after = _moved(engine)
+        profiled = profile_step(engine, tokens, device, args.steps_profiled)
     engine.close()
     step = statistics.median(times)
     nvme = (io_after - io_before) / args.steps
@@ -151,11 +159,56 @@ def run_model(name: str, model_config: dict, args: argparse.Namespace, device: D
     nvme_floor = nvme / min(rates["fio_read"], rates["fio_write"])
     copy_floor = (to_device + to_host) / rates["pinned_copy"]
     bound = max(compute or 0.0, nvme_floor, copy_floor)
-    return {"model": name, "params": params, "step_s": step, "tflops": 6 * params * tokens.numel() / step / 1e12,
+    per_step = {group: {k: (after[group].get(k, 0.0) - before[group].get(k, 0.0)) / args.steps for k in after[group]}
+                for group in after}
+    breakdown = {"step_s": statistics.median(times), "compute_s": compute,
+                 "to_device_floor_s": to_device / rates["pinned_copy"], "to_host_floor_s": to_host / rates["pinned_copy"],
+                 "nvme_floor_s": nvme_floor, "phases_s": per_step["phases"],
+                 "nvme_read_wait_s": per_step["waits"]["read"], "nvme_write_wait_s": per_step["waits"]["write"],
+                 "nvme_wait_other_threads_s": per_step["waits"]["other_read"] + per_step["waits"]["other_write"],
+                 "optimizer_s": per_step["phases"].get("step", 0.0),
+                 "optimizer_io_wait_s": per_step["optimizer"].get("io_wait", 0.0), "profiled": profiled["breakdown"]}
+    return {"breakdown": breakdown, "tables": profiled["tables"],
+            "model": name, "params": params, "step_s": step, "tflops": 6 * params * tokens.numel() / step / 1e12,
             "nvme_bytes": nvme, "to_device_bytes": to_device, "to_host_bytes": to_host,
             "nvme_gbps": nvme / step / 1e9, "to_device_gbps": to_device / step / 1e9, "compute_s": compute,
             "nvme_floor_s": nvme_floor, "copy_floor_s": copy_floor, "bound_s": bound, "over_bound": step / bound,
             "device_peak_bytes": device_peak, "device_used_peak_bytes": used_peak, "host_peak_rss": rss.peak}
+
+
+def _clocks(engine: Any, waits: NvmeWaits) -> dict[str, dict[str, float]]:
+    """The running totals a step's breakdown is the difference of: the engine's phases (forward,
+    backward, step: each with the device work it queued), the NVMe waits, the optimizer's swap waits."""
+    io_wait = getattr(engine.optimizer, "io_wait_seconds", None)
+    return {"phases": engine.timers.totals, "waits": waits.snapshot(),
+            "optimizer": {"io_wait": io_wait() if callable(io_wait) else 0.0}}
+
+
+def profile_step(engine: Any, tokens: torch.Tensor, device: Device, steps: int) -> dict[str, Any]:
+    """``steps`` more steps under torch.profiler (with CUDA's activity on CUDA): their per-step breakdown
+    (benchmarks/gpu/_trace.py) and top-20 tables; not part of the timed steps."""
+    cuda = device.name == "cuda"
+    prof = _trace.profiler(cuda)
+    counting = contextlib.nullcontext(None)
+    if isinstance(device, SimulatedDevice):
+        from offload.device._simtorch import count_host_syncs
+
+        counting = count_host_syncs()
+    device.synchronize()
+    start = time.perf_counter()
+    with counting as syncs, prof:
+        for _ in range(steps):
+            loss = engine(tokens, labels=tokens).loss
+            engine.backward(loss)
+            engine.step()
+        device.synchronize()
+    wall = time.perf_counter() - start
+    tables = {"operators by self CPU time": _trace.top_rows(prof, by="cpu")}
+    if cuda:
+        tables["kernels and copies by device time"] = _trace.top_rows(prof, by="device")
+    return {"breakdown": _trace.breakdown(prof, wall_s=wall, units=steps, cuda=cuda,
+                                         host_syncs=dict(syncs.by_cause) if syncs is not None else None),
+            "tables": tables}
 
 
 def _moved(engine: Any) -> tuple[int, int, int]:
@@ -163,6 +216,47 @@ def _moved(engine: Any) -> tuple[int, int, int]:
     stats = engine.stats()
     nvme = sum(v["read"] + v["written"] for v in stats.io.values())
     return nvme, stats.device_bytes["to_device"], stats.device_bytes["to_host"]
+
+
+BREAKDOWN_ROWS = (
+    ("step (median of the timed steps)", lambda b: b["step_s"]),
+    ("GPU compute: plain PyTorch, model resident", lambda b: b["compute_s"]),
+    ("GPU compute: kernels in the profiled step", lambda b: b["profiled"]["kernels_s"] if _cuda(b) else None),
+    ("host->device: bytes / pinned copy (floor)", lambda b: b["to_device_floor_s"]),
+    ("host->device: copies in the profiled step", lambda b: b["profiled"]["to_device_s"]),
+    ("device->host: bytes / pinned copy (floor)", lambda b: b["to_host_floor_s"]),
+    ("device->host: copies in the profiled step", lambda b: b["profiled"]["to_host_s"]),
+    ("NVMe: bytes / disk floor", lambda b: b["nvme_floor_s"]),
+    ("NVMe read waits (training thread)", lambda b: b["nvme_read_wait_s"]),
+    ("NVMe write waits (training thread)", lambda b: b["nvme_write_wait_s"]),
+    ("NVMe waits (other threads: optimizer, writes behind)", lambda b: b["nvme_wait_other_threads_s"]),
+    ("forward (phase, device work included)", lambda b: b["phases_s"].get("forward")),
+    ("backward (phase, updates during backward included)", lambda b: b["phases_s"].get("backward")),
+    ("optimizer: step() (phase: the update's remainder)", lambda b: b["optimizer_s"]),
+    ("optimizer: its swap waits", lambda b: b["optimizer_io_wait_s"]),
+    ("synchronisations in the profiled step (count)", lambda b: b["profiled"]["syncs"]),
+    ("host overhead in the profiled step (the rest)", lambda b: b["profiled"]["host_s"] if _cuda(b) else None),
+)
+"""The per-step breakdown's rows: (label, the figure from a model's ``breakdown``; None: not measured)."""
+
+
+def _cuda(b: dict) -> bool:
+    return b["profiled"]["basis"].startswith("cuda")
+
+
+def breakdown_table(results: dict[str, dict]) -> str:
+    """A markdown table of each model's per-step breakdown (seconds; counts for synchronisations)."""
+    names = list(results)
+    out = ["| per step (s) | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for label, figure in BREAKDOWN_ROWS:
+        cells = []
+        for n in names:
+            value = figure(results[n]["breakdown"])
+            cells.append("n/a" if value is None else f"{value:.1f}" if "count" in label else f"{value:.4f}")
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    out += ["", "n/a: not measured here (the kernels, copies and host overhead of a step need CUDA's activity; "
+            "plain PyTorch's compute needs the model to fit the device)."]
+    return "\n".join(out)
 
 
 def _parameter_count(c: dict) -> int:
@@ -191,6 +285,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     ap.add_argument("--fio-size", type=int, default=1 << 30,
                     help="bytes fio (or tensorio, where fio is missing) moves per direction for the disk's floor")
     ap.add_argument("--out", default=None, help="write every figure to this JSON file (after each model)")
+    ap.add_argument("--steps-profiled", type=int, default=1,
+                    help="steps run under torch.profiler after the timed ones, for the breakdown and the tables")
+    ap.add_argument("--tables", default=None, help="directory for the per-step tables and breakdown (default: "
+                                                   "--out's; none without either)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not cuda_available():
         raise SystemExit("benchmarks.gpu.train: CUDA is not available here (torch "
@@ -203,6 +301,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         if unknown:
             raise SystemExit(f"--models: {', '.join(unknown)} not among {', '.join(MODELS)}")
         models = {m: {**_BASE, **MODELS[m]} for m in args.models.split(",")}
+    if args.steps_profiled < 1:
+        ap.error(f"--steps-profiled {args.steps_profiled}: at least 1")
+    tables = Path(args.tables or Path(args.out).parent).resolve() if (args.tables or args.out) else None
+    if tables is not None:
+        tables.mkdir(parents=True, exist_ok=True)
     device = SimulatedDevice(max_delay_s=0.0) if args.device == "simulated" else device_for("cuda")
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-gpu-train-") as directory:
@@ -225,8 +328,15 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
                   f"{r['nvme_bytes'] / 1e9:>13.2f} {r['nvme_gbps']:>10.2f} {r['to_device_gbps']:>9.2f} {compute:>12} "
                   f"{r['bound_s']:>10.3f} {r['over_bound']:>7.2f} {r['device_peak_bytes'] / 2**30:>8.2f}G "
                   f"{r['host_peak_rss'] / 2**30:>9.2f}G", flush=True)
+            if tables is not None:
+                _trace.write_tables(tables / f"train-{name}.md", f"{name}: one training step under torch.profiler, "
+                                    f"per step ({device.name})", r["tables"], args.steps_profiled, "step")
             if args.out:
                 Path(args.out).write_text(json.dumps({"device": device.name, **results}, indent=1))
+        text = breakdown_table({n: r for n, r in results.items() if "breakdown" in r})
+        print(text, flush=True)
+        if tables is not None:
+            (tables / "train-breakdown.md").write_text(f"# Training: per step ({device.name})\n\n{text}\n")
     device.close()
     results["rates"] = rates
     return results
