@@ -284,13 +284,46 @@ def test_cache_rows_join_leave_and_right_align():
 
 def test_settings_the_batcher_cannot_honour_are_refused():
     for options, named in [({"kv_offload": "nvme"}, "--kv-offload nvme"),
-                           ({"kv_offload": {"device": "auto", "quantization": "int8"}}, "--kv-quantize"),
                            ({"block_schedule": {"micro_batch_size": 2}}, "--micro-batch-size")]:
-        with pytest.raises(ValueError, match=named):
+        with pytest.raises(ValueError, match=named) as refused:
             check_settings(InferenceConfig.from_dict(None, **options))
+        message = str(refused.value)
+        assert "\n" not in message and "offload.generate --prompt --batch-size N" in message and "--kv-quantize" in message
     with pytest.raises(ValueError, match="--kv-offload cpu"):
         check_settings(InferenceConfig.from_dict(None, kv_offload="cpu"), separate_memory=True)
     check_settings(InferenceConfig.from_dict(None, kv_offload="cpu"))
+    check_settings(InferenceConfig.from_dict(None, kv_offload={"device": "auto", "quantization": "int4"}))
+
+
+@pytest.mark.parametrize("bits", ["int8", "int4"])
+def test_a_quantized_kv_cache_gives_what_generate_gives_with_it(checkpoints, bits):
+    """``--kv-quantize``: requests joining and leaving a batch whose cache holds int8 / int4 bytes get, token for
+    token, what the engine's generate (``offload.generate --kv-quantize``) answers each alone; the padding rows of a
+    join decode to zeros (not NaN), and the cache holds bytes."""
+    directory, _ = checkpoints["llama"]
+    new = [9, 7, 6, 8, 5]
+    collector = Collector(len(PROMPTS))
+    with init_inference(directory, max_in_cpu=0, disk_gbps=1.0,
+                        kv_offload={"device": "auto", "quantization": bits}) as engine:
+        expected = []
+        for prompt, count in zip(PROMPTS, new):
+            ids = torch.tensor([prompt])
+            out = engine.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=count,
+                                  min_new_tokens=count, do_sample=False, pad_token_id=PAD)
+            expected.append(out[0, len(prompt):].tolist())
+        seen = []
+        with Batcher(engine, max_batch=8, start=False) as batcher:
+            submit = lambda i: batcher.submit(PROMPTS[i], greedy(new[i]), collector.sink(i))  # noqa: E731
+            collector.hooks[0] = (2, lambda: (submit(2), submit(3)))  # join the two running: padding rows
+            collector.hooks[2] = (1, lambda: (submit(4), seen.append(batcher._cache.layers[0].keys.dtype)))
+            submit(0)
+            submit(1)
+            batcher.start()
+            collector.wait()
+            assert batcher.stats()["joined_running"] == 3
+    assert seen == [torch.uint8]
+    for i in range(len(PROMPTS)):
+        assert collector.tokens(i) == expected[i], f"request {i}"
 
 
 def test_a_full_queue_refuses_with_queue_full(checkpoints):

@@ -120,3 +120,86 @@ def test_chat_without_a_template_and_stop_without_a_tokenizer_are_refused(gpt2, 
     with pytest.raises(SystemExit):
         main([str(directory), "--prompt-ids", "5,17", "--stop", "w3"], out=io.StringIO())
     assert "--stop needs a tokenizer in" in capsys.readouterr().err
+
+
+class _Terminal(io.StringIO):
+    """Typed input: a terminal, so the command shows its ``> `` prompt."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def _conversation(model, tokenizer, turns: list[str], new: int) -> list[dict[str, str]]:
+    """transformers' greedy answers to ``turns``, each on the whole conversation so far in the chat template."""
+    messages = []
+    for turn in turns:
+        messages.append({"role": "user", "content": turn})
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+        ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                                 pad_token_id=PAD)
+        messages.append({"role": "assistant", "content": tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)})
+    return messages
+
+
+def test_chat_without_a_prompt_holds_a_conversation_from_stdin(with_chat_tokenizer, monkeypatch):
+    """--chat alone: each stdin line a user turn, answered (streamed, after a ``> `` prompt on a terminal) with the
+    greedy tokens transformers gives the templated conversation so far; an empty line ends it (what follows is
+    never read)."""
+    directory, model, tokenizer = with_chat_tokenizer
+    monkeypatch.setattr(sys, "stdin", _Terminal("w5 w17 w99\n  w42 w3 \n\nw7\n"))
+    out = io.StringIO()
+    figures = main([str(directory), "--chat", "--max-new-tokens", "6", "--max-in-cpu", "0", "--disk-gbps", "1"], out=out)
+    expected = _conversation(model, tokenizer, ["w5 w17 w99", "w42 w3"], 6)
+    assert figures == {"messages": expected, "turns": 2}
+    assert expected[1]["content"] and expected[3]["content"]
+    assert out.getvalue().endswith(f"> {expected[1]['content']}\n> {expected[3]['content']}\n> ")
+
+
+def test_chat_ends_on_exit_ctrl_c_and_end_of_input():
+    from offload.infer.chat import converse
+
+    replies = iter(["first", "second"])
+    answer = lambda messages: next(replies)  # noqa: E731
+    assert converse(answer, io.StringIO("hi\n/exit\nnot read\n"), io.StringIO()) == [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "first"}]
+
+    class Interrupted(io.StringIO):
+        def readline(self, *args):
+            if self.tell():
+                raise KeyboardInterrupt
+            return super().readline(*args)
+
+    out = io.StringIO()
+    assert len(converse(answer, Interrupted("again\nmore\n"), out)) == 2 and out.getvalue() == "\n"
+    assert converse(answer, io.StringIO(""), io.StringIO()) == []
+
+
+@pytest.mark.subprocess
+def test_chat_conversation_through_the_module_with_piped_stdin(with_chat_tokenizer, tmp_path):
+    """``echo ... | python -m offload.generate DIR --chat`` from another directory, a relative path: no ``> `` prompt
+    (stdin is no terminal), the answers on stdout, exit status 0 at the end of input."""
+    directory, model, tokenizer = with_chat_tokenizer
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "offload.generate", os.path.relpath(directory, tmp_path), "--chat",
+                           "--max-new-tokens", "5", "--max-in-cpu", "0", "--disk-gbps", "1", "--json"],
+                          input="w5 w17 w99\nw42 w3\n", capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    import json
+
+    assert json.loads(done.stdout) == {"messages": _conversation(model, tokenizer, ["w5 w17 w99", "w42 w3"], 5),
+                                       "turns": 2}
+    assert "> " not in done.stderr.split("a conversation:")[1]
+
+
+def test_chat_alone_needs_a_template_and_a_prompt_is_required(gpt2, capsys):
+    directory, _ = gpt2
+    with pytest.raises(SystemExit):
+        main([str(directory), "--max-new-tokens", "2"], out=io.StringIO())
+    assert "give a prompt: --prompt TEXT" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([str(directory), "--chat"], out=io.StringIO())
+    assert "--chat: a conversation needs a tokenizer with a chat template" in capsys.readouterr().err

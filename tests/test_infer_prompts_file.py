@@ -112,8 +112,23 @@ def test_options_that_need_a_prompts_file(llama, tmp_path):
         main([str(directory), "--prompts-file", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "a")],
              out=io.StringIO())
     write_lines(tmp_path / "p.jsonl", LINES[:1])
-    with pytest.raises(ValueError, match="--kv-quantize"):
-        run(directory, tmp_path / "p.jsonl", tmp_path / "a.jsonl", "--kv-quantize", "int8")
+    with pytest.raises(ValueError, match=r"--micro-batch-size .* is not supported .*--kv-quantize"):
+        run(directory, tmp_path / "p.jsonl", tmp_path / "a.jsonl", "--micro-batch-size", "1")
+
+
+def test_a_quantized_kv_cache_answers_what_generate_answers_with_it(llama, tmp_path):
+    """``--kv-quantize int8`` in a file's batch: each answer is ``offload.generate --prompt-ids ... --kv-quantize
+    int8``'s, token for token (generate stops at the end-of-sequence token; the file's lines ignore it)."""
+    directory, _, _ = llama
+    lines = [{"prompt": PROMPT_IDS[n], "ignore_eos": True} for n in (1, 2, 8)]
+    write_lines(tmp_path / "p.jsonl", lines)
+    run(directory, tmp_path / "p.jsonl", tmp_path / "a.jsonl", "--kv-quantize", "int8")
+    records = read_records(tmp_path / "a.jsonl")
+    for line, record in zip(lines, records):
+        alone = main([str(directory), "--prompt-ids", ",".join(map(str, line["prompt"])), "--max-in-cpu", "0",
+                      "--disk-gbps", "1", "--max-new-tokens", "5", "--kv-quantize", "int8"], out=io.StringIO())["tokens"]
+        assert record["token_ids"][:len(alone)] == alone and len(record["token_ids"]) == 5
+        assert len(alone) == 5 or alone[-1] == 2
 
 
 @pytest.mark.subprocess

@@ -4,12 +4,15 @@
     python -m offload.generate CHECKPOINT --prompt-ids 1,450,4996 --batch-size 16 --config ds.json
     python -m offload.generate CHECKPOINT --prompt "Once upon a time" --max-memory 0=6GiB,cpu=16GiB
     python -m offload.generate CHECKPOINT --prompts-file prompts.jsonl --output answers.jsonl --batch-size 32
+    python -m offload.generate CHECKPOINT --chat --max-in-cpu 8GiB     # a conversation: a user turn a line
 
 Prints the plan, then the tokens as they come (the first sequence's; text where the checkpoint
 directory has a tokenizer), then time to first token, seconds per token, the read speed during
 decoding and that speed against the disk's (measured with a short O_DIRECT read of the checkpoint,
 or --disk-gbps). With --prompts-file, every prompt of a JSON-lines file is answered into --output
-(offload/infer/prompts_file.py): batched, each answer in the input's order.
+(offload/infer/prompts_file.py): batched, each answer in the input's order. With --chat and no prompt,
+user turns are read from stdin, a line each, and answered in the chat template with the conversation
+so far (offload/infer/chat.py) until the end of input, Ctrl-C, an empty line or /exit.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m offload.generate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="directory with config.json and the safetensors file(s)")
-    prompt = ap.add_mutually_exclusive_group(required=True)
+    prompt = ap.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text (needs a tokenizer in the checkpoint directory)")
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated (no tokenizer needed)")
     prompt.add_argument("--prompts-file", help="a JSON-lines file of prompts, each answered into --output (one "
@@ -91,7 +94,8 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
     ap.add_argument("--stop", action="append", default=[],
                     help="end the answer at this text (repeatable; needs the checkpoint's tokenizer)")
     ap.add_argument("--chat", action="store_true",
-                    help="--prompt is a user message: apply the checkpoint's chat template to it")
+                    help="--prompt is a user message: apply the checkpoint's chat template to it; without --prompt, "
+                         "a conversation: user turns read from stdin, a line each, until an empty line, /exit or EOF")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true",
                     help="print the figures as one JSON line on stdout, everything else on stderr")
@@ -109,8 +113,13 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
 
     if not 0 < args.top_p <= 1 or args.repetition_penalty <= 0:
         ap.error("--top-p must be in (0, 1] and --repetition-penalty above 0")
-    if args.chat and args.prompt is None:
-        ap.error("--chat goes with --prompt (the user message the template wraps)")
+    if args.chat and args.prompt_ids is not None:
+        ap.error("--chat goes with --prompt (the user message the template wraps), or alone for a conversation")
+    if args.prompt is None and args.prompt_ids is None:
+        if not args.chat:
+            ap.error("give a prompt: --prompt TEXT, --prompt-ids IDS or --prompts-file FILE (or --chat alone for a "
+                     "conversation read from stdin)")
+        return _converse(ap, args, out)
     tokenizer = None
     if args.prompt is not None or args.stop:
         option = "--prompt" if args.prompt is not None else "--stop"
@@ -143,21 +152,72 @@ def main(argv: list[str] | None = None, out=None) -> dict[str, Any]:
         torch.manual_seed(args.seed)
         start = time.perf_counter()
         read_start = engine.io_bytes()
-        sampling = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p} \
-            if args.do_sample else {"do_sample": False}
-        if args.repetition_penalty != 1.0:
-            sampling["repetition_penalty"] = args.repetition_penalty
-        if args.stop:
-            sampling["stopping_criteria"] = _stop_texts(tokenizer, args.stop, ids.shape[1])
-        pad = engine.module.generation_config.pad_token_id
-        if pad is None:
-            pad = engine.module.generation_config.eos_token_id
         engine.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, streamer=printer,
-                        pad_token_id=pad if isinstance(pad, int) else (pad[0] if pad else 0), **sampling)
+                        pad_token_id=_pad_id(engine), **_sampling(args, tokenizer, ids.shape[1]))
         end = time.perf_counter()
         read_end = engine.io_bytes()
         figures = _figures(engine, printer, start, end, read_start, read_end, args.batch_size)
     _report(figures, out)
+    if args.json:
+        print(json.dumps(figures), file=json_out)
+    return figures
+
+
+def _sampling(args: argparse.Namespace, tokenizer: Any, prompt: int) -> dict[str, Any]:
+    """``generate``'s sampling keywords for the options given, a prompt of ``prompt`` tokens."""
+    sampling = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p} \
+        if args.do_sample else {"do_sample": False}
+    if args.repetition_penalty != 1.0:
+        sampling["repetition_penalty"] = args.repetition_penalty
+    if args.stop:
+        sampling["stopping_criteria"] = _stop_texts(tokenizer, args.stop, prompt)
+    return sampling
+
+
+def _pad_id(engine: Any) -> int:
+    pad = engine.module.generation_config.pad_token_id
+    if pad is None:
+        pad = engine.module.generation_config.eos_token_id
+    return pad if isinstance(pad, int) else (pad[0] if pad else 0)
+
+
+def _converse(ap: argparse.ArgumentParser, args: argparse.Namespace, out) -> dict[str, Any]:
+    """``--chat`` without a prompt: a conversation read from stdin (offload/infer/chat.py), each answer printed as
+    it comes; the figures are the conversation (``messages``) and its ``turns``."""
+    from offload.infer.chat import converse
+    from offload.infer.prompt import context_length
+
+    if args.batch_size != 1:
+        ap.error("--batch-size goes with --prompt or --prompts-file, not a conversation (--chat alone)")
+    tokenizer = _tokenizer(ap, args.checkpoint, "--chat", "fix it to hold a conversation")
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        ap.error(f"--chat: a conversation needs a tokenizer with a chat template in {args.checkpoint} "
+                 f"(tokenizer_config.json's chat_template); give --prompt TEXT (without --chat) instead")
+    if args.json:  # stdout carries the JSON line alone; the plan, the prompts and the answers go to stderr
+        out, json_out = sys.stderr, out
+    else:
+        json_out = out
+    with init_inference(args.checkpoint, args.config, **engine_overrides(args)) as engine:
+        print(engine.plan.describe(), file=out)
+        print("a conversation: a line is a user turn; an empty line, /exit or Ctrl-D ends it", file=out, flush=True)
+        context = context_length(engine.module.config)
+        torch.manual_seed(args.seed)
+
+        def answer(messages: list[dict[str, str]]) -> str:
+            ids = _template_ids(tokenizer, messages)
+            if context is not None and ids.shape[1] + args.max_new_tokens > context:
+                raise ValueError(f"--chat: the conversation's {ids.shape[1]} tokens + --max-new-tokens "
+                                 f"{args.max_new_tokens} exceed the model's context of {context} tokens; start a new "
+                                 f"conversation, or lower --max-new-tokens")
+            printer = _Printer(tokenizer, out)
+            engine.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
+                            streamer=printer, pad_token_id=_pad_id(engine), **_sampling(args, tokenizer, ids.shape[1]))
+            text = tokenizer.decode(printer.tokens, skip_special_tokens=True)
+            cut = min((text.index(stop) for stop in args.stop if stop in text), default=len(text))
+            return text[:cut]
+
+        messages = converse(answer, sys.stdin, out)
+    figures = {"messages": messages, "turns": sum(m["role"] == "user" for m in messages)}
     if args.json:
         print(json.dumps(figures), file=json_out)
     return figures
@@ -186,8 +246,12 @@ def _prompt_ids(ap: argparse.ArgumentParser, tokenizer: Any, prompt: str, chat: 
     if not getattr(tokenizer, "chat_template", None):
         ap.error(f"--chat: the tokenizer in {checkpoint} has no chat template (tokenizer_config.json's chat_template); "
                  f"leave --chat out to send the prompt as it is")
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        return_tensors="pt")
+    return _template_ids(tokenizer, [{"role": "user", "content": prompt}])
+
+
+def _template_ids(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
+    """``messages`` through the tokenizer's chat template, the assistant's turn opened: token ids [1, n]."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
     return ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids
 
 

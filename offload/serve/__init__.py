@@ -1,5 +1,5 @@
 """An OpenAI-compatible generation server over `offload.infer`'s engine (``python -m offload.serve``;
-docs/serve.md): requests that run at the same time share each read of the weights from NVMe.
+docs/serving.md): requests that run at the same time share each read of the weights from NVMe.
 
 `Batcher` runs requests in one batch that they join and leave between decode steps (it needs torch
 and transformers only); `create_app` is the FastAPI app in front of it (the ``serve`` extra:

@@ -7,7 +7,7 @@ Takes the engine's options of ``python -m offload.generate`` (budgets, quantizat
 place, the device; see docs/inference.md), binds HOST:PORT first (a port in use fails at once, not after
 the engine's build), builds the engine, prints the plan and ``serving MODEL on http://HOST:PORT``, and
 answers POST /v1/chat/completions, POST /v1/completions and GET /v1/models until SIGTERM or Ctrl-C:
-then it stops accepting, lets the requests running finish, frees the engine and exits 0. docs/serve.md.
+then it stops accepting, lets the requests running finish, frees the engine and exits 0. docs/serving.md.
 """
 
 from __future__ import annotations

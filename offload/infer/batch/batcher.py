@@ -9,9 +9,10 @@ longest prompt, so a join costs no extra read of the weights. A request that fin
 next step, and its rows of the KV cache go with it (cache_rows.py).
 
 The KV cache is a transformers `DynamicCache` in memory (on the device where compute has memory of
-its own), in the compute dtype. The batch grows while the budget holds its cache beside the weights
-that must stay resident (checked before a request joins, for the longest the cache can become) and
-``max_batch`` allows; requests beyond wait in a queue of at most ``max_queue``, then `QueueFull`.
+its own), in the compute dtype, or with ``kv_offload.quantization`` (``--kv-quantize``) its layers
+`QuantizedLayer`s holding int8 / int4 bytes, as ``offload.generate`` keeps them. The batch grows
+while the budget holds its cache beside the weights that must stay resident (checked before a
+request joins, for the longest the cache can become) and ``max_batch`` allows; requests beyond wait in a queue of at most ``max_queue``, then `QueueFull`.
 Every step calls the engine (``engine(ids, ...)``), which re-plans for the batch's cache as it grows
 and shrinks (`InferenceEngine.reserve`): resident layers give way to the cache and come back after.
 """
@@ -31,6 +32,7 @@ from transformers import DynamicCache
 
 from offload.infer.answer import Answer
 from offload.infer.kv.cache import CACHE_KEYWORD
+from offload.infer.kv.quant import KVCodec, QuantizedLayer
 from offload.infer.plan.host import BudgetError, format_bytes
 from offload.infer.sampling import SamplingParams
 from offload.infer.batch.cache_rows import add_rows, check_full_attention, keep_rows, right_align
@@ -107,19 +109,19 @@ def eos_token_ids(engine: Any, tokenizer: Any = None) -> tuple[int, ...]:
 def check_settings(settings: Any, *, separate_memory: bool = False) -> None:
     """Refuse the engine settings (an `InferenceConfig`) a `Batcher` cannot honour: it keeps each sequence's
     KV cache where compute runs (in memory, or on the device where compute has memory of its own:
-    ``separate_memory``), in the compute dtype, and runs the batch through each layer at once. Raises
-    ValueError naming the option."""
+    ``separate_memory``; quantized or not), and runs the batch through each layer at once. Raises
+    ValueError naming the option, in one line."""
     kv = settings.kv_offload
     refused = ("--kv-offload nvme (kv_offload.device)" if kv.device == "nvme"
-               else "--kv-quantize (kv_offload.quantization)" if kv.quantization is not None
                else "--kv-offload cpu (kv_offload.device) with compute on a device" if kv.device == "cpu" and separate_memory
                else "--micro-batch-size (block_schedule.micro_batch_size)" if settings.block_schedule.micro_batch_size
                else None)
     if refused:
-        raise ValueError(f"{refused}: batches that sequences join and leave (offload.serve, offload.generate "
-                         f"--prompts-file) keep each sequence's KV cache where compute runs, in the compute dtype, and "
-                         f"run the batch through each layer at once; leave it out (python -m offload.generate --prompt "
-                         f"--batch-size N takes it)")
+        raise ValueError(f"{refused} is not supported by batches that sequences join and leave (offload.serve, "
+                         f"offload.generate --prompts-file): they keep the KV cache where compute runs and run the "
+                         f"batch through each layer at once; leave the option out (--kv-quantize int8/int4 shrinks "
+                         f"the cache there instead), or use python -m offload.generate --prompt --batch-size N, "
+                         f"which takes it")
 
 
 class Batcher:
@@ -308,7 +310,7 @@ class Batcher:
             positions[row, width - length:] = torch.arange(length)
         # 2. Newcomers get rows of padding in the cache (none exists before the first step of a batch).
         if self._cache is None:
-            self._cache = DynamicCache(config=self.engine.module.config)
+            self._cache = self._new_cache()
             self._mask = torch.zeros((len(joining), 0), dtype=torch.long)
         elif joining:
             self._mask = add_rows(self._cache, self._mask, len(joining))
@@ -347,6 +349,15 @@ class Batcher:
             self._stats["finished"] += finished
             if joining or len(kept) != len(self._rows):
                 self._leave(kept)
+
+    def _new_cache(self) -> DynamicCache:
+        """An empty cache for a new batch: transformers' `DynamicCache`, its layers `QuantizedLayer`s where
+        ``kv_offload.quantization`` asks (the bytes ``offload.generate`` stores, so the same answers)."""
+        cache = DynamicCache(config=self.engine.module.config)
+        spec = self.engine.settings.kv_offload.quantization
+        if spec is not None:
+            cache.layers = [QuantizedLayer(lambda keys: KVCodec(spec, keys.shape[-1], keys.dtype)) for _ in cache.layers]
+        return cache
 
     def _leave(self, kept: list[int]) -> None:
         """Keep only the rows ``kept`` of the batch and its cache, the cache right-aligned again."""

@@ -31,11 +31,19 @@ def check_full_attention(cache: DynamicCache) -> None:
 
 def add_rows(cache: DynamicCache, mask: torch.Tensor, count: int) -> torch.Tensor:
     """Append ``count`` rows of padding to every layer of ``cache`` (its layers hold at least one row);
-    return the mask with ``count`` rows of zeros appended."""
+    return the mask with ``count`` rows of zeros appended. A quantized layer (one with a ``codec``:
+    `offload.infer.kv.quant.QuantizedLayer`) gets zeros encoded: zero bytes would decode to NaN (a scale
+    of 0), which the attention mask cannot hide."""
     for layer in cache.layers:
+        codec = getattr(layer, "codec", None)
         for name in ("keys", "values"):
             tensor = getattr(layer, name)
-            setattr(layer, name, torch.cat([tensor, tensor.new_zeros((count, *tensor.shape[1:]))]))
+            if codec is None or codec.spec is None:
+                padding = tensor.new_zeros((count, *tensor.shape[1:]))
+            else:
+                padding = codec.encode(torch.zeros((count, *tensor.shape[1:-1], codec.head_dim), dtype=codec.dtype,
+                                                   device=tensor.device))
+            setattr(layer, name, torch.cat([tensor, padding]))
     return torch.cat([mask, mask.new_zeros((count, mask.shape[1]))])
 
 
