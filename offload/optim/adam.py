@@ -278,6 +278,16 @@ class OffloadAdam(torch.optim.Optimizer):
         it up."""
         self._transaction.sync()
 
+    def hold_commits(self) -> None:
+        """From now on a step whose writes have landed waits, uncommitted, for `commit_held` (the engine's
+        ranks agree first: offload/train/step/agree.py). Reads take its new values meanwhile."""
+        self._transaction.hold = True
+
+    def commit_held(self) -> None:
+        """Commit the step `hold_commits` held (after `synchronize`); nothing when none is held. Runs the
+        commit hooks on this thread."""
+        self._transaction.release()
+
     def raise_if_failed(self) -> None:
         """Raise the background thread's error, if it had one, after giving the step up (overlap_backward)."""
         if self._background is not None and self._background.worker.failed:

@@ -76,6 +76,12 @@ class StateSwapper:
         self.records: dict[int, SwapRecord] = {  # slots A and B; state_bytes is a multiple of the page
             plan.index: SwapRecord(plan=plan, slots=self._region.add(plan.state_bytes)) for plan in offloaded}
         self.file_bytes = self._file.allocated_bytes if self._file is not None else 0
+        if self._file is not None:  # a full disk is named now, not in a step
+            try:
+                self._file.preallocate()
+            except BaseException:
+                self._file.close()  # the file goes: nothing left behind
+                raise
         self._free: list[torch.Tensor] = []
         self._by_address: dict[int, torch.Tensor] = {}
         self._writes = WriteQueue()  # each sub-group's state write in flight, oldest first

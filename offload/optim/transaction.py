@@ -4,7 +4,9 @@ Offloaded state is written to each sub-group's uncommitted slot (`StateSwapper`)
 in ``new_step``. `commit` makes both the committed ones and runs the commit hooks (the engine flips its
 parameter slots with them); `abort` forgets them and runs the abort hooks. With overlap_backward the
 last writes of a step may land during the next forward (write-behind): the step then stays
-``uncommitted`` until the next sync point (`sync`, `finish_write_behind`).
+``uncommitted`` until the next sync point (`sync`, `finish_write_behind`). With ``hold`` (several ranks)
+a step whose writes have all landed still waits, uncommitted, until the caller `release`s it once every
+rank has agreed (offload/train/step/agree.py): no rank commits a step another rank gives up.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ class StepTransaction:
         self.background: Background | None = None
         """The updates during backward, whose thread and callbacks' writes belong to the step (overlap_backward)."""
         self.uncommitted = False
-        """Writes of the last step still in flight (overlap_backward)."""
+        """Writes of the last step still in flight (overlap_backward), or landed and held (``hold``)."""
+        self.hold = False
+        """A step commits only through `release` (the engine's agreement of every rank), never by itself."""
         self._commit_hooks: list[Callable[[], None]] = []
         self._abort_hooks: list[Callable[[], None]] = []
 
@@ -79,8 +83,22 @@ class StepTransaction:
             self.background.wait_dependents()
 
     def commit(self) -> None:
-        """Every write of the step has landed: its state and step counts become the committed ones."""
+        """Every write of the step has landed: its state and step counts become the committed ones (with
+        ``hold``: once `release`d)."""
         self.wait_dependents()
+        if self.hold:
+            self.uncommitted = True  # landed; committed by `release`
+            return
+        self._commit()
+
+    def release(self) -> None:
+        """With ``hold``: every rank agreed, commit the held step (call `sync` first: its writes have landed)."""
+        if self.uncommitted:
+            self._swapper.drain()  # nothing in flight after `sync`; raises a write's error otherwise
+            self.wait_dependents()
+            self._commit()
+
+    def _commit(self) -> None:
         self._swapper.commit()
         for rec in self._params:
             if rec.new_step is not None:

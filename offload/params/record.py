@@ -81,3 +81,12 @@ class PendingUpdates(Protocol):
     def settled(self, rec: ParamRecord) -> bool:
         """Whether ``rec``'s values are final for this pass without waiting (no update pending, or it has
         run): what a copy ahead may read."""
+
+
+class FaultSink(Protocol):
+    """Where a pass's failure goes instead of raising, with several ranks (`ParamStore.faults`; the engine's
+    ``StepAgreement``)."""
+
+    def absorb(self, error: BaseException, where: str) -> bool:
+        """Keep ``error`` (raised ``where``) for the ranks' agreement and return True, so the caller goes on
+        with stand-in data; False: the caller raises it."""

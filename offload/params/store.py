@@ -36,7 +36,7 @@ from offload.device import CpuDevice, Device
 from offload.params.device_gather import DeviceGathers
 from offload.params.partition import partition_bounds
 from offload.params.prefetch import Prefetcher, SwapBudget
-from offload.params.record import BufferKeeper, ParamRecord, PendingUpdates
+from offload.params.record import BufferKeeper, FaultSink, ParamRecord, PendingUpdates
 from offload.storage.slotted import SlottedRegion
 from offload.storage.swapfile import SwapFile
 
@@ -106,6 +106,10 @@ class ParamStore:
     copies each update to the device."""
     _in_pass: bool = False
     """Between a forward's start and the release at the end of its backward (`begin_forward`, `release_all`)."""
+    faults: FaultSink | None = None
+    """Several ranks (set by the engine): a gather that fails inside a pass hands its error to
+    ``faults.absorb`` and, where that takes it, gathers zeros in its place, so that this rank goes on taking
+    part in the pass's collectives; the step is then given up on every rank (offload/train/step/agree.py)."""
     _hooks: list = field(default_factory=list)
     _serial: int = 0
 
@@ -146,24 +150,14 @@ class ParamStore:
 
     def gather(self, rec: ParamRecord) -> torch.Tensor:
         """Make ``rec.param`` the full tensor; return the flat full tensor."""
-        # 0. A step whose update runs now (``updates``) first makes sure this partition's has run.
-        held = self.updates.values(rec) if self.updates is not None else None
-        if rec.full is not None:
+        try:
+            local = self._local(rec)
+        except Exception as error:  # several ranks: this one goes on with zeros (`faults`), or raises
+            if self.faults is None or not self.faults.absorb(error, f"gathering {rec.name!r}"):
+                raise
+            local = None if rec.full is not None else torch.zeros(rec.partition_numel, dtype=rec.partition.dtype)
+        if local is None:
             return rec.full
-        # 1. The partition's data: in memory, or read from NVMe (prefetched, on demand, or kept from
-        #    an earlier gather in this backward), or the updated buffer the step holds.
-        if held is not None:
-            self.prefetcher.observe(rec.index)
-            self._prefetch()
-            local = held
-        elif rec.on_disk:
-            self.prefetcher.observe(rec.index)
-            self.arrive(rec)
-            local = rec.buffer
-        else:
-            if self.gathers is not None:  # copies ahead follow every record, in memory too
-                self.prefetcher.observe(rec.index)
-            local = rec.partition.data
         # 2. All-gather the partitions (at world size 1 the partition is the parameter); on a device
         #    with its own memory, copy them there first (`DeviceGathers`) and the next ones ahead.
         if self.gathers is not None:
@@ -189,6 +183,26 @@ class ParamStore:
         if not rec.keep_full:
             self._live[full.untyped_storage().data_ptr()] = rec
         return full
+
+    def _local(self, rec: ParamRecord) -> torch.Tensor | None:
+        """This rank's partition of ``rec`` for its gather (None: ``rec.full`` is kept gathered)."""
+        # 0. A step whose update runs now (``updates``) first makes sure this partition's has run.
+        held = self.updates.values(rec) if self.updates is not None else None
+        if rec.full is not None:
+            return None
+        # 1. The partition's data: in memory, or read from NVMe (prefetched, on demand, or kept from
+        #    an earlier gather in this backward), or the updated buffer the step holds.
+        if held is not None:
+            self.prefetcher.observe(rec.index)
+            self._prefetch()
+            return held
+        if rec.on_disk:
+            self.prefetcher.observe(rec.index)
+            self.arrive(rec)
+            return rec.buffer
+        if self.gathers is not None:  # copies ahead follow every record, in memory too
+            self.prefetcher.observe(rec.index)
+        return rec.partition.data
 
     def reused_soon(self, rec: ParamRecord) -> bool:
         """Whether the gathered ``rec`` (read from NVMe into a budgeted buffer) is used again, in the

@@ -26,6 +26,7 @@ import fcntl
 import logging
 import os
 import re
+import shutil
 import threading
 import time
 import uuid
@@ -96,6 +97,8 @@ class SwapFile:
         self.pool: BufferPool | None = None
         """Where `buffer` takes buffers from; set by the owner (the engine shares one among its files)."""
         self._end = 0
+        self._reserved = 0
+        """Bytes whose blocks `preallocate` reserved."""
         self.bytes_read = 0
         self.bytes_written = 0
         self.verify = aio.verify
@@ -112,6 +115,29 @@ class SwapFile:
         offset = self._end
         self._end += slots * aligned_size(nbytes)
         return offset
+
+    def preallocate(self) -> None:
+        """Reserve the disk blocks of every extent allocated so far (``os.posix_fallocate``), so that a full
+        disk is named now (at `initialize`) rather than by a write in the middle of a step. Where the file
+        system cannot (EOPNOTSUPP, EINVAL), nothing is reserved and writes allocate as they go.
+
+        Raises OSError (ENOSPC, EDQUOT, ...) naming the file, the bytes it needs and the bytes free, after
+        giving the file back its size (nothing half-reserved is left as if it were the file's)."""
+        if self._end <= self._reserved:
+            return
+        size = os.fstat(self._lock_fd).st_size
+        try:
+            os.posix_fallocate(self._lock_fd, 0, self._end)
+        except OSError as error:
+            if error.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                return  # this file system cannot preallocate: writes allocate as they go
+            os.ftruncate(self._lock_fd, size)
+            free = shutil.disk_usage(os.path.dirname(self.path)).free
+            raise OSError(error.errno, f"swap file {self.path}: cannot reserve its {self._end:,} bytes "
+                                       f"({error.strerror}); the file system has {free:,} bytes free; free space, "
+                                       f"point nvme_path at a larger disk, or keep more in memory (max_in_cpu, "
+                                       f"offload_optimizer.ratio)") from error
+        self._reserved = self._end
 
     @property
     def allocated_bytes(self) -> int:

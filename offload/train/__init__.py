@@ -10,6 +10,7 @@ from offload.train.engine import Engine, initialize
 from offload.train.grads.clip import clip_grad_norm_, grad_norm
 from offload.train.grads.loss_scaler import DynamicLossScaler, LossScaler, StaticLossScaler, build_loss_scaler
 from offload.train.schedulers import WarmupDecayLR, WarmupLR, build_scheduler
+from offload.train.step.agree import RanksFailed
 from offload.train.timers import PhaseTimers
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "Engine",
     "LossScaler",
     "PhaseTimers",
+    "RanksFailed",
     "StaticLossScaler",
     "WarmupDecayLR",
     "WarmupLR",

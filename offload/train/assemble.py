@@ -38,6 +38,8 @@ from offload.train.plan import training_plan
 from offload.train.sizing import StepSizes, auto_max_in_cpu, plan_sizes
 from offload.train.space import check_swap_space, swap_space_needed
 from offload.train.step.after_backward import UpdateAfterBackward
+from offload.train.cpu_threads import set_cpu_threads
+from offload.train.step.agree import StepAgreement
 from offload.train.step.deferred import DeferredStep
 from offload.train.step.failure import FailureState, StepCounters
 from offload.train.step.in_backward import UpdateDuringBackward
@@ -83,6 +85,7 @@ def assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int,
     zero = cfg.zero_optimization
     check_nvme_paths(cfg)
     _warn_no_effect(zero)
+    threads = set_cpu_threads()  # before the optimizer's worker starts: it takes half of them
     with contextlib.ExitStack() as undo:
         originals = [(p, p.data) for p in model.parameters()]  # references, not copies
         undo.callback(_restore, originals)
@@ -90,6 +93,9 @@ def assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int,
                         lr_scheduler=lr_scheduler, make_engine=make_engine, model_parameters=model_parameters,
                         device=device or CpuDevice(), max_in_cpu_source=auto_source)
         undo.pop_all()  # success: nothing to undo
+    engine.plan = dataclasses.replace(engine.plan, cpu_threads=threads)
+    if rank == 0:
+        log.info("CPU threads: %s", threads.describe())
     dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None
     target = (device or CpuDevice()).torch_device
     # Buffers follow the parameters: floating ones cast as model.half() would, all of them where compute runs.
@@ -253,6 +259,9 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
                           bucket_elements=sizes.bucket, overlap=zero.overlap_comm,
                           norms=mode is UpdateMode.IN_FORWARD, param_slots=fast)
     undo.callback(reducer.remove)
+    for file in (swap, grad_swap):  # every extent is placed: a full disk is named now, not in a step
+        if file is not None:
+            file.preallocate()
     # 5. Optimizer offload: OffloadAdam over the partitions; it plans its sub-groups from their sizes,
     #    so it comes after the partitions exist and before anything runs.
     groups = optimizer_param_groups(trainable, optimizer, model_parameters)
@@ -269,6 +278,11 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
                       loss_scaler=build_loss_scaler(cfg.fp16) if cfg.fp16.enabled else None, group=group,
                       counters=StepCounters(), failure=FailureState(), kept=KeptBuffers(store))
     path = _update_path(mode, ctx, trainable, sizes, grad_reads=reducer.start_read if grad_swap else None)
+    if world_size > 1:  # a failure inside a step is agreed by every rank (offload/train/step/agree.py)
+        ctx.agreement = StepAgreement(world_size=world_size, rank=rank, group=group)
+        store.faults = reducer.faults = ctx.agreement
+        if fast:  # no rank commits a step before every rank agreed
+            opt.hold_commits()
     # 7. Gather hooks and prefetch: last, since they gather the partitions placed above.
     store.install(model)
     undo.callback(store.remove_hooks)

@@ -31,6 +31,7 @@ from offload.params import ParamRecord, ParamStore
 from offload.train.grads.norm import GlobalGradNorm
 from offload.train.grads.reduce import GradReducer
 from offload.train.plan import TrainingPlan
+from offload.train.checkpoint.background import BackgroundSaves, SaveInFlight
 from offload.train.checkpoint.save_load import (gathered_parameters, load_engine_checkpoint, load_pretrained_weights,
                                      save_engine_16bit_model, save_engine_checkpoint)
 from offload.train.setup import engine_from_arguments
@@ -117,6 +118,7 @@ class Engine:
         """`set_gradient_accumulation_boundary`'s override (None: count micro steps)."""
         self._norm = GlobalGradNorm(ctx, path)
         ctx.optimizer.overflow = False  # DeepSpeed's ZeRO optimizers' flag: whether the last step was skipped
+        self._saves = BackgroundSaves()  # the asynchronous checkpoint save in flight, if any
         self._finalizer = weakref.finalize(self, ctx.close)
         guard_misuse(self)  # save_pretrained writes the real weights; calls around the engine are refused
 
@@ -166,15 +168,19 @@ class Engine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward pass (parameters are gathered module by module). After a step whose
         update runs in the next forward, this is it: each gather waits for, and uses, its updated partition.
-        Raises the update's error (TensorIOError) when it failed; the step is then rolled back."""
+        Raises the update's error (TensorIOError) when it failed; the step is then rolled back. Raises
+        CheckpointSaveError, before anything changes, when an asynchronous save failed since the last call."""
+        self._saves.raise_failure()  # once; the first call of a step (an update may run during backward)
         self._path.before_forward()
         self._store.begin_forward()
         self.forwarding += 1
         if self.device.separate_memory:  # the inputs go where compute runs
             args, kwargs = tree_map(self._to_device, (args, kwargs))
         try:
-            with self.timers.phase("forward"), self._store.saved_tensor_hooks():
-                return self.module(*args, **kwargs)
+            with self.timers.phase("forward"), self._store.saved_tensor_hooks(), self._ctx.agreement.absorbing():
+                output = self.module(*args, **kwargs)
+            self._agree("a forward")  # several ranks: no rank returns a forward that read a failure
+            return output
         except BaseException as error:
             self._path.forward_failed(error)
             raise
@@ -201,9 +207,10 @@ class Engine:
         self._reducer.start_backward(boundary)
         try:
             # Saved-tensor hooks here too: reentrant activation checkpointing re-runs forward in backward.
-            with self.timers.phase("backward"), self._store.saved_tensor_hooks():
+            with self.timers.phase("backward"), self._store.saved_tensor_hooks(), self._ctx.agreement.absorbing():
                 scaled.backward(retain_graph=retain_graph)
                 self._reducer.flush()  # sync point: the last buckets' reductions
+            self._agree(f"the backward of step {self.global_steps + 1}")
         except BaseException as error:
             self._reducer.abandon()
             self._path.backward_failed(error, boundary)
@@ -211,6 +218,14 @@ class Engine:
         finally:
             self._store.end_backward()  # sync point: every gathered parameter and unused prefetch is released
         return loss
+
+    def _agree(self, what: str) -> None:
+        """Several ranks: raise `RanksFailed` on every rank where any rank absorbed a failure in the pass
+        (offload/train/step/agree.py; one all-reduce of a flag). The caller gives the step up."""
+        if self._ctx.agreement.active:
+            error = self._ctx.agreement.agreed(None, what)
+            if error is not None:
+                raise error
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next ``step()`` updates the parameters: every gradient_accumulation_steps micro
@@ -231,6 +246,9 @@ class Engine:
 
         Raises tensorio.TensorIOError when the swap files fail, RuntimeError when fp16 overflows at
         the minimum loss scale, or when an earlier failure left nothing to step from (saying how to resume).
+        With several ranks a failure on any rank is agreed by all: every rank gives the step up and raises
+        `RanksFailed` naming the rank and its error (forward and backward likewise; docs/engine.md,
+        "Several GPUs and nodes").
         """
         self._failure.check_step()
         if self.is_gradient_accumulation_boundary():
@@ -328,7 +346,8 @@ class Engine:
     @engine_call  # settles: a pending update may step the optimizer
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
                         client_state: Mapping[str, Any] | None = None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False) -> str:
+                        exclude_frozen_parameters: bool = False, async_save: bool | None = None,
+                        wait: bool = True) -> str:
         """Save this rank's parameter partitions, optimizer state (offloaded included), loss scale,
         scheduler, counters and ``client_state`` under ``save_dir/tag`` (default tag
         ``global_step<N>``); return the path. Layout and guarantees: `offload.train.checkpoint.rank_state`.
@@ -340,10 +359,28 @@ class Engine:
         leaves out the partitions of parameters with ``requires_grad=False`` (a load keeps the model's
         values for them). Returns the path (DeepSpeed returns True; a path is true too). Raises TypeError
         for a ``client_state`` entry that is neither, OSError naming the file (ENOSPC, ...), TensorIOError.
+
+        ``async_save`` True (None: the config's ``checkpoint.async_save``) returns once the step's state is
+        fixed and writes it on a background thread while training goes on: state on NVMe is pinned in its
+        swap-file slot until read, state in memory copied (`offload.train.checkpoint.snapshot`). A save in
+        flight is waited for first (``wait`` False: refused with CheckpointInUseError); its failure is raised
+        as CheckpointSaveError, naming the file, at the next forward, save, load or close, with ``latest`` at
+        the previous checkpoint. See docs/engine.md, "Asynchronous save".
         """
         return save_engine_checkpoint(self._ctx, self._path, self.module, rank=self.rank, world_size=self.world_size,
                                       save_dir=save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
-                                      exclude_frozen=exclude_frozen_parameters)
+                                      exclude_frozen=exclude_frozen_parameters, saves=self._saves,
+                                      async_save=async_save, wait=wait, owner=self)
+
+    def checkpoint_in_flight(self) -> SaveInFlight | None:
+        """The asynchronous checkpoint save running now (tag, path, bytes written of the total, seconds
+        training waited for it), or None. Cheap; any thread."""
+        return self._saves.in_flight()
+
+    def wait_for_checkpoint(self) -> str | None:
+        """Sync point: wait for the asynchronous save in flight; return the path of the last save that
+        succeeded in the background (None if none). Raises CheckpointSaveError when it failed."""
+        return self._saves.finish()
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -367,7 +404,7 @@ class Engine:
                                       load_dir=load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                       load_lr_scheduler_states=load_lr_scheduler_states,
                                       load_module_only=load_module_only, custom_load_fn=custom_load_fn,
-                                      zero_grad=self.zero_grad)
+                                      zero_grad=self.zero_grad, saves=self._saves)
 
     def load_pretrained(self, checkpoint_dir: str | os.PathLike) -> list[str]:
         """Read a Hugging Face checkpoint (config.json beside model.safetensors, or shards with their
@@ -375,6 +412,7 @@ class Engine:
         before the first step (the optimizer's state is not touched). Returns the checkpoint's tensors
         the model has no place for. Raises FileNotFoundError / SafetensorsError naming the file, and
         ValueError for missing parameters or a shape mismatch (before any partition changes)."""
+        self._saves.finish()  # sync point: its writes would wait for the save's pinned slots
         return load_pretrained_weights(self._ctx, self._path, self.module, checkpoint_dir)
 
     @engine_call  # settles: a pending update may step the optimizer
@@ -431,9 +469,12 @@ class Engine:
         With more than one rank it also collects garbage now: tensors a collective used, left in
         reference cycles, would otherwise be freed during interpreter shutdown, after
         ``destroy_process_group``, where gloo's teardown may abort the process (docs/engine.md).
+        An asynchronous save in flight is waited for first; its failure is raised once everything is closed.
         """
+        self._saves.close()  # sync point: the save reads the swap files closed below
         self._finalizer()
         if self.world_size > 1:
             gc.collect()
+        self._saves.raise_failure()
 
 

@@ -10,6 +10,7 @@ from typing import Sequence
 
 from offload.config.engine import EngineConfig
 from offload.params import ParamRecord
+from offload.train.cpu_threads import CpuThreads
 
 __all__ = ["TrainingPlan", "training_plan"]
 
@@ -51,6 +52,8 @@ class TrainingPlan:
     """The global gradient norm the step clips to (``gradient_clipping``); 0: no clipping."""
     clipping_by_default: bool = False
     """The config has no ``gradient_clipping``: DeepSpeed's default (1.0) is in force."""
+    cpu_threads: CpuThreads | None = None
+    """This rank's CPU threads and the node's cores (`offload.train.cpu_threads`); None: not chosen here."""
 
     @property
     def clipping(self) -> str:
@@ -85,6 +88,8 @@ class TrainingPlan:
                      f"{_gb(on_nvme)} on NVMe, {_gb(self.optimizer_state_bytes - on_nvme)} in memory")
         lines.append(f"  gradient clipping: {self.clipping}")
         lines.append(f"  the update runs {_MODES[self.update]}")
+        if self.cpu_threads is not None:
+            lines.append(f"  CPU threads: {self.cpu_threads.describe()}")
         return "\n".join(lines)
 
     def __str__(self) -> str:

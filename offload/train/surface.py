@@ -240,6 +240,8 @@ def engine_call(method: _Method) -> _Method:
             corrupt = checksum_error_in(error)
             if corrupt is not None:  # given up as any failure above; then nothing on disk is trusted
                 engine._failure.corrupt(corrupt)
+            if getattr(error, "needs_load", False):  # `RanksFailed`: another rank needs a load, so every rank does
+                engine._failure.another_rank(str(error))
             raise
         finally:
             engine._calls -= 1

@@ -26,6 +26,11 @@ class GlobalGradNorm:
         """Keep the norm of the step about to run (fp16: unscaled). Its wait for the gradients' writes may
         raise their error: handled as the step's own check would handle it."""
         ctx = self._ctx
+        if ctx.agreement.active:  # several ranks: every rank makes the norm's all-reduce; the step agrees on it
+            try:
+                ctx.reducer.drain()
+            except Exception as error:
+                ctx.agreement.keep(error, "writing the gradients")
         try:
             norm = ctx.reducer.global_norm()
         except BaseException as error:

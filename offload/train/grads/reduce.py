@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from offload.params.record import ParamRecord
+from offload.params.record import FaultSink, ParamRecord
 from offload.params.store import ParamStore
 from offload.storage.swapfile import SwapFile
 from offload.storage.write_queue import WriteQueue
@@ -70,6 +70,8 @@ class GradReducer:
         fast paths), since between a commit and the next step's first update the slot that is not the
         committed one holds nothing (`_location`)."""
         self.consumer = consumer
+        self.faults: FaultSink | None = None
+        """Several ranks (set by the engine): where `_take`'s errors go (`ParamStore.faults`)."""
         """Takes each reduced gradient partition of the accumulation's last micro-batch, with the earlier
         ones added, instead of accumulating it (updates during backward)."""
         self.norms = norms
@@ -168,7 +170,16 @@ class GradReducer:
         self.boundary, self._taken = boundary, 0
 
     def _take(self, rec: ParamRecord, part: torch.Tensor) -> None:
-        """``rec``'s reduced gradient partition (fp32, averaged over ranks): hand it over or accumulate it."""
+        """``rec``'s reduced gradient partition (fp32, averaged over ranks): hand it over or accumulate it.
+        Several ranks: an error is handed to ``faults`` (the step is given up on every rank) rather than
+        raised in the middle of the backward's collectives."""
+        try:
+            self._take_now(rec, part)
+        except Exception as error:
+            if self.faults is None or not self.faults.absorb(error, f"taking the gradient of {rec.name!r}"):
+                raise
+
+    def _take_now(self, rec: ParamRecord, part: torch.Tensor) -> None:
         if self.boundary and self.on_half is not None:
             before, self._taken = self._taken, self._taken + rec.partition_numel
             if before < self._half <= self._taken:

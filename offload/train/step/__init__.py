@@ -5,5 +5,6 @@ In the step's order: `update_mode` picks one of the three update modes once, at 
 updated during the next forward through `deferred`; `after_backward`: the chunked step in ``step()``);
 `kept_buffers` keeps the backward's read buffers for the updates, `writeback` writes on-disk partitions
 updated during backward; `rollback` commits or puts back what a step changes besides the optimizer
-state, and `failure` says whether training may go on after an error.
+state, `failure` says whether training may go on after an error, and `agree` makes every rank give up
+a step that failed on any one of them.
 """

@@ -9,7 +9,8 @@ accumulate in the reducer (in memory, or in the gradient swap file); ``step`` th
    to their uncommitted slot, the slots committed once every write has landed.
 
 A failure during 3 leaves some partitions updated and others not: step and save then refuse until a
-load (`FailureState`).
+load (`FailureState`). With several ranks the ranks agree before 3 and after it (one all-reduce of a flag
+each): a failure on one rank before 3 is given up on every rank, one during 3 makes every rank refuse.
 """
 
 from __future__ import annotations
@@ -46,12 +47,21 @@ class UpdateAfterBackward:
 
     def step(self) -> bool:
         ctx = self.ctx
-        records = ctx.trainable()
+        records, agreement, error, factor = ctx.trainable(), ctx.agreement, None, None
         try:
-            factor = self._unscale_and_clip(records)
-        except BaseException as error:  # nothing is updated yet: the parameters are whole
+            ctx.reducer.drain()  # sync point: every offloaded gradient is on disk
+        except BaseException as failed:
+            error = failed
+        try:
+            if error is None or agreement.active:  # every rank takes part in the norm's all-reduce
+                factor = self._unscale_and_clip(records)
+        except BaseException as failed:
+            error = error or failed
+        # Several ranks: every rank updates, or none (one all-reduce of a flag).
+        error = agreement.agreed(error, f"step {ctx.counters.global_steps + 1}")
+        if error is not None:  # nothing is updated yet: the parameters are whole
             ctx.gradients_lost_before_update(error)
-            raise
+            raise error
         if factor is None:  # fp16 overflow: the step is skipped
             return False
         # 3. The update, chunk by chunk: NVMe partitions (and offloaded gradients) are read in,
@@ -59,9 +69,14 @@ class UpdateAfterBackward:
         #    this one being stepped, the previous one being written (each a third of the swap budget).
         try:
             self._update_in_chunks(factor)
-        except BaseException as error:
+        except BaseException as failed:
+            error = failed
             ctx.failure.partly_updated(f"step {ctx.counters.global_steps + 1} failed part way ({describe(error)})")
-            raise
+        # Several ranks: a rank whose update failed part way makes every rank refuse until a load (the
+        # others' updates are whole, but the ranks would hold different steps).
+        error = agreement.agreed(error, f"the update of step {ctx.counters.global_steps + 1}", needs_load=True)
+        if error is not None:
+            raise error
         if ctx.store.region is not None:
             ctx.store.region.commit()  # every partition's write has landed
         for rec in records:  # kept whole parameters whose partition is not the parameter itself
@@ -84,7 +99,6 @@ class UpdateAfterBackward:
         """Phases 1 and 2: the factor every gradient is multiplied by as it is applied, or None when fp16
         overflowed."""
         ctx = self.ctx
-        ctx.reducer.drain()  # sync point: every offloaded gradient is on disk
         # Offloaded gradients are summarised by their partition's norm: the global norm and the
         # overflow check need nothing else.
         grads = [ctx.reducer.grads[rec.index] for rec in records]

@@ -33,6 +33,9 @@ class Failure(enum.Enum):
     CORRUPT = "corrupt"
     """Bytes read back from a swap file failed their checksum: what is on disk cannot be trusted, so step
     and save refuse until a load."""
+    ANOTHER_RANK = "another rank needs a load"
+    """Another rank's step failed where it needs a load (corrupt bytes, or part way): every rank gave the
+    step up, and step and save refuse until every rank loads a checkpoint (`RanksFailed`)."""
 
 
 @dataclass(slots=True)
@@ -74,6 +77,11 @@ class FailureState:
         self.reason = (f"a swap file returned corrupt bytes ({describe(error)}); the step was given up, but "
                        f"the values kept on disk can no longer be trusted")
 
+    def another_rank(self, reason: str) -> None:
+        """Another rank needs a load after a step every rank gave up (``reason``: the agreed error)."""
+        if self.kind not in _NEEDS_LOAD:
+            self.kind, self.reason = Failure.ANOTHER_RANK, reason
+
     def gradients_cleared(self) -> None:
         """``zero_grad()``: a new accumulation starts."""
         if self.kind is Failure.GRADIENTS_LOST:
@@ -95,7 +103,7 @@ class FailureState:
         resume = (f"load_checkpoint({os.path.dirname(self.resume_from)!r}, "
                   f"tag={os.path.basename(self.resume_from)!r})" if self.resume_from else
                   "load_checkpoint(...) with your last checkpoint")
-        if self.kind is Failure.CORRUPT:
+        if self.kind in (Failure.CORRUPT, Failure.ANOTHER_RANK):
             raise RuntimeError(f"cannot {what}: {self.reason}. Resume with {resume}")
         raise RuntimeError(f"cannot {what}: {self.reason}, so some parameters may carry its update and others "
                            f"not; {what} would go on from a mixed model. Resume with {resume}")
@@ -130,7 +138,7 @@ class FailureState:
                                f"again, or load_checkpoint(...)")
 
 
-_NEEDS_LOAD = (Failure.PARTLY_UPDATED, Failure.CORRUPT)
+_NEEDS_LOAD = (Failure.PARTLY_UPDATED, Failure.CORRUPT, Failure.ANOTHER_RANK)
 
 
 def checksum_error_in(error: BaseException) -> BaseException | None:

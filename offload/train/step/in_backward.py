@@ -9,9 +9,10 @@ Nothing has to see every gradient first (no clipping, no fp16 overflow check), s
    partition and its gradient go to the optimizer's thread, an in-memory one directly, an on-disk one
    through `PartitionWriteBack`, which writes it to its uncommitted slot once updated;
 3. ``step``: waits for those updates and writes (sync point); the optimizer commits the step, and the
-   parameters with it, once every write has landed.
+   parameters with it, once every write has landed (with several ranks: and every rank agreed,
+   `offload.train.step.agree`).
 
-A failure anywhere gives the step up whole (`FastPath.give_up`).
+A failure anywhere gives the step up whole (`FastPath.give_up`), on every rank.
 """
 
 from __future__ import annotations
@@ -80,13 +81,22 @@ class UpdateDuringBackward(FastPath):
         ctx = self.ctx
         self._updated_since_step = False
         self.rollback.counted(self._snapshot())
+        error = None
         try:
             ctx.optimizer.step()  # sync point: waits for those updates; steps any partition left
             if self.writeback is not None:
                 self.writeback.finish()  # sync point: on-disk partitions written back
-        except BaseException as error:
+            if ctx.agreement.active:
+                ctx.optimizer.synchronize()  # sync point: every write landed; the step is held (`hold_commits`)
+        except BaseException as failed:
+            error = failed
+        # Several ranks: the step commits only where every rank's is whole (one all-reduce of a flag).
+        error = ctx.agreement.agreed(error, f"step {ctx.counters.global_steps + 1}")
+        if error is not None:
             self.give_up(error, gradients_lost=True)
-            raise
+            raise error
+        if ctx.agreement.active:
+            ctx.optimizer.commit_held()
         for rec in ctx.trainable():  # kept whole parameters whose partition is not the parameter itself
             ctx.store.refresh(rec)
         return True

@@ -13,7 +13,9 @@ updated while backward produces its gradient. Instead:
    (`ParamStore.gather` -> `DeferredStep.values`), the updates running on the optimizer's thread in the
    forward's order; the optimizer commits the step once every write has landed.
 
-A failure anywhere from the hand-over on gives the step up whole (`FastPath.give_up`).
+A failure anywhere from the hand-over on gives the step up whole (`FastPath.give_up`). With several ranks,
+the step commits in 3 only once every rank agreed, and a failure on one rank is given up on every rank
+(`offload.train.step.agree`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from offload.train.grads.clip import step_factor
+from offload.train.step.agree import RanksFailed
 from offload.train.step.deferred import DeferredStep
 from offload.train.step.rollback import StepRollback
 from offload.train.step.update_mode import FastPath, PathCounts, StepContext, UpdateMode
@@ -41,7 +44,8 @@ class UpdateInNextForward(FastPath):
         pass  # the forward's gathers wait for their updates (`DeferredStep.values`)
 
     def forward_failed(self, error: BaseException) -> None:
-        if self.deferred.failed:  # the update of the last step failed
+        # The update of the last step failed here, or on another rank (every rank gives it up).
+        if self.deferred.failed or (isinstance(error, RanksFailed) and self.changed_parameters()):
             self.give_up(error, gradients_lost=False)
 
     def before_backward(self, boundary: bool) -> None:
@@ -54,23 +58,32 @@ class UpdateInNextForward(FastPath):
         ctx = self.ctx
         snapshot = self._snapshot()
         taken = [(rec.index, ctx.reducer.grads[rec.index]) for rec in ctx.trainable()]
+        error, factor = None, None
         try:
             ctx.reducer.drain()  # sync point: every offloaded gradient is on disk
-            factor = step_factor([grad.norm for _, grad in taken if grad.norm is not None],
-                                 loss_scaler=ctx.loss_scaler, clipping=ctx.config.gradient_clipping, group=ctx.group)
-            if factor is not None:
+        except BaseException as failed:
+            error = failed
+        try:
+            if error is None or ctx.agreement.active:  # every rank takes part in the norm's all-reduce
+                factor = step_factor([grad.norm for _, grad in taken if grad.norm is not None],
+                                     loss_scaler=ctx.loss_scaler, clipping=ctx.config.gradient_clipping, group=ctx.group)
+            if factor is not None and error is None:
                 grads = {index: grad.value for index, grad in taken if grad.value is not None}
                 grads.update({index: None for index, grad in taken if grad.on_disk})  # read back in the forward
                 self.rollback.begin_step()
                 self.rollback.counted(snapshot)
                 self.deferred.begin(grads, factor)  # prefetches the forward's first partitions
                 del grads
-        except BaseException as error:
+        except BaseException as failed:
+            error = error or failed
+        # Several ranks: one all-reduce of a flag, so that every rank hands the step over, or none.
+        error = ctx.agreement.agreed(error, f"step {ctx.counters.global_steps + 1}")
+        if error is not None:
             if self.changed_parameters():  # this step's updates began, or the last step's writes failed and undid it
                 self.give_up(error, gradients_lost=True)
             else:  # nothing is updated yet: the parameters are whole
                 ctx.gradients_lost_before_update(error)
-            raise
+            raise error
         if factor is None:  # fp16 overflow: the step is skipped
             ctx.kept.next = set()  # the buffers kept for its updates are prefetched ones now
             return False
@@ -89,14 +102,23 @@ class UpdateInNextForward(FastPath):
 
     def _finish_last_step(self, *, commit: bool = False) -> None:
         """Let the step handed to the next forward finish and, with ``commit``, wait until the last step has
-        committed (`_wait_for_commit`); give the step up if it failed (sync points)."""
+        committed (`_wait_for_commit`); give the step up if it failed (sync points). With several ranks the
+        step always lands here and commits only once every rank agreed (one all-reduce of a flag)."""
+        agreement, error = self.ctx.agreement, None
         try:
             self.deferred.finish()
-            if commit:
+            if agreement.active:
+                self.ctx.optimizer.synchronize()  # every write landed; the step is held (`hold_commits`)
+            elif commit:
                 self._wait_for_commit()
-        except BaseException as error:
+        except BaseException as failed:
+            error = failed
+        error = agreement.agreed(error, f"the update of step {self.ctx.counters.global_steps}")
+        if error is not None:
             self.give_up(error, gradients_lost=False)
-            raise
+            raise error
+        if agreement.active:
+            self.ctx.optimizer.commit_held()
 
     def _abandon_updates(self) -> None:
         super()._abandon_updates()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -25,6 +25,7 @@ import torch
 from offload.config import EngineConfig
 from offload.params import ParamRecord, ParamStore
 from offload.train.grads.reduce import GradReducer
+from offload.train.step.agree import StepAgreement
 from offload.train.step.failure import CounterSnapshot, FailureState, StepCounters, describe
 from offload.train.step.kept_buffers import KeptBuffers
 from offload.train.step.rollback import StepRollback
@@ -87,6 +88,8 @@ class StepContext:
     failure: FailureState
     kept: KeptBuffers
     """The read buffers kept for the step's updates (the store's `BufferKeeper`)."""
+    agreement: StepAgreement = field(default_factory=StepAgreement)
+    """Failures shared by every rank (world size > 1): absorbed in the passes, agreed before a step commits."""
 
     def trainable(self) -> list[ParamRecord]:
         """The records the optimizer steps, in order."""
