@@ -5,6 +5,10 @@ times and alternated so that the disk's swings hit every side alike:
 
 - **ours**: ``engine.save_checkpoint`` (a new tag each time, removed after): every partition read from the
   swap files and written with its optimizer state, checksummed, fsynced;
+- **ours, asynchronous**: ``save_checkpoint(..., async_save=True)`` while training goes on: the steps run
+  while the save is in flight against steps without one (each side's median), and the time training
+  waits for the save: the call's return (the snapshot) plus the time steps waited for slots the save had
+  not read yet (`checkpoint_in_flight().wait_seconds`);
 - **torch.save**: the same model's fp32 weights and AdamW's two moments, held in memory (what
   ``offload_optimizer: cpu`` holds), written with ``torch.save`` to one file and fsynced: the bytes on the disk;
 - **fio**: fio writing, then reading, the checkpoint's bytes with O_DIRECT in 1 MiB requests, 32 in flight:
@@ -12,7 +16,8 @@ times and alternated so that the disk's swings hit every side alike:
   in-memory ``torch.save`` only writes).
 
 Reported: the medians, ours over each, the checkpoint's bytes, and the page cache's growth during our save
-(``Cached`` of /proc/meminfo) as a share of the checkpoint.
+(``Cached`` of /proc/meminfo) as a share of the checkpoint; for the asynchronous save, a step during a save
+over a step without, and the wait over the synchronous save's time.
 
     python -m benchmarks.checkpoint_save --dir DIR --repeats 5
     python -m benchmarks.checkpoint_save --dir DIR --model-config '{"n_layer": 2, "n_embd": 64, "n_head": 2}' --no-fio
@@ -57,6 +62,10 @@ def main(argv: list[str] | None = None) -> dict:
                  f"write {figures['fio_write_s']:.3f} s, read {figures['fio_read_s']:.3f} s)")
     print(line + f"; page cache grew {figures['page_cache_share']:.1%} of the checkpoint during ours "
                  f"(medians of {args.repeats})")
+    print(f"asynchronous: a step {figures['step_s']:.3f} s without a save, {figures['step_during_save_s']:.3f} s "
+          f"during one ({figures['step_during_over_without']:.2f}x); training waited {figures['async_wait_s']:.3f} s "
+          f"(the call {figures['async_call_s']:.3f} s + slots {figures['async_slot_wait_s']:.3f} s), "
+          f"{figures['async_wait_over_sync']:.1%} of the synchronous save")
     if args.out:
         with open(args.out, "w", encoding="utf-8") as file:
             json.dump(figures, file, indent=1)
@@ -70,8 +79,17 @@ def _measure(root: str, model_config: dict, repeats: int, *, fio: bool) -> dict:
                  "optimizer": {k: {"exp_avg": torch.randn_like(v), "exp_avg_sq": torch.rand_like(v)}
                                for k, v in shapes.named_parameters()}}
     del shapes
-    _, engine = gpt2_on_nvme_after_a_step(root, model_config)
+    model, engine = gpt2_on_nvme_after_a_step(root, model_config)
+    batch = torch.randint(0, model.config.vocab_size, (1, 16))
+
+    def step() -> float:
+        began = time.perf_counter()
+        engine.backward(engine(batch, labels=batch).loss)
+        engine.step()
+        return time.perf_counter() - began
+
     ours, saves, cached, checkpoint_bytes = [], [], [], 0
+    steps, during, calls, slot_waits = [], [], [], []
     fio_times: dict[str, list[float]] = {"write": [], "read": []}
     try:
         for repeat in range(repeats):
@@ -93,6 +111,16 @@ def _measure(root: str, model_config: dict, repeats: int, *, fio: bool) -> dict:
             if fio:
                 for rw, seconds in _fio(root, checkpoint_bytes).items():
                     fio_times[rw].append(seconds)
+            steps.extend(step() for _ in range(2))  # no save in flight
+            began = time.perf_counter()
+            path = engine.save_checkpoint(f"{root}/ours", tag=f"a{repeat}", async_save=True)
+            calls.append(time.perf_counter() - began)
+            during.append(step())  # at least one step with the save in flight; more while it runs
+            while engine.checkpoint_in_flight() is not None:
+                during.append(step())
+            engine.wait_for_checkpoint()
+            slot_waits.append(engine._saves.last_wait_seconds)
+            shutil.rmtree(path)
     finally:
         engine.close()
     figures = {"checkpoint_gb": checkpoint_bytes / 1e9, "ours_s": statistics.median(ours),
@@ -100,6 +128,13 @@ def _measure(root: str, model_config: dict, repeats: int, *, fio: bool) -> dict:
                "torch_save_runs_s": [round(s, 3) for s in saves],
                "page_cache_share": max(0, statistics.median(cached)) / max(checkpoint_bytes, 1)}
     figures["ours_over_torch_save"] = figures["ours_s"] / figures["torch_save_s"]
+    waits = [call + slots for call, slots in zip(calls, slot_waits)]
+    figures.update(step_s=statistics.median(steps), step_during_save_s=statistics.median(during),
+                   async_call_s=statistics.median(calls), async_slot_wait_s=statistics.median(slot_waits),
+                   async_wait_s=statistics.median(waits), steps_during_save=len(during),
+                   step_runs_s=[round(s, 3) for s in steps], step_during_runs_s=[round(s, 3) for s in during])
+    figures["step_during_over_without"] = figures["step_during_save_s"] / figures["step_s"]
+    figures["async_wait_over_sync"] = figures["async_wait_s"] / figures["ours_s"]
     if fio_times["write"] and fio_times["read"]:
         figures.update(fio_write_s=statistics.median(fio_times["write"]), fio_read_s=statistics.median(fio_times["read"]))
         figures["fio_write_read_s"] = figures["fio_write_s"] + figures["fio_read_s"]

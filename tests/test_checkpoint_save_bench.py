@@ -23,5 +23,8 @@ def test_checkpoint_save_benchmark_reports_each_side(disk_dir, capsys):
     assert figures["ours_over_torch_save"] == pytest.approx(figures["ours_s"] / figures["torch_save_s"])
     if fio_path():
         assert figures["ours_over_fio"] == pytest.approx(figures["ours_s"] / figures["fio_write_read_s"])
-    assert "torch.save + fsync" in capsys.readouterr().out
+    assert figures["steps_during_save"] >= 2 and figures["step_s"] > 0 and figures["async_wait_s"] >= figures["async_call_s"]
+    assert figures["step_during_over_without"] == pytest.approx(figures["step_during_save_s"] / figures["step_s"])
+    out = capsys.readouterr().out
+    assert "torch.save + fsync" in out and "asynchronous: a step" in out
     assert list(disk_dir.iterdir()) == []  # every checkpoint and fio file removed

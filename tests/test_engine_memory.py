@@ -140,7 +140,7 @@ CHECKPOINT_SCRIPT = textwrap.dedent("""
     from torch import nn
     from offload.train.engine import initialize
 
-    width, layers, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    width, layers, path, background = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "async"
 
     def anonymous_rss():  # file-backed pages (safetensors maps the file it reads) are page cache
         with open("/proc/self/status") as status:
@@ -158,7 +158,8 @@ CHECKPOINT_SCRIPT = textwrap.dedent("""
     engine.backward(engine(x).pow(2).mean())
     engine.step()
     before = {name: t for name, t in engine.full_parameters()}
-    engine.save_checkpoint(path + "/warm")  # first use of the code paths, outside the measurement
+    engine.save_checkpoint(path + "/warm", async_save=background)  # first use of the code paths, outside the measurement
+    engine.wait_for_checkpoint()
     gc.collect()
     base, peak, stop = anonymous_rss(), [0], [False]
 
@@ -169,8 +170,8 @@ CHECKPOINT_SCRIPT = textwrap.dedent("""
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    engine.save_checkpoint(path + "/ckpt")
-    engine.load_checkpoint(path + "/ckpt")
+    engine.save_checkpoint(path + "/ckpt", async_save=background)
+    engine.load_checkpoint(path + "/ckpt")  # waits for an asynchronous save first
     stop[0] = True
     sampler.join()
     same = all(torch.equal(t, before[name]) for name, t in engine.full_parameters())
@@ -179,12 +180,14 @@ CHECKPOINT_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_checkpoints_are_streamed_in_bounded_memory(disk_dir):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_checkpoints_are_streamed_in_bounded_memory(mode, disk_dir):
     """save_checkpoint and load_checkpoint hold one partition and one optimizer sub-group at a time,
-    not the model's state (which a model larger than RAM could not gather)."""
+    not the model's state (which a model larger than RAM could not gather); an asynchronous save pins the
+    swap files' slots instead of copying them, and reads through buffers of the same sizes."""
     width, layers = 512, 40
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
-    out = subprocess.run([sys.executable, "-c", CHECKPOINT_SCRIPT, str(width), str(layers), str(disk_dir)],
+    out = subprocess.run([sys.executable, "-c", CHECKPOINT_SCRIPT, str(width), str(layers), str(disk_dir), mode],
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])

@@ -6,6 +6,7 @@ dataclass (`ZeroConfig`, `OffloadParamConfig`, `OffloadOptimizerConfig`, `Fp16Co
 """
 
 from offload.config.auto import resolve_auto
+from offload.config.checkpoint import CheckpointConfig
 from offload.config.engine import EngineConfig, check_against_model, check_nvme_paths, world_size_from_env
 from offload.config.training import AdamParams, Bf16Config, Fp16Config, OptimizerConfig, SchedulerConfig, WarmupParams
 from offload.config.zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
@@ -13,6 +14,7 @@ from offload.config.zero import OffloadOptimizerConfig, OffloadParamConfig, Zero
 __all__ = [
     "AdamParams",
     "Bf16Config",
+    "CheckpointConfig",
     "EngineConfig",
     "Fp16Config",
     "OffloadOptimizerConfig",

@@ -22,6 +22,7 @@ from tensorio import AioConfig, parse_size
 
 from offload.config.auto import OWN_AUTO_KEYS, resolve_auto, unresolved_auto_error
 from offload.config.batch import check_batch_sizes, derive_batch_sizes
+from offload.config.checkpoint import CheckpointConfig
 from offload.config.parse import boolean, build, integral, number, read_config, renamed, section_values
 from offload.config.training import AdamParams, Bf16Config, Fp16Config, OptimizerConfig, SchedulerConfig, WarmupParams
 from offload.config.zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
@@ -35,7 +36,7 @@ COMPUTE_DEVICES = ("auto", "cpu", "cuda")
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _JSON_KEYS = {
     *_BATCH_KEYS, "gradient_clipping", "fp16", "bf16", "bfloat16", "optimizer", "scheduler", "steps_per_print",
-    "wall_clock_breakdown", "zero_optimization", "aio", "compute_device", "compute_device_budget",
+    "wall_clock_breakdown", "zero_optimization", "aio", "compute_device", "compute_device_budget", "checkpoint",
 }
 _ZERO_JSON_KEYS = {f.name for f in fields(ZeroConfig)} | {"aio"}
 
@@ -98,6 +99,10 @@ class EngineConfig(Mapping):
     """Bytes of device memory the engine's device buffers (gathered parameters, gradient buckets) may
     hold; an integer or a size string ("6GiB"). None: no budget of our own. Must fit in the device's free
     memory. Not a DeepSpeed key."""
+
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """How ``save_checkpoint`` saves when not told: ``{"async_save": true}`` saves in the background. Not a
+    DeepSpeed key."""
 
     source: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The DeepSpeed-format dict this was built from ("auto" values resolved): what the mapping reads."""
@@ -167,6 +172,8 @@ class EngineConfig(Mapping):
                 raise renamed(bf16_key, "bf16", exc) from None
         if "fp16" in values:
             values["fp16"] = build(Fp16Config, values["fp16"])
+        if "checkpoint" in values:
+            values["checkpoint"] = build(CheckpointConfig, values["checkpoint"])
         if "optimizer" in values:
             values["optimizer"] = OptimizerConfig.from_dict(values["optimizer"])
         if "scheduler" in values:

@@ -7,11 +7,19 @@ reads take the staged slot (the newest values). `commit`, called once every stag
 makes the staged slots the committed ones; `rollback` forgets them, and reads take the committed
 slots again. Between a commit and the next `stage` the uncommitted slot holds nothing anyone needs
 (`SlotPair.spare_offset`: the engine keeps a gradient there).
+
+A `SlotPin` holds the committed slots of a set of pairs for a reader on another thread (an asynchronous
+checkpoint save): until it lets a pair go, any write to that pair's pinned slot (a later step's `stage`, a
+gradient kept in the spare slot, a write in place) waits. The next step writes the other slot, so it
+never waits; the step after it waits only for the pairs the reader has not read yet.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
@@ -19,7 +27,7 @@ from tensorio import IOFuture
 
 from offload.storage.swapfile import SwapFile, aligned_size
 
-__all__ = ["SlotPair", "SlottedRegion", "allocate_pair"]
+__all__ = ["SlotPair", "SlotPin", "SlottedRegion", "allocate_pair"]
 
 
 @dataclass(slots=True, eq=False)
@@ -35,6 +43,8 @@ class SlotPair:
     """The other slot holds newer values (written, or being written, by a step not committed yet)."""
     filled: bool = False
     """The committed slot was ever written; if neither slot was, the values are all zeros."""
+    pin: "SlotPin | None" = None
+    """The reader holding one of the slots (`SlotPin`), if any; writes to that slot wait for it."""
 
     def slot_offset(self, slot: int) -> int:
         """Byte offset of slot ``slot`` (0 or 1)."""
@@ -61,6 +71,7 @@ class SlotPair:
         if self.staged:
             raise RuntimeError(f"internal error: the spare slot at byte {self.slot_offset(1 - self.committed)} "
                                f"holds a step's write that is not committed yet")
+        _wait_unpinned(self, 1 - self.committed)  # sync point: a checkpoint save may still read it
         return self.slot_offset(1 - self.committed)
 
 
@@ -107,13 +118,16 @@ class SlottedRegion:
     def write_in_place(self, pair: SlotPair, values: torch.Tensor) -> IOFuture:
         """Start writing ``values`` over ``pair``'s newest slot, outside a step (placing, loading weights):
         nothing to commit. Keep ``values`` unchanged until the future is done."""
+        _wait_unpinned(pair, pair.newest_slot)  # sync point: a checkpoint save may still read it
         if not pair.staged:
             pair.filled = True
         return self.file.write(values, pair.newest_offset)
 
     def stage_offset(self, pair: SlotPair) -> int:
         """Byte offset a step writes ``pair``'s new values to (its uncommitted slot), marking it staged:
-        reads take that slot from now on, so none may start before the caller's write there is done."""
+        reads take that slot from now on, so none may start before the caller's write there is done.
+        Waits while a `SlotPin` holds that slot (sync point)."""
+        _wait_unpinned(pair, 1 - pair.committed)
         pair.staged = True
         return pair.slot_offset(1 - pair.committed)
 
@@ -140,3 +154,67 @@ class SlottedRegion:
     def staged(self) -> bool:
         """Whether a write is staged and not committed yet."""
         return any(pair.staged for pair in self.pairs)
+
+
+class SlotPin:
+    """The committed slot of each of ``pairs``, held for a reader (an asynchronous checkpoint save) until it
+    `release`s the pair: meanwhile a write to that slot waits (`SlottedRegion.stage_offset`,
+    `SlotPair.spare_offset`, `SlottedRegion.write_in_place`), so the reader sees the values of the step
+    that was committed when the pin was taken, without a copy. Thread-safe: the reader releases from its
+    thread, the writers wait on theirs.
+
+    Raises RuntimeError when a pair has a staged (uncommitted) write, or is pinned already: pin between
+    steps, once the last step has committed, and one reader at a time.
+    """
+
+    def __init__(self, pairs: Iterable[SlotPair]) -> None:
+        self._changed = threading.Condition()
+        self.slots: dict[int, int] = {}
+        """id(pair) -> the slot pinned (its committed slot when pinned)."""
+        self.wait_seconds = 0.0
+        """Seconds writers have waited for this pin (the time training waited for the reader)."""
+        pairs = list(pairs)
+        for pair in pairs:
+            if pair.staged or pair.pin is not None:
+                raise RuntimeError(f"internal error: cannot pin the slots at byte {pair.offset}: "
+                                   f"{'a step has written them and not committed' if pair.staged else 'pinned already'}")
+        for pair in pairs:
+            pair.pin, self.slots[id(pair)] = self, pair.committed
+
+    def slot(self, pair: SlotPair) -> int:
+        """The slot pinned for ``pair`` (read it with `SlotPair.slot_offset`)."""
+        return self.slots[id(pair)]
+
+    def release(self, pair: SlotPair) -> None:
+        """The reader is done with ``pair``: writes to its pinned slot may go ahead."""
+        with self._changed:
+            if pair.pin is self:
+                pair.pin = None
+            self.slots.pop(id(pair), None)
+            self._changed.notify_all()
+
+    def release_all(self, pairs: Iterable[SlotPair]) -> None:
+        """Let every one of ``pairs`` still held go (the save ended, or failed)."""
+        with self._changed:
+            for pair in pairs:
+                if pair.pin is self:
+                    pair.pin = None
+            self.slots.clear()
+            self._changed.notify_all()
+
+    def wait(self, pair: SlotPair, slot: int) -> None:
+        """Sync point: return once ``pair``'s ``slot`` is not held by this pin."""
+        with self._changed:
+            began = None
+            while pair.pin is self and self.slots.get(id(pair)) == slot:
+                began = began or time.perf_counter()
+                self._changed.wait()
+            if began is not None:
+                self.wait_seconds += time.perf_counter() - began
+
+
+def _wait_unpinned(pair: SlotPair, slot: int) -> None:
+    """Before writing ``pair``'s ``slot``: wait while a `SlotPin` holds it."""
+    pin = pair.pin
+    if pin is not None:
+        pin.wait(pair, slot)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import itertools
 import json
 import os
@@ -44,10 +45,11 @@ from offload.storage import SafetensorsWriter, atomic_checkpoint, atomic_safeten
 from offload.train.checkpoint.files import (RANK_FILE_ALIGN, client_file, decode_state, encode_state, optimizer_file,
                                             params_file, states_file, write_json)
 from offload.train.checkpoint.reader import CheckpointReader, PendingRead
+from offload.train.checkpoint.snapshot import Snapshot
 from offload.train.checkpoint.states_file import states_bytes, whole_file_checksum
 from offload.train.surface import in_optimizer_order
 
-__all__ = ["CheckpointLoad", "decode_state", "encode_state", "model_config", "save_16bit_model", "save_checkpoint"]
+__all__ = ["CheckpointLoad", "CheckpointSave", "decode_state", "encode_state", "model_config", "save_16bit_model", "save_checkpoint"]
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -85,41 +87,93 @@ def save_checkpoint(save_dir: str | os.PathLike, tag: str, *, rank: int, group: 
     entry of ``state`` that is neither JSON nor a tensor (before anything is written), OSError
     naming the file for ENOSPC and the like, TensorIOError for the swap files.
     """
-    records = store.records
-    encoded, tensors = encode_state({**state, "parameters": _parameter_list(records, optimizer)})
-    saved = [rec for rec in records if rec.param.requires_grad or not exclude_frozen]
-    # One staging directory for all ranks; the tag commits only once every rank's files are in
-    # place, and if any rank fails nothing becomes visible and every rank raises.
-    with atomic_checkpoint(save_dir, tag, all_ranks=True, group=group, update_latest=update_latest) as staging:
-        # 1. Parameters, one partition at a time.
-        # Each tensor file's checksums (hashed as it is written) go into the JSON (docs/reliability.md).
-        checksums = encoded["checksums"] = {}
-        layout = {rec.name: (rec.partition.dtype, (rec.partition_numel,)) for rec in saved}
-        with _naming_the_file(staging / params_file(rank)) as path, \
-                SafetensorsWriter(path, layout, data_align=RANK_FILE_ALIGN, checksums=True) as out:
-            for rec, values in _partitions_read_ahead(store, saved):
-                out.write(rec.name, values)
-        checksums[params_file(rank)] = out.checksums.to_json()
-        # 2. The optimizer state, one sub-group at a time.
-        with sized_partitions([rec for rec in records if rec.param.requires_grad]):
-            layout = {name: (torch.float32, (numel,)) for name, numel in optimizer.state_layout().items()}
-            with _naming_the_file(staging / optimizer_file(rank)) as path, \
+    job = CheckpointSave(store, optimizer, state, exclude_frozen=exclude_frozen)
+    return job.run(save_dir, tag, rank=rank, group=group, model=model, update_latest=update_latest)
+
+
+class CheckpointSave:
+    """One save of this rank's state, prepared on the caller's thread and `run` on any thread.
+
+    ``snapshot`` False reads the live state as `run` goes (the synchronous save: nothing may change it
+    meanwhile). ``snapshot`` True fixes the state now (`Snapshot`: swap-file slots pinned, state in memory
+    copied), so that `run` may write it from a background thread while training goes on; call `close`
+    once it has run or will not (lets the pins go). ``bytes_written`` / ``total_bytes``: its progress.
+
+    Raises TypeError naming the entry of ``state`` that is neither JSON nor a tensor (here, before
+    anything is written), ValueError from `Snapshot` for an optimizer it cannot read.
+    """
+
+    def __init__(self, store: ParamStore, optimizer: Any, state: Mapping[str, Any], *, exclude_frozen: bool = False,
+                 snapshot: bool = False) -> None:
+        self.store, self.optimizer = store, optimizer
+        records = store.records
+        self.encoded, self.tensors = encode_state({**state, "parameters": _parameter_list(records, optimizer)})
+        self.saved = [rec for rec in records if rec.param.requires_grad or not exclude_frozen]
+        self.trainable = [rec for rec in records if rec.param.requires_grad]
+        self.snapshot: Snapshot | None = None
+        self.layout: dict[str, int] | None = None
+        if snapshot:  # the caller's values of this moment, whatever changes them later
+            self.encoded = copy.deepcopy(self.encoded)
+            self.tensors = {name: tensor.clone() for name, tensor in self.tensors.items()}
+            with sized_partitions(self.trainable):
+                self.layout = optimizer.state_layout()
+            self.snapshot = Snapshot(store, optimizer, self.saved)
+        self.bytes_written = 0
+        self.total_bytes = sum(rec.partition_numel * rec.partition.element_size() for rec in self.saved) + \
+            4 * sum((self.layout or {}).values())
+        """Bytes of tensors the save writes (optimizer state included once its layout is known)."""
+
+    def run(self, save_dir: str | os.PathLike, tag: str, *, rank: int, group: Any, model: nn.Module | None = None,
+            update_latest: bool = True) -> str:
+        """Write the checkpoint (see `save_checkpoint`); return the tag's path. Raises OSError naming the
+        file (ENOSPC, ...), TensorIOError for the swap files; nothing becomes visible then."""
+        encoded, tensors, snapshot = self.encoded, self.tensors, self.snapshot
+        # One staging directory for all ranks; the tag commits only once every rank's files are in
+        # place, and if any rank fails nothing becomes visible and every rank raises.
+        with atomic_checkpoint(save_dir, tag, all_ranks=True, group=group, update_latest=update_latest) as staging:
+            # 1. Parameters, one partition at a time.
+            # Each tensor file's checksums (hashed as it is written) go into the JSON (docs/reliability.md).
+            checksums = encoded["checksums"] = {}
+            layout = {rec.name: (rec.partition.dtype, (rec.partition_numel,)) for rec in self.saved}
+            with _naming_the_file(staging / params_file(rank)) as path, \
                     SafetensorsWriter(path, layout, data_align=RANK_FILE_ALIGN, checksums=True) as out:
-                encoded["optimizer"] = optimizer.save_state(lambda name, first, values: out.write(name, values, first))
-            checksums[optimizer_file(rank)] = out.checksums.to_json()
-        # 3. The rest, small: JSON, and the client's tensors beside it.
-        if tensors:
-            with _naming_the_file(staging / client_file(rank)) as path:
-                with SafetensorsWriter(path, {k: (t.dtype, t.shape) for k, t in tensors.items()}, checksums=True) as out:
-                    for name, tensor in tensors.items():
-                        out.write(name, tensor)
-            checksums[client_file(rank)] = out.checksums.to_json()
-        if rank == 0:  # before the state file, which records their checksums
-            encoded["files"] = {name: f"{whole_file_checksum(staging / name)[0]:016x}"
-                                for name in _write_beside(staging, model)}
-        with _naming_the_file(staging / states_file(rank)) as path, open(path, "wb") as file:
-            file.write(states_bytes(encoded))  # its own checksum in its head
-    return os.path.join(os.fspath(save_dir), tag)
+                parts = snapshot.partitions() if snapshot is not None else _partitions_read_ahead(self.store, self.saved)
+                for rec, values in parts:
+                    self._write(out, rec.name, values)
+            checksums[params_file(rank)] = out.checksums.to_json()
+            # 2. The optimizer state, one sub-group at a time.
+            with sized_partitions(self.trainable if snapshot is None else []):
+                if self.layout is None:
+                    self.layout = self.optimizer.state_layout()
+                    self.total_bytes += 4 * sum(self.layout.values())
+                layout = {name: (torch.float32, (numel,)) for name, numel in self.layout.items()}
+                with _naming_the_file(staging / optimizer_file(rank)) as path, \
+                        SafetensorsWriter(path, layout, data_align=RANK_FILE_ALIGN, checksums=True) as out:
+                    stream = snapshot.stream_optimizer if snapshot is not None else self.optimizer.save_state
+                    encoded["optimizer"] = stream(lambda name, first, values: self._write(out, name, values, first))
+                checksums[optimizer_file(rank)] = out.checksums.to_json()
+            # 3. The rest, small: JSON, and the client's tensors beside it.
+            if tensors:
+                with _naming_the_file(staging / client_file(rank)) as path:
+                    with SafetensorsWriter(path, {k: (t.dtype, t.shape) for k, t in tensors.items()}, checksums=True) as out:
+                        for name, tensor in tensors.items():
+                            out.write(name, tensor)
+                checksums[client_file(rank)] = out.checksums.to_json()
+            if rank == 0:  # before the state file, which records their checksums
+                encoded["files"] = {name: f"{whole_file_checksum(staging / name)[0]:016x}"
+                                    for name in _write_beside(staging, model)}
+            with _naming_the_file(staging / states_file(rank)) as path, open(path, "wb") as file:
+                file.write(states_bytes(encoded))  # its own checksum in its head
+        return os.path.join(os.fspath(save_dir), tag)
+
+    def _write(self, out: SafetensorsWriter, name: str, values: torch.Tensor, first: int = 0) -> None:
+        out.write(name, values, first)
+        self.bytes_written += values.numel() * values.element_size()
+
+    def close(self) -> None:
+        """Let the snapshot's pinned slots go and drop its copies. Never raises."""
+        if self.snapshot is not None:
+            self.snapshot.close()
 
 
 class CheckpointLoad:

@@ -13,7 +13,8 @@ from torch import nn
 
 from offload.params import ParamStore
 from offload.params.pretrained import load_pretrained
-from offload.train.checkpoint.rank_state import CheckpointLoad, save_16bit_model, save_checkpoint
+from offload.train.checkpoint.background import BackgroundSaves
+from offload.train.checkpoint.rank_state import CheckpointLoad, CheckpointSave, save_16bit_model, save_checkpoint
 from offload.train.step.update_mode import StepContext, UpdatePath
 from offload.train.surface import check_load_arguments
 
@@ -22,8 +23,13 @@ log = logging.getLogger("offload")
 
 def save_engine_checkpoint(ctx: StepContext, path: UpdatePath, module: nn.Module, *, rank: int, world_size: int,
                            save_dir: str | os.PathLike, tag: str | None, client_state: Mapping[str, Any] | None,
-                           save_latest: bool, exclude_frozen: bool) -> str:
-    """`Engine.save_checkpoint` (see it for the layout, the guarantees and what it raises)."""
+                           save_latest: bool, exclude_frozen: bool, saves: BackgroundSaves | None = None,
+                           async_save: bool | None = None, wait: bool = True, owner: Any = None) -> str:
+    """`Engine.save_checkpoint` (see it for the layout, the guarantees and what it raises). ``saves``: the
+    engine's background saves; a save in flight is waited for first (``wait`` False: refused) and a failed
+    one raised. ``async_save`` None takes the config's ``checkpoint.async_save``."""
+    if saves is not None:
+        saves.finish(refuse=not wait)  # sync point: one save at a time, and a failed one reported
     ctx.failure.check_all_ranks("save a checkpoint", group=ctx.group, world_size=world_size, rank=rank)
     counters = ctx.counters
     tag = tag if tag is not None else f"global_step{counters.global_steps}"
@@ -33,9 +39,23 @@ def save_engine_checkpoint(ctx: StepContext, path: UpdatePath, module: nn.Module
              "loss_scaler": ctx.loss_scaler.state_dict() if ctx.loss_scaler is not None else None,
              "lr_scheduler": ctx.lr_scheduler.state_dict() if ctx.lr_scheduler is not None else None,
              "client_state": dict(client_state or {})}
+    if async_save is None:
+        async_save = ctx.config.checkpoint.async_save
+    if async_save and saves is not None:
+        job = CheckpointSave(ctx.store, ctx.optimizer, state, exclude_frozen=exclude_frozen, snapshot=True)
+        target = os.path.join(os.fspath(save_dir), tag)
+        try:
+            group = saves.group_for(ctx.group, world_size)  # the background's collectives, apart from training's
+            saves.start(job, lambda: job.run(save_dir, tag, rank=rank, group=group, model=module,
+                                             update_latest=save_latest),
+                        tag=tag, path=target, done=ctx.failure.saved, keep_alive=owner)
+        except BaseException:
+            job.close()
+            raise
+        return target
     saved = save_checkpoint(save_dir, tag, rank=rank, group=ctx.group, store=ctx.store,
-                                       optimizer=ctx.optimizer, state=state, model=module,
-                                       update_latest=save_latest, exclude_frozen=exclude_frozen)
+                            optimizer=ctx.optimizer, state=state, model=module,
+                            update_latest=save_latest, exclude_frozen=exclude_frozen)
     ctx.failure.saved(saved)
     return saved
 
@@ -43,9 +63,13 @@ def save_engine_checkpoint(ctx: StepContext, path: UpdatePath, module: nn.Module
 def load_engine_checkpoint(ctx: StepContext, path: UpdatePath, *, rank: int, world_size: int,
                            load_dir: str | os.PathLike, tag: str | None, load_optimizer_states: bool,
                            load_lr_scheduler_states: bool, load_module_only: bool, custom_load_fn: Callable | None,
-                           zero_grad: Callable[[], None]) -> tuple[str | None, dict[str, Any] | None]:
+                           zero_grad: Callable[[], None], saves: BackgroundSaves | None = None
+                           ) -> tuple[str | None, dict[str, Any] | None]:
     """`Engine.load_checkpoint` (see it for what it raises); ``zero_grad`` drops the gradients accumulated
-    before the load. ``(None, None)``, with a warning, when ``tag`` is None and ``load_dir`` has no ``latest``."""
+    before the load. ``(None, None)``, with a warning, when ``tag`` is None and ``load_dir`` has no ``latest``.
+    ``saves``: a save in flight is waited for first, and a failed one raised (nothing loaded then)."""
+    if saves is not None:
+        saves.finish()  # sync point: the load may read what it writes, and overwrites the slots it reads
     if tag is None and not os.path.isfile(os.path.join(os.fspath(load_dir), "latest")):
         log.warning("load_checkpoint: %s has no 'latest' file; nothing loaded (pass tag= to load a given "
                     "checkpoint)", os.fspath(load_dir))
