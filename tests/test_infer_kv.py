@@ -184,8 +184,8 @@ def test_block_schedule_micro_batches_give_the_same_tokens(llama, dtype, kv):
 def test_block_schedule_auto_sizes_micro_batches_to_the_activation_limit(llama):
     directory, _ = llama[torch.float32]
     with init_inference(directory, disk_gbps=1.0) as probe:
-        one = probe.activation_bytes(1, 8 + NEW_TOKENS)
-    with init_inference(directory, disk_gbps=1.0, block_schedule={"max_activation_bytes": 2 * one + 1}) as engine:
+        two = probe.activation_bytes(2, 8 + NEW_TOKENS)  # a batch's mask is counted from 2 sequences on
+    with init_inference(directory, disk_gbps=1.0, block_schedule={"max_activation_bytes": two + 1}) as engine:
         assert engine.reserve(6, 8 + NEW_TOKENS).kv.micro_batches == 3  # 2 sequences fit the limit
         assert engine.reserve(5, 8 + NEW_TOKENS).kv.micro_batches == 5  # 5 is prime: micro-batches of 1
         assert engine.reserve(1, 8 + NEW_TOKENS).kv.micro_batches == 1

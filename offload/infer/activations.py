@@ -13,7 +13,8 @@ import torch
 
 from offload.infer.plan.units import format_bytes
 
-__all__ = ["AUTO_ACTIVATION_TOKENS", "AUTO_PROCESS_MARGIN_BYTES", "activation_bytes", "before_decode", "prefill_chunk"]
+__all__ = ["AUTO_ACTIVATION_TOKENS", "AUTO_PROCESS_MARGIN_BYTES", "RELEASE_PROMPT_TOKENS", "activation_bytes", "before_decode",
+           "prefill_chunk"]
 
 AUTO_ACTIVATION_TOKENS = 2048
 """The prompt "auto" keeps activation room for beside its budget: one sequence of this many tokens (or the
@@ -36,16 +37,21 @@ def activation_bytes(text: Any, attention: str | None, dtype: torch.dtype, batch
     ``text``, computing in ``dtype`` with attention implementation ``attention``: hidden states and the MLP's
     intermediates in ``dtype``; the attention scores of every head (their product, fp32 softmax and cast
     back) only where the implementation materialises them ("eager"), else (SDPA, flash attention: computed
-    in tiles, never all at once) the boolean mask of a padded batch; fp32 logits for ``logits`` positions of
+    in tiles, never all at once) the mask where transformers materialises it (a padded batch, a chunk of a
+    prompt: booleans, and SDPA's copy in ``dtype``); fp32 logits for ``logits`` positions of
     each sequence (None: every position, as a forward returns them; ``generate`` keeps the last one's).
     ``context``: the tokens attended to (the cache's and these; default ``tokens``), for a chunk of a prompt."""
     hidden, heads = text.hidden_size, text.num_attention_heads
     inner = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
     itemsize = torch.empty((), dtype=dtype).element_size()
     context = tokens if context is None else max(context, tokens)
-    # per token: every head's scores (in the compute dtype, their fp32 softmax and its cast back), or the
-    # mask's row of a padded batch
-    scores = heads * context * (4 + 3 * itemsize) if attention in (None, "eager") else context
+    # per token: every head's scores (in the compute dtype, their fp32 softmax and its cast back); or, with
+    # SDPA, the mask's row where transformers materialises it: as booleans and as SDPA converts them to the
+    # compute dtype (a padded batch, a chunk attending to more tokens than its own; one sequence attending
+    # to itself alone goes by SDPA's is_causal, no mask)
+    masked = batch > 1 or context > tokens
+    scores = heads * context * (4 + 3 * itemsize) if attention in (None, "eager") else (
+        context * (1 + itemsize) if masked else 0)
     positions = tokens if logits is None else min(logits, tokens)
     return batch * (tokens * ((6 * hidden + 3 * inner) * itemsize + scores) + 4 * positions * text.vocab_size)
 
@@ -68,18 +74,27 @@ def prefill_chunk(estimate: Callable[..., int], prompt: int, total: int, limit: 
     return chunk
 
 
-def before_decode(module: nn.Module, release: Callable[[], Any]) -> RemovableHandle:
-    """Call ``release`` once, just before ``module``'s first forward over one token per sequence: ``generate``'s
-    first decode step, once the prompt's prefill (whole or in chunks) is done; the plan is then re-made for
-    one token's activations, so that the prefill's reserve is free for weights during the decode. The handle
-    removes the hook (at the end of the generate call)."""
+RELEASE_PROMPT_TOKENS = 64
+"""Prompts from this many tokens on have their prefill's activation reserve freed for the decode
+(`before_decode`); a shorter one reserves about as much as a few decode steps, and re-placing weights for it
+at every generate call would move units to the device and off again for little."""
+
+
+def before_decode(module: nn.Module, prompt: int, release: Callable[[], Any]) -> RemovableHandle | None:
+    """For a prompt of ``prompt`` tokens (at least `RELEASE_PROMPT_TOKENS`): call ``release`` once, just
+    before ``module``'s first forward over one token per sequence, ``generate``'s first decode step once the
+    prefill (whole or in chunks) is done; the plan is then re-made for one token's activations, so that the
+    prefill's reserve holds weights during the decode. The handle removes the hook (at the end of the
+    generate call); None for a shorter prompt."""
+    if prompt < RELEASE_PROMPT_TOKENS:
+        return None
     done = False
 
     def hook(_: nn.Module, args: tuple, kwargs: dict) -> None:
         nonlocal done
         ids = args[0] if args else kwargs.get("input_ids")
         ids = ids if ids is not None else kwargs.get("inputs_embeds")
-        if not done and ids is not None and ids.shape[1] == 1:  # a one-token prompt: its prefill is one token's
+        if not done and ids is not None and ids.shape[1] == 1:
             done = True
             release()
 

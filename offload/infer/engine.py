@@ -174,8 +174,8 @@ class InferenceEngine(DeviceReservation):
         plan = self.reserve(sequences, total, logits=1, chunk=chunk)  # the last position's logits
         cache = None
         placement = plan.kv
-        decode = before_decode(self.module, lambda: self.reserve(sequences, total, logits=1, chunk=1,  # the prefill's
-                                                                 micro_batches=placement.micro_batches))  # room freed
+        decode = before_decode(self.module, prompt, lambda: self.reserve(sequences, total, logits=1, chunk=1,
+                                                                         keep=placement))  # the cache stays
         if beams > 1 and (placement.nvme_layers or placement.micro_batches > 1):  # refused before the prefill's minutes
             raise (NvmeKVLayer if placement.nvme_layers else MicroBatchedLayer).beam_search_refusal()
         if beams > 1 and placement.staged_nbytes:
@@ -188,7 +188,8 @@ class InferenceEngine(DeviceReservation):
             with self._running(), self.schedule.running(placement.micro_batches if cache is not None else 1):
                 return self.module.generate(inputs, **kwargs)
         finally:
-            decode.remove()
+            if decode is not None:
+                decode.remove()
             if cache is not None:
                 self.kv_bytes_read += cache.ring.bytes_read
                 self.kv_bytes_written += cache.ring.bytes_written
@@ -225,23 +226,24 @@ class InferenceEngine(DeviceReservation):
             return self.module(*args, **kwargs)
 
     def reserve(self, batch: int, tokens: int, *, logits: int | None = None, chunk: int | None = None,
-                micro_batches: int | None = None) -> Plan:
+                keep: KVPlacement | None = None) -> Plan:
         """Re-plan for a KV cache of ``batch`` sequences of ``tokens`` tokens: it counts against the
         budget, so resident layers become streamed where it needs their room (and come back when it
         shrinks again). Returns the plan. Raises BudgetError naming the figures when even the weights
         that must stay plus that cache exceed the budget, or the plan exceeds the machine's memory.
         ``logits``, ``chunk``: the positions whose logits, and the tokens, the largest forward keeps and takes;
-        ``micro_batches``: the block schedule's, where a generate already runs with them (None: chosen here)."""
+        ``keep``: the placement of a KV cache a generate already runs with: its micro-batches and its place
+        (device, host memory, NVMe) stay, only the activations' room changes (None: placed here)."""
         self._check_open()
         setting, schedule = self.settings.kv_offload, self.settings.block_schedule
         step = tokens if chunk is None else min(chunk, tokens)
-        micro = batch // micro_batches if micro_batches else micro_batch_size(
+        micro = batch // keep.micro_batches if keep is not None else micro_batch_size(
             batch, lambda size: self.activation_bytes(size, step, logits=logits, context=tokens),
             self._activation_limit, schedule.micro_batch_size)
         layers = self._text_config().num_hidden_layers
         if self._device_budget is not None:
-            return self._reserve_on_device(batch, tokens, micro, logits, step)
-        placement = place_kv(self._sizes(), budget=self._budget(), layers=layers,
+            return self._reserve_on_device(batch, tokens, micro, logits, step, keep)
+        placement = keep or place_kv(self._sizes(), budget=self._budget(), layers=layers,
                              layer_nbytes=self.kv_bytes(batch, tokens) // layers, device=setting.device,
                              cpu_percent=setting.cpu_percent, buffer_count=setting.buffer_count,
                              kv_shape=(batch, tokens), micro_batches=batch // micro)
