@@ -35,6 +35,10 @@ __all__ = ["ExpertStore"]
 Key = tuple[int, int]
 """(layer position, expert index)."""
 
+GUESS_LAYERS = 2
+"""Layers ahead whose experts are guessed and read ahead (while slots are free): the next one, whose router
+applied to this layer's input guesses best, then the one after it."""
+
 
 @dataclass(eq=False, slots=True)
 class _Read:
@@ -259,19 +263,28 @@ class ExpertStore:
             self._free.append(read.slot)
 
     def _guess_next(self, layer: ExpertLayer, hidden: torch.Tensor) -> None:
-        """Read ahead the experts the next layer's router picks for this layer's input, into free slots."""
-        if layer.position + 1 >= len(self.layers):
-            return
-        following = self.layers[layer.position + 1]
-        weight = getattr(following.router, "weight", None)
-        if weight is None or weight.device.type == "meta" or not self._free:
-            return
-        scores = F.linear(hidden.to(weight.dtype), weight)
-        guessed = torch.topk(scores, following.top_k, dim=-1).indices.reshape(-1).tolist()
-        for e in sorted(set(guessed), key=lambda e: -self.uses[(following.position, e)]):
-            key = (following.position, e)
-            if key not in self.cache and key not in self._reads and not self._start(following, e, guessed=True):
+        """Read ahead, into free slots, the experts the next layers' routers pick for this layer's input: the
+        next layer's first, then the one after it while slots are free (`GUESS_LAYERS`). Guessed reads for
+        this layer or earlier ones that nobody took, once done, give their slots first (kept in the cache
+        where their uses earn it)."""
+        for key in [k for k in self._order if self._reads[k].guessed and k[0] <= layer.position
+                    and k not in self._pinned and all(f.done() for f in self._reads[k].futures)]:
+            slices = self._settle(key)
+            if slices is not None:
+                self._admit(key, slices)
+        for ahead in range(1, GUESS_LAYERS + 1):
+            if layer.position + ahead >= len(self.layers) or not self._free:
                 return
+            following = self.layers[layer.position + ahead]
+            weight = getattr(following.router, "weight", None)
+            if weight is None or weight.device.type == "meta":
+                return
+            scores = F.linear(hidden.to(weight.dtype), weight)
+            guessed = torch.topk(scores, following.top_k, dim=-1).indices.reshape(-1).tolist()
+            for e in sorted(set(guessed), key=lambda e: -self.uses[(following.position, e)]):
+                key = (following.position, e)
+                if key not in self.cache and key not in self._reads and not self._start(following, e, guessed=True):
+                    return
 
     # ---- the cache --------------------------------------------------------------------------------
 
