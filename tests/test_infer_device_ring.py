@@ -390,7 +390,7 @@ def test_the_host_waits_for_the_device_no_more_than_transformers_plus_one_per_co
     transformers' own generate does (its token reads): no per-layer host work. Streaming adds one wait per
     unit copied to the device in a forward (the host buffer refilled from NVMe only once its copy is done).
     Counted on simgpu (`count_host_syncs`: copies to the host, values read back, synchronisations)."""
-    from offload.device._simtorch import count_host_syncs
+    from offload.device import count_host_syncs
 
     directory, model = models["llama", torch.float32]
     ids, mask = prompts(1)

@@ -116,7 +116,7 @@ def child(args: dict) -> dict:
         prof = _trace.profiler(cuda)
         counting = contextlib.nullcontext(None)
         if args["device"] == "simulated":
-            from offload.device._simtorch import count_host_syncs
+            from offload.device import count_host_syncs
 
             counting = count_host_syncs()
         with counting as syncs:

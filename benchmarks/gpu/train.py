@@ -191,7 +191,7 @@ def profile_step(engine: Any, tokens: torch.Tensor, device: Device, steps: int) 
     prof = _trace.profiler(cuda)
     counting = contextlib.nullcontext(None)
     if isinstance(device, SimulatedDevice):
-        from offload.device._simtorch import count_host_syncs
+        from offload.device import count_host_syncs
 
         counting = count_host_syncs()
     device.synchronize()

@@ -17,6 +17,7 @@ from offload.device._select import (DEVICE_CHOICES, check_process_group, collect
 from offload.device._host_memory import (AUTO_MARGIN_BYTES, AUTO_MARGIN_SHARE, HostMemory, auto_budget, host_memory,
                                         local_ranks)
 from offload.device._packed import CPU_KERNELS, PackedKernels
+from offload.device._simtorch import count_host_syncs
 from offload.device._simulated import CopyRecord, SimulatedDevice
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "auto_budget",
     "check_process_group",
     "collective_device",
+    "count_host_syncs",
     "cuda_available",
     "device_for",
     "host_memory",
