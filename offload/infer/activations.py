@@ -56,16 +56,16 @@ def activation_bytes(text: Any, attention: str | None, dtype: torch.dtype, batch
     return batch * (tokens * ((6 * hidden + 3 * inner) * itemsize + scores) + 4 * positions * text.vocab_size)
 
 
-def prefill_chunk(estimate: Callable[..., int], prompt: int, total: int, limit: int) -> int | None:
-    """The chunk a prompt of ``prompt`` tokens (of ``total`` with the new ones) is prefilled in (transformers'
-    ``prefill_chunk_size``), or None when one sequence's prefill fits ``limit`` bytes of activations whole:
-    the largest halving of the prompt whose activations (``estimate(batch, tokens, logits=, context=)``)
-    fit, at least 16 tokens. Each chunk is a forward, so streamed layers are read once per chunk: chunks
-    are as large as the limit allows."""
-    if prompt <= _SMALLEST_CHUNK or estimate(1, prompt, logits=1, context=total) <= limit:
+def prefill_chunk(estimate: Callable[..., int], prompt: int, limit: int) -> int | None:
+    """The chunk a prompt of ``prompt`` tokens is prefilled in (transformers' ``prefill_chunk_size``), or None
+    when one sequence's prefill fits ``limit`` bytes of activations whole: the largest halving of the prompt
+    whose activations (``estimate(batch, tokens, logits=, context=)``, a chunk attending to the prompt) fit,
+    at least 16 tokens. Each chunk is a forward, so streamed layers are read once per chunk: chunks are as
+    large as the limit allows."""
+    if prompt <= _SMALLEST_CHUNK or estimate(1, prompt, logits=1, context=prompt) <= limit:
         return None
     chunk = prompt
-    while chunk > _SMALLEST_CHUNK and estimate(1, chunk, logits=1, context=total) > limit:
+    while chunk > _SMALLEST_CHUNK and estimate(1, chunk, logits=1, context=prompt) > limit:
         chunk = -(-chunk // 2)
     log.info("offload.infer: prefilling the %d-token prompt in chunks of %d tokens (one sequence's activations "
              "would exceed %s: block_schedule.max_activation_bytes, or the room \"auto\" kept; each chunk reads "

@@ -168,7 +168,7 @@ class InferenceEngine(DeviceReservation):
         beams = kwargs.get("num_beams", generation.num_beams) or 1
         returns = kwargs.get("num_return_sequences", generation.num_return_sequences) or 1
         chunk = kwargs.get("prefill_chunk_size", getattr(generation, "prefill_chunk_size", None)) or prefill_chunk(
-            self.activation_bytes, prompt, total, self._activation_limit)
+            self.activation_bytes, prompt, self._activation_limit)
         kwargs.update({"prefill_chunk_size": chunk} if chunk else {})
         sequences = batch * max(beams, returns)
         plan = self.reserve(sequences, total, logits=1, chunk=chunk)  # the last position's logits

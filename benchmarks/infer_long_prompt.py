@@ -1,0 +1,192 @@
+"""Benchmark: long prompts, each side's peak memory measured in a fresh process against the engine's estimate.
+
+    python -m benchmarks.infer_long_prompt --dir /work/bench-long                # 1K to 32K tokens
+    python -m benchmarks.infer_long_prompt --dir /tmp/x --tokens 256,512 --transformers-tokens 512 \\
+        --hidden 256 --intermediate 512 --vocab 2000 --budget 2MiB               # tiny, as the test runs it
+
+1. Writes, once, a random Llama of the issue's kind (hidden 1024, intermediate 2816, 2 layers, 32 heads, 8 KV
+   heads, vocab 24000, bf16: 0.14 GB), by ``save_pretrained``.
+2. For each prompt length of ``--tokens``, in a fresh process: ours (``max_in_cpu`` ``--budget``: the layers
+   streamed), a warm-up generate of a short prompt, then the long prompt with 2 new tokens; the process's
+   peak RSS, its growth during that generate (the kernel's high-water mark, reset to the RSS before it), and
+   the engine's estimate for
+   that generate (activations of the largest forward, chunked where the prefill is, plus the KV cache).
+3. transformers alone (``from_pretrained``, bf16, its default SDPA) on the ``--transformers-tokens`` prompt,
+   in a fresh process: its peak RSS.
+4. The targets (issue 48): ours <= 1.3 x transformers' peak + the budget at the same prompt; the estimate
+   an upper bound of the measured growth and within 1.5x of it at every length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from benchmarks._common import ChildError, high_water_mark, reset_high_water_mark, run_child
+from tensorio import parse_size
+
+MARKER = "bench-long-checkpoint.json"
+
+
+@dataclass(frozen=True)
+class LongSpec:
+    """The random Llama written for the benchmark."""
+
+    hidden: int = 1024
+    intermediate: int = 2816
+    layers: int = 2
+    heads: int = 32
+    kv_heads: int = 8
+    vocab: int = 24000
+    context: int = 65536
+    seed: int = 0
+
+    def config(self):
+        import transformers
+
+        return transformers.LlamaConfig(
+            hidden_size=self.hidden, intermediate_size=self.intermediate, num_hidden_layers=self.layers,
+            num_attention_heads=self.heads, num_key_value_heads=self.kv_heads, vocab_size=self.vocab,
+            max_position_embeddings=self.context, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
+def write_checkpoint(directory: Path, spec: LongSpec) -> Path:
+    """``spec``'s random bf16 checkpoint by ``save_pretrained``, once (reused when its marker matches)."""
+    import torch
+    import transformers
+
+    marker = directory / MARKER
+    if marker.is_file() and json.loads(marker.read_text()) == asdict(spec):
+        return directory
+    torch.manual_seed(spec.seed)
+    model = transformers.AutoModelForCausalLM.from_config(spec.config()).to(torch.bfloat16)
+    model.save_pretrained(directory)
+    marker.write_text(json.dumps(asdict(spec)))
+    return directory
+
+
+def _peak() -> int:
+    """The process's peak RSS, ever (ru_maxrss)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _growth_of(generate) -> int:
+    """Bytes the process's RSS grew to at its peak while ``generate()`` ran: the kernel's high-water mark
+    reset to the RSS first (`benchmarks._common.reset_high_water_mark`), so the load's own peak before it
+    does not hide the generate's."""
+    import psutil
+
+    if not reset_high_water_mark():
+        raise OSError("/proc/self/clear_refs cannot be written: the growth of one call cannot be measured here")
+    base = psutil.Process().memory_info().rss
+    generate()
+    return high_water_mark() - base
+
+
+def child(args: dict) -> dict:
+    """One side on one prompt length in this fresh process: its peak RSS (and ours: growth and estimate)."""
+    import torch
+
+    ids = torch.randint(3, args["vocab"], (1, args["tokens"]), generator=torch.Generator().manual_seed(1))
+    if args["kind"] == "transformers":
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(args["checkpoint"], dtype=torch.bfloat16).eval()
+        with torch.no_grad():
+            model.generate(ids[:, :16], max_new_tokens=2, do_sample=False, pad_token_id=0)
+            growth = _growth_of(lambda: model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0))
+        return {"kind": "transformers", "tokens": args["tokens"], "peak_rss": _peak(), "growth": growth}
+    from offload.infer import init_inference
+
+    with init_inference(args["checkpoint"], max_in_cpu=args["budget"], disk_gbps=1.0) as engine:
+        engine.generate(ids[:, :16], max_new_tokens=2, do_sample=False, pad_token_id=0)  # every lazy allocation made
+        engine.wait_loaded()
+        forwards = []
+        engine.module.register_forward_pre_hook(lambda module, a, kw: forwards.append(kw["input_ids"].shape[-1]),
+                                                with_kwargs=True)
+        growth = _growth_of(lambda: engine.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0))
+        total = args["tokens"] + 2
+        chunk = max(forwards)
+        step = total if chunk == args["tokens"] else chunk  # as `reserve` counts the generate's largest forward
+        estimate = engine.activation_bytes(1, step, logits=1, context=total) + engine.kv_bytes(1, total)
+        return {"kind": "ours", "tokens": args["tokens"], "peak_rss": _peak(), "growth": growth,
+                "estimate": estimate, "chunk": chunk, "forwards": len(forwards), "budget": engine.plan.budget,
+                "streamed": len(engine.plan.streamed), "plan": engine.plan.describe()}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark; print each run and the targets; return every figure."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", help="where the checkpoint is written (once)")
+    ap.add_argument("--tokens", default="1024,4096,16384,32768", help="our prompt lengths, one process each")
+    ap.add_argument("--transformers-tokens", type=int, default=16384, help="transformers' prompt length")
+    ap.add_argument("--budget", default="128MiB", help="our max_in_cpu (layers streamed below it; it holds the KV cache)")
+    for name in ("hidden", "intermediate", "vocab"):
+        ap.add_argument(f"--{name}", type=int, default=getattr(LongSpec, name))
+    ap.add_argument("--out", help="write every figure to this JSON file")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return {}
+    if not args.dir:
+        ap.error("--dir is required")
+    spec = LongSpec(hidden=args.hidden, intermediate=args.intermediate, vocab=args.vocab)
+    checkpoint = write_checkpoint(Path(args.dir).resolve() / "checkpoint", spec)
+    size = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
+    print(f"checkpoint: {checkpoint} ({size / 1e9:.2f} GB, {spec}); our budget {args.budget}")
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
+    runs = []
+    lengths = [int(t) for t in args.tokens.split(",") if t]
+    for kind, tokens in [("ours", t) for t in lengths] + [("transformers", args.transformers_tokens)]:
+        payload = {"kind": kind, "tokens": tokens, "checkpoint": str(checkpoint), "budget": args.budget,
+                   "vocab": spec.vocab}
+        try:
+            result = run_child("benchmarks.infer_long_prompt", ["--child", json.dumps(payload)])
+        except ChildError as exc:
+            result = {"kind": kind, "tokens": tokens, "error": exc.one_line()}
+        runs.append(result)
+        print(_line(result))
+    figures = {"spec": asdict(spec), "budget": parse_size(args.budget), "runs": runs,
+               "targets": targets(runs, parse_size(args.budget))}
+    print("\n".join(figures["targets"]))
+    if args.out:
+        Path(args.out).write_text(json.dumps(figures, indent=1))
+    return figures
+
+
+def _line(r: dict) -> str:
+    if "error" in r:
+        return f"{r['kind']:>12} {r['tokens']:>6} tokens: FAILED, {r['error']}"
+    line = f"{r['kind']:>12} {r['tokens']:>6} tokens: peak RSS {r['peak_rss'] / 2**30:.2f} GiB, growth {r['growth'] / 2**20:.0f} MiB"
+    if r["kind"] == "ours":
+        line += (f", estimate {r['estimate'] / 2**20:.0f} MiB ({r['estimate'] / max(r['growth'], 1):.2f}x), "
+                 f"prefill chunk {r['chunk']} tokens ({r['forwards'] - 1} forwards)")
+    return line
+
+
+def targets(runs: list[dict], budget: int) -> list[str]:
+    """The issue's targets, one line each."""
+    lines = []
+    ours = [r for r in runs if r["kind"] == "ours" and "error" not in r]
+    reference = next((r for r in runs if r["kind"] == "transformers" and "error" not in r), None)
+    same = next((r for r in ours if reference and r["tokens"] == reference["tokens"]), None)
+    if same and reference:
+        bound = 1.3 * reference["peak_rss"] + budget
+        lines.append(f"{same['tokens']} tokens: ours {same['peak_rss'] / 2**30:.2f} GiB peak, transformers "
+                     f"{reference['peak_rss'] / 2**30:.2f}; bound 1.3 x transformers + budget = {bound / 2**30:.2f}: "
+                     + ("met" if same["peak_rss"] <= bound else "NOT met"))
+    for r in ours:
+        ratio = r["estimate"] / max(r["growth"], 1)
+        lines.append(f"{r['tokens']} tokens: estimate {ratio:.2f}x the measured growth (target 1.0-1.5): "
+                     + ("met" if 1.0 <= ratio <= 1.5 else "NOT met"))
+    failed = [f"{r['kind']} at {r['tokens']}: {r['error']}" for r in runs if "error" in r]
+    return lines + [f"failed: {f}" for f in failed]
+
+
+if __name__ == "__main__":
+    main()
