@@ -117,10 +117,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
                           "verdict": text}, indent=2))
         return 0
     unit = "step" if args.workload == "training" else "token"
-    print(f"{'':<9}{unit + ' s':>9}{'disk GB/s':>11}{'read/' + unit:>12}{'written/' + unit:>14}{'CPU s/' + unit:>11}")
+    print(f"{'':<9}{unit + ' s':>9}{'disk GB/s':>11}{'read/' + unit:>12}{'written/' + unit:>14}{'CPU s/' + unit:>12}")
     for name, s in summary.items():
         print(f"{name:<9}{s['step_s']:>9.3f}{s['disk_gb_per_s']:>11.2f}{s['read_per_step'] / 1e9:>10.2f}GB"
-              f"{s['written_per_step'] / 1e9:>12.2f}GB{s['cpu_per_step']:>11.2f}")
+              f"{s['written_per_step'] / 1e9:>12.2f}GB{s['cpu_per_step']:>12.2f}")
     print(text)
     return 0
 

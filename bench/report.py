@@ -88,6 +88,7 @@ def sweep_json(disks: Sequence[DiskSweep], settings: dict[str, Any], choice: Cho
             {
                 "directory": str(Path(d.validation.directory).resolve()),
                 "filesystem": d.validation.filesystem,
+                "devices": d.validation.devices,
                 "direct": d.validation.direct,
                 "note": None if d.validation.direct else BUFFERED_NOTE,
                 "noise": noise_json(d.noise),
@@ -299,8 +300,13 @@ def format_workload(result: Any) -> str:
             shown.append(f"max {format_ns(lat['max'])} (too few for p99)")
         parts.append(f"{rw} {bw / 1e9:.2f} GB/s (per {format_size(result.workload.request_bytes)} request: "
                      f"{', '.join(shown)}; {lat['samples']} timed)")
-    return (", ".join(parts) + f", CPU {result.cpu_ms_per_gb:.0f} ms/GB = {result.cpu_share:.0%} of a core, "
+    line = (", ".join(parts) + f", CPU {result.cpu_ms_per_gb:.0f} ms/GB = {result.cpu_share:.0%} of a core, "
             f"{result.summary.spread:.0%} spread over {len(result.total_samples)} slices")
+    if len(result.per_rank) > 1:  # one process per rank: each one's reads + writes, and their sum
+        ranks = " + ".join(f"rank {r['rank']} (pid {r['pid']}) {(r['read_bw_bytes'] + r['write_bw_bytes']) / 1e9:.2f}"
+                           for r in result.per_rank)
+        line += f"; {ranks} = {result.total_bw_bytes / 1e9:.2f} GB/s"
+    return line
 
 
 def format_block_table(disk: DiskSweep) -> str:

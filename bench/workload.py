@@ -6,9 +6,8 @@ Four kinds (`Workload.kind`):
   (``request_bytes``) each and two slots (A/B) of that size in memory; every step reads the next
   partition into one slot while the other slot's partition is written back, both requests at once,
   then the slots swap: reads and writes always in flight together, partition-sized, over several
-  files. ``ranks`` ranks run at once, each a thread with its own `AioHandle` and files (the engine
-  runs a process per rank; a thread per rank drives the same disk traffic without a second
-  interpreter and torch on a small machine).
+  files. ``ranks`` ranks run at once, each in its own process (`bench._ranks`, as the engine runs a
+  process per rank) with its own `AioHandle`, slots and files; one rank runs in this process.
 - ``inference``: a checkpoint read as layer windows (``request_bytes``, 64 MiB by default) split into
   the engine's pieces (the aio ``block_size``: 8 MiB in the engine's defaults), ``window`` windows in
   flight (2), cycling over one file of ``file_bytes``: reads alone.
@@ -26,6 +25,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 import statistics
 import threading
 import time
@@ -164,6 +164,9 @@ class WorkloadResult:
     elapsed_s: float
     disk: DiskTraffic | None = None
     """What the disk completed in the counted time (None: no block device, e.g. tmpfs)."""
+    per_rank: list[dict[str, int]] = field(default_factory=list)
+    """Each rank's figures: ``rank``, ``pid`` (its process), ``read_bw_bytes``, ``write_bw_bytes``; they
+    sum to the totals."""
 
     @property
     def total_bw_bytes(self) -> int:
@@ -197,7 +200,8 @@ class WorkloadResult:
                 "total_samples": self.total_samples, "spread": round(summary.spread, 4),
                 "ci95": [round(summary.low), round(summary.high)], "clat_ns": self.latency_ns,
                 "cpu_ms_per_gb": round(self.cpu_ms_per_gb, 2), "cpu_share": round(self.cpu_share, 3),
-                "elapsed_s": round(self.elapsed_s, 3), "disk": self.disk.to_json() if self.disk else None}
+                "elapsed_s": round(self.elapsed_s, 3), "disk": self.disk.to_json() if self.disk else None,
+                "per_rank": self.per_rank}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "WorkloadResult":
@@ -211,7 +215,8 @@ class WorkloadResult:
         return cls(workload=workload, backend=str(data["backend"]), read_bw_bytes=int(data["read_bw_bytes"]),
                    write_bw_bytes=int(data["write_bw_bytes"]), total_samples=[int(s) for s in data["total_samples"]],
                    latency_ns=dict(data["clat_ns"]), cpu_ms_per_gb=float(data["cpu_ms_per_gb"]),
-                   cpu_share=float(data["cpu_share"]), elapsed_s=float(data["elapsed_s"]))
+                   cpu_share=float(data["cpu_share"]), elapsed_s=float(data["elapsed_s"]),
+                   per_rank=[dict(r) for r in data.get("per_rank", [])])
 
 
 def latency_percentiles(values: list[int]) -> dict[str, Any]:
@@ -258,28 +263,84 @@ def measure_workload(config: AioConfig, directory: str | Path, workload: Workloa
                      disks: tuple[str, ...] = (), stop: threading.Event | None = None) -> WorkloadResult:
     """Lay out ``workload``'s files in ``directory``, run it for its ramp and runtime, and return what it
     moved in the counted time; ``disks`` (`bench.diskstat.disk_names`) are the disks whose counters are
-    read around the counted time. The files are removed. Raises TensorIOError from the I/O and
-    MeasurementError for a request that moved the wrong number of bytes."""
-    directory = Path(directory)
+    read around the counted time. Training with ``ranks`` > 1 runs each rank in its own process
+    (`bench._ranks`), as the engine does; one rank, and the other kinds, run in this process. The files
+    are removed. Raises TensorIOError from the I/O and MeasurementError for a request that moved the
+    wrong number of bytes (or a rank's process that died)."""
+    if workload.kind == "training" and workload.ranks > 1:
+        from ._ranks import run_rank_processes
+
+        counted = run_rank_processes(config, Path(directory), workload, disks=disks, stop=stop)
+    else:
+        counted = _run_in_process(config, Path(directory), workload, disks=disks, stop=stop)
+    if stop is not None and stop.is_set():
+        from .sweep import SweepStopped  # only the sweep sets ``stop``
+        raise SweepStopped
+    return counted.result(workload, config)
+
+
+@dataclass(kw_only=True, slots=True)
+class Counted:
+    """What the ranks did, raw: every request completed, the counted interval, the CPU spent in it."""
+
+    done: list[tuple[int, str, int, int, int]]
+    """(rank, direction, submitted ns, completed ns, bytes) of every request, counted or not."""
+    pids: list[int]
+    """Each rank's process id."""
+    backend: str
+    start: int
+    """perf_counter_ns at the counted time's start and end (CLOCK_MONOTONIC: the same in every process)."""
+    end: int
+    cpu: float
+    """CPU seconds over the counted time, every rank's process together."""
+    before: Any = None
+    after: Any = None
+    disks: tuple[str, ...] = ()
+
+    def result(self, workload: Workload, config: AioConfig) -> WorkloadResult:
+        """The figures of the counted time, with each rank's."""
+        counted = [e for e in self.done if self.start <= e[3] < self.end]
+        seconds = (self.end - self.start) / 1e9
+        read = sum(n for _, rw, _, _, n in counted if rw == "read")
+        written = sum(n for _, rw, _, _, n in counted if rw == "write")
+        per_rank = [{"rank": r, "pid": pid,
+                     "read_bw_bytes": round(sum(n for q, rw, _, _, n in counted if q == r and rw == "read") / seconds),
+                     "write_bw_bytes": round(sum(n for q, rw, _, _, n in counted if q == r and rw == "write")
+                                             / seconds)} for r, pid in enumerate(self.pids)]
+        return WorkloadResult(
+            workload=workload, backend=self.backend or config.backend,
+            read_bw_bytes=round(read / seconds), write_bw_bytes=round(written / seconds),
+            total_samples=slice_rates([(done, n) for _, _, _, done, n in counted], self.start, self.end,
+                                      workload.slices),
+            latency_ns={rw: latency_percentiles([done - sub for _, d, sub, done, _ in counted if d == rw])
+                        for rw in ("read", "write") if (rw == "read" and workload.reads) or
+                        (rw == "write" and workload.writes)},
+            cpu_ms_per_gb=self.cpu * 1e3 / ((read + written) / 1e9) if read + written else 0.0,
+            cpu_share=self.cpu / seconds, elapsed_s=seconds, disk=traffic(self.disks, self.before, self.after),
+            per_rank=per_rank)
+
+
+def _run_in_process(config: AioConfig, directory: Path, workload: Workload, *, disks: tuple[str, ...],
+                    stop: threading.Event | None) -> Counted:
+    """One rank (or an inference / read / write stream) in a thread of this process; the main thread
+    keeps the clock and reads the disk's counters."""
     recorder = _Recorder()
     halt = threading.Event()
     errors: list[BaseException] = []
-    ranks = workload.ranks if workload.kind == "training" else 1
-    ready = threading.Barrier(ranks + 1)
+    ready = threading.Barrier(2)
     backends: list[str] = []
-    buffers = [_buffer(workload.buffer_bytes(config) // ranks, workload.huge_pages) for _ in range(ranks)]
+    buffer = _buffer(workload.buffer_bytes(config), workload.huge_pages)
+    paths = [directory / f"workload-r0-f{i}.dat" for i in range(workload.files if workload.kind == "training" else 1)]
 
-    def rank(r: int) -> None:
-        paths = [directory / f"workload-r{r}-f{i}.dat" for i in range(workload.files if workload.kind == "training"
-                                                                        else 1)]
+    def rank() -> None:
         try:
             with AioHandle.from_config(config) as handle:
                 backends.append(handle.backend_name)
                 for path in paths:  # 1. lay the files out (untimed)
-                    _layout(handle, buffers[r], path, workload.file_size())
-                ready.wait()  # sync point: every rank starts driving together
+                    _layout(handle, buffer, path, workload.file_size())
+                ready.wait()  # sync point: the clock starts once the files are laid out
                 driver = _train if workload.kind == "training" else _stream
-                driver(handle, buffers[r], paths, workload, config, recorder, halt)
+                driver(handle, buffer, paths, workload, config, recorder, halt)
         except threading.BrokenBarrierError:
             pass
         except BaseException as exc:  # handed to the caller below
@@ -290,43 +351,24 @@ def measure_workload(config: AioConfig, directory: str | Path, workload: Workloa
             for path in paths:
                 path.unlink(missing_ok=True)
 
-    threads = [threading.Thread(target=rank, args=(r,), name=f"tensorio-bench-rank{r}") for r in range(ranks)]
-    for t in threads:
-        t.start()
+    thread = threading.Thread(target=rank, name="tensorio-bench-rank0")
+    thread.start()
     try:
         ready.wait()
-        # 2. Ramp, then count: the main thread keeps the clock and reads the disk's counters.
+        # 2. Ramp, then count.
         _sleep(workload.ramp_s, halt, stop)
         cpu0, start, before = process_cpu_seconds(), time.perf_counter_ns(), read_counters(disks)
         _sleep(workload.runtime_s, halt, stop)
         cpu1, end, after = process_cpu_seconds(), time.perf_counter_ns(), read_counters(disks)
     except threading.BrokenBarrierError:
-        start = end = 0
-        cpu0 = cpu1 = 0.0
-        before = after = None
+        start, end, cpu0, cpu1, before, after = 0, 1, 0.0, 0.0, None, None
     finally:
         halt.set()
-        for t in threads:
-            t.join()
+        thread.join()
     if errors:
         raise errors[0]
-    if stop is not None and stop.is_set():
-        from .sweep import SweepStopped  # only the sweep sets ``stop``
-        raise SweepStopped
-    counted = [(rw, sub, done, n) for rw, sub, done, n in recorder.done if start <= done < end]
-    read = sum(n for rw, _, _, n in counted if rw == "read")
-    written = sum(n for rw, _, _, n in counted if rw == "write")
-    seconds = (end - start) / 1e9
-    cpu = cpu1 - cpu0
-    return WorkloadResult(
-        workload=workload, backend=backends[0] if backends else config.backend,
-        read_bw_bytes=round(read / seconds), write_bw_bytes=round(written / seconds),
-        total_samples=slice_rates([(done, n) for _, _, done, n in counted], start, end, workload.slices),
-        latency_ns={rw: latency_percentiles([done - sub for d, sub, done, _ in counted if d == rw])
-                    for rw in ("read", "write") if (rw == "read" and workload.reads) or
-                    (rw == "write" and workload.writes)},
-        cpu_ms_per_gb=cpu * 1e3 / ((read + written) / 1e9) if read + written else 0.0,
-        cpu_share=cpu / seconds, elapsed_s=seconds, disk=traffic(disks, before, after))
+    return Counted(done=[(0, *d) for d in recorder.done], pids=[os.getpid()], backend=backends[0] if backends else "",
+                   start=start, end=end, cpu=cpu1 - cpu0, before=before, after=after, disks=disks)
 
 
 def _sleep(seconds: float, halt: threading.Event, stop: threading.Event | None) -> None:

@@ -5,6 +5,7 @@ read from a fake sysfs, the sweep choosing by the workload, and the compare verd
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from bench.compare import verdict
 from bench.diskstat import device_facts, read_counters, traffic
 from bench.fio_mix import fio_depth, fio_workload_command, parse_mix, workload_files
 from bench.workload import Workload, latency_percentiles, measure_workload, slice_rates, workload_for
-from tensorio import AioConfig
+from tensorio import AioConfig, TensorIOError
 
 MiB = 1 << 20
 QUICK = dict(runtime_s=0.3, ramp_s=0.05, slices=3)
@@ -72,6 +73,28 @@ def test_a_workload_moves_its_directions_and_leaves_no_files(disk_dir, kind, hug
     assert list(disk_dir.iterdir()) == []
     again = type(result).from_json(json.loads(json.dumps(result.to_json())))
     assert again.goal_bw_bytes == result.goal_bw_bytes and again.workload.kind == kind
+
+
+def test_training_ranks_run_in_processes_of_their_own(disk_dir, capsys):
+    assert main(["run", str(disk_dir), "--workload", "training", "--partition-size", "1M", "--bs", "256K",
+                 "--ranks", "2", "--swap-files", "2", "--runtime", "0.3", "--ramp", "0.05", "--repeats", "1",
+                 "--json"]) == 0
+    run = json.loads(capsys.readouterr().out)["runs"][0]
+    ranks = run["per_rank"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert len({r["pid"] for r in ranks} | {os.getpid()}) == 3  # two processes, neither this one
+    assert all(r["read_bw_bytes"] > 0 and r["write_bw_bytes"] > 0 for r in ranks)
+    for key in ("read_bw_bytes", "write_bw_bytes"):  # the per-rank figures sum to the total (each rounded)
+        assert abs(sum(r[key] for r in ranks) - run[key]) <= 2
+    assert list(disk_dir.iterdir()) == []
+    one = measure_workload(AioConfig(), disk_dir, Workload(kind="training", request_bytes=MiB, files=2, **QUICK))
+    assert [r["pid"] for r in one.per_rank] == [os.getpid()]  # one rank: in this process
+
+
+def test_a_failing_rank_process_raises_its_error(tmp_path):
+    workload = Workload(kind="training", request_bytes=MiB, files=2, ranks=2, **QUICK)
+    with pytest.raises(TensorIOError):
+        measure_workload(AioConfig(), tmp_path / "missing", workload)
 
 
 def test_a_file_larger_than_the_buffers(disk_dir):
@@ -166,3 +189,4 @@ def test_sweep_with_the_training_workload_chooses_by_it(disk_dir, tmp_path, caps
     best = max(points, key=lambda p: p["workload"]["goal_bw_bytes"])
     assert saved["choice"]["best"]["both_bw_bytes"] == best["workload"]["goal_bw_bytes"]
     assert saved["settings"]["workload"]["request_bytes"] == MiB
+    assert isinstance(saved["disks"][0]["devices"], list)  # the device facts (empty on tmpfs)
