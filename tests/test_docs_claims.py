@@ -95,3 +95,178 @@ def test_offload_param_pin_memory_is_said_to_be_unread_and_is():
         (row,) = [line for line in (DOCS / name).read_text(encoding="utf-8").splitlines()
                   if line.startswith(("| `offload_param.pin_memory` |", "| `pin_memory` | false | Accepted"))]
         assert "not read" in row
+
+
+def _table(page: str, heading: str) -> dict[str, str]:
+    """The first table under ``heading`` of docs/``page``: {each backticked name of the first cell: the second cell}."""
+    text = (DOCS / page).read_text(encoding="utf-8")
+    after = text[text.index(f"\n{heading}\n") + len(heading) + 2:]
+    lines = after[after.index("\n|"):].strip("\n").split("\n\n")[0].splitlines()
+    rows = {}
+    for line in lines[2:]:  # past the header and the |---| line
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        for name in re.findall(r"`([^`]+)`", cells[0]):
+            rows[name] = cells[1]
+    return rows
+
+
+def _documented_default(cell: str):
+    """A table's default cell as a value, or ``...`` for words that are not one ("derived", "see below")."""
+    if cell in ("true", "false"):
+        return cell == "true"
+    if cell in ("not set", "—", "none"):
+        return None
+    if re.fullmatch(r'"[^"]*"', cell):
+        return cell.strip('"')
+    if re.fullmatch(r"\[[0-9., e-]+\]", cell):
+        return tuple(float(x) for x in cell.strip("[]").split(","))
+    try:
+        return float(cell)
+    except ValueError:
+        return ...
+
+
+def _config_sections():
+    from offload.config import (AdamParams, EngineConfig, Fp16Config, OffloadOptimizerConfig, OffloadParamConfig,
+                                WarmupParams, ZeroConfig)
+    return [("### Top level", EngineConfig, {"bfloat16", "source", "world_size"}),
+            ("### `fp16`", Fp16Config, set()), ("### `optimizer`", AdamParams, set()),
+            ("### `scheduler`", WarmupParams, set()), ("### `zero_optimization`", ZeroConfig, set()),
+            ("#### `offload_param`", OffloadParamConfig, set()),
+            ("#### `offload_optimizer`", OffloadOptimizerConfig, set())]
+
+
+@pytest.mark.parametrize("heading, cls, not_fields", _config_sections(), ids=lambda v: getattr(v, "__name__", None))
+def test_engine_config_tables_name_every_key_with_its_default(heading, cls, not_fields):
+    """docs/engine_config.md: each section's table lists exactly the keys its dataclass takes, and every
+    default written as a value (a number, true/false, a quoted string, "not set") is the field's default."""
+    import dataclasses
+
+    rows = _table("engine_config.md", heading)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name not in not_fields}
+    extra = {"aio"} if cls.__name__ == "ZeroConfig" else set()
+    assert set(rows) - {"bfloat16"} == set(fields) | extra
+    for name, field in fields.items():
+        documented = _documented_default(rows[name])
+        if documented is ... or field.default is dataclasses.MISSING:
+            continue
+        assert documented == field.default, f"{heading} {name}: the page says {rows[name]}, the code {field.default!r}"
+
+
+def test_the_auto_table_names_the_keys_resolve_auto_fills():
+    """docs/engine_config.md's '"auto" values' table: the keys are the ones `resolve_auto` fills, each from
+    the argument the table names (a row's short names such as `betas` share its first key's section)."""
+    from offload.config.parse import AUTO_ARGUMENTS
+
+    page = (DOCS / "engine_config.md").read_text(encoding="utf-8")
+    table = page[page.index("| Key | Filled from |"):].split("\n\n")[0].splitlines()[2:]
+    documented = {}
+    for line in table:
+        keys, source = [cell.strip() for cell in line.strip("|").split("|")]
+        names = re.findall(r"`([^`]+)`", keys)
+        arguments = re.findall(r"`([^`]+)`", source)
+        parent = names[0].rpartition(".")[0]
+        for i, name in enumerate(names):
+            key = name if "." in name or not parent else f"{parent}.{name}"
+            # the i-th argument, the last one for a spelling more (`bfloat16.enabled`), h for `hidden_size`
+            documented[key] = (arguments[min(i, len(arguments) - 1)] if arguments
+                               else "hidden_size" if "h*h" in source or "*h" in source else "")
+    assert set(documented) == set(AUTO_ARGUMENTS)
+    for key, argument in AUTO_ARGUMENTS.items():
+        if key != "train_batch_size":  # removed, computed from the micro batch: the table says so in words
+            assert documented[key] == argument, key
+
+
+def test_the_aio_options_table_is_aio_config():
+    """docs/tensorio.md's "Options" table: AioConfig's keys, each with its default (block_size in MiB)."""
+    import dataclasses
+
+    from tensorio import AioConfig
+
+    rows = _table("tensorio.md", "## Options (`AioConfig`, the `aio` section)")
+    defaults = {f.name: f.default for f in dataclasses.fields(AioConfig)}
+    assert set(rows) == set(defaults)
+    assert rows.pop("block_size") == f"{defaults['block_size'] >> 20} MiB"
+    for name, cell in rows.items():
+        assert _documented_default(cell) == defaults[name], name
+
+
+def test_the_inference_settings_table_names_every_override_with_its_default():
+    """docs/inference.md's "Settings" table: its override column is `InferenceConfig`'s fields (and
+    ``checkpoint``, which `init_inference` takes beside them), and the defaults written as values hold."""
+    import dataclasses
+
+    from offload.infer.config import InferenceConfig, KVOffload
+
+    page = (DOCS / "inference.md").read_text(encoding="utf-8")
+    table = page[page.index("| key | override | default | meaning |"):].split("\n\n")[0].splitlines()[2:]
+    rows = {}
+    for line in table:
+        _, override, default = [cell.strip() for cell in line.strip("|").split("|")][:3]
+        rows[override.strip("`")] = default
+    fields = {f.name: f for f in dataclasses.fields(InferenceConfig)}
+    assert set(rows) == set(fields) | {"checkpoint"}
+    assert _documented_default(rows["buffer_count"]) == fields["buffer_count"].default
+    assert _documented_default(rows["compute_device"]) == fields["compute_device"].default
+    assert _documented_default(rows["experts"]) == fields["experts"].default
+    assert _documented_default(rows["kv_offload"]) == KVOffload().device
+    assert _documented_default(rows["device"]) == fields["device"].default
+    assert rows["max_in_cpu"].startswith("1e9")  # None: DeepSpeed's 1e9 elements (the config's docstring)
+
+
+def _inline_names(text: str) -> set[str]:
+    """Dotted names of the project's packages written in backticks: `offload.zero.Init`, `tensorio.prefault`."""
+    names = set()
+    for quoted in re.findall(r"`([^`\n]+)`", text):
+        names |= set(re.findall(r"\b((?:offload|tensorio|benchmarks|bench)(?:\.[A-Za-z_]\w*)+)", quoted))
+    return names
+
+
+def _resolves(name: str) -> bool:
+    import importlib
+
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attribute in parts[i:]:
+            if not hasattr(obj, attribute):
+                return False
+            obj = getattr(obj, attribute)
+        return True
+    return False
+
+
+_PAGES = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
+_PLACEHOLDERS = {"benchmarks.NAME"}  # docs/benchmarks.md: "python -m benchmarks.NAME --help"
+_OUTPUTS = {"configs/aio_tuned.json"}  # docs/tuning.md: the file `tensorio-bench tune` writes
+
+
+@pytest.mark.parametrize("page", _PAGES, ids=lambda path: path.name)
+def test_the_names_a_page_gives_exist(page):
+    """Every `offload.x.y` / `tensorio.x` name, every path of the clone (offload/..., tests/..., configs/...)
+    and every test a page names in backticks exists: a renamed function, module or test makes its page fail."""
+    text = page.read_text(encoding="utf-8")
+    missing = sorted(name for name in _inline_names(text) - _PLACEHOLDERS if not _resolves(name))
+    quoted = re.findall(r"`([^`\n]+)`", text)
+    paths = {path for q in quoted for path in re.findall(
+        r"\b((?:tests|offload|tensorio|benchmarks|bench|scripts|configs|docs)/[\w./-]+\.(?:py|json|sh|md))", q)}
+    missing += sorted(path for path in paths - _OUTPUTS if not (REPO / path).exists())
+    tests = "\n".join(path.read_text(encoding="utf-8") for path in (REPO / "tests").rglob("*.py"))
+    named = {m for q in quoted for m in re.findall(r"(?:::|^)(test_\w+)$", q)}
+    missing += sorted(name for name in named if f"def {name}(" not in tests)
+    assert missing == []
+
+
+def test_the_readme_names_every_tensorio_bench_command():
+    """README.md's layout line for bench/ lists the commands `tensorio-bench` has."""
+    from bench.cli import _parser
+
+    (line,) = [line for line in (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+               if line.startswith("bench/ ")]
+    listed = set(line.split("(")[1].split(")")[0].split(", "))
+    parser = _parser()
+    commands = next(action for action in parser._actions if action.dest == "command").choices
+    assert listed == set(commands)

@@ -3,7 +3,8 @@
 Allocation (device buffers against a budget, pinned host buffers), asynchronous copies, streams,
 events, the collective backend, where a collective's tensors live and the packed-int kernels of
 quantized weights go through a `Device`:
-`CpuDevice`, `CudaDevice` (the only code in offload/ that calls torch.cuda), or `SimulatedDevice`,
+`CpuDevice`, `CudaDevice` (the only code in offload/ that computes with torch.cuda; the simulated
+device's install only asks ``torch.cuda.is_available()``), or `SimulatedDevice`,
 which runs the GPU path on the CPU and fails loudly on the GPU-only bugs. See docs/device.md.
 """
 
