@@ -1,10 +1,12 @@
-"""What checking a checkpoint before loading it costs: `engine.load_checkpoint` reads every range it
-will load once and checks it against the checkpoint's checksums before it changes anything (so that a
-flipped bit leaves the engine as it was), then reads the ranges again to load them.
+"""What a checked load costs, beside fio reading the same bytes: `engine.load_checkpoint` reads every
+range it loads once, checks it against the checkpoint's checksums as it lands and stages it (uncommitted
+swap slots, copies of what is in memory), committing only once every byte matched (so that a flipped bit
+leaves the engine as it was): one read of the bytes.
 
 A GPT-2 (default: small) with parameters and optimizer state on NVMe takes one step and saves a
-checkpoint; then it is loaded ``--repeats`` times. Per load: its time, and from its log line the bytes
-checked and the check's time. Reported: the medians and the check's share of the load; and the rank's
+checkpoint; then it is loaded ``--repeats`` times, each followed by fio reading as many bytes (O_DIRECT,
+1 MiB, 32 in flight; skipped without fio or with ``--no-fio``). Per load: its time, and from its log line
+the bytes checked and the pass's time. Reported: the medians, the load over fio's read; and the rank's
 state file (which carries its own checksum): its size, and the medians of 100 reads of it with its
 checksum checked (as every load reads it) and of 100 plain ``json.load``s of it (what reading it cost
 before).
@@ -26,9 +28,11 @@ import tempfile
 import time
 
 from benchmarks._common import gpt2_on_nvme_after_a_step
+from benchmarks.checkpoint_save import _fio
 
 GPT2_SMALL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
 _CHECKED = re.compile(r"load_checkpoint: ([0-9.]+) MB of .* checked against their checksums in ([0-9.]+) s")
+"""The load's log line: the MB read (once) and checked, and the seconds of the pass that read, checked and staged them."""
 
 
 class _Checked(logging.Handler):
@@ -50,16 +54,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dir", default=None, help="directory on the disk for the swap files and the checkpoint")
     parser.add_argument("--model-config", default=json.dumps(GPT2_SMALL), help="GPT2Config keywords, JSON")
     parser.add_argument("--repeats", type=int, default=5, help="loads timed; medians reported (default 5)")
+    parser.add_argument("--no-fio", action="store_true", help="leave fio out (it is skipped where not installed)")
     parser.add_argument("--out", default=None, help="write the figures to this JSON file")
     args = parser.parse_args(argv)
     root = tempfile.mkdtemp(prefix="checkpoint-load-", dir=args.dir)
     try:
-        figures = _measure(root, json.loads(args.model_config), args.repeats)
+        figures = _measure(root, json.loads(args.model_config), args.repeats, fio=not args.no_fio)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"load {figures['load_s']:.3f} s (median of {args.repeats}), of which the check "
           f"{figures['check_s']:.3f} s ({figures['check_share']:.0%}): {figures['checked_gb']:.3f} GB read and "
           f"checked at {figures['check_gb_per_s']:.2f} GB/s; loads {figures['loads_s']}")
+    if figures.get("fio_read_s"):
+        print(f"fio reading the same bytes {figures['fio_read_s']:.3f} s (median): the load is "
+              f"{figures['load_over_fio_read']:.2f}x fio's read")
     print(f"state file {figures['state_file_bytes'] / 1e3:.1f} KB: read with its checksum checked "
           f"{figures['state_check_s'] * 1e3:.3f} ms, a plain json.load {figures['state_plain_s'] * 1e3:.3f} ms "
           f"(medians of 100)")
@@ -69,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     return figures
 
 
-def _measure(root: str, model_config: dict, repeats: int) -> dict:
+def _measure(root: str, model_config: dict, repeats: int, *, fio: bool = True) -> dict:
     _, engine = gpt2_on_nvme_after_a_step(root, model_config)
     engine.save_checkpoint(f"{root}/ckpt")
     state = _state_file_cost(f"{root}/ckpt/global_step1")
@@ -78,12 +86,16 @@ def _measure(root: str, model_config: dict, repeats: int) -> dict:
     logger.addHandler(handler)
     level = logger.level
     logger.setLevel(logging.INFO)
-    loads = []
+    loads, fio_reads = [], []
     try:
         for _ in range(repeats):
             began = time.perf_counter()
             engine.load_checkpoint(f"{root}/ckpt")
             loads.append(time.perf_counter() - began)
+            if fio and handler.figures:  # alternated with the loads: the same disk, the same moment
+                seconds = _fio(root, int(handler.figures[0][0] * 1e9)).get("read")
+                if seconds is not None:
+                    fio_reads.append(seconds)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
@@ -95,7 +107,15 @@ def _measure(root: str, model_config: dict, repeats: int) -> dict:
     checked = handler.figures[0][0]
     return {"load_s": load, "check_s": check, "check_share": check / load, "checked_gb": checked,
             "check_gb_per_s": checked / check if check else float("inf"), "loads_s": [round(s, 3) for s in loads],
-            "checks_s": [s for _, s in handler.figures], **state}
+            "checks_s": [s for _, s in handler.figures], **state, **_beside_fio(load, fio_reads)}
+
+
+def _beside_fio(load: float, fio_reads: list[float]) -> dict:
+    """fio's median read of the same bytes and the load's time over it; {} when fio was not measured."""
+    if not fio_reads:
+        return {}
+    read = statistics.median(fio_reads)
+    return {"fio_read_s": read, "load_over_fio_read": load / read if read else float("inf")}
 
 
 def _state_file_cost(tag: str) -> dict:

@@ -1,7 +1,7 @@
 """Checksums in checkpoints: each rank's JSON records its tensor files' checksums (header, and each
 tensor in 8 MiB chunks); one bit flipped at rest in any file is named (file, tensor, offset, both
-checksums) by ``python -m offload.checkpoint verify``, by a load (before it changes anything: the engine
-trains on as if it had not been asked) and by ``consolidate``; the same
+checksums) by ``python -m offload.checkpoint verify``, by a load (which reads every byte once and commits
+nothing unless all matched: the engine trains on as if it had not been asked) and by ``consolidate``; the same
 checkpoint with the bit put back loads and training resumes as if uninterrupted; a checkpoint from
 before checksums loads with one warning; verify on something that is not a checkpoint ends in one line,
 exit status 2."""
@@ -18,7 +18,7 @@ import torch
 
 from offload.checkpoint import main as checkpoint_command
 from offload.storage.file_checksums import CHUNK, FileChecksums
-from offload.train.checkpoint.rank_state import CheckpointLoad
+from offload.train.checkpoint.rank_state import CheckpointLoad, sized_partitions
 from offload.train.engine import initialize
 from tensorio import ChecksumError
 from tensorio.testing import flip_bit
@@ -104,6 +104,9 @@ def test_the_checked_bytes_are_the_bytes_compared_with_their_checksums(saved, di
         with CheckpointLoad(os.path.relpath(tag.parent), None, rank=0, world_size=1, store=engine.param_store,
                             optimizer=engine.optimizer, backend=aio_backend["backend"]) as source:
             assert source.reader.handle.backend_name == aio_backend["backend"]
+            assert source.reader.bytes_read == 0  # opening reads headers and the state file, no tensor bytes
+            source.apply()
+            # One pass: every byte read once, checked as it landed, and loaded without a second read.
             assert source.verified_bytes == source.reader.bytes_verified == source.reader.bytes_read == expected
         with caplog.at_level(logging.INFO, logger="offload"):
             engine.load_checkpoint(os.path.relpath(tag.parent))
@@ -162,6 +165,46 @@ def test_a_bit_flipped_at_rest_is_named_by_verify_load_and_consolidate(saved, wh
     finally:
         if offset is not None:
             flip_bit(path, offset, 5)
+
+
+def test_a_flip_in_the_middle_of_the_optimizer_file_is_refused_by_the_one_pass_load_and_changes_nothing(
+        saved, disk_dir):
+    """The one-pass load reads the parameters (staged in their uncommitted slots) before it meets a flipped
+    byte in the middle of the optimizer's file: it refuses the checkpoint, and the parameters and the
+    optimizer's state are exactly as before (tensor by tensor); training goes on as if never asked."""
+    tag, reference = saved
+    path = tag / "rank00000_optimizer.safetensors"
+    raw = path.read_bytes()
+    header = 8 + int.from_bytes(raw[:8], "little")
+    offset = header + (len(raw) - header) // 2  # the middle of the file's data
+    entries = {k: v for k, v in json.loads(raw[8:header]).items() if k != "__metadata__"}
+    tensor = next(k for k, v in entries.items() if header + v["data_offsets"][0] <= offset < header + v["data_offsets"][1])
+    flip_bit(path, offset, 2)
+    try:
+        engine = _engine(disk_dir)
+        try:
+            assert _step(engine, BATCHES[0]) == reference[2][0]
+            params = {name: value.clone() for name, value in engine.full_parameters()}
+            state = _optimizer_state(engine)
+            with pytest.raises(ChecksumError, match=f"checksum mismatch \\(tensor {tensor!r}\\): {path}"):
+                engine.load_checkpoint(tag.parent)
+            assert all(torch.equal(value, params[name]) for name, value in engine.full_parameters())
+            after = _optimizer_state(engine)
+            assert after["param_groups"] == state["param_groups"] and after["state"].keys() == state["state"].keys()
+            for index, values in state["state"].items():
+                assert values.keys() == after["state"][index].keys()
+                assert all(torch.equal(after["state"][index][key], value) for key, value in values.items())
+            assert _step(engine, BATCHES[1]) == reference[2][1]  # as a run never asked to load
+        finally:
+            engine.close()
+    finally:
+        flip_bit(path, offset, 2)
+
+
+def _optimizer_state(engine):
+    """The optimizer's whole state (its on-disk parameters given their sizes meanwhile, as a save does)."""
+    with sized_partitions([rec for rec in engine.param_store.records if rec.param.requires_grad]):
+        return engine.optimizer.state_dict()
 
 
 def test_verify_prints_the_files_that_passed_before_one_that_fails(saved, capsys):
@@ -244,12 +287,13 @@ def test_verify_on_what_is_not_a_checkpoint_is_one_line_and_exit_2(saved, bad, d
 
 @pytest.mark.bench
 def test_checkpoint_load_benchmark_reports_the_check_of_every_byte_the_load_reads(disk_dir, capsys):
-    """benchmarks/checkpoint_load at a tiny size: per load, the check before it read the rank's whole share
-    (fp32 parameters and Adam's two moments: 12 bytes a parameter) and took part of the load's time."""
+    """benchmarks/checkpoint_load at a tiny size: per load, its one pass read and checked the rank's whole share
+    once (fp32 parameters and Adam's two moments: 12 bytes a parameter) within the load's time."""
     from benchmarks.checkpoint_load import main as checkpoint_load
 
     tiny = {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 128, "n_positions": 32}
-    figures = checkpoint_load(["--dir", str(disk_dir), "--model-config", json.dumps(tiny), "--repeats", "2"])
+    figures = checkpoint_load(["--dir", str(disk_dir), "--model-config", json.dumps(tiny), "--repeats", "2",
+                               "--no-fio"])
     import transformers
 
     numel = sum(p.numel() for p in transformers.GPT2LMHeadModel(transformers.GPT2Config(**tiny)).parameters())

@@ -343,16 +343,18 @@ class OffloadAdam(torch.optim.Optimizer):
         return self._state.save(write)
 
     def load_state(self, saved: Mapping[str, Any], layout: Mapping[str, int],
-                   read: Callable[[str, int, int], torch.Tensor]) -> None:
+                   read: Callable[[str, int, int], torch.Tensor], before_commit: Callable[[], None] | None = None) -> None:
         """Load state written by `save_state`: ``saved`` is what it returned, ``layout`` the stored
         tensors' sizes (name -> elements), ``read(name, start, stop)`` their elements (fp32).
+        ``before_commit()`` runs once every read and write succeeded, before the new state becomes the
+        committed one; its error (a checkpoint load that failed on another rank) leaves the previous state.
 
         Load the model's parameters first (16-bit ones without 'master_param' take it from the
         parameter). All or nothing: raises ValueError for a mismatch (naming the parameter or group)
         before anything changes, and TensorIOError for the swap file, leaving the previous state.
         """
         self._transaction.sync()
-        self._state.load_saved(saved, layout, read)
+        self._state.load_saved(saved, layout, read, before_commit)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict from `state_dict` here or from torch.optim.AdamW / Adam for the same parameters.

@@ -1,7 +1,8 @@
 """The optimizer state in and out: torch's state dicts, and streamed saves and loads, one sub-group in memory
 at a time (`OptimizerState`). The state sits in sub-groups (`SubGroupPlan`): resident regions in RAM, or
 slots of the swap file read through the `StateSwapper`; a load writes the offloaded part to the
-uncommitted slots and commits only once every write succeeded.
+uncommitted slots and the resident part to a staging copy, and commits both only once every read and
+write succeeded (and the caller's ``before_commit`` agreed): a failed load leaves the committed state.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class OptimizerState:
                 "param_groups": self._packed_groups()}
 
     def load_saved(self, saved: Mapping[str, Any], layout: Mapping[str, int],
-                   read: Callable[[str, int, int], torch.Tensor]) -> None:
+                   read: Callable[[str, int, int], torch.Tensor], before_commit: Callable[[], None] | None = None) -> None:
         """Load what `save` wrote, checked before anything changes (`OffloadAdam.load_state`)."""
         groups = saved["param_groups"]
         self._check_groups(groups)
@@ -68,7 +69,7 @@ class OptimizerState:
 
         def get(index: int, key: str, start: int, stop: int) -> torch.Tensor | None:
             return read(f"{index}.{key}", start, stop) if f"{index}.{key}" in layout else None
-        self._load(groups, steps, get)
+        self._load(groups, steps, get, before_commit)
 
     def _state_keys(self) -> dict[int, tuple[str, ...]]:
         return {rec.index: ("exp_avg", "exp_avg_sq", "master_param") if rec.master else ("exp_avg", "exp_avg_sq")
@@ -153,9 +154,13 @@ class OptimizerState:
         self._load(saved_groups, {index: float(entry["step"]) for index, entry in entries.items()}, get)
 
     def _load(self, saved_groups: list[Mapping[str, Any]], steps: Mapping[int, float],
-              get: Callable[[int, str, int, int], torch.Tensor | None]) -> None:
-        """Checked state in: offloaded sub-groups to the uncommitted slots, committed only when every
-        write succeeded; then the in-RAM part, the step counts and the hyperparameters."""
+              get: Callable[[int, str, int, int], torch.Tensor | None],
+              before_commit: Callable[[], None] | None = None) -> None:
+        """Checked state in: offloaded sub-groups to the uncommitted slots, the in-RAM ones to a staging copy;
+        then ``before_commit()`` (may raise: nothing committed); then the slots commit, the staged copies
+        replace the in-RAM state, and the step counts and hyperparameters are set. Any error before the
+        commit (a read's ChecksumError, a write's TensorIOError) leaves the committed state as it was."""
+        staged: dict[int, list[torch.Tensor]] = {}
         try:
             for plan in self.plans:
                 if plan.offloaded:
@@ -164,14 +169,19 @@ class OptimizerState:
                     regions = self.swapper.blank(rec) if rec.where is Where.ON_DISK else self.swapper.read_now(rec)
                     fill(plan, regions, steps, get, self.params)
                     self.swapper.start_write(rec)
+                else:  # a copy (memory: this sub-group's state once more) until every rank's load is known good
+                    staged[plan.index] = [region.clone() for region in self.resident[plan.index]]
+                    fill(plan, staged[plan.index], steps, get, self.params)
             self.swapper.drain()
+            if before_commit is not None:
+                before_commit()
         except BaseException:
             self.abort()
             raise
         self.swapper.commit()
-        for plan in self.plans:
-            if not plan.offloaded:
-                fill(plan, self.resident[plan.index], steps, get, self.params)
+        for index, regions in staged.items():
+            for region, values in zip(self.resident[index], regions):
+                region.copy_(values)
         for rec in self.params:
             step = steps.get(rec.index)
             rec.step = None if step is None else torch.tensor(float(step), dtype=torch.float32)

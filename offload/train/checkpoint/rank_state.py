@@ -27,7 +27,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import itertools
 import json
 import os
 import time
@@ -47,6 +46,7 @@ from offload.train.checkpoint.files import (RANK_FILE_ALIGN, client_file, decode
 from offload.train.checkpoint.reader import CheckpointReader, PendingRead
 from offload.train.checkpoint.snapshot import Snapshot
 from offload.train.checkpoint.states_file import states_bytes, whole_file_checksum
+from offload.train.step.agree import StepAgreement
 from offload.train.surface import in_optimizer_order
 
 __all__ = ["CheckpointLoad", "CheckpointSave", "decode_state", "encode_state", "model_config", "save_16bit_model", "save_checkpoint"]
@@ -178,7 +178,7 @@ class CheckpointSave:
 
 class CheckpointLoad:
     """A checkpoint opened and checked against the model and optimizer; nothing has changed yet.
-    `apply` loads it. Use as a context manager (closes its files).
+    `apply` loads it, in one pass. Use as a context manager (closes its files).
 
     Any world size loads: with another than the one that saved it, each parameter's partition, fp32
     master and moments are cut from the saved ranks' files (the padding past the tensor's end is
@@ -186,24 +186,28 @@ class CheckpointLoad:
 
     Raises (on opening, before anything changes) FileNotFoundError for a missing checkpoint or file
     and SafetensorsError for a truncated or damaged one, each naming it; ValueError naming the file
-    when it was saved for another model or by a version that pickled its state; tensorio.ChecksumError
-    naming the file, the tensor and the offset for a flipped bit in any byte `apply` would read (opening
-    reads them all once to check their checksums: one extra read of this rank's share of the checkpoint,
-    so that a mismatch never leaves a load half done).
+    when it was saved for another model or by a version that pickled its state. `apply` raises
+    tensorio.ChecksumError naming the file, the tensor and the offset for a flipped bit in any byte it reads,
+    and leaves the engine's state as it was (see `apply`).
 
     ``optimizer`` None leaves the optimizer's state as it is. Frozen parameters missing from the
-    checkpoint (saved with ``exclude_frozen``) keep their values. ``backend``: tensorio's, for the reads.
+    checkpoint (saved with ``exclude_frozen``) keep their values. ``backend``: tensorio's, for the reads;
+    ``group``: the ranks that load together (they agree before any of them commits).
     """
 
     def __init__(self, load_dir: str | os.PathLike, tag: str | None, *, rank: int, world_size: int,
-                 store: ParamStore, optimizer: Any, backend: str = "auto") -> None:
+                 store: ParamStore, optimizer: Any, backend: str = "auto", group: Any = None) -> None:
         self.given = str(resolve_tag(load_dir, tag))
         """The tag's folder as the caller named it (``load_checkpoint`` returns it, as DeepSpeed's does)."""
         self.path = os.path.abspath(self.given)
         """The same, absolute: what the load reads and its messages name."""
         self.rank, self.world_size, self.store, self.optimizer = rank, world_size, store, optimizer
+        self.group = group
         self.verified_bytes, self.verify_seconds = 0, 0.0
-        """What opening read and checked against the checksums (the bytes `apply` will read), and how long it took."""
+        """What `apply` read and checked against the checksums (each byte once), and how long its pass took."""
+        self.committed = False
+        """`apply` got past the point where every rank's bytes were good and the new state became the
+        committed one: an error after it (none is expected) leaves a load part way."""
         self.reader = CheckpointReader(self.path, backend=backend)
         try:
             self.state = dict(self.reader.rank_state(rank))
@@ -213,7 +217,6 @@ class CheckpointLoad:
             self._check_params()
             if optimizer is not None:
                 self._check_optimizer()
-            self._verify()
         except BaseException:
             self.reader.close()
             raise
@@ -225,67 +228,100 @@ class CheckpointLoad:
         self.reader.close()
 
     def apply(self) -> dict[str, Any]:
-        """Load the partitions, then the optimizer state; return the rest of the saved state
-        (counters, schedule, client state). An error here (an I/O error, a byte that matched its checksum
-        when opened and no longer does, the optimizer's ValueError) may leave some partitions loaded: the
-        caller must not train on."""
+        """Load the partitions, then the optimizer state, reading every byte once; return the rest of the
+        saved state (counters, schedule, client state).
+
+        One pass, verify and apply together, all or nothing (docs/reliability.md, "Loading a checkpoint"):
+        each read is checked against its checksums as it lands and goes where the new state is *staged*,
+        never over the live one: an on-disk partition or optimizer sub-group to its uncommitted swap slot
+        (the A/B slots; the committed slot stays the live state), a partition or sub-group held in memory to
+        a staging copy. Only once every byte of this rank matched and every rank of ``group`` agreed do the
+        slots flip and the copies replace the live values. Any error before that (a ChecksumError, an I/O
+        error, the optimizer's ValueError, another rank's failure as `RanksFailed`) rolls the staged slots
+        back and drops the copies: the state is exactly as before, and training may go on. Every rank must
+        call it (one all-reduce of a flag before the commit)."""
         records = self._saved_records()
-        # 1. Parameters first, one at a time, the next one read meanwhile (a few writes in flight):
-        #    a 16-bit parameter's optimizer state may take its master copy from it.
-        writes: list = []
-        pending = self._read_partition(records[0]) if records else None
-        for i, rec in enumerate(records):
-            values = pending.result()
-            pending = self._read_partition(records[i + 1]) if i + 1 < len(records) else None
-            if rec.on_disk:
-                staged = aligned_tensor(rec.partition_numel, rec.partition.dtype)  # O_DIRECT from it
-                staged.copy_(values)
-                writes.append(self.store.write_partition(rec, staged))  # the request keeps ``staged`` alive
-                if len(writes) > 2:
-                    writes.pop(0).result()  # sync point: bounds the memory in flight
-            else:
-                rec.partition.data.copy_(values)
-            self.store.refresh(rec)
-        for future in writes:  # sync point
-            future.result()
-        # 2. Then the optimizer, its state cut the same way.
+        region = self.store.region
+        if region is not None and region.staged:
+            raise RuntimeError("internal error: load_checkpoint found parameter slots staged by a step not "
+                               "committed or given up")
+        compared, began = self.reader.bytes_verified, time.perf_counter()
+        copies: list[tuple[ParamRecord, torch.Tensor]] = []
+        agreed = False
+
+        def agree() -> None:  # every byte of this rank checked; a failure anywhere stops every rank's commit
+            nonlocal agreed
+            agreed = True
+            failed = self._agreement().agreed(None, f"load_checkpoint of {self.path}")
+            if failed is not None:
+                raise failed
         state = dict(self.state)
         saved = state.pop("optimizer")
         state.pop("parameters", None)
-        if self.optimizer is None:
-            return state
-        names = self.reader.names("optimizer")
-        layout = {name: self._trainable[int(name.split(".")[0])].partition_numel for name in names}
-        with sized_partitions(self._trainable):
-            try:
-                self.optimizer.load_state(saved, layout,
-                                          lambda name, start, stop: self._read_state(name, start, stop).result())
-            except ValueError as error:
-                saved_by = self.rank if self.rank < self.saved_world_size else 0
-                raise ValueError(f"{os.path.join(self.path, states_file(saved_by))}: {error}") from error
-        return state
-
-    def _verify(self) -> None:
-        """Read every element range `apply` reads (this rank's partitions and optimizer state), each checked
-        against its chunk checksums as it completes, and drop it: a mismatch raises here, before anything
-        changes. Two reads in flight; memory: their buffers, from the reader's pool."""
-        if not self.reader.checksums:
-            return  # saved before checksums: the reader warned that it reads unverified
-        compared = self.reader.bytes_verified
-        states = self.reader.names("optimizer") if self.optimizer is not None else []
-        reads = itertools.chain((self._read_partition(rec) for rec in self._saved_records()),  # each started when taken
-                                (self._read_state(name, 0, self._trainable[int(name.split(".")[0])].partition_numel)
-                                 for name in states))
-        began = time.perf_counter()
-        in_flight: collections.deque = collections.deque()
-        for read in reads:
-            in_flight.append(read)
-            if len(in_flight) > 1:
-                in_flight.popleft().result()  # sync point: two partitions in flight, as `apply` holds
-        while in_flight:
-            in_flight.popleft().result()
+        try:
+            self._stage_partitions(records, copies)
+            if self.optimizer is None:
+                agree()
+            else:
+                names = self.reader.names("optimizer")
+                layout = {name: self._trainable[int(name.split(".")[0])].partition_numel for name in names}
+                with sized_partitions(self._trainable):
+                    try:
+                        self.optimizer.load_state(saved, layout,
+                                                  lambda name, start, stop: self._read_state(name, start, stop).result(),
+                                                  before_commit=agree)
+                    except ValueError as error:
+                        saved_by = self.rank if self.rank < self.saved_world_size else 0
+                        raise ValueError(f"{os.path.join(self.path, states_file(saved_by))}: {error}") from error
+        except BaseException as error:
+            if region is not None:
+                region.rollback()  # reads take the committed slots again; nothing else changed
+            if not agreed:
+                failed = self._agreement().agreed(error if isinstance(error, Exception) else None,
+                                                  f"load_checkpoint of {self.path}")
+                if failed is not None and failed is not error:
+                    raise failed from error
+            raise
+        # Every rank's bytes are good, and the optimizer's state committed: the partitions follow it.
+        self.committed = True
+        if region is not None:
+            region.commit()
+        for rec, values in copies:
+            rec.partition.data.copy_(values)
+        for rec in records:
+            self.store.refresh(rec)
         self.verify_seconds = time.perf_counter() - began
         self.verified_bytes = self.reader.bytes_verified - compared  # only bytes whose checksums were compared
+        return state
+
+    def _stage_partitions(self, records: list[ParamRecord], copies: list[tuple[ParamRecord, torch.Tensor]]) -> None:
+        """Read every saved partition (checked as it lands, the next one read meanwhile) into where the new
+        state is staged: an on-disk partition to its uncommitted slot (a few writes in flight), one in memory
+        to a copy appended to ``copies``. Raises ChecksumError / TensorIOError; the caller rolls back."""
+        region = self.store.region
+        writes: list = []
+        try:
+            pending = self._read_partition(records[0]) if records else None
+            for i, rec in enumerate(records):
+                values = pending.result()
+                pending = self._read_partition(records[i + 1]) if i + 1 < len(records) else None
+                if rec.on_disk:
+                    staged = aligned_tensor(rec.partition_numel, rec.partition.dtype)  # O_DIRECT from it
+                    staged.copy_(values)
+                    writes.append(region.stage(rec.slots, staged))  # the request keeps ``staged`` alive
+                    if len(writes) > 2:
+                        writes.pop(0).result()  # sync point: bounds the memory in flight
+                else:
+                    copies.append((rec, values.clone()))  # ``values`` may be a reused read buffer
+            for future in writes:  # sync point
+                future.result()
+        except BaseException:
+            for future in writes:  # never roll back a slot still being written
+                future.exception()
+            raise
+
+    def _agreement(self) -> StepAgreement:
+        return StepAgreement(world_size=self.world_size, rank=self.rank, group=self.group)
 
     def _saved_records(self) -> list[ParamRecord]:
         """The store's records the checkpoint holds (frozen ones may be left out of it)."""

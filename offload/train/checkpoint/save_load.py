@@ -77,19 +77,20 @@ def load_engine_checkpoint(ctx: StepContext, path: UpdatePath, *, rank: int, wor
     load_optimizer = check_load_arguments(ctx.config, load_optimizer_states=load_optimizer_states,
                                           load_module_only=load_module_only, custom_load_fn=custom_load_fn)
     with CheckpointLoad(load_dir, tag, rank=rank, world_size=world_size, store=ctx.store,
-                                   optimizer=ctx.optimizer if load_optimizer else None,
-                                   backend=ctx.config.aio.backend) as source:  # checked; nothing changed
-        if source.verified_bytes:
-            log.info("load_checkpoint: %.1f MB of %s checked against their checksums in %.3f s before loading",
-                     source.verified_bytes / 1e6, source.path, source.verify_seconds)
+                        optimizer=ctx.optimizer if load_optimizer else None, backend=ctx.config.aio.backend,
+                        group=ctx.group) as source:  # opened and matched to the model; nothing changed
         path.abandon()  # updates still running would write over the loaded values
         ctx.store.release_all()  # partitions read ahead would hold the values from before the load
         try:
-            loaded, state = source.given, source.apply()
+            loaded, state = source.given, source.apply()  # one pass: all or nothing (CheckpointLoad.apply)
         except BaseException as error:
-            ctx.failure.partly_updated(f"load_checkpoint of {source.path} failed part way "
-                                       f"({type(error).__name__}: {error})")
+            if source.committed:  # past the commit: not expected, but then the state is part way
+                ctx.failure.partly_updated(f"load_checkpoint of {source.path} failed part way "
+                                           f"({type(error).__name__}: {error})")
             raise
+        if source.verified_bytes:
+            log.info("load_checkpoint: %.1f MB of %s checked against their checksums in %.3f s, read once as they "
+                     "were loaded", source.verified_bytes / 1e6, source.path, source.verify_seconds)
     zero_grad()
     if not load_module_only:
         if ctx.loss_scaler is not None and state["loss_scaler"] is not None:
