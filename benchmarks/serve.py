@@ -1,6 +1,7 @@
 """Benchmark: ``python -m offload.serve`` on a streamed Llama: one client, concurrent clients, a prompts file.
 
     python -m benchmarks.serve --dir /work/bench-serve          # the documented run (1.73 GB bf16, 576 MB budget)
+    python -m benchmarks.serve --dir /work/bench-serve --offline-only   # (c) alone: no server
     python -m benchmarks.serve --dir /tmp/x --scale 0.025 --layers 2 --budget 200KiB --clients 2 \\
         --prompts 4 --new-tokens 3 --repeats 1                  # tiny, as tests/test_serve_bench.py runs it
 
@@ -221,6 +222,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--repeats", type=int, default=3, help="runs of each measure (the median is reported)")
     ap.add_argument("--disk-gbps", type=float, default=2.0,
                     help="passed to every run (the plan's bound only), so that none spends time probing the disk")
+    ap.add_argument("--offline-only", action="store_true", help="measure (c) alone (no server: (a), (b), (d) skipped)")
     ap.add_argument("--out", help="write every figure to this JSON file")
     args = ap.parse_args(argv)
 
@@ -236,6 +238,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{args.prompt_tokens}; offline {args.prompts} prompts of {args.prompt_lengths} tokens; {args.repeats} repeats",
           flush=True)
     figures: dict[str, Any] = {"checkpoint_bytes": size, "budget": budget, "args": vars(args)}
+    if args.offline_only:
+        with tempfile.TemporaryDirectory(dir=args.dir) as work:
+            off = figures["offline"] = offline(checkpoint, options, args, spec.vocab, Path(work))
+        print(f"(c) {args.prompts} prompts of {off['lengths']} tokens from a file: {off['file_tokens_per_s']:.2f} "
+              f"tokens/s; --batch-size {args.prompts} of one prompt {off['repeated_tokens_per_s']:.2f}: "
+              f"{off['ratio']:.2f}x (target >= 0.8x)")
+        if args.out:
+            Path(args.out).write_text(json.dumps(figures, indent=1))
+        return figures
 
     # (d) the server's start to its first answer; the server then stays up for (a) and (b).
     port = free_port()

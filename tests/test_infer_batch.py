@@ -22,7 +22,8 @@ from offload.infer import init_inference
 from offload.infer.answer import Answer
 from offload.infer.answer_text import AnswerText
 from offload.infer.batch import Batcher, QueueFull, Update, check_settings
-from offload.infer.batch.cache_rows import add_rows, keep_rows, right_align
+from offload.infer.batch.cache_rows import add_rows, append_rows, keep_rows, right_align
+from offload.infer.batch.length_groups import length_groups, padded_positions
 from offload.infer.config import InferenceConfig
 from offload.infer.sampling import SamplingParams
 
@@ -280,6 +281,69 @@ def test_cache_rows_join_leave_and_right_align():
     assert aligned.tolist() == [[1, 1], [0, 1]]
     assert torch.equal(cache.layers[0].keys[0, 0], keys[0, 0, 1:])  # row 0's two real tokens, in order
     assert torch.equal(cache.layers[0].values[0, 0], keys[0, 0, 1:] + 100)
+
+
+def test_append_rows_left_pads_the_shorter_cache():
+    cache, other = transformers.DynamicCache(), transformers.DynamicCache()
+    keys = torch.arange(1 * 1 * 2 * 2, dtype=torch.float32).reshape(1, 1, 2, 2) + 1
+    cache.update(keys, keys + 100, 0)
+    longer = torch.arange(2 * 1 * 3 * 2, dtype=torch.float32).reshape(2, 1, 3, 2) + 50
+    other.update(longer, longer + 100, 0)
+    mask = append_rows(cache, torch.tensor([[1, 1]]), other, torch.tensor([[0, 1, 1], [1, 1, 1]]))
+    assert mask.tolist() == [[0, 1, 1], [0, 1, 1], [1, 1, 1]]
+    assert cache.layers[0].keys.shape == (3, 1, 3, 2) and cache.layers[0].get_seq_length() == 3
+    assert torch.equal(cache.layers[0].keys[0, 0], torch.cat([torch.zeros(1, 2), keys[0, 0]]))
+    assert torch.equal(cache.layers[0].values[1:], longer + 100)
+
+
+def test_length_groups_bound_the_padding_with_the_fewest_forwards():
+    lengths = sorted(4 + 28 * i // 63 for i in range(64))  # the benchmark's 64 prompts of 4 to 32 tokens
+    real = sum(lengths)
+    assert length_groups(lengths, 1.0) == [range(64)]  # 64 x 32 = 2,048 positions: within 2 x 1,124
+    groups = length_groups(lengths, 0.25)
+    assert len(groups) == 4 and padded_positions(lengths, groups) <= 1.25 * real
+    assert not any(padded_positions(lengths, [range(0, a), range(a, b), range(b, 64)]) <= 1.25 * real
+                   for a in range(1, 63) for b in range(a + 1, 64))  # no three forwards would do
+    assert [lengths[g[-1]] for g in length_groups(lengths, 0.0)] == sorted(set(lengths))  # one per length
+    assert length_groups([1, 1, 1, 16], 0.25) == [range(0, 3), range(3, 4)]  # decode rows apart from a prefill
+    assert length_groups([5, 5, 5], 0.0) == [range(0, 3)] and length_groups([], 0.25) == []
+    for lengths, padding in (([3, 2], 0.1), ([0, 2], 0.1), ([1, 2], -0.5)):
+        with pytest.raises(ValueError):
+            length_groups(lengths, padding)
+
+
+@pytest.mark.parametrize("kv", [None, "int8"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_with_max_padding_prompts_prefill_by_length_and_answer_alone(checkpoints, kind, kv):
+    """``max_padding``: prompts of 1 to 12 tokens that join together are prefilled in forwards by length (the
+    padding computed at most that fraction of the real tokens), two long ones joining five running rows get a
+    forward of their own, and every request still gets its answer alone (a quantized cache too)."""
+    directory, model = checkpoints[kind]
+    if kv is not None and kind == "gpt2":
+        pytest.skip("the quantized cache is checked on one model")
+    prompts = [*PROMPTS, list(range(30, 42)), list(range(50, 61))]
+    new = [6, 5, 7, 4, 6, 5, 6]
+    collector = Collector(len(prompts))
+    options = {} if kv is None else {"kv_offload": {"device": "auto", "quantization": kv}}
+    with init_inference(directory, max_in_cpu=0, disk_gbps=1.0, **options) as engine:
+        with Batcher(engine, max_batch=8, max_padding=0.25, start=False) as batcher:
+            submit = lambda i: batcher.submit(prompts[i], greedy(new[i]), collector.sink(i))  # noqa: E731
+            collector.hooks[0] = (2, lambda: (submit(5), submit(6)))  # join the five running rows
+            for i in range(5):
+                submit(i)
+            batcher.start()
+            collector.wait()
+            stats = batcher.stats()
+        first, second = sorted(len(p) for p in PROMPTS), [1] * 5 + [11, 12]
+        forwards = len(length_groups(first, 0.25)) + len(length_groups(second, 0.25))
+        assert forwards == 3 + 2 and stats["joined_running"] == 2
+        assert stats["steps"] == 8 + forwards - 2  # 8 steps (the last joined at the 3rd, for 6 tokens), 3 forwards more
+        assert stats["padding"] <= 0.25 * (sum(first) + sum(second))  # one forward each: 22 + 56 padded
+        for i, prompt in enumerate(prompts):
+            expected = alone(engine, prompt, greedy(new[i]))
+            assert collector.tokens(i) == expected, f"request {i}"
+            if kv is None:
+                assert expected == reference(model, prompt, new[i])
 
 
 def test_settings_the_batcher_cannot_honour_are_refused():

@@ -19,6 +19,7 @@ from test_infer_generate import (  # noqa: F401 - one_thread: the module's autou
 
 from offload.infer import init_inference
 from offload.infer.cli import main
+from offload.infer.prompts_file import MAX_PADDING
 
 LINES = [
     {"id": "a", "prompt": "w5 w17 w99 w3"},
@@ -88,6 +89,19 @@ def test_every_line_answered_in_order_and_bad_lines_named(llama, tmp_path):
         streamed = figures["steps"] * engine.plan.read_bytes_per_forward
         resident = sum(u.read_nbytes for u in engine.plan.units if u.name in engine.plan.resident)
     assert streamed <= figures["read_bytes"] <= streamed + resident  # + the resident weights' one read, if not done
+
+
+def test_prompts_of_mixed_lengths_prefill_by_length_with_bounded_padding(llama, tmp_path):
+    """Eight prompts of 1 to 13 tokens joining at once: two forwards by length (padding 4 positions, at most
+    MAX_PADDING of the 56 real ones), not one padded to 13 (48); each answer is the prompt's alone."""
+    directory, model, _ = llama
+    prompts = [[20 + i] * n for i, n in enumerate((1, 13, 2, 12, 1, 13, 2, 12))]
+    write_lines(tmp_path / "prompts.jsonl", [{"prompt": p, "ignore_eos": True, "max_tokens": 3} for p in prompts])
+    figures = run(directory, tmp_path / "prompts.jsonl", tmp_path / "answers.jsonl", "--batch-size", "8")
+    assert figures["padding"] == 4 and figures["padding"] <= MAX_PADDING * 56
+    assert figures["steps"] == 3 + 1 and figures["positions"] == 2 * 4 + 13 * 4 + 2 * 8  # the prefills, 2 decodes
+    for record, prompt in zip(read_records(tmp_path / "answers.jsonl"), prompts):
+        assert record["token_ids"] == reference(model, prompt, 3)
 
 
 def test_resume_continues_an_output_cut_short(llama, tmp_path):

@@ -4,9 +4,15 @@ so requests that run together share each read of the weights.
 
 A request that arrives while others run joins at the next step: that forward takes the newcomers'
 whole prompts (their prefill) beside one token of each running sequence, all left-padded to the
-longest prompt, so a join costs no extra read of the weights. A request that finishes (its
-``max_tokens``, a stop string, the end-of-sequence token) or is cancelled leaves the batch before the
-next step, and its rows of the KV cache go with it (cache_rows.py).
+longest prompt, so a join costs no extra read of the weights. With ``max_padding`` (the prompts
+file's batches) the step's rows are split by length instead into the fewest forwards whose padding
+stays within that fraction of their real tokens (length_groups.py): each further forward prefills
+its prompts into a cache of its own, appended to the batch's (`append_rows`), a read of the streamed
+weights more for less padding computed, which is what a compute-bound prefill (the CPU) wants.
+
+A request that finishes (its ``max_tokens``, a stop string, the end-of-sequence token) or is
+cancelled leaves the batch before the next step, and its rows of the KV cache go with it
+(cache_rows.py).
 
 The KV cache is a transformers `DynamicCache` in memory (on the device where compute has memory of
 its own), in the compute dtype, or with ``kv_offload.quantization`` (``--kv-quantize``) its layers
@@ -35,7 +41,8 @@ from offload.infer.kv.cache import CACHE_KEYWORD
 from offload.infer.kv.quant import KVCodec, QuantizedLayer
 from offload.infer.plan.host import BudgetError, format_bytes
 from offload.infer.sampling import SamplingParams
-from offload.infer.batch.cache_rows import add_rows, check_full_attention, keep_rows, right_align
+from offload.infer.batch.cache_rows import add_rows, append_rows, check_full_attention, keep_rows, right_align
+from offload.infer.batch.length_groups import length_groups
 
 __all__ = ["Batcher", "QueueFull", "Ticket", "Update", "check_settings", "eos_token_ids"]
 
@@ -128,22 +135,29 @@ class Batcher:
     """Runs requests on ``engine`` (an `InferenceEngine`) in one batch that they join and leave between
     decode steps, on a thread of its own (see the module docstring). ``tokenizer`` turns answers into
     text (None: token ids only). ``max_batch``: sequences in the batch at most; ``max_queue``: requests
-    waiting at most. ``start`` False: nothing runs before `start` (requests submitted before it run
-    together from the first step). Use as a context manager or call `close`; the engine stays the caller's.
+    waiting at most. ``max_padding``: None, every step one forward (a join costs no extra read); a
+    fraction, a step's rows split by length into forwards whose padding is at most that fraction of
+    their real tokens (`length_groups`). ``start`` False: nothing runs before `start` (requests
+    submitted before it run together from the first step). Use as a context manager or call `close`;
+    the engine stays the caller's.
 
     Raises ValueError for settings it cannot honour (`check_settings`), a model whose cache cannot take
-    sequences joining and leaving (sliding-window attention), or ``max_batch`` / ``max_queue`` below 1.
+    sequences joining and leaving (sliding-window attention), ``max_batch`` / ``max_queue`` below 1, or
+    ``max_padding`` below 0.
     """
 
     def __init__(self, engine: Any, tokenizer: Any = None, *, max_batch: int = 32, max_queue: int = 256,
-                 start: bool = True) -> None:
+                 max_padding: float | None = None, start: bool = True) -> None:
         for name, value in (("max_batch", max_batch), ("max_queue", max_queue)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected an integer of at least 1, got {value!r}")
+        if max_padding is not None and (isinstance(max_padding, bool) or not isinstance(max_padding, (int, float))
+                                        or not max_padding >= 0):
+            raise ValueError(f"max_padding: expected None or a fraction of at least 0, got {max_padding!r}")
         check_settings(engine.settings, separate_memory=engine.compute.separate_memory)
         check_full_attention(DynamicCache(config=engine.module.config))
         self.engine, self.tokenizer = engine, tokenizer
-        self.max_batch, self.max_queue = max_batch, max_queue
+        self.max_batch, self.max_queue, self.max_padding = max_batch, max_queue, max_padding
         self.eos = eos_token_ids(engine, tokenizer)
         self._keep_logits = "logits_to_keep" in inspect.signature(engine.module.forward).parameters
         self._cond = threading.Condition()
@@ -153,7 +167,8 @@ class Batcher:
         self._mask = torch.zeros((0, 0), dtype=torch.long)
         self._ids = itertools.count(1)
         self._closing = False
-        self._stats = {"steps": 0, "tokens": 0, "finished": 0, "largest_batch": 0, "joined_running": 0}
+        self._stats = {"steps": 0, "tokens": 0, "finished": 0, "largest_batch": 0, "joined_running": 0,
+                       "positions": 0, "padding": 0}
         self._thread = threading.Thread(target=self._run, name="offload-infer-batcher", daemon=True)
         if start:
             self.start()
@@ -185,7 +200,8 @@ class Batcher:
     def stats(self) -> dict[str, int]:
         """Counts so far: ``steps`` (forwards: each streams the non-resident layers once), ``tokens``
         generated, ``finished`` requests, ``largest_batch`` seen, ``joined_running`` (requests that joined
-        a batch already running), and now ``running`` and ``waiting``."""
+        a batch already running), ``positions`` the forwards computed and the ``padding`` among them, and
+        now ``running`` and ``waiting``."""
         with self._cond:
             return {**self._stats, "running": len(self._rows), "waiting": len(self._waiting)}
 
@@ -294,36 +310,31 @@ class Batcher:
                 f"max_tokens, or raise --max-in-cpu")
 
     def _step(self, joining: list[_Sequence]) -> None:
-        """One forward: a token for every running sequence, the prompts of ``joining``; then pick each
-        sequence's next token, tell its sink, and let finished sequences leave."""
-        # 1. The step's input: one token per running row, each newcomer's prompt, left-padded to the longest.
-        rows, width = len(self._rows), max([len(s.prompt) for s in joining] + [1])
-        ids = torch.zeros((rows + len(joining), width), dtype=torch.long)
-        real = torch.zeros_like(ids)
-        positions = torch.zeros_like(ids)
-        for row, sequence in enumerate(self._rows):
-            ids[row, -1], real[row, -1], positions[row, -1] = sequence.last, 1, sequence.position
-        for row, sequence in enumerate(joining, start=rows):
-            length = len(sequence.prompt)
-            ids[row, width - length:] = torch.tensor(sequence.prompt)
-            real[row, width - length:] = 1
-            positions[row, width - length:] = torch.arange(length)
-        # 2. Newcomers get rows of padding in the cache (none exists before the first step of a batch).
-        if self._cache is None:
+        """One step: a token for every running sequence, the prompts of ``joining`` (one forward, or with
+        ``max_padding`` a forward per length group); then pick each sequence's next token, tell its sink,
+        and let finished sequences leave."""
+        rows = len(self._rows)
+        groups = self._length_groups(joining)
+        # 1. The running rows and the first group: one forward on the batch's cache, newcomers in rows of padding.
+        if self._cache is None:  # none exists before the first step of a batch
             self._cache = self._new_cache()
-            self._mask = torch.zeros((len(joining), 0), dtype=torch.long)
-        elif joining:
-            self._mask = add_rows(self._cache, self._mask, len(joining))
+            self._mask = torch.zeros((len(groups[0]), 0), dtype=torch.long)
+        elif groups[0]:
+            self._mask = add_rows(self._cache, self._mask, len(groups[0]))
+        ids, real, positions = self._inputs(groups[0])
         mask = torch.cat([self._mask, real], dim=1)
-        # 3. The forward: every layer not resident is read once for all rows.
-        extra = {"logits_to_keep": 1} if self._keep_logits else {}
-        out = self.engine(ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                          **{CACHE_KEYWORD: self._cache}, **extra)
-        logits = out.logits[:, -1, :].float().cpu()  # one copy to the host per step, not one wait per row
+        logits = [self._forward(ids, mask, positions, self._cache)]
         self._mask = mask
+        # 2. Each further group: its prefill in a cache of its own, whose rows then join the batch's.
+        for group in groups[1:]:
+            ids, real, positions = self._inputs(group, running=False)
+            cache = self._new_cache()
+            logits.append(self._forward(ids, real, positions, cache))
+            self._mask = append_rows(self._cache, self._mask, cache, real)
+        logits = torch.cat(logits)
+        joining = [sequence for group in groups for sequence in group]
         with self._cond:
             self._rows.extend(joining)
-            self._stats["steps"] += 1
             self._stats["largest_batch"] = max(self._stats["largest_batch"], len(self._rows))
             if rows and joining:
                 self._stats["joined_running"] += len(joining)
@@ -349,6 +360,48 @@ class Batcher:
             self._stats["finished"] += finished
             if joining or len(kept) != len(self._rows):
                 self._leave(kept)
+
+    def _length_groups(self, joining: list[_Sequence]) -> list[list[_Sequence]]:
+        """The newcomers of each forward of a step: without ``max_padding`` all in the one forward; with it,
+        shortest first, split by `length_groups` (the running rows, one token each, go with the first)."""
+        if self.max_padding is None or not joining:
+            return [joining]
+        rows, joining = len(self._rows), sorted(joining, key=lambda s: len(s.prompt))
+        ranges = length_groups([1] * rows + [len(s.prompt) for s in joining], self.max_padding)
+        groups = [[joining[i - rows] for i in part if i >= rows] for part in ranges]
+        return groups  # the first may hold no newcomer: the running rows' forward alone
+
+    def _inputs(self, joining: list[_Sequence], *, running: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A forward's ids, real-token mask and position ids: one token per running row (unless not
+        ``running``), then each of ``joining``'s prompts, left-padded to the longest."""
+        before = self._rows if running else []
+        width = max([len(s.prompt) for s in joining] + [1])
+        ids = torch.zeros((len(before) + len(joining), width), dtype=torch.long)
+        real = torch.zeros_like(ids)
+        positions = torch.zeros_like(ids)
+        for row, sequence in enumerate(before):
+            ids[row, -1], real[row, -1], positions[row, -1] = sequence.last, 1, sequence.position
+        for row, sequence in enumerate(joining, start=len(before)):
+            length = len(sequence.prompt)
+            ids[row, width - length:] = torch.tensor(sequence.prompt)
+            real[row, width - length:] = 1
+            positions[row, width - length:] = torch.arange(length)
+        return ids, real, positions
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache
+                 ) -> torch.Tensor:
+        """The engine's forward (every layer not resident read once for all rows); each row's last logits,
+        on the host. ``mask`` covers the cache's tokens and ``ids``."""
+        extra = {"logits_to_keep": 1} if self._keep_logits else {}
+        out = self.engine(ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                          **{CACHE_KEYWORD: cache}, **extra)
+        real = int(mask[:, -ids.shape[1]:].sum())
+        with self._cond:
+            self._stats["steps"] += 1
+            self._stats["positions"] += ids.numel()
+            self._stats["padding"] += ids.numel() - real
+        return out.logits[:, -1, :].float().cpu()  # one copy to the host per forward, not one wait per row
 
     def _new_cache(self) -> DynamicCache:
         """An empty cache for a new batch: transformers' `DynamicCache`, its layers `QuantizedLayer`s where

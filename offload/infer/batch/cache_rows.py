@@ -2,7 +2,8 @@
 ``[batch, heads, tokens, head_dim]`` per layer) and its attention mask ``[batch, tokens]`` (1: a real
 token, 0: padding), changed between decode steps.
 
-Rows join as all-padding rows (`add_rows`) before the step that prefills them; finished rows leave
+Rows join as all-padding rows (`add_rows`) before the step that prefills them, or as the rows of a
+cache of their own, prefilled by a forward of its own (`append_rows`); finished rows leave
 (`keep_rows`); `right_align` then moves each row's real tokens to the right end, so that the cache is
 as long as its longest row and no longer. Moving a token's keys is allowed because their positions
 were applied when they were computed (rotary embeddings) or live in the hidden states (learned
@@ -15,7 +16,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-__all__ = ["add_rows", "check_full_attention", "keep_rows", "right_align"]
+__all__ = ["add_rows", "append_rows", "check_full_attention", "keep_rows", "right_align"]
 
 
 def check_full_attention(cache: DynamicCache) -> None:
@@ -45,6 +46,38 @@ def add_rows(cache: DynamicCache, mask: torch.Tensor, count: int) -> torch.Tenso
                                                    device=tensor.device))
             setattr(layer, name, torch.cat([tensor, padding]))
     return torch.cat([mask, mask.new_zeros((count, mask.shape[1]))])
+
+
+def append_rows(cache: DynamicCache, mask: torch.Tensor, other: DynamicCache, other_mask: torch.Tensor) -> torch.Tensor:
+    """Append the rows of ``other`` (a cache of the same model, its mask ``other_mask``) below those of
+    ``cache``, the shorter of the two left-padded to the longer (padding keys and values, encoded
+    zeros where a layer is quantized, as `add_rows`); return the mask of every row."""
+    length = max(mask.shape[1], other_mask.shape[1])
+    for layer, extra in zip(cache.layers, other.layers, strict=True):
+        for name in ("keys", "values"):
+            setattr(layer, name, torch.cat([_left_pad(layer, getattr(layer, name), length),
+                                            _left_pad(extra, getattr(extra, name), length)]))
+    return torch.cat([_left_pad_mask(mask, length), _left_pad_mask(other_mask, length)])
+
+
+def _left_pad_mask(mask: torch.Tensor, length: int) -> torch.Tensor:
+    """``mask`` with columns of zeros (padding) on the left up to ``length``."""
+    return torch.cat([mask.new_zeros((mask.shape[0], length - mask.shape[1])), mask], dim=1)
+
+
+def _left_pad(layer: DynamicLayer, tensor: torch.Tensor, length: int) -> torch.Tensor:
+    """``tensor`` (a layer's keys or values, [batch, heads, tokens, width]) with padding tokens on the left
+    up to ``length`` tokens; encoded zeros where ``layer`` is quantized."""
+    count = length - tensor.shape[2]
+    if not count:
+        return tensor
+    codec = getattr(layer, "codec", None)
+    if codec is None or codec.spec is None:
+        padding = tensor.new_zeros((*tensor.shape[:2], count, tensor.shape[3]))
+    else:
+        padding = codec.encode(torch.zeros((*tensor.shape[:2], count, codec.head_dim), dtype=codec.dtype,
+                                           device=tensor.device))
+    return torch.cat([padding, tensor], dim=2)
 
 
 def keep_rows(cache: DynamicCache, mask: torch.Tensor, rows: list[int]) -> torch.Tensor:
