@@ -265,29 +265,30 @@ def test_a_failed_load_names_the_file_and_leaves_the_engine_as_it_was(disk_dir, 
     engine.close()
 
 
-def test_a_load_that_fails_part_way_refuses_step_and_save_until_a_good_load(disk_dir, monkeypatch):
+def test_a_load_that_fails_part_way_leaves_the_engine_as_it_was(disk_dir, monkeypatch):
+    """The load stages what it reads (inactive swap slots, copies of what is in memory) and commits only once
+    every part is in: an optimizer state that fails to load after the parameters were read leaves the
+    parameters of the step the engine was at, and the engine steps and saves; a good load then gives step 2."""
     engine = trained(disk_dir, steps=2)
     good = full(engine)
     engine.backward(gpt2_loss(engine, gpt2_batches(3)[2]))
     engine.step()
+    before = full(engine)
 
     def broken(*args, **kwargs):
         raise OSError(5, "Input/output error (injected)")
     with monkeypatch.context() as patch:
-        patch.setattr(engine.optimizer, "load_state", broken)  # after the parameters were loaded
+        patch.setattr(engine.optimizer, "load_state", broken)  # after the parameters were read
         with pytest.raises(OSError, match="injected"):
             engine.load_checkpoint(disk_dir / "ckpt")
+    assert engine.global_steps == 3 and all(torch.equal(t, before[n]) for n, t in engine.full_parameters())
     engine.backward(gpt2_loss(engine, gpt2_batches(4)[3]))
-    with pytest.raises(RuntimeError, match=r"cannot step: load_checkpoint of .*global_step2 failed part way"):
-        engine.step()
-    with pytest.raises(RuntimeError, match="cannot save a checkpoint"):
-        engine.save_checkpoint(disk_dir / "other")
-    engine.zero_grad()
+    engine.step()
+    engine.save_checkpoint(disk_dir / "other")
     engine.load_checkpoint(disk_dir / "ckpt")
     assert engine.global_steps == 2 and all(torch.equal(t, good[n]) for n, t in engine.full_parameters())
     engine.backward(gpt2_loss(engine, gpt2_batches(3)[2]))
     engine.step()
-    engine.save_checkpoint(disk_dir / "other")
     engine.close()
 
 

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from offload.device import Device, auto_budget, host_memory
+from offload.device import AUTO_MARGIN_SHARE, Device, auto_budget, host_memory
 from offload.infer.activations import (AUTO_ACTIVATION_TOKENS, AUTO_PROCESS_MARGIN_BYTES, activation_bytes, before_decode,
                                        prefill_chunk)
 from offload.infer.build import (CheckpointMismatchError, build_units, checkpoint_directory, compute_device_for,
@@ -376,15 +376,17 @@ class InferenceEngine(DeviceReservation):
         largest = max((u.buffer_nbytes for u in self._sizes() if u.streamable), default=0)
         where = "pinned ring buffers" if self.compute.separate_memory else "ring buffers"
         tokens = min(AUTO_ACTIVATION_TOKENS, getattr(self._text_config(), "max_position_embeddings", None) or 1 << 30)
-        self._auto_activations = self.activation_bytes(1, tokens, logits=1)  # a longer prompt: prefilled in chunks
-        return auto_budget(host_memory(), {f"{where} ({self.settings.buffer_count} x {format_bytes(largest)})":
-                                           self.settings.buffer_count * largest,
-                                           f"activations (1 x {tokens} tokens)": self._auto_activations},
+        activations, memory = self.activation_bytes(1, tokens, logits=1), host_memory()
+        self._auto_activations = activations + int(AUTO_MARGIN_SHARE * memory.available)  # with the margin's share
+        return auto_budget(memory, {f"{where} ({self.settings.buffer_count} x {format_bytes(largest)})":
+                                    self.settings.buffer_count * largest, f"activations (1 x {tokens} tokens)": activations},
                            margin_bytes=AUTO_PROCESS_MARGIN_BYTES)
 
     @property
     def _activation_limit(self) -> int:
-        """``block_schedule.max_activation_bytes``, and with "auto" at most the activations it kept room for."""
+        """``block_schedule.max_activation_bytes``, and with "auto" at most the room it kept for activations (one
+        2048-token sequence's, and the margin's share of the memory available: a larger batch is micro-batched,
+        a longer prompt prefilled in chunks, only where the host is small)."""
         limit = self.settings.block_schedule.max_activation_bytes
         return min(limit, self._auto_activations) if self._auto_budget is not None else limit
 

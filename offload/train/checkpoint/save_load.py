@@ -81,6 +81,8 @@ def load_engine_checkpoint(ctx: StepContext, path: UpdatePath, *, rank: int, wor
                         group=ctx.group) as source:  # opened and matched to the model; nothing changed
         path.abandon()  # updates still running would write over the loaded values
         ctx.store.release_all()  # partitions read ahead would hold the values from before the load
+        if ctx.store.region is not None and ctx.store.region.staged:  # a step that failed part way left its
+            ctx.store.region.rollback()  # writes staged (all landed): the load stages its own there instead
         try:
             loaded, state = source.given, source.apply()  # one pass: all or nothing (CheckpointLoad.apply)
         except BaseException as error:

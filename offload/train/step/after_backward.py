@@ -108,9 +108,20 @@ class UpdateAfterBackward:
 
     def _update_in_chunks(self, factor: float) -> None:
         """Phase 3."""
-        store, grads, chunks = self.ctx.store, self.ctx.reducer.grads, self.chunks
+        chunks = self.chunks
         grad_reads = self._start_chunk(chunks[0]) if chunks else {}
         writing: tuple[list[ParamRecord], list] = ([], [])
+        try:
+            self._chunks_in_turn(chunks, grad_reads, factor, writing)
+        except BaseException:
+            for future in writing[1]:  # no write of a failed step may still land after it raised
+                future.exception()
+            raise
+
+    def _chunks_in_turn(self, chunks: list[list[ParamRecord]], grad_reads: dict, factor: float,
+                        writing: tuple[list[ParamRecord], list]) -> None:
+        """`_update_in_chunks`'s loop; ``writing`` holds the last chunk's records and write futures."""
+        store, grads = self.ctx.store, self.ctx.reducer.grads
         for i, chunk in enumerate(chunks):
             next_reads = self._start_chunk(chunks[i + 1]) if i + 1 < len(chunks) else {}
             # Sync point: this chunk's partitions and gradients have arrived.
@@ -127,7 +138,7 @@ class UpdateAfterBackward:
             for rec in chunk:
                 rec.partition.grad = None
             _finish_stores(store, *writing)  # sync point: the previous chunk is on disk
-            writing = (chunk, _start_stores(store, chunk))
+            writing[0][:], writing[1][:] = chunk, _start_stores(store, chunk)
             grad_reads = next_reads
         _finish_stores(store, *writing)
 
