@@ -3,7 +3,7 @@
 Tiers: a test that starts Python child processes is marked ``subprocess``, one that runs several
 ranks ``multiprocess``, one that runs the fio binary ``fio``, one that runs a benchmark script end to
 end ``bench`` (per module with ``pytestmark``, or per test). Each of these is also ``slow``, so
-``pytest -m "not slow"`` is the fast tier (under 4 minutes on a 2-core machine) and ``./run test``
+``pytest -m "not slow"`` is the fast tier (under 5 minutes on a 2-core machine) and ``./run test``
 runs everything. A ``fio`` test is skipped, saying how to install it, where fio is missing.
 """
 
