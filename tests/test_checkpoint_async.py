@@ -217,9 +217,12 @@ _KILLED = textwrap.dedent(
     scratch, save_dir, point = sys.argv[1], sys.argv[2], sys.argv[4]
     stop = threading.Event()
 
+    def say(line):  # one write per line: the save's thread and training's print at the same moment
+        os.write(1, (line + "\\n").encode())
+
     def reached(where):
         if where == point and threading.current_thread().name.startswith("offload-checkpoint"):
-            print("at " + where, flush=True)
+            say("at " + where)
             stop.wait()  # killed here
 
     write, move, states = SafetensorsWriter.write, checkpoint_dir._move_into_place, rank_state.states_bytes
@@ -241,7 +244,7 @@ _KILLED = textwrap.dedent(
     train(engine, data[2:3], mlp_loss)
     engine.save_checkpoint(save_dir, tag="killed", async_save=True)
     train(engine, data[3:4], mlp_loss)  # training goes on meanwhile
-    print("trained", flush=True)
+    say("trained")
     stop.wait()
     """
 )
