@@ -45,7 +45,6 @@ class _Read:
     slot: int
     futures: list[IOFuture]
     guessed: bool
-    used: bool = False
 
 
 @dataclass(slots=True)
@@ -178,7 +177,7 @@ class ExpertStore:
         capacity has room (or it is used more than a kept one); whether it is kept."""
         key = (position, expert)
         if key not in self.cache:
-            self._admit(key, self._take(self.layers[position], expert))
+            self._take(self.layers[position], expert)  # kept there where the capacity or its uses allow
         return key in self.cache
 
     # ---- reads ------------------------------------------------------------------------------------
@@ -215,9 +214,7 @@ class ExpertStore:
         for key in list(self._order):
             read = self._reads[key]
             if read.guessed and key not in self._pinned:
-                slices = self._settle(key)
-                if slices is not None:
-                    self._admit(key, slices)
+                self._settle_and_keep(key)
                 return
 
     def _take(self, layer: ExpertLayer, e: int) -> tuple[torch.Tensor, ...]:
@@ -225,9 +222,8 @@ class ExpertStore:
         key = (layer.position, e)
         if key not in self._reads:
             while not self._start(layer, e, guessed=False):
-                self._settle_oldest()
-        read = self._reads[key]
-        if read.guessed and not read.used:
+                self._settle_and_keep(self._order[0])  # the slots are all taken: the oldest read first
+        if self._reads[key].guessed:
             self.counts.guessed_used += 1
         start = time.perf_counter()
         slices = self._settle(key)
@@ -235,14 +231,11 @@ class ExpertStore:
         self._admit(key, slices)
         return slices
 
-    def _settle_oldest(self) -> None:
-        """Wait for the oldest read in flight and keep or drop it (the slots are all taken)."""
-        key = self._order[0]
-        slices = self._settle(key)
-        if slices is not None:
-            self._admit(key, slices)
+    def _settle_and_keep(self, key: Key) -> None:
+        """Wait for ``key``'s read and keep its expert in the cache where the capacity and its uses allow."""
+        self._admit(key, self._settle(key))
 
-    def _settle(self, key: Key) -> tuple[torch.Tensor, ...] | None:
+    def _settle(self, key: Key) -> tuple[torch.Tensor, ...]:
         """Wait for ``key``'s read, make its slices (their own memory) and free its slot. Raises the read's
         error (after every future of it is done)."""
         read = self._reads.pop(key)
@@ -269,9 +262,7 @@ class ExpertStore:
         where their uses earn it)."""
         for key in [k for k in self._order if self._reads[k].guessed and k[0] <= layer.position
                     and k not in self._pinned and all(f.done() for f in self._reads[k].futures)]:
-            slices = self._settle(key)
-            if slices is not None:
-                self._admit(key, slices)
+            self._settle_and_keep(key)
         for ahead in range(1, GUESS_LAYERS + 1):
             if layer.position + ahead >= len(self.layers) or not self._free:
                 return
