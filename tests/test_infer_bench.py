@@ -4,6 +4,7 @@ configuration in child processes and prints the targets (the figures themselves 
 from __future__ import annotations
 
 import importlib.util
+import mmap
 import shutil
 
 import numpy as np
@@ -140,8 +141,12 @@ def test_written_checkpoint_loads_in_transformers(tmp_path):
 def test_kernel_peak_sees_a_short_peak_in_its_phase():
     with RssSampler(kernel_peak=True) as rss:
         rss.mark("spike")
-        spike = b"x" * (128 << 20)  # written, so resident; freed at once: no sampler thread would be sure to see it
-        del spike
+        # A fresh anonymous mapping, written so resident, unmapped at once: no sampler thread would be sure to
+        # see it. (Not a bytes object: malloc may serve it from free heap pages already resident in this worker.)
+        spike = mmap.mmap(-1, 128 << 20)
+        for _ in range(128):
+            spike.write(b"x" * (1 << 20))
+        spike.close()
         rss.mark("after")
         rss.mark("end")
     assert rss.kernel_peak  # Linux with /proc/self/clear_refs, as this project's machines have
