@@ -20,6 +20,10 @@ whole-layer streaming of the same model, the disk (fio) and Accelerate.
    the same budget + its own overhead (benchmarks/_peers.py's "equal" row; ours "auto" in it).
 5. Prints the targets (issue 48): bytes per token <= 1.15 x the needed bytes; s/token <= 1.2 x (bytes per
    token / fio); routed >= 2.2 x whole's tokens/s; >= 2.5 x Accelerate's at equal memory.
+
+``--quantize int4|int8``: our three runs with ``weight_quantization`` (the experts packed per expert, the
+quantized cache written once under ``--dir``, by the first run); the budget stays the fraction of the bf16
+checkpoint's bytes, and the Accelerate comparison (step 4) stays in bf16.
 """
 
 from __future__ import annotations
@@ -150,8 +154,9 @@ def child(args: dict) -> dict:
     ids, warm = (torch.randint(3, args["vocab"], (args["batch"], args["prompt_tokens"]),
                                generator=torch.Generator().manual_seed(seed)) for seed in (0, 1))
     mask = torch.ones_like(ids)
+    quantized = {"weight_quantization": args["quantize"], "nvme_path": args["nvme_path"]} if args.get("quantize") else {}
     with init_inference(args["checkpoint"], max_in_cpu=f"{args['budget']}B", disk_gbps=args["disk_gbps"],
-                        experts=args["experts"]) as engine:
+                        experts=args["experts"], **quantized) as engine:
         engine.generate(warm, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)  # another prompt
         engine.wait_loaded()
         snapshots = []  # before each forward of the measured generate: its reads and counts so far
@@ -165,7 +170,7 @@ def child(args: dict) -> dict:
         plan = engine.plan
         streamed = sum(u.read_nbytes for u in plan.streamed)
         expert_read = plan.experts.expert_read_nbytes if plan.experts is not None else 0
-        return {"experts": args["experts"], "batch": args["batch"], "budget": args["budget"],
+        return {"experts": args["experts"], "batch": args["batch"], "budget": args["budget"], "quantize": args.get("quantize"),
                 "s_per_token": float(np.median(np.diff(np.array(clock.times)))), "per_token": per,
                 "needed_bytes_per_token": streamed + per.get("picked", 0) * expert_read,
                 "streamed_layer_bytes": streamed, "expert_read_nbytes": expert_read, "plan": plan.describe()}
@@ -187,6 +192,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=12)
     ap.add_argument("--big-batch", type=int, default=8)
     ap.add_argument("--accelerate", default="auto", help="auto: Accelerate beside ours at equal memory; none")
+    ap.add_argument("--quantize", choices=("none", "int4", "int8"), default="none",
+                    help="our runs' weight_quantization (the experts packed per expert); Accelerate's stays bf16")
     ap.add_argument("--fio-size", default="4GiB")
     ap.add_argument("--out", help="write every figure to this JSON file")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -204,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
     size = sum(os.path.getsize(f) for f in _files(checkpoint) if f.endswith(".safetensors"))
     budget = int(size * args.fraction)
     print(f"checkpoint: {checkpoint} ({size / 1e9:.2f} GB, {spec}; ready in {time.perf_counter() - start:.1f} s); "
-          f"budget {budget / 2**30:.2f} GiB ({args.fraction:.0%})")
+          f"budget {budget / 2**30:.2f} GiB ({args.fraction:.0%}); weights {args.quantize if args.quantize != 'none' else 'bf16'}")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
     fio_bps = fio_read_speed(InferenceConfig().aio, directory, args.fio_size)
     results = []
@@ -212,7 +219,8 @@ def main(argv: list[str] | None = None) -> dict:
         _make_cold(checkpoint, directory / "accelerate-offload")
         payload = {"checkpoint": str(checkpoint), "budget": budget, "batch": batch, "experts": experts,
                    "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "vocab": spec.vocab,
-                   "disk_gbps": fio_bps / 1e9 if fio_bps else 1.0}
+                   "disk_gbps": fio_bps / 1e9 if fio_bps else 1.0,
+                   "quantize": None if args.quantize == "none" else args.quantize, "nvme_path": str(directory)}
         try:
             result = run_child("benchmarks.infer_moe", ["--child", json.dumps(payload)])
         except ChildError as exc:
@@ -229,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "new_tokens": max(4, args.new_tokens // 3), "buffer_count": None, "aio": InferenceConfig().aio.to_dict(),
                 "disk_gbps": fio_bps / 1e9 if fio_bps else None, "offload_folder": str(offload_folder)}
         peers = runner.rows(["equal"], ["ours", "accelerate-auto"], base, budget)
-    figures = {"spec": asdict(spec), "checkpoint_bytes": size, "budget": budget, "fio_bps": fio_bps,
+    figures = {"spec": asdict(spec), "checkpoint_bytes": size, "budget": budget, "fio_bps": fio_bps, "quantize": args.quantize,
                "runs": results, "peers": peers, "targets": targets(results, peers, fio_bps)}
     print("\n".join(figures["targets"]))
     if args.out:

@@ -46,3 +46,23 @@ def test_tiny_run_end_to_end(capsys):
     printed = capsys.readouterr().out
     assert "fio:" in printed and any(line.startswith("bytes read per token") for line in figures["targets"])
     assert any("whole-layer streaming's tokens/s" in line for line in figures["targets"])
+
+
+@pytest.mark.bench
+@pytest.mark.fio
+def test_tiny_run_with_int4_reads_packed_experts():
+    """``--quantize int4``: our runs read the experts packed (int4 group 64: half a byte a weight, a bf16 scale
+    and zero per 64 inputs; one aligned read each), the routed run fewer bytes than the whole layers."""
+    root = scratch_dir("infer-moe-bench-int4-")
+    try:
+        figures = main(["--dir", str(root), "--layers", "2", "--hidden", "128", "--intermediate", "256", "--vocab",
+                        "512", "--accelerate", "none", "--fio-size", "16MiB", "--new-tokens", "3", "--big-batch", "2",
+                        "--quantize", "int4"])
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    runs = {(r["experts"], r["batch"]): r for r in figures["runs"]}
+    routed, whole = runs[("routed", 1)], runs[("whole", 1)]
+    packed = 3 * 128 * 256 // 2 + (128 // 64) * 512 * 4 + (256 // 64) * 128 * 4  # gate_up [512, 128], down [128, 256]
+    assert figures["quantize"] == "int4" and routed["quantize"] == "int4"
+    assert routed["expert_read_nbytes"] == -(-packed // 4096) * 4096 < 3 * 128 * 256 * 2  # bf16's: 192 KiB
+    assert "quantized: int4" in routed["plan"] and 0 < routed["per_token"]["io"] < whole["per_token"]["io"]

@@ -37,6 +37,7 @@ from offload.infer.stream.streamer import LayerStreamer
 from offload.infer.stream.unit import Unit
 from offload.infer.weights.convert import checkpoint_in_dtype
 from offload.infer.weights.qcache import quantized_cache
+from offload.infer.weights.quant_experts import experts_targets, swap_experts
 from offload.infer.weights.quantize import quantization_targets, swap_linears
 from offload.storage.safetensors_reader import SafetensorsCheckpoint
 from tensorio import AioHandle
@@ -464,15 +465,17 @@ class InferenceEngine(DeviceReservation):
         directory). Raises ValueError naming ``weight_quantization`` where the device cannot run it."""
         spec, kernels = self.settings.weight_quantization, self.compute.packed_kernels
         targets = quantization_targets(self.module, decoder_blocks(self.module), spec, kernels, self.dtype, self.compute.name)
+        experts = experts_targets(self.module, decoder_blocks(self.module), spec)  # quantized expert by expert
         self._unquantized_sizes = self._sizes()
         settings = self.settings  # before the cache is written (minutes): the units that must stay in memory fit
         if settings.device != "cpu" and settings.max_in_cpu != "auto" and self._device_budget is None:
             budget = settings.budget_bytes(torch.empty((), dtype=self.dtype).element_size())  # 0: all streams
             if budget:  # quantizing does not shrink what must stay (it packs the decoder layers' linears)
                 make_plan([u for u in self._sizes() if not u.streamable], budget=budget, buffer_count=settings.buffer_count)
-        cache = quantized_cache(self.checkpoint, self.units, targets, spec, self.dtype,
+        cache = quantized_cache(self.checkpoint, self.units, {**targets, **experts}, spec, self.dtype,
                                 self.settings.nvme_path or directory, self.handle, kernels=kernels)
         swap_linears(self.module, list(targets), spec, self.dtype, kernels)
+        swap_experts(self.module, list(experts), spec, self.dtype, kernels)
         self.checkpoint = SafetensorsCheckpoint(cache, self.handle)
         self.units = build_units(self.module, self.checkpoint)
 

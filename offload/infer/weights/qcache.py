@@ -3,7 +3,9 @@ once to one safetensors file on NVMe and streamed from there.
 
 Laid out for the layer streamer: the units in forward order, all in one file, each unit starting on
 a page boundary with its tensors back to back (each on a multiple of 64 bytes), so that a layer is
-one aligned O_DIRECT read from its first byte (see docs/inference.md, "Quantized weights"). The tensors that are not
+one aligned O_DIRECT read from its first byte (see docs/inference.md, "Quantized weights"). A mixture of
+experts' experts are written expert by expert, each expert's packed tensors together from a page boundary
+(offload/infer/weights/quant_experts.py), so that one expert is one aligned read too. The tensors that are not
 quantized (embeddings, norms, the head) are stored in the compute dtype. int4 weights are packed in
 the layout of the compute device's kernel (``Device.packed_kernels``): a device whose packing is not
 the CPU's has a cache of its own (tagged with the layout), so the bytes streamed and copied to it are
@@ -35,8 +37,9 @@ import torch
 from offload.device import CPU_KERNELS, PackedKernels
 from offload.infer.config import WeightQuantization
 from offload.infer.plan.host import format_bytes
-from offload.infer.stream.unit import Unit
+from offload.infer.stream.unit import ParamRef, Unit
 from offload.infer.weights.convert import drop_page_cache, verified_cache
+from offload.infer.weights.quant_experts import expert_layout, expert_tensors
 from offload.infer.weights.quantize import quantize_weight, quantized_layout
 from offload.storage.safetensors_reader import SafetensorsCheckpoint, read_windows, tensor_views
 from offload.storage.safetensors_writer import atomic_safetensors
@@ -136,7 +139,7 @@ def quantized_cache(checkpoint: SafetensorsCheckpoint, units: Sequence[Unit], ta
                 future.result()
             views = tensor_views(unit.windows, buffer)
             for ref in unit.params:
-                for name, value in _converted(sources[id(ref)], ref.value(views), spec, dtype, kernels):
+                for name, value in _converted(sources[id(ref)], ref, views, spec, dtype, kernels):
                     out.write(name, value)
             del views, buffer
             bar.update(unit.read_nbytes)
@@ -156,13 +159,16 @@ def _numel(shape: Sequence[int]) -> int:
 def _layout(units: Sequence[Unit], targets: Mapping[str, object], spec: WeightQuantization, dtype: torch.dtype,
             kernels: PackedKernels):
     """The cache's tensors in write order (name -> (dtype, shape)), and per parameter (by id of its
-    `ParamRef`) how it is written: ("quantize", module path), or ("copy", name, dtype).
+    `ParamRef`) how it is written: ("quantize", module path), ("copy", name, dtype), or for an experts module
+    (offload/infer/weights/quant_experts.py) ("experts", path, module, its parameters) on its first parameter and
+    ("with",) on the others; each expert's tensors start on a page boundary (one aligned read per expert).
 
     Padding tensors (``__pad__.N``, uint8) put every unit's first tensor on a page boundary and every
     tensor on a multiple of 64 bytes (the file's data starts page-aligned): a layer is read from its
     first byte, and each tensor lands in the read buffer aligned as the kernels' vector loads need
     (``torch._weight_int8pack_mm`` crashes on an int8 weight at an address that is 8 mod 16)."""
-    by_module = {id(module): path for path, module in targets.items()}
+    by_module = {id(module): path for path, module in targets.items() if isinstance(module, torch.nn.Linear)}
+    experts = {id(module): path for path, module in targets.items() if not isinstance(module, torch.nn.Linear)}
     layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     sources: dict[int, tuple] = {}
     end = 0
@@ -179,6 +185,17 @@ def _layout(units: Sequence[Unit], targets: Mapping[str, object], spec: WeightQu
         align = PAGE
         for ref in unit.params:
             module, attr = ref.owners[0]
+            if id(module) in experts:  # an experts module: each expert's tensors together, from a page boundary
+                group = tuple(r for r in unit.params if r.owners[0][0] is module)
+                if ref is group[0]:
+                    for tensors in expert_layout(experts[id(module)], module, spec, dtype, kernels):
+                        align = PAGE
+                        for name, (tensor_dtype, tensor_shape) in tensors.items():
+                            place(name, tensor_dtype, tensor_shape, align)
+                            align = _TENSOR_ALIGN
+                sources[id(ref)] = ("experts", experts[id(module)], module, group) if ref is group[0] else ("with",)
+                align = _TENSOR_ALIGN
+                continue
             path = by_module.get(id(module))
             shape = tuple(ref.placeholder.shape)
             if path is not None and attr == "weight":
@@ -196,14 +213,18 @@ def _layout(units: Sequence[Unit], targets: Mapping[str, object], spec: WeightQu
     return layout, sources
 
 
-def _converted(source: tuple, value: torch.Tensor, spec: WeightQuantization, dtype: torch.dtype,
-               kernels: PackedKernels):
-    """The (name, tensor) pairs one checkpoint tensor becomes in the cache."""
+def _converted(source: tuple, ref: ParamRef, views: Mapping[str, torch.Tensor], spec: WeightQuantization,
+               dtype: torch.dtype, kernels: PackedKernels):
+    """The (name, tensor) pairs one parameter (``ref``, its checkpoint tensors ``views``) becomes in the cache:
+    an experts module's first parameter, its experts' (the others: nothing of their own)."""
     if source[0] == "quantize":
-        for name, tensor in quantize_weight(value, spec, dtype, kernels).items():
+        for name, tensor in quantize_weight(ref.value(views), spec, dtype, kernels).items():
             yield f"{source[1]}.{name}", tensor
-    else:
-        yield source[1], value.to(source[2])
+    elif source[0] == "experts":
+        _, path, module, group = source
+        yield from expert_tensors(path, module, {r.owners[0][1]: r.value(views) for r in group}, spec, dtype, kernels)
+    elif source[0] == "copy":
+        yield source[1], ref.value(views).to(source[2])
 
 
 def _remove_stale(root: str, tag: str, directory: str) -> None:

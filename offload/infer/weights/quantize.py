@@ -30,15 +30,20 @@ from torch import nn
 from offload.device import CPU_KERNELS, PackedKernels
 from offload.infer.config import WeightQuantization
 
-__all__ = ["QuantLinear", "block_linears", "quantizable", "quantization_targets", "quantize_weight", "quantized_layout",
-           "swap_linears"]
+__all__ = ["QuantLinear", "block_linears", "quantizable", "quantizable_shape", "quantization_targets", "quantize_weight",
+           "quantized_layout", "swap_linears"]
 
 
 def quantizable(linear: nn.Module, spec: WeightQuantization) -> bool:
     """Whether ``linear`` (an ``nn.Linear``) has a shape the kernel of ``spec`` takes."""
     if type(linear) is not nn.Linear:
         return False
-    out_features, in_features = linear.weight.shape
+    return quantizable_shape(*linear.weight.shape, spec)
+
+
+def quantizable_shape(out_features: int, in_features: int, spec: WeightQuantization) -> bool:
+    """Whether the kernel of ``spec`` takes a weight of ``out_features`` x ``in_features`` (a linear layer's, or
+    one expert's projection: offload/infer/weights/quant_experts.py)."""
     if spec.num_bits == 8:  # torch 2.13's int8 kernel crashes on other widths beyond one row of input
         return in_features % 16 == 0
     return out_features % 16 == 0 and in_features % spec.group_size == 0
