@@ -53,8 +53,11 @@ def run(rank: int, world_size: int, tmp: str, param: str, opt: str, gas: int, cl
     ``simulated``: compute on the simulated device (all-gathers and reductions of device buffers)."""
     if world_size > 1:
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+        os.environ["LOCAL_RANK"] = str(rank)  # as torchrun sets it: each rank takes simgpu:LOCAL_RANK
     device = SimulatedDevice(seed=rank, max_delay_s=0.0002) if simulated else "cpu"
-    engine, *_ = initialize(model=gpt2(), config=config(tmp, param, opt, world_size, gas, clip, bucket, overlap),
+    model = gpt2()
+    seen = _record_devices(model, device) if simulated else None
+    engine, *_ = initialize(model=model, config=config(tmp, param, opt, world_size, gas, clip, bucket, overlap),
                             compute_device=device)
     fast = opt == "nvme"  # the path under test: during backward without clipping, else in the next forward
     stats = engine.stats()
@@ -70,6 +73,10 @@ def run(rank: int, world_size: int, tmp: str, param: str, opt: str, gas: int, cl
         if world_size > 1:
             torch.distributed.all_reduce(total)
         losses.append(total.item() / world_size)
+    if simulated:  # this rank's parameters, gradients, device buffers and activations: on its own index
+        assert device.torch_device == torch.device("simgpu", rank)
+        assert {kind: places for kind, places in seen.items()} == {
+            kind: {device.torch_device} for kind in ("parameters", "gradients", "buffers", "activations")}, seen
     params = {n: t for n, t in engine.full_parameters()}
     # Every rank saves its partitions into one atomic checkpoint; a fresh engine loads them back.
     path = engine.save_checkpoint(os.path.join(tmp, f"ckpt{world_size}"), client_state={"rank0": rank == 0})
@@ -91,6 +98,34 @@ def run(rank: int, world_size: int, tmp: str, param: str, opt: str, gas: int, cl
         gc.collect()  # the device buffers collectives used, freed before gloo's teardown (docs/engine.md)
     if world_size > 1:
         torch.distributed.destroy_process_group()
+
+
+def _record_devices(model: nn.Module, device: SimulatedDevice) -> dict[str, set]:
+    """Where ``model``'s gathered parameters (at each module's forward), gradients (as autograd computes
+    them), ``device``'s buffers (gathers, gradient buckets) and activations (module outputs) are made."""
+    seen = {"parameters": set(), "gradients": set(), "buffers": set(), "activations": set()}
+
+    def before(module, args):
+        seen["parameters"].update(p.device for p in module.parameters(recurse=False) if p.numel())
+
+    def after(module, args, output):
+        seen["activations"].update(t.device for t in (output if isinstance(output, tuple) else (output,))
+                                   if isinstance(t, torch.Tensor))
+
+    for module in model.modules():
+        module.register_forward_pre_hook(before)
+        module.register_forward_hook(after)
+    for param in model.parameters():
+        param.register_hook(lambda grad: seen["gradients"].add(grad.device))
+    empty = device.empty
+
+    def recorded(*args, **kwargs):
+        buffer = empty(*args, **kwargs)
+        seen["buffers"].add(buffer.device)
+        return buffer
+
+    device.empty = recorded
+    return seen
 
 
 def _free_port() -> int:
@@ -117,6 +152,8 @@ def two_ranks_match_one(disk_dir, monkeypatch, setting: tuple, rest: tuple, *, s
     amplification of last-bit differences."""
     one, two = str(disk_dir / "one.pt"), str(disk_dir / "two.pt")
     run(0, 1, *setting, one, *rest, simulated)
+    if simulated:  # a node of two simulated devices, one per rank (simgpu:0 and simgpu:1)
+        monkeypatch.setenv("OFFLOAD_SIMGPU_COUNT", "2")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     from ranks import run_ranks  # here: tests/two_node_worker.py imports this module as tests.test_engine_dist
@@ -139,7 +176,9 @@ def two_ranks_match_one(disk_dir, monkeypatch, setting: tuple, rest: tuple, *, s
                          ids=["updates-in-backward-small-buckets", "params-on-disk-clipping-accumulation"])
 def test_world_size_two_on_the_simulated_device_matches_one(disk_dir, param, opt, gas, clip, bucket, monkeypatch):
     """Two ranks computing on the simulated device (partitions all-gathered and gradients all-reduced as
-    device buffers, as NCCL needs them) give world size one's results on that device."""
+    device buffers, as NCCL needs them) give world size one's results on that device. As torchrun launches
+    them, on a node of two devices: each rank's parameters, gradients, device buffers and activations are
+    on its own index, simgpu:LOCAL_RANK."""
     two_ranks_match_one(disk_dir, monkeypatch, (str(disk_dir), param, opt, gas, clip), (bucket, True), simulated=True)
 
 

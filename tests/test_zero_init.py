@@ -459,7 +459,7 @@ def _build_on_a_rank(rank: int, tmp: str, out: str) -> None:
 
     from test_engine import mlp, mlp_batches, mlp_loss
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", OFFLOAD_SIMGPU_COUNT="2")  # simgpu:LOCAL_RANK
     device = SimulatedDevice(seed=rank, max_delay_s=0.0002)
     checked: list[str] = []
     check = device.check_collective

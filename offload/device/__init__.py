@@ -18,6 +18,7 @@ from offload.device._select import (DEVICE_CHOICES, check_process_group, collect
 from offload.device._host_memory import (AUTO_MARGIN_BYTES, AUTO_MARGIN_SHARE, HostMemory, auto_budget, host_memory,
                                         local_ranks)
 from offload.device._packed import CPU_KERNELS, PackedKernels
+from offload.device._ranks import check_rank_devices
 from offload.device._simtorch import count_host_syncs
 from offload.device._simulated import CopyRecord, SimulatedDevice
 
@@ -43,6 +44,7 @@ __all__ = [
     "Stream",
     "auto_budget",
     "check_process_group",
+    "check_rank_devices",
     "collective_device",
     "count_host_syncs",
     "cuda_available",

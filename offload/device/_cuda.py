@@ -12,9 +12,10 @@ import torch
 
 from offload.device._base import Device, Event, Stream
 from offload.device._packed import PackedKernels, tinygemm_refusal
+from offload.device._ranks import rank_gpu
 from tensorio import HostRegistration, lock_status, set_host_registration
 
-__all__ = ["CUDA_HOST_REGISTRATION", "CudaDevice", "CudaPackedKernels", "cuda_available"]
+__all__ = ["CUDA_HOST_REGISTRATION", "CudaDevice", "CudaPackedKernels", "cuda_available", "rank_gpu"]
 
 
 def cuda_available() -> bool:
@@ -64,23 +65,6 @@ class _CudaStream(Stream):
 
     def synchronize(self) -> None:
         self.raw.synchronize()
-
-
-def rank_gpu(current: int, local_rank: str | None, count: int) -> int:
-    """The GPU index this process computes on: ``current`` (torch.cuda.current_device()) where the caller
-    chose one (anything but 0) or no launcher set ``LOCAL_RANK``; else ``LOCAL_RANK``, so that the ranks of a
-    node each take their own GPU instead of all computing on GPU 0. Raises ValueError naming LOCAL_RANK when
-    it is not an index of the ``count`` GPUs this process sees."""
-    if current != 0 or local_rank is None or local_rank.strip() == "":
-        return current
-    if not local_rank.strip().isdigit():
-        raise ValueError(f"LOCAL_RANK: {local_rank!r} is not a GPU index")
-    index = int(local_rank)
-    if index >= count:
-        raise ValueError(f"LOCAL_RANK {index}: this process sees {count} GPU{'s' if count != 1 else ''}, so rank "
-                         f"{index} of this node has none of its own; run at most {count} ranks per node "
-                         f"(torchrun --nproc_per_node {count}) or give each rank its GPU (CUDA_VISIBLE_DEVICES)")
-    return index
 
 
 class CudaDevice(Device):

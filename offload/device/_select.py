@@ -20,8 +20,9 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda", "simulated")
 
 
 def device_for(choice: str, *, setting: str = "compute_device", budget_bytes: int | None = None,
-               budget_setting: str = "device budget") -> Device:
-    """The `Device` a setting names (see DEVICE_CHOICES), with an optional memory budget.
+               budget_setting: str = "device budget", index: int | None = None) -> Device:
+    """The `Device` a setting names (see DEVICE_CHOICES), with an optional memory budget, on device ``index``
+    where it has several (default: the current one, or under a launcher the rank's, `rank_gpu`; the CPU has one).
 
     Raises ValueError naming ``setting`` for an unknown choice or "cuda" without CUDA, and naming
     ``budget_setting`` with the figures for a budget over the device's free memory.
@@ -32,9 +33,9 @@ def device_for(choice: str, *, setting: str = "compute_device", budget_bytes: in
         raise ValueError(f"{setting}: \"cuda\" is asked for but CUDA is not available here (torch {torch.__version__}, "
                          f"{'a CPU build' if torch.version.cuda is None else 'no GPU visible'}); use \"cpu\" or \"auto\"")
     if choice == "simulated":
-        return SimulatedDevice(budget_bytes=budget_bytes, budget_setting=budget_setting)
+        return SimulatedDevice(index, budget_bytes=budget_bytes, budget_setting=budget_setting)
     if choice == "cuda" or (choice == "auto" and cuda_available()):
-        return CudaDevice(budget_bytes=budget_bytes, budget_setting=budget_setting)
+        return CudaDevice(index, budget_bytes=budget_bytes, budget_setting=budget_setting)
     return CpuDevice(budget_bytes=budget_bytes, budget_setting=budget_setting)
 
 

@@ -1,17 +1,21 @@
 """The simulated device as torch sees it: a device type of its own ("simgpu"), computing on the CPU.
 
 torch's PrivateUse1 slot is set up as a Python backend (`torch.utils.backend_registration`) named
-``simgpu``. Its tensors are plain ``torch.Tensor`` objects whose ``device`` is ``simgpu:0``, as a CUDA
-tensor's is ``cuda:0``: autograd, ``param.data = ...``, ``.to()``, ``.cpu()`` and the dispatcher treat
+``simgpu``. Its tensors are plain ``torch.Tensor`` objects whose ``device`` is ``simgpu:i``, as a CUDA
+tensor's is ``cuda:i``: autograd, ``param.data = ...``, ``.to()``, ``.cpu()`` and the dispatcher treat
 them as another device's. Underneath, each storage's bytes are host memory (a CPU tensor kept alive
 by the storage), and every operator runs one Python kernel (`_run`): it views the device tensors'
 bytes as CPU tensors (same address, sizes, strides), runs the CPU operator, and hands back a device
 tensor (a view op's result shares its input's storage; an in-place op returns its input; any other
 result is copied into new device memory). Nothing is faked: every result is the CPU's computation.
 
-As on a GPU, an operator refuses to mix device tensors with host tensors other than 0-dim ones
-("Expected all tensors to be on the same device ..."), except copies and indexing with host indices,
-which CUDA also takes.
+The process sees `device_count` devices (``OFFLOAD_SIMGPU_COUNT``, default 1), ``simgpu:0`` to
+``simgpu:N-1``, and has a current one (`set_device`, process-wide), as CUDA's GPUs; an index beyond the
+count fails as CUDA's "invalid device ordinal". An operator's result is on its inputs' device.
+
+As on a GPU, an operator refuses to mix device tensors with host tensors other than 0-dim ones, or with
+tensors of another index ("Expected all tensors to be on the same device ..."), except copies
+(``.to()``, ``copy_``) and indexing with host indices, which CUDA also takes.
 
 `install()` sets the backend up once per process (PrivateUse1 is process-wide); a process whose
 PrivateUse1 slot another backend holds gets a clear error, and so does a process that can use CUDA:
@@ -21,16 +25,20 @@ backward fails inside autograd's engine (`CUDA_CONFLICT`).
 
 from __future__ import annotations
 
+import ctypes
+import os
 import threading
 import warnings
 
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["DEVICE_TYPE", "HostSyncs", "count_host_syncs", "install", "host_view", "new_device_tensor",
-           "is_device_tensor"]
+__all__ = ["COUNT_ENV", "DEVICE_TYPE", "HostSyncs", "count_host_syncs", "current_device", "device_count", "install",
+           "host_view", "new_device_tensor", "is_device_tensor", "set_device"]
 
 DEVICE_TYPE = "simgpu"
+COUNT_ENV = "OFFLOAD_SIMGPU_COUNT"
+"""The environment variable that says how many simulated devices a process sees (default 1)."""
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _lock = threading.Lock()
 _libraries: list = []
@@ -91,22 +99,120 @@ def note_host_sync(cause: str) -> None:
         counter.add(cause)
 
 
+_current = 0
+
+
+def device_count() -> int:
+    """How many simulated devices this process sees: ``OFFLOAD_SIMGPU_COUNT`` (default 1), read at each
+    call. Raises ValueError naming the variable for anything but a whole number >= 1."""
+    value = os.environ.get(COUNT_ENV, "1").strip() or "1"
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{COUNT_ENV}: {value!r} is not a device count; use a whole number >= 1 (default 1)")
+    return int(value)
+
+
+def check_index(index: int) -> int:
+    """``index`` where it names one of the `device_count` devices; else RuntimeError, as CUDA's
+    "invalid device ordinal" (``torch.cuda.set_device`` beyond the count), naming the count and its setting."""
+    count = device_count()
+    if not 0 <= index < count:
+        raise RuntimeError(f"{DEVICE_TYPE} error: invalid device ordinal {index}: this process sees {count} simulated "
+                           f"device{'s' if count != 1 else ''} ({COUNT_ENV}={count}), {DEVICE_TYPE}:0 to "
+                           f"{DEVICE_TYPE}:{count - 1}")
+    return index
+
+
+def current_device() -> int:
+    """The index `set_device` last chose in this process (0 at first): where ``device="simgpu"`` goes."""
+    return _current
+
+
+def set_device(index: int | torch.device | str) -> None:
+    """Make ``index`` the current simulated device (process-wide), as ``torch.cuda.set_device``.
+    Raises RuntimeError for an index beyond `device_count` (`check_index`)."""
+    global _current
+    device = torch.device(DEVICE_TYPE, index) if isinstance(index, int) else torch.device(index)
+    if device.type != DEVICE_TYPE or device.index is None:
+        raise ValueError(f"set_device: {index!r} is not a {DEVICE_TYPE} device index")
+    _current = check_index(device.index)
+
+
+def _index_of(device: object) -> int:
+    """The index a ``device=`` argument names (the current device where it names none)."""
+    index = torch.device(device).index
+    return current_device() if index is None else index
+
+
 def is_device_tensor(value: object) -> bool:
     """Whether ``value`` is a tensor of the simulated device."""
     return isinstance(value, torch.Tensor) and value.device.type == DEVICE_TYPE
 
 
-def new_device_tensor(size, stride, dtype: torch.dtype) -> torch.Tensor:
-    """A new simgpu tensor of ``size`` and ``stride`` (contents undefined) over new host memory."""
+def new_device_tensor(size, stride, dtype: torch.dtype, index: int) -> torch.Tensor:
+    """A new tensor on ``simgpu:index`` of ``size`` and ``stride`` (contents undefined) over new host
+    memory. Raises RuntimeError for an index beyond `device_count` (`check_index`)."""
     size, stride = tuple(size), tuple(stride)
     extent = 1 + sum((s - 1) * st for s, st in zip(size, stride)) if all(s > 0 for s in size) else 0
     itemsize = torch.empty((), dtype=dtype).element_size()
     memory = torch.empty(max(extent, 1) * itemsize, dtype=torch.uint8)  # never a null pointer
-    storage = torch._C._construct_storage_from_data_pointer(memory.data_ptr(), torch.device(DEVICE_TYPE, 0),
+    storage = torch._C._construct_storage_from_data_pointer(memory.data_ptr(), torch.device(DEVICE_TYPE, index),
                                                            memory.numel())
     storage._simulated_memory = memory  # the device storage keeps its host bytes alive, and only it
-    tensor = torch._C._acc.create_empty_tensor((0,), dtype)
+    tensor = _blank(index, dtype)
     return torch.ops.aten.set_.source_Storage_storage_offset.redispatch(_CPU_KEYS, tensor, storage, 0, size, stride)
+
+
+def _blank(index: int, dtype: torch.dtype) -> torch.Tensor:
+    """A new, empty simgpu tensor on ``index`` (its storage is then set): torch's own for index 0; for
+    another index an alias of a blank made once through DLPack, the one way torch builds a PrivateUse1
+    tensor of a given index from Python (torch's `set_` refuses a storage of another index)."""
+    if index == 0:
+        return torch._C._acc.create_empty_tensor((0,), dtype)
+    check_index(index)
+    blank = _blanks.get((index, dtype))
+    if blank is None:
+        raw = _blanks.get((index, torch.uint8))
+        if raw is None:
+            raw = _blanks[(index, torch.uint8)] = _dlpack_blank(index)
+        blank = _blanks[(index, dtype)] = torch.ops.aten.view.dtype.redispatch(_CPU_KEYS, raw, dtype)
+    return torch.ops.aten.alias.default.redispatch(_CPU_KEYS, blank)
+
+
+_blanks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32), ("dtype", _DLDataType),
+                ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+                ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+_DL_EXT_DEV = 12  # DLPack's kDLExtDev: torch reads it as PrivateUse1
+_dlpack_kept: list = []
+"""The DLPack structs of the blanks (one per index above 0, never freed: they have no deleter)."""
+
+
+def _dlpack_blank(index: int) -> torch.Tensor:
+    """A 0-element uint8 tensor on ``simgpu:index``, from a DLPack capsule (DLPack 0.8's layout)."""
+    shape, strides, byte = (ctypes.c_int64 * 1)(0), (ctypes.c_int64 * 1)(1), (ctypes.c_uint8 * 8)()
+    managed = _DLManagedTensor(_DLTensor(ctypes.addressof(byte), _DLDevice(_DL_EXT_DEV, index), 1, _DLDataType(1, 8, 1),
+                                         shape, strides, 0), None, None)
+    _dlpack_kept.append((shape, strides, byte, managed))
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype, new_capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    return torch._C._from_dlpack(new_capsule(ctypes.addressof(managed), b"dltensor", None))
 
 
 def host_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -121,19 +227,31 @@ def _to_host(value: object) -> object:
     return host_view(value) if is_device_tensor(value) else value
 
 
-def _check_same_device(op: torch._ops.OpOverload, tensors: list[torch.Tensor]) -> None:
+def _check_same_device(op: torch._ops.OpOverload, tensors: list[torch.Tensor]) -> int | None:
+    """The index of the device tensors among ``tensors`` (None: none). Raises CUDA's RuntimeError for a
+    host tensor (other than a 0-dim one) or a tensor of another index beside them."""
+    devices = [t.device for t in tensors if t.device.type == DEVICE_TYPE]
+    if not devices:
+        return None
     if op.name() in _MIXING_ALLOWED:
-        return
+        return devices[0].index
+    other = next((d for d in devices if d != devices[0]), None)
+    if other is not None:
+        raise RuntimeError(
+            f"Expected all tensors to be on the same device, but found at least two devices, {devices[0]} and "
+            f"{other}! (in {op.name()}: tensors on two simulated devices; move one with .to(), as on a GPU)")
     host = next((t for t in tensors if t.device.type == "cpu" and t.dim() > 0), None)
     if host is not None:
         raise RuntimeError(
-            f"Expected all tensors to be on the same device, but found at least two devices, {DEVICE_TYPE}:0 and "
+            f"Expected all tensors to be on the same device, but found at least two devices, {devices[0]} and "
             f"cpu! (in {op.name()}: a host tensor of shape {tuple(host.shape)} with a tensor on the simulated "
             f"device; move it with .to(device) first, as on a GPU)")
+    return devices[0].index
 
 
-def _to_device(result: torch.Tensor) -> torch.Tensor:
-    out = new_device_tensor(result.size(), result.stride() if result.numel() else [1] * result.dim(), result.dtype)
+def _to_device(result: torch.Tensor, index: int) -> torch.Tensor:
+    out = new_device_tensor(result.size(), result.stride() if result.numel() else [1] * result.dim(), result.dtype,
+                            index)
     host_view(out).copy_(result)
     return out
 
@@ -143,7 +261,7 @@ def _adopt(tensor: torch.Tensor, result: torch.Tensor) -> None:
     takes the new size, in new device memory holding ``result``."""
     if result.shape == tensor.shape and result.data_ptr() == tensor.data_ptr() and result.stride() == tensor.stride():
         return
-    moved = _to_device(result)
+    moved = _to_device(result, tensor.device.index)
     torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
         _CPU_KEYS, tensor, moved.untyped_storage(), moved.storage_offset(), moved.size(), moved.stride())
 
@@ -152,9 +270,10 @@ def _run(op: torch._ops.OpOverload, *args, **kwargs):
     """Every simgpu operator: the CPU's kernel on host views of the device tensors (module docstring)."""
     flat, _ = pytree.tree_flatten((args, kwargs))
     tensors = [t for t in flat if isinstance(t, torch.Tensor)]
-    _check_same_device(op, tensors)
+    on = _check_same_device(op, tensors)
     wants_device = isinstance(kwargs.get("device"), torch.device) and kwargs["device"].type == DEVICE_TYPE
-    if wants_device:
+    if wants_device:  # made on (or moved to) the device it names
+        on = check_index(_index_of(kwargs["device"]))
         kwargs = {**kwargs, "device": torch.device("cpu")}
     host_args, host_kwargs = pytree.tree_map(_to_host, (args, kwargs))
     if op.name() in _SYNCING and _counters:
@@ -193,8 +312,8 @@ def _run(op: torch._ops.OpOverload, *args, **kwargs):
             wrapped.append(source)  # in place, or out=: the device tensor itself
         elif alias is not None and is_device_tensor(source):  # a view: shares the input's storage
             wrapped.append(source.as_strided(value.size(), value.stride(), value.storage_offset()))
-        elif tensors and any(is_device_tensor(t) for t in tensors) or wants_device:
-            wrapped.append(_to_device(value))
+        elif on is not None:
+            wrapped.append(_to_device(value, on))
         else:
             wrapped.append(value)
     if isinstance(result, tuple):
@@ -207,11 +326,12 @@ def _run(op: torch._ops.OpOverload, *args, **kwargs):
 def _empty_memory_format(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
     dtype = dtype or torch.get_default_dtype()
     stride = torch.empty(size, dtype=dtype, device="meta", memory_format=memory_format or torch.contiguous_format).stride()
-    return new_device_tensor(size, stride, dtype)
+    return new_device_tensor(size, stride, dtype, check_index(_index_of(device or DEVICE_TYPE)))
 
 
 def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
-    return new_device_tensor(size, stride, dtype or torch.get_default_dtype())
+    return new_device_tensor(size, stride, dtype or torch.get_default_dtype(),
+                             check_index(_index_of(device or DEVICE_TYPE)))
 
 
 def _as_strided(tensor, size, stride, storage_offset=None):
@@ -278,11 +398,16 @@ class _BackendModule:
 
     @staticmethod
     def current_device() -> int:
-        return 0
+        return current_device()
 
     @staticmethod
     def device_count() -> int:
-        return 1
+        return device_count()
+
+    @staticmethod
+    def set_device(index: int | torch.device | str) -> None:
+        """As ``torch.cuda.set_device``: RuntimeError beyond the count."""
+        set_device(index)
 
     @staticmethod
     def _is_in_bad_fork() -> bool:

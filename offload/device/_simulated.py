@@ -35,9 +35,9 @@ over the budget, DeviceSyncError for a buffer used after ``free``.
 from __future__ import annotations
 
 import math
+import os
 import random
 import threading
-import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
@@ -45,24 +45,16 @@ from typing import Callable
 
 import torch
 
-from offload.at_exit import end_at_exit
 from offload.device._base import Device, Event, Stream
-from offload.device._errors import CollectiveDeviceError, DeviceError, DeviceSyncError, describe_bytes
+from offload.device._errors import CollectiveDeviceError, DeviceSyncError, describe_bytes
 from offload.device._packed import SimulatedPackedKernels
-from offload.device._simtorch import DEVICE_TYPE, host_view, install, new_device_tensor, note_host_sync
+from offload.device._simstreams import SCHEDULES, Clock, ComputeStream, Queue, SideStream, SimEvent, merge
+from offload.device._ranks import rank_gpu
+from offload.device._simtorch import (COUNT_ENV, DEVICE_TYPE, check_index, current_device, device_count, host_view,
+                                      install, new_device_tensor, note_host_sync, set_device)
 from tensorio import HostRegistration, in_locked_buffer, lock_status, set_host_registration
 
 __all__ = ["CopyRecord", "SimulatedDevice"]
-
-_COMPUTE = 0  # the compute stream's index in the vector clocks
-_SCHEDULES = ("random", "late")
-
-Clock = dict[int, int]
-
-
-def _merge(a: Clock, b: Clock) -> Clock:
-    return {k: max(a.get(k, 0), b.get(k, 0)) for k in a.keys() | b.keys()}
-
 
 def _span(tensor: torch.Tensor) -> tuple[int, int]:
     """The byte range ``[start, end)`` a tensor's elements lie in (a strided view: first to last element)."""
@@ -88,172 +80,6 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
-class _Queue:
-    """A side stream's work: run in order by one thread, each op when the schedule lets it."""
-
-    def __init__(self, index: int, name: str, schedule: str, rng: random.Random, max_delay_s: float,
-                 on_fault: Callable[[BaseException], None]) -> None:
-        self.index, self.name = index, name
-        self._schedule, self._rng, self._max_delay = schedule, rng, max_delay_s
-        self._on_fault = on_fault
-        self._cond = threading.Condition()
-        self._ops: deque[tuple[int, Callable[[], None]]] = deque()
-        self.issued = 0
-        self.executed = 0
-        self._demanded = 0
-        self.stopped = False
-        self._retired = False
-        self._thread = threading.Thread(target=self._run, name=f"simulated-stream-{name}", daemon=True)
-        self._thread.start()
-        end_at_exit(self, lambda queue: (queue.stop(), queue.join()))
-
-    def submit(self, op: Callable[[], None]) -> int:
-        with self._cond:
-            if self.stopped:
-                raise DeviceError(f"stream {self.name!r}: the simulated device is closed")
-            self.issued += 1
-            self._ops.append((self.issued, op))
-            self._cond.notify_all()
-            return self.issued
-
-    def wait_executed(self, seq: int) -> None:
-        """Block until op ``seq`` has run (under ``schedule="late"``, this is what lets it run)."""
-        with self._cond:
-            self._demanded = max(self._demanded, seq)
-            self._cond.notify_all()
-            while self.executed < seq:
-                if self.stopped:
-                    raise DeviceError(f"stream {self.name!r}: the simulated device was closed with work pending")
-                self._cond.wait()
-
-    def stop(self) -> None:
-        """End the thread now; work not yet run is dropped (the device is closing)."""
-        with self._cond:
-            self.stopped = True
-            self._cond.notify_all()
-
-    def join(self) -> None:
-        """Wait for the thread to end (after `stop`): a daemon thread still in a torch call when the
-        interpreter exits can abort the process (offload/at_exit.py)."""
-        if self._thread is not threading.current_thread():
-            self._thread.join()
-
-    def retire(self) -> None:
-        """End the thread once the work issued has run (its stream is gone; its events may still wait)."""
-        with self._cond:
-            self._retired = True
-            self._cond.notify_all()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self.stopped and not (
-                        self._ops and (self._schedule == "random" or self._ops[0][0] <= self._demanded)):
-                    if self._retired and not self._ops:
-                        self.stopped = True
-                        break
-                    self._cond.wait()
-                if self.stopped:
-                    return
-                seq, op = self._ops[0]
-            if self._schedule == "random":
-                time.sleep(self._rng.uniform(0.0, self._max_delay))  # scheduling noise, not a wait for an outcome
-            try:
-                op()
-            except BaseException as exc:  # noqa: BLE001 - handed to the host at its next call
-                self._on_fault(exc)
-            with self._cond:
-                self._ops.popleft()
-                self.executed = seq
-                self._cond.notify_all()
-
-
-class _SimEvent(Event):
-    def __init__(self, device: "SimulatedDevice", queue: _Queue | None, index: int, seq: int, clock: Clock) -> None:
-        self._device, self._queue = device, queue
-        self.index, self.seq, self.clock = index, seq, clock
-        self.number = 0
-        """The copy it ends (the device's count of copies issued), 0 for other work."""
-
-    @property
-    def stream_name(self) -> str:
-        return "compute" if self._queue is None else self._queue.name
-
-    @property
-    def done(self) -> bool:
-        return self._queue is None or self._queue.executed >= self.seq
-
-    def run(self) -> None:
-        """Block until done (demanding it under the late schedule); not a host observation."""
-        if self._queue is not None:
-            self._queue.wait_executed(self.seq)
-
-    def query(self) -> bool:
-        self._device.raise_faults()
-        if self.done:
-            self._device._observe(self.clock)
-            return True
-        return False
-
-    def synchronize(self) -> None:
-        note_host_sync("synchronize")
-        self._device.raise_faults()
-        self.run()
-        self._device._observe(self.clock)
-        self._device.raise_faults()
-
-
-class _SideStream(Stream):
-    def __init__(self, device: "SimulatedDevice", queue: _Queue) -> None:
-        self._device, self.queue, self.name = device, queue, queue.name
-        self.clock: Clock = {queue.index: 0}
-        weakref.finalize(self, queue.retire)
-
-    def submit(self, op: Callable[[], None]) -> _SimEvent:
-        seq = self.queue.submit(op)
-        self.clock[self.queue.index] = seq
-        return _SimEvent(self._device, self.queue, self.queue.index, seq, dict(self.clock))
-
-    def wait_event(self, event: Event) -> None:
-        self._device.raise_faults()
-        self.clock = _merge(self.clock, event.clock)
-        self.submit(event.run)
-
-    def record(self) -> Event:
-        return self.submit(lambda: None)
-
-
-class _ComputeStream(Stream):
-    """The host thread: what it waits for is run before the next compute, not before the host goes on."""
-
-    name = "compute"
-
-    def __init__(self, device: "SimulatedDevice") -> None:
-        self._device = device
-        self.clock: Clock = {_COMPUTE: 0}
-        self._pending: list[_SimEvent] = []
-
-    def wait_event(self, event: Event) -> None:
-        self._device.raise_faults()
-        self.clock = _merge(self.clock, event.clock)
-        self._pending.append(event)
-
-    def run_pending(self) -> None:
-        for event in self._pending:
-            event.run()
-        self._pending.clear()
-
-    def submit(self, op: Callable[[], None]) -> _SimEvent:
-        self.run_pending()
-        op()
-        return self.record()
-
-    def record(self) -> Event:
-        self.run_pending()
-        self.clock[_COMPUTE] += 1
-        return _SimEvent(self._device, None, _COMPUTE, self.clock[_COMPUTE], dict(self.clock))
-
-
 @dataclass(frozen=True, slots=True)
 class CopyRecord:
     """One copy as issued: ``number`` (1, 2, ... in issue order, as in the errors), ``direction``
@@ -274,9 +100,9 @@ class _Alloc:
     base: torch.Tensor | None
     """None once freed (``alive`` then says whether a view still holds its memory)."""
     alive: Callable[[], torch.Tensor | None] = lambda: None
-    write: _SimEvent | None = None
+    write: SimEvent | None = None
     """The last copy into it."""
-    reads: list[_SimEvent] = field(default_factory=list)
+    reads: list[SimEvent] = field(default_factory=list)
     """Copies out of it not yet run."""
 
 
@@ -286,7 +112,7 @@ class _HostUse:
     """"read" (a copy to the device reads it) or "fill" (a copy to the host fills it)."""
     start: int
     end: int
-    event: _SimEvent
+    event: SimEvent
     other: str
     host: torch.Tensor
     """Held until the host has seen the copy finish, so its address is not reused meanwhile."""
@@ -295,7 +121,12 @@ class _HostUse:
 class SimulatedDevice(Device):
     """A GPU simulated on the CPU for tests (see the module docstring and docs/device.md).
 
-    ``seed`` fixes each side stream's delays; ``schedule`` is "random" (delays up to ``max_delay_s``)
+    ``index``: the device, ``simgpu:index``, one of `device_count` (``OFFLOAD_SIMGPU_COUNT``); default: the
+    current one, or under a launcher this rank's (LOCAL_RANK), by CUDA's rule (`rank_gpu`), which it then
+    makes current. An index beyond the count raises RuntimeError, as ``torch.cuda.set_device``; a rank
+    with no device of its own ValueError naming LOCAL_RANK. Each device has its own streams and threads.
+    On an index above 0 autograd runs backward on the calling thread (see docs/device.md: torch gives a
+    Python backend one device queue). ``seed`` fixes each side stream's delays; ``schedule`` is "random" (delays up to ``max_delay_s``)
     or "late" (a copy runs only when waited for); ``memory_bytes`` is the simulated device's memory
     (the budget defaults to all of it); ``register_host``: pin host buffers through its own host
     registration, as CUDA's (see the module docstring). Its buffers are tensors of the "simgpu" device
@@ -308,31 +139,39 @@ class SimulatedDevice(Device):
     collective_backend = "gloo"  # the transport; collective tensors must still be device buffers, as NCCL's
     packed_kernels = SimulatedPackedKernels()  # the CPU's, with the GPU's rule on what it takes
 
-    def __init__(self, *, seed: int = 0, schedule: str = "random", max_delay_s: float = 0.002,
-                 memory_bytes: int = 1 << 30, budget_bytes: int | None = None,
+    def __init__(self, index: int | None = None, *, seed: int = 0, schedule: str = "random",
+                 max_delay_s: float = 0.002, memory_bytes: int = 1 << 30, budget_bytes: int | None = None,
                  budget_setting: str = "device budget", register_host: bool = False) -> None:
         install()  # the "simgpu" device type, once per process
-        self.torch_device = torch.device(DEVICE_TYPE, 0)
-        if schedule not in _SCHEDULES:
-            raise ValueError(f"schedule: {schedule!r} is not allowed; use one of {', '.join(map(repr, _SCHEDULES))}")
+        if index is None:  # a rank's own device under a launcher, unless the caller chose one (as CudaDevice)
+            index = rank_gpu(current_device(), os.environ.get("LOCAL_RANK"), device_count(), count_setting=COUNT_ENV)
+            set_device(index)
+        self.torch_device = torch.device(DEVICE_TYPE, check_index(index))
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule: {schedule!r} is not allowed; use one of {', '.join(map(repr, SCHEDULES))}")
         self.memory_bytes = memory_bytes
         self.seed, self.schedule, self.max_delay_s = seed, schedule, max_delay_s
         self._allocs: list[_Alloc] = []
         self._freed: list[_Alloc] = []
         self._uses: list[_HostUse] = []
         self._host_clock: Clock = {}
-        self._queues: list[_Queue] = []
+        self._queues: list[Queue] = []
         self._faults: deque[BaseException] = deque()
         self._lock = threading.Lock()
         self.copy_log: list[CopyRecord] = []
         """Every copy issued so far, in issue order."""
         super().__init__(budget_bytes=budget_bytes, budget_setting=budget_setting)
-        self._compute = _ComputeStream(self)
+        self._compute = ComputeStream(self)
         self.registered_host: dict[int, int] = {}
         """Host buffers its registration pinned and has not unpinned yet: address -> bytes."""
         self.registration = HostRegistration("simulated-registered", self._register_host,
                                              self._unregister_host) if register_host else None
         self._previous_registration = set_host_registration(self.registration) if register_host else None
+        # torch sizes autograd's device queues by the device guard's count, 1 for a Python backend, and fails an
+        # internal assert for a backward on a later index: there, backward runs on this (the host) thread.
+        self._threaded_backward = torch._C._is_multithreading_enabled()
+        if index > 0:
+            torch._C._set_multithreading_enabled(False)
 
     def _register_host(self, ptr: int, nbytes: int) -> str | None:
         self.registered_host[ptr] = nbytes
@@ -368,7 +207,7 @@ class SimulatedDevice(Device):
         return self._alloc_of(tensor) is not None
 
     def _alloc_of(self, tensor: torch.Tensor) -> _Alloc | None:
-        if tensor.device.type != self.torch_device.type:
+        if tensor.device != self.torch_device:
             return None
         start, end = _span(tensor)
         for alloc in self._allocs:
@@ -378,7 +217,7 @@ class SimulatedDevice(Device):
         return next((alloc for alloc in self._freed if alloc.start <= start < alloc.end), None)
 
     def _empty(self, numel: int, dtype: torch.dtype, name: str) -> torch.Tensor:
-        tensor = new_device_tensor((numel,), (1,), dtype)
+        tensor = new_device_tensor((numel,), (1,), dtype, self.torch_device.index)
         _poison(tensor)
         self._allocs.append(_Alloc(name, *_span(tensor), tensor))
         return tensor
@@ -435,8 +274,8 @@ class SimulatedDevice(Device):
         self._uses.append(_HostUse("fill", *_span(dst), event, alloc.name, dst))
         return event
 
-    def _own(self, stream: Stream) -> _SideStream | _ComputeStream:
-        if stream is not self._compute and not (isinstance(stream, _SideStream) and stream._device is self):
+    def _own(self, stream: Stream) -> SideStream | ComputeStream:
+        if stream is not self._compute and not (isinstance(stream, SideStream) and stream._device is self):
             raise ValueError(f"stream {getattr(stream, 'name', stream)!r} is not a stream of this simulated device; "
                              f"use its compute_stream or new_stream()")
         return stream
@@ -456,10 +295,10 @@ class SimulatedDevice(Device):
     def new_stream(self, name: str) -> Stream:
         self._queues = [q for q in self._queues if not q.stopped]
         index = 1 + max((q.index for q in self._queues), default=0)
-        queue = _Queue(index, name, self.schedule, random.Random(self.seed * 7919 + index), self.max_delay_s,
+        queue = Queue(index, name, self.schedule, random.Random(self.seed * 7919 + index), self.max_delay_s,
                        self._fault)
         self._queues.append(queue)
-        return _SideStream(self, queue)
+        return SideStream(self, queue)
 
     def synchronize(self) -> None:
         note_host_sync("synchronize")
@@ -473,6 +312,8 @@ class SimulatedDevice(Device):
         self.raise_faults()
 
     def close(self) -> None:
+        if self.torch_device.index > 0:
+            torch._C._set_multithreading_enabled(self._threaded_backward)
         for queue in self._queues:
             queue.stop()
         for queue in self._queues:
@@ -529,12 +370,12 @@ class SimulatedDevice(Device):
         start, end = _span(tensor)
         return [use for use in self._uses if use.start < end and start < use.end]
 
-    def _observed(self, event: _SimEvent) -> bool:
+    def _observed(self, event: SimEvent) -> bool:
         return self._host_clock.get(event.index, 0) >= event.seq
 
     def _observe(self, clock: Clock) -> None:
         with self._lock:
-            self._host_clock = _merge(self._host_clock, clock)
+            self._host_clock = merge(self._host_clock, clock)
 
     def _fault(self, exc: BaseException) -> None:
         with self._lock:

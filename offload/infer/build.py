@@ -34,14 +34,17 @@ class CheckpointMismatchError(ValueError):
 
 
 def compute_device_for(settings: InferenceConfig) -> Device:
-    """The device ``compute_device`` names, with ``max_memory``'s device budget (checked against its
-    free memory). Raises ValueError naming the setting."""
+    """The device ``compute_device`` names, on ``max_memory``'s device index (``{1: "6GiB"}``: GPU 1; without
+    one the current device, or the rank's under a launcher) with its budget (checked against its free memory).
+    Raises ValueError naming the setting; RuntimeError for an index the machine does not have."""
     tiers = settings.max_memory
-    device = device_for(settings.compute_device)
+    index = tiers.device_index if tiers is not None else None  # max_memory={1: ...}: compute on device 1
+    device = device_for(settings.compute_device, index=index)
     if tiers is None or tiers.device_bytes in (None, "auto") or not device.separate_memory:
         return device  # a device budget with compute on the CPU is refused by `device_budget`, naming it
     device.close()
-    return device_for(settings.compute_device, budget_bytes=tiers.device_bytes, budget_setting=tiers.device_key)
+    return device_for(settings.compute_device, budget_bytes=tiers.device_bytes, budget_setting=tiers.device_key,
+                      index=index)
 
 
 def device_budget(compute: Device, settings: InferenceConfig) -> tuple[int, str] | None:

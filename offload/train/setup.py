@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from offload.config import EngineConfig, world_size_from_env
-from offload.device import Device, check_process_group, device_for, start_process_group
+from offload.device import Device, check_process_group, check_rank_devices, device_for, start_process_group
 from offload.train.assemble import assemble
 from offload.train.surface import check_distributed_arguments, config_from_arguments
 
@@ -47,6 +47,8 @@ def engine_from_arguments(*, args: Any, model: nn.Module | None, optimizer: Any,
     if dist_init_required and not started:
         start_process_group(device)
     world_size, rank, group = _process_group(device)
+    if world_size > 1:
+        check_rank_devices(device, group)  # no two ranks of a node on one device (a collective: every rank)
     engine = assemble(model, cfg, world_size=world_size, rank=rank, group=group, optimizer=optimizer,
                       lr_scheduler=lr_scheduler, model_parameters=model_parameters, make_engine=make_engine,
                       device=device)
