@@ -301,6 +301,22 @@ def test_fp16_and_bf16_together_are_refused():
         load({**BASE, "fp16": {"enabled": True}, "bf16": {"enabled": True}})
 
 
+def test_communication_data_type_defaults_to_the_training_dtype():
+    """DeepSpeed's top-level key: the training dtype under fp16 / bf16 when absent, fp32 otherwise; any case."""
+    import torch
+
+    assert load(BASE).communication_dtype == torch.float32
+    assert load({**BASE, "bf16": {"enabled": True}}).communication_dtype == torch.bfloat16
+    assert load({**BASE, "fp16": {"enabled": True}}).communication_dtype == torch.float16
+    wide = load({**BASE, "bf16": {"enabled": True}, "communication_data_type": "FP32"})
+    assert wide.communication_data_type == "fp32" and wide.communication_dtype == torch.float32
+    assert load({**BASE, "communication_data_type": "bf16"}).communication_dtype == torch.bfloat16
+    for bad in ("fp8", 16, "bfloat16"):
+        with pytest.raises(ValueError, match=r"^communication_data_type: .* is not allowed; use one of 'fp32', "
+                                             r"'fp16', 'bf16', or leave it out"):
+            load({**BASE, "communication_data_type": bad})
+
+
 @pytest.mark.parametrize(
     "section, message",
     [

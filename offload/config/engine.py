@@ -18,6 +18,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import torch
+
 from tensorio import AioConfig, parse_size
 
 from offload.config.auto import OWN_AUTO_KEYS, resolve_auto, unresolved_auto_error
@@ -33,10 +35,14 @@ __all__ = ["EngineConfig", "check_against_model", "check_nvme_paths", "world_siz
 COMPUTE_DEVICES = ("auto", "cpu", "cuda")
 """What ``compute_device`` takes."""
 
+COMMUNICATION_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+"""What ``communication_data_type`` takes, and the dtype each names."""
+
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _JSON_KEYS = {
     *_BATCH_KEYS, "gradient_clipping", "fp16", "bf16", "bfloat16", "optimizer", "scheduler", "steps_per_print",
     "wall_clock_breakdown", "zero_optimization", "aio", "compute_device", "compute_device_budget", "checkpoint",
+    "communication_data_type",
 }
 _ZERO_JSON_KEYS = {f.name for f in fields(ZeroConfig)} | {"aio"}
 
@@ -71,6 +77,12 @@ class EngineConfig(Mapping):
 
     bf16: Bf16Config = field(default_factory=Bf16Config)
     """bf16 mixed precision (JSON key ``bf16`` or ``bfloat16``)."""
+
+    communication_data_type: str | None = None
+    """The dtype gradients are reduced across ranks in: "fp32", "fp16" or "bf16" (any case, as DeepSpeed
+    reads it). None: the training dtype under fp16 / bf16 (half the bytes of fp32), else fp32, as
+    DeepSpeed's default. The reduced partitions are cast back to fp32 before they are averaged and
+    accumulated (`communication_dtype`)."""
 
     optimizer: OptimizerConfig | None = None
     """The optimizer; None when the config has no ``optimizer`` section and the caller supplies its settings."""
@@ -107,6 +119,14 @@ class EngineConfig(Mapping):
     source: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The DeepSpeed-format dict this was built from ("auto" values resolved): what the mapping reads."""
 
+    @property
+    def communication_dtype(self) -> torch.dtype:
+        """The torch dtype of ``communication_data_type``, its default resolved: fp16 / bf16 when training
+        in it, else float32."""
+        if self.communication_data_type is not None:
+            return COMMUNICATION_DTYPES[self.communication_data_type]
+        return torch.float16 if self.fp16.enabled else torch.bfloat16 if self.bf16.enabled else torch.float32
+
     def __getitem__(self, key: str) -> Any:
         return self.source[key]
 
@@ -129,6 +149,12 @@ class EngineConfig(Mapping):
         self.wall_clock_breakdown = boolean("wall_clock_breakdown", self.wall_clock_breakdown)
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("fp16.enabled, bf16.enabled: both are true; enable at most one of them")
+        if self.communication_data_type is not None:
+            value = self.communication_data_type
+            if not isinstance(value, str) or value.lower() not in COMMUNICATION_DTYPES:
+                raise ValueError(f"communication_data_type: {value!r} is not allowed; use one of "
+                                 f"{', '.join(map(repr, COMMUNICATION_DTYPES))}, or leave it out (the training dtype)")
+            self.communication_data_type = value.lower()
         if self.compute_device not in COMPUTE_DEVICES:
             raise ValueError(f"compute_device: {self.compute_device!r} is not allowed; use one of "
                              f"{', '.join(map(repr, COMPUTE_DEVICES))}")

@@ -7,7 +7,8 @@ page-locked buffer an NVMe read filled. Per gathered parameter, in order:
    the side stream "param-copy", which first waits for the compute issued so far (the buffer may reuse
    memory that compute just let go of);
 2. the compute stream waits for the copy's event (`Stream.wait_event`), never the host;
-3. across ranks, the partitions are all-gathered on the device (`Device.check_collective`);
+3. across ranks, the partitions are all-gathered on the device (`Device.check_collective`), a module's
+   together in one call (`gather_many`, `offload.params.coalesce`);
 4. release: the buffer goes back to the budget (`Device.free`) once the host has seen its copy done
    and no view of it is left: backward's autograd node holds the view a saved-tensor unpack returned
    until it has run, after the store has released the parameter (`_sweep`).
@@ -22,16 +23,15 @@ the next reads start); a host partition about to be written in place first waits
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
-
 from tensorio import storage_references
 
 from offload.device import Device, Event
+from offload.params.coalesce import all_gather_flat, by_dtype, columns, unpack_row_major
 from offload.params.record import ParamRecord
 
 
@@ -57,6 +57,17 @@ class _Copy:
     torch cannot count them, and the buffer is freed at the end of the pass)."""
 
 
+@dataclass(slots=True, eq=False)
+class InFlight:
+    """A coalesced all-gather of `DeviceGathers.start`, not yet waited for (`DeviceGathers.finish`)."""
+
+    members: list[tuple[ParamRecord, torch.Tensor]]
+    copies: list[_Copy] | None
+    """World size 1: each member's copy, its full parameter itself; else None."""
+    calls: list[tuple] = field(default_factory=list)
+    """Per dtype, what `DeviceGathers._issue` returned."""
+
+
 class DeviceGathers:
     """The device side of `ParamStore.gather` and `ParamStore.release` where memory is separate."""
 
@@ -69,6 +80,8 @@ class DeviceGathers:
         """Record index -> its partition copied ahead of its gather."""
         self._gathered: dict[int, _Copy] = {}
         """Record index -> the device buffer its full parameter lives in, while gathered."""
+        self._starting: set[int] = set()
+        """Record indices whose all-gather is issued and not finished (`start`)."""
         self._resident: dict[int, _Copy] = {}
         """Record index -> the device buffer its full parameter stays in (``offload_param.device`` "none")."""
         self._retired: list[_Copy] = []
@@ -97,30 +110,103 @@ class DeviceGathers:
 
     def gather(self, rec: ParamRecord, local: torch.Tensor) -> torch.Tensor:
         """``rec``'s full flat parameter on the device, from its host partition ``local``."""
+        return self.gather_many([(rec, local)])[0]
+
+    def gather_many(self, members: Sequence[tuple[ParamRecord, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each member's full flat parameter on the device, from its host partition: across ranks one
+        all-gather for all of them (per dtype; `offload.params.coalesce`)."""
+        return self.finish(self.start(members))
+
+    def start(self, members: Sequence[tuple[ParamRecord, torch.Tensor]], *, async_op: bool = False) -> InFlight:
+        """Steps 1 to 3 of `gather_many` up to the all-gathers, issued (``async_op``: on a GPU, NCCL's stream
+        runs them beside compute); `finish` waits for them and unpacks, `abandon` drops them."""
         self._sweep()
-        copy = self._ahead.pop(rec.index, None)
-        if copy is not None and copy.source.data_ptr() != local.data_ptr():
-            self._discard(copy)  # copied from a buffer the partition no longer lives in
-            copy = None
-        if copy is None:
-            copy = self._copy(rec, local)
-        # 2. Compute waits for the copy (the host goes on).
-        compute = self.device.compute_stream
-        compute.wait_event(copy.event)
-        if self.world_size == 1:
-            self.device.check_ready(copy.buffer)
-            gathered = copy
-        else:  # 3. all-gather on device tensors
-            full = self.device.empty(rec.partition_numel * self.world_size, rec.partition.dtype,
-                                     name=f"gathered {rec.name}")
-            references = storage_references(full)  # before any view of it exists
-            chunks = list(full.chunk(self.world_size))
-            self.device.check_collective(copy.buffer, *chunks, op=f"all_gather of {rec.name!r}")
-            dist.all_gather(chunks, copy.buffer, group=self.group)
+        copies = []
+        for rec, local in members:
+            copy = self._ahead.pop(rec.index, None)
+            if copy is not None and copy.source.data_ptr() != local.data_ptr():
+                self._discard(copy)  # copied from a buffer the partition no longer lives in
+                copy = None
+            if copy is None:
+                copy = self._copy(rec, local)
+            # 2. Compute waits for the copy (the host goes on).
+            self.device.compute_stream.wait_event(copy.event)
+            copies.append(copy)
+        flight = InFlight(list(members), copies if self.world_size == 1 else None)
+        if self.world_size > 1:  # 3. all-gather on device tensors, one call per dtype
+            for batch in by_dtype(members):
+                flight.calls.append(self._issue([(rec, local, copies[at]) for at, (rec, local) in batch], async_op))
+        self._starting.update(rec.index for rec, _ in members)
+        return flight
+
+    def _issue(self, batch: list[tuple[ParamRecord, torch.Tensor, _Copy]], async_op: bool) -> tuple:
+        """Step 3 for partitions of one dtype copied to the device, each into a full buffer of its own:
+        (records, full buffers, flat output or None, input, work or None)."""
+        world, dtype = self.world_size, batch[0][0].partition.dtype
+        recs = [rec for rec, _, _ in batch]
+        fulls = []
+        for rec, local, _ in batch:
+            full = self.device.empty(rec.partition_numel * world, dtype, name=f"gathered {rec.name}")
+            fulls.append(_Copy(full, None, local, storage_references(full)))  # before any view of it exists
+        if len(batch) == 1:  # straight into its full buffer
+            sent, rows = batch[0][2], None
+            self.device.check_collective(sent.buffer, fulls[0].buffer, op=f"all_gather of {recs[0].name!r}")
+            return recs, fulls, None, sent, all_gather_flat(fulls[0].buffer, sent.buffer, group=self.group,
+                                                             async_op=async_op)
+        # pack, gather into one flat buffer (unpacked by `finish`; offload/params/coalesce.py)
+        starts, total = columns(recs)
+        what = f"{len(recs)} parameters from {recs[0].name}"
+        flat = self.device.empty(total, dtype, name=f"all_gather input of {what}")
+        for (rec, _, copy), start in zip(batch, starts):
+            self.device.check_ready(copy.buffer)  # compute reads it: ordered after its copy
+            flat[start:start + rec.partition_numel].copy_(copy.buffer)
             self._discard(copy)
-            gathered = _Copy(full, None, local, references)
-        self._gathered[rec.index] = gathered
-        return gathered.buffer[:rec.numel]
+        rows = self.device.empty(total * world, dtype, name=f"all_gather output of {what}")
+        self.device.check_collective(flat, rows, op=f"all_gather of {what}")
+        sent = _Copy(flat, None, flat)
+        return recs, fulls, rows, sent, all_gather_flat(rows, flat, group=self.group, async_op=async_op)
+
+    def finish(self, flight: InFlight) -> list[torch.Tensor]:
+        """Wait for ``flight``'s all-gathers (sync point: on a GPU the compute stream waits for NCCL's) and
+        unpack them; each member's full flat parameter (a member gathered meanwhile keeps its buffer)."""
+        if flight.copies is not None:  # world size 1: the copies are the parameters
+            for (rec, _), copy in zip(flight.members, flight.copies):
+                self.device.check_ready(copy.buffer)
+                self._keep(rec, copy)
+        for recs, fulls, rows, sent, work in flight.calls:
+            if work is not None:
+                work.wait()
+            self._discard(sent)
+            if rows is not None:
+                starts, total = columns(recs)
+                for rec, start, full in zip(recs, starts, fulls):
+                    unpack_row_major(rows.view(self.world_size, total), rec, start, full.buffer)
+                self.device.free(rows)
+            for rec, full in zip(recs, fulls):
+                self._keep(rec, full)
+        flight.calls = []
+        self._starting.difference_update(rec.index for rec, _ in flight.members)
+        return [self._gathered[rec.index].buffer[:rec.numel] for rec, _ in flight.members]
+
+    def abandon(self, flight: InFlight) -> None:
+        """Drop ``flight`` unused (end of a pass): wait for its all-gathers, give its buffers back."""
+        for _, fulls, rows, sent, work in flight.calls:
+            if work is not None:
+                work.wait()
+            for copy in [sent, *fulls]:
+                self._discard(copy)
+            if rows is not None:
+                self.device.free(rows)
+        for copy in flight.copies or ():
+            self._discard(copy)
+        flight.calls, flight.copies = [], None
+        self._starting.difference_update(rec.index for rec, _ in flight.members)
+
+    def _keep(self, rec: ParamRecord, gathered: _Copy) -> None:
+        if rec.index in self._gathered:  # gathered meanwhile (not by this flight): that one stays
+            self._discard(gathered)
+        else:
+            self._gathered[rec.index] = gathered
 
     def release(self, rec: ParamRecord) -> None:
         """``rec``'s gathered buffer goes back to the budget once no view of it is left (compute issued
@@ -140,19 +226,24 @@ class DeviceGathers:
                     self._discard(copy)
             self._retired = kept
 
-    def make_resident(self, rec: ParamRecord, local: torch.Tensor) -> torch.Tensor:
-        """Gather ``rec`` onto the device for good (until `refresh_resident` or `close`); its full flat tensor."""
-        full = self.gather(rec, local)
-        self._resident[rec.index] = self._gathered.pop(rec.index)
-        return full
-
-    def refresh_resident(self, rec: ParamRecord, local: torch.Tensor) -> torch.Tensor:
-        """After the host partition ``local`` of a resident ``rec`` changed (an update, a load): gather it
-        again into a new buffer (the old one goes once no view of it is left)."""
-        old = self._resident.pop(rec.index, None)
-        if old is not None:
-            self._retired.append(old)
-        return self.make_resident(rec, local)
+    def refresh_resident(self, members: Sequence[tuple[ParamRecord, torch.Tensor]]) -> list[torch.Tensor]:
+        """Gather each member onto the device for good (until the next `refresh_resident` or `close`), from
+        its host partition, after it changed (an update, a load) or first: across ranks in one all-gather
+        (per dtype, and per run of ``ahead_elements`` partition elements, which bounds the flat buffers);
+        each one's old buffer goes once no view of it is left. Their full flat tensors."""
+        fulls, run, elements = [], [], 0
+        for position, (rec, local) in enumerate(members):
+            old = self._resident.pop(rec.index, None)
+            if old is not None:
+                self._retired.append(old)
+            run.append((rec, local))
+            elements += rec.partition_numel
+            if elements >= self.ahead_elements or position == len(members) - 1:
+                fulls += self.gather_many(run)
+                for done, _ in run:
+                    self._resident[done.index] = self._gathered.pop(done.index)
+                run, elements = [], 0
+        return fulls
 
     def close(self) -> None:
         """Give every device buffer back, resident ones included (sync point)."""
@@ -167,7 +258,7 @@ class DeviceGathers:
         for index in upcoming:
             if ahead >= self.ahead_elements:
                 return
-            if index in self._ahead or index in self._gathered or index in self._resident:
+            if index in self._ahead or index in self._gathered or index in self._resident or index in self._starting:
                 continue
             rec = store.records[index]
             local = store.host_partition(rec)

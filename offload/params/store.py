@@ -6,8 +6,8 @@ NVMe, and whether a read is in flight) and the gathered full tensor while in use
 placeholder and the record is the only place that knows where its values are.
 
 Gathering happens at three points:
-1. a module's forward pre-hook gathers the module's own parameters; its forward post-hook releases
-   them (unless kept: persistent, or the partition is the whole parameter);
+1. a module's forward pre-hook gathers the module's own parameters (across ranks in one all-gather, issued
+   ahead: `gather_together`); its post-hook releases them (unless kept: persistent, or the partition is the whole parameter);
 2. autograd's saved-tensor hooks replace a saved gathered parameter (or a view of it) by a token
    during forward, and gather it again when backward unpacks the token: so backward needs neither
    module backward hooks nor the forward's buffers to survive;
@@ -26,14 +26,15 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from tensorio import IOFuture
 
 from offload.device import CpuDevice, Device
+from offload.params.coalesce import HostGather
 from offload.params.device_gather import DeviceGathers
+from offload.params.gather_ahead import GatherAhead
+from offload.params.hooks import ForwardEntry, ForwardExit, PostForward, PreForward
 from offload.params.partition import partition_bounds
 from offload.params.prefetch import Prefetcher, SwapBudget
 from offload.params.record import BufferKeeper, FaultSink, ParamRecord, PendingUpdates
@@ -90,9 +91,11 @@ class ParamStore:
     _shaped: dict[int, torch.Tensor] = field(default_factory=dict)
     _by_param: dict[int, ParamRecord] = field(default_factory=dict)
     forwards: list[nn.Module] = field(default_factory=list)
-    """The modules whose forward is under way, innermost last (`_ForwardEntry`, `_ForwardExit`)."""
+    """The modules whose forward is under way, innermost last (`ForwardEntry`, `ForwardExit`)."""
     _detected: dict[int, set[int]] = field(default_factory=dict)
-    """Module id -> indices of the records found to be its external parameters (`_ForwardExit`)."""
+    """Module id -> indices of the records found to be its external parameters (`ForwardExit`)."""
+    _modules: dict[int, list[ParamRecord]] = field(default_factory=dict)
+    """Record index -> the records of the first module whose hooks gather it: backward gathers them together (`unpack`)."""
     device: Device = field(default_factory=CpuDevice)
     """Where compute runs. With memory of its own (a GPU), gathers copy partitions onto it (``gathers``)."""
     collectives: Device | None = None
@@ -110,6 +113,8 @@ class ParamStore:
     """Several ranks (set by the engine): a gather that fails inside a pass hands its error to
     ``faults.absorb`` and, where that takes it, gathers zeros in its place, so that this rank goes on taking
     part in the pass's collectives; the step is then given up on every rank (offload/train/step/agree.py)."""
+    ahead: GatherAhead = field(default_factory=GatherAhead)
+    """Several ranks: the order of the coalesced gathers, and the all-gather issued ahead of its module."""
     _hooks: list = field(default_factory=list)
     _serial: int = 0
 
@@ -120,9 +125,8 @@ class ParamStore:
             for rec in self.records:  # kept whole: on the device, for good
                 if self.resident and rec.on_disk:
                     raise RuntimeError(f"internal error: parameter {rec.name!r} is on NVMe in a resident store")
-                if self.resident or rec.keep_full:
-                    rec.keep_full = True
-                    self._set_resident(rec)
+                rec.keep_full = rec.keep_full or self.resident
+            self._set_resident([rec for rec in self.records if rec.keep_full])
         self._by_param = {id(rec.param): rec for rec in self.records}
         self.region: SlottedRegion | None = (
             SlottedRegion(self.swap, [rec.slots for rec in self.records if rec.on_disk]) if self.swap is not None else None)
@@ -150,39 +154,78 @@ class ParamStore:
 
     def gather(self, rec: ParamRecord) -> torch.Tensor:
         """Make ``rec.param`` the full tensor; return the flat full tensor."""
-        try:
-            local = self._local(rec)
-        except Exception as error:  # several ranks: this one goes on with zeros (`faults`), or raises
-            if self.faults is None or not self.faults.absorb(error, f"gathering {rec.name!r}"):
-                raise
-            local = None if rec.full is not None else torch.zeros(rec.partition_numel, dtype=rec.partition.dtype)
-        if local is None:
-            return rec.full
+        self.gather_together([rec])
+        return rec.full
+
+    def gather_together(self, recs: list[ParamRecord]) -> None:
+        """Make each ``rec.param`` of ``recs`` (a module's) the full tensor: across ranks, those not gathered
+        yet in one all-gather (per dtype; `offload.params.coalesce`), in the order of ``recs``, taken from
+        the one issued ahead where it is this group's (`offload.params.gather_ahead`); then issue the next."""
+        recs = list(dict.fromkeys(recs))  # a module's own parameter may be registered as its external one too
+        key = tuple(rec.index for rec in recs)
+        if self._in_pass:
+            self.ahead.order.observe(key)
         # 2. All-gather the partitions (at world size 1 the partition is the parameter); on a device
         #    with its own memory, copy them there first (`DeviceGathers`) and the next ones ahead.
-        if self.gathers is not None:
-            full = self.gathers.gather(rec, local)
-            if self._in_pass:  # outside the passes (a save, full_parameters) an update may come first
-                self.gathers.copy_ahead(self, self.prefetcher.upcoming())
-            if rec.on_disk and not self._keeps(rec):
-                self.drop_buffer(rec)  # once its copies are done
-        elif self.world_size == 1:
-            full = local[:rec.numel]
+        taken = self.ahead.take(key)  # sync point: the all-gather issued ahead, where it is this group's
+        members = taken[0] if taken is not None else self._members(recs)
+        if taken is not None:
+            fulls = taken[1]
+        elif self.gathers is not None:
+            fulls = self.gathers.gather_many(members) if members else []
+        elif self.world_size == 1 or not members:
+            fulls = [local[:rec.numel] for rec, local in members]
         else:  # host memory, gathered where the collectives' backend needs it
-            collectives = self.collectives or self.device
-            full = collectives.collective_empty(rec.partition_numel * self.world_size, local.dtype)
-            chunks = list(full.chunk(self.world_size))
-            local = collectives.collective_tensor(local.contiguous())
-            collectives.check_collective(local, *chunks, op=f"all_gather of {rec.name!r}")
-            dist.all_gather(chunks, local, group=self.group)
-            full = collectives.collective_to_host(full)[:rec.numel]
-            if not self._keeps(rec):
-                self.drop_buffer(rec)
-        rec.full = full
-        rec.param.data = full.view(rec.shape)
-        if not rec.keep_full:
-            self._live[full.untyped_storage().data_ptr()] = rec
-        return full
+            fulls = HostGather(members, collectives=self.collectives or self.device, world_size=self.world_size,
+                               group=self.group).wait()
+        for (rec, _), full in zip(members, fulls):
+            if rec.full is not None:
+                continue  # a member of an all-gather issued ahead, gathered meanwhile by another module
+            if (self.world_size > 1 or rec.on_disk and self.gathers is not None) and not self._keeps(rec):
+                self.drop_buffer(rec)  # on a device, once its copies are done
+            rec.full = full
+            rec.param.data = full.view(rec.shape)
+            if not rec.keep_full:
+                self._live[full.untyped_storage().data_ptr()] = rec
+        if self._in_pass:  # outside the passes (a save, full_parameters) an update may come first
+            self._gather_ahead()
+            if self.gathers is not None:
+                self.gathers.copy_ahead(self, self.prefetcher.upcoming())
+
+    def _members(self, recs: list[ParamRecord]) -> list[tuple[ParamRecord, torch.Tensor]]:
+        """(record, its partition to gather) for each of ``recs`` not gathered (`_local`)."""
+        members = []
+        for rec in recs:
+            try:
+                local = self._local(rec)
+            except Exception as error:  # several ranks: this one goes on with zeros (`faults`), or raises
+                if self.faults is None or not self.faults.absorb(error, f"gathering {rec.name!r}"):
+                    raise
+                local = None if rec.full is not None else torch.zeros(rec.partition_numel, dtype=rec.partition.dtype)
+            if local is not None:
+                members.append((rec, local))
+        return members
+
+    def _gather_ahead(self) -> None:
+        """Several ranks, prefetch on: issue the all-gather of the group expected next, not waited for."""
+        key = self.ahead.wanted() if self.world_size > 1 and self.prefetcher.bucket_elements > 0 else None
+        if key is None or all(self.records[index].full is not None for index in key):
+            return
+        self.ahead.busy = True
+        try:
+            members = self._members([self.records[index] for index in key])
+        finally:
+            self.ahead.busy = False
+        if not members:
+            return
+        if self.gathers is not None:
+            flight = self.gathers.start(members, async_op=True)
+            self.ahead.hold(key, members, functools.partial(self.gathers.finish, flight),
+                            functools.partial(self.gathers.abandon, flight))
+        else:
+            flight = HostGather(members, collectives=self.collectives or self.device, world_size=self.world_size,
+                                group=self.group, async_op=True)
+            self.ahead.hold(key, members, flight.wait, flight.wait)
 
     def _local(self, rec: ParamRecord) -> torch.Tensor | None:
         """This rank's partition of ``rec`` for its gather (None: ``rec.full`` is kept gathered)."""
@@ -357,6 +400,7 @@ class ParamStore:
     def release_all(self, *, end_of_backward: bool = False) -> None:
         """End of a backward or step (or before a load): release everything and drop unused prefetches;
         the `keeper` says which buffers stay after its `BufferKeeper.reset`."""
+        self.ahead.abandon()  # before the buffers its all-gather reads go
         if self.keeper is not None:
             self.keeper.reset(end_of_backward=end_of_backward)
         for rec in self.records:
@@ -372,7 +416,8 @@ class ParamStore:
 
     def begin_forward(self) -> None:
         """A forward pass starts: the recorded order is replayed from its start."""
-        self.prefetcher.cursor = 0
+        self.ahead.abandon()  # one issued for a backward that did not come (an evaluation forward)
+        self.prefetcher.cursor = self.ahead.order.cursor = 0
         self._in_pass = True
 
     def end_backward(self) -> None:
@@ -380,6 +425,7 @@ class ParamStore:
         point); the first step's order is final."""
         self.release_all(end_of_backward=True)
         self.prefetcher.end_step()
+        self.ahead.order.end_step()
 
     # ---- partitions read or written outside the passes ----------------------------------------------
 
@@ -428,9 +474,11 @@ class ParamStore:
             staged[:values.numel()].copy_(values)
         self.write_partition(rec, staged).result()
 
-    def _set_resident(self, rec: ParamRecord) -> None:
-        rec.full = self.gathers.refresh_resident(rec, rec.partition.data)
-        rec.param.data = rec.full.view(rec.shape)
+    def _set_resident(self, recs: list[ParamRecord]) -> None:
+        if recs:
+            for rec, full in zip(recs, self.gathers.refresh_resident([(rec, rec.partition.data) for rec in recs])):
+                rec.full = full
+                rec.param.data = full.view(rec.shape)
 
     def kept_elsewhere(self, rec: ParamRecord) -> bool:
         """Whether ``rec`` is kept gathered in memory apart from its partition (gathered across ranks, or
@@ -440,11 +488,18 @@ class ParamStore:
     def refresh(self, rec: ParamRecord) -> None:
         """After ``rec``'s partition changed: regather a kept parameter whose partition is not a view of it
         (on a device with its own memory, every kept one: its gathered copy lives there)."""
-        if rec.keep_full and self.gathers is not None:
-            self._set_resident(rec)
-        elif rec.keep_full and self.world_size > 1:
+        self.refresh_many([rec])
+
+    def refresh_many(self, recs: list[ParamRecord]) -> None:
+        """`refresh` for each of ``recs``; across ranks in host memory, one all-gather (per dtype) for them all."""
+        if self.gathers is not None:
+            self._set_resident([rec for rec in recs if rec.keep_full])
+            return
+        regather = [rec for rec in recs if rec.keep_full and self.world_size > 1]
+        for rec in regather:
             rec.full = None
-            self.gather(rec)
+        if regather:
+            self.gather_together(regather)
 
     def io_bytes(self) -> dict[str, int]:
         """Bytes read from and written to the parameter swap file so far."""
@@ -463,12 +518,12 @@ class ParamStore:
     def install(self, model: nn.Module) -> None:
         """Register the forward pre/post hooks on every module that owns parameters, or uses parameters
         of another module (`register_external`), and on every module the hooks that keep the stack of
-        forwards under way, which detect a parameter a module's forward returns (see `_ForwardExit`)."""
+        forwards under way, which detect a parameter a module's forward returns (see `ForwardExit`)."""
         by_param = {id(rec.param): rec for rec in self.records}
         for module in model.modules():
             # First, so that a returned parameter is detected before its owner's hook releases it.
-            self._hooks.append(module.register_forward_pre_hook(_ForwardEntry(self)))
-            self._hooks.append(module.register_forward_hook(_ForwardExit(self), always_call=True))
+            self._hooks.append(module.register_forward_pre_hook(ForwardEntry(self)))
+            self._hooks.append(module.register_forward_hook(ForwardExit(self), always_call=True))
             recs = [by_param[id(p)] for p in module.parameters(recurse=False) if id(p) in by_param]
             recs += [by_param[id(p)] for p in EXTERNAL.get(module, ()) if id(p) in by_param]
             self._hook(module, recs)
@@ -480,9 +535,11 @@ class ParamStore:
             self._hook(module, [rec])
 
     def _hook(self, module: nn.Module, recs: list[ParamRecord]) -> None:
+        for rec in recs:
+            self._modules.setdefault(rec.index, recs)
         if any(not rec.keep_full or (self.updates is not None and rec.param.requires_grad) for rec in recs):
-            self._hooks.append(module.register_forward_pre_hook(_PreForward(self, recs)))
-            self._hooks.append(module.register_forward_hook(_PostForward(self, recs), always_call=True))
+            self._hooks.append(module.register_forward_pre_hook(PreForward(self, recs)))
+            self._hooks.append(module.register_forward_hook(PostForward(self, recs), always_call=True))
 
     def pack(self, tensor: torch.Tensor) -> object:
         """Saved-tensor pack hook: a gathered parameter (or a view of it) becomes a token."""
@@ -499,7 +556,10 @@ class ParamStore:
         if not isinstance(saved, _Saved):
             return saved
         rec = saved.rec
-        full = self.gather(rec)
+        # With it, its module's other parameters that backward will unpack and that are released (one all-gather).
+        self.gather_together([other for other in self._modules.get(rec.index, [rec])
+                              if other is rec or (other.saved > 0 and other.full is None)])
+        full = rec.full
         view = full.as_strided(saved.size, saved.stride, full.storage_offset() + saved.offset)
         rec.saved = max(0, rec.saved - 1)
         if rec.saved == 0 and rec.users == 0:
@@ -516,66 +576,7 @@ class ParamStore:
         self._hooks = []
         self.forwards.clear()
         self._detected.clear()
-
-
-class _ForwardEntry:
-    def __init__(self, store: ParamStore) -> None:
-        self.store = store
-
-    def __call__(self, module: nn.Module, args: object) -> None:
-        self.store.forwards.append(module)
-
-
-class _ForwardExit:
-    """Detects external parameters as DeepSpeed does: a parameter that a module's forward returns (a
-    module handing out its weight, as some embeddings do) is used by the forward that called it, so it
-    is registered as an external parameter of that caller (`register_external`): kept gathered until
-    the caller's forward ends, and gathered around it from then on. Uses in any other way are not
-    visible to hooks: register those with `offload.zero.register_external_parameter`."""
-
-    def __init__(self, store: ParamStore) -> None:
-        self.store = store
-
-    def __call__(self, module: nn.Module, args: object, output: object) -> None:
-        forwards = self.store.forwards
-        if forwards and forwards[-1] is module:
-            forwards.pop()
-        if not forwards or isinstance(output, torch.Tensor) and not isinstance(output, nn.Parameter):
-            return  # the outermost forward, or a plain tensor: nothing to look for
-        caller = forwards[-1]
-        for value in tree_flatten(output)[0]:
-            rec = self.store.record_of(value) if isinstance(value, nn.Parameter) else None
-            if rec is None or rec.keep_full:
-                continue
-            detected = self.store._detected.setdefault(id(caller), set())
-            if rec.index in detected:
-                continue
-            detected.add(rec.index)
-            # Still gathered (this hook runs before its owner's releases it); from here on the caller's
-            # hooks hold it, as if its pre-forward hook had gathered it.
-            rec.users += 1
-            self.store.register_external(caller, rec)
-
-
-class _PreForward:
-    def __init__(self, store: ParamStore, recs: list[ParamRecord]) -> None:
-        self.store, self.recs = store, recs
-
-    def __call__(self, module: nn.Module, args: object) -> None:
-        for rec in self.recs:
-            rec.users += 1
-            self.store.gather(rec)
-
-
-class _PostForward:
-    def __init__(self, store: ParamStore, recs: list[ParamRecord]) -> None:
-        self.store, self.recs = store, recs
-
-    def __call__(self, module: nn.Module, args: object, output: object) -> None:
-        for rec in self.recs:
-            rec.users = max(0, rec.users - 1)
-            if rec.users == 0 and not self.store.reused_soon(rec):
-                self.store.release(rec)  # saved tokens gather it again in backward
+        self._modules.clear()
 
 
 EXTERNAL: "weakref.WeakKeyDictionary[nn.Module, list[nn.Parameter]]" = weakref.WeakKeyDictionary()

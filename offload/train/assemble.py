@@ -257,7 +257,7 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
     #    update there, a partition's other slot is free: an fp32 one holds its gradient.
     reducer = GradReducer(store, world_size=world_size, rank=rank, group=group, swap=grad_swap,
                           bucket_elements=sizes.bucket, overlap=zero.overlap_comm,
-                          norms=mode is UpdateMode.IN_FORWARD, param_slots=fast)
+                          norms=mode is UpdateMode.IN_FORWARD, param_slots=fast, comm_dtype=cfg.communication_dtype)
     undo.callback(reducer.remove)
     for file in (swap, grad_swap):  # every extent is placed: a full disk is named now, not in a step
         if file is not None:

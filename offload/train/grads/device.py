@@ -4,7 +4,7 @@ device in buckets and copied to page-locked host buffers for the CPU optimizer.
 A bucket is ``world_size`` rows of ``row`` elements: row ``r`` holds rank ``r``'s partitions of its
 members, each at the same column. As autograd produces each gradient (on the device), in order:
 
-1. pack: it is copied (cast to fp32) into the current bucket, partition ``r`` of it into row ``r``
+1. pack: it is copied (cast to the reducer's ``comm_dtype``, ``communication_data_type``) into the current bucket, partition ``r`` of it into row ``r``
    (padded with zeros); a gradient whose partition is longer than a row gets a bucket of its own;
 2. reduce: across ranks, a full bucket is reduce-scattered on the device (`Device.check_collective`):
    this rank's row of the sum lands in the bucket's ``reduced`` buffer;
@@ -32,11 +32,24 @@ import torch.distributed as dist
 from offload.device import Device, Event
 from offload.params.record import ParamRecord
 
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-"""torch.distributed's reduce-scatter of one flat tensor (its newer name where torch has it)."""
+
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group: object) -> None:
+    """torch.distributed's reduce-scatter of one flat tensor (its newer name where torch has it; looked up
+    at each call, so that a test may count the calls)."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(output, input, group=group)
+
 
 _IN_FLIGHT = 2
 """Bucket copies in flight at once before backward waits for the oldest."""
+
+
+def fp32_mean(summed: torch.Tensor, world_size: int) -> torch.Tensor:
+    """A partition of a gradient summed over ``world_size`` ranks (in the communication dtype), as a new
+    fp32 tensor divided by ``world_size``: never a view of the bucket it came from, which goes or is reused."""
+    if summed.dtype == torch.float32:
+        return summed.div(world_size) if world_size > 1 else summed.clone()
+    return summed.float().div_(world_size)
 
 
 @dataclass(slots=True, eq=False)
@@ -64,6 +77,8 @@ class GradTaker(Protocol):
     world_size: int
     group: object
     comm_seconds: float
+    comm_dtype: torch.dtype
+    """The buckets' dtype: what gradients are reduced and copied to the host in."""
 
     def _take(self, rec: ParamRecord, part: torch.Tensor) -> None:
         """Take ``rec``'s reduced partition (averaged over the ranks), as from the CPU's reduction."""
@@ -149,9 +164,10 @@ class DeviceGradBuckets:
 
     def _new_bucket(self, row: int, *, spare: bool, name: str) -> _Bucket:
         device, world = self._device, self._reducer.world_size
-        flat = device.empty(row * world, torch.float32, name=name)
-        reduced = device.empty(row, torch.float32, name=f"{name}, reduced") if world > 1 else flat
-        return _Bucket(flat, reduced, device.pinned_empty(row, torch.float32), row, spare=spare)
+        dtype = self._reducer.comm_dtype
+        flat = device.empty(row * world, dtype, name=name)
+        reduced = device.empty(row, dtype, name=f"{name}, reduced") if world > 1 else flat
+        return _Bucket(flat, reduced, device.pinned_empty(row, dtype), row, spare=spare)
 
     def _free(self, bucket: _Bucket) -> None:
         self._device.free(bucket.device)
@@ -188,10 +204,8 @@ class DeviceGradBuckets:
         reducer.comm_seconds += time.perf_counter() - start
         host = bucket.host[:bucket.used]
         self._device.check_ready(host)
-        world = reducer.world_size
-        for rec, column in bucket.members:
-            part = host[column:column + rec.partition_numel]
-            reducer._take(rec, part.div(world) if world > 1 else part.clone())  # copies: the bucket is reused
+        for rec, column in bucket.members:  # fp32 copies: the bucket is reused
+            reducer._take(rec, fp32_mean(host[column:column + rec.partition_numel], reducer.world_size))
         self._recycle(bucket)
 
     def _recycle(self, bucket: _Bucket) -> None:

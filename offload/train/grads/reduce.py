@@ -32,7 +32,7 @@ from offload.params.record import FaultSink, ParamRecord
 from offload.params.store import ParamStore
 from offload.storage.swapfile import SwapFile
 from offload.storage.write_queue import WriteQueue
-from offload.train.grads.device import DeviceGradBuckets
+from offload.train.grads.device import DeviceGradBuckets, fp32_mean
 
 @dataclass(slots=True, eq=False)
 class GradPartition:
@@ -59,8 +59,11 @@ class GradReducer:
     def __init__(self, store: ParamStore, *, world_size: int, rank: int, group: object = None,
                  swap: SwapFile | None = None,
                  consumer: Callable[[ParamRecord, torch.Tensor], None] | None = None, norms: bool = False,
-                 bucket_elements: int = 0, overlap: bool = True, param_slots: bool = False) -> None:
+                 bucket_elements: int = 0, overlap: bool = True, param_slots: bool = False,
+                 comm_dtype: torch.dtype = torch.float32) -> None:
         self.store, self.world_size, self.rank, self.group = store, world_size, rank, group
+        self.comm_dtype = comm_dtype
+        """The dtype gradients are reduced in (``communication_data_type``); the partitions taken are fp32."""
         self.grads = [GradPartition() for _ in store.records]
         """This step's gradient partition of each record, by record index."""
         self.swap = swap
@@ -139,16 +142,14 @@ class GradReducer:
         if self._buckets is not None:
             self._buckets.add(rec, flat)
             return
-        padded = torch.zeros(rec.partition_numel * self.world_size, dtype=torch.float32)
+        padded = torch.zeros(rec.partition_numel * self.world_size, dtype=self.comm_dtype)
         padded[:rec.numel] = flat
         start = time.perf_counter()
         # gloo's reduce-scatter is slower than its all-reduce: all-reduce, keep this rank's slice
         self.device.check_collective(padded, op=f"gradient all_reduce of {rec.name!r}")
         dist.all_reduce(padded, group=self.group)
-        part = padded.chunk(self.world_size)[self.rank].clone()  # not a view: the rest is freed
         self.comm_seconds += time.perf_counter() - start
-        part.div_(self.world_size)
-        self._take(rec, part)
+        self._take(rec, fp32_mean(padded.chunk(self.world_size)[self.rank], self.world_size))
 
     def flush(self) -> None:
         """End of a backward: reduce what the last bucket holds and wait for every reduction in flight
@@ -293,7 +294,7 @@ _BUCKETS_IN_FLIGHT = 2
 
 
 class _Buckets:
-    """Gradients packed into flat fp32 buckets (each padded to its partitions), all-reduced asynchronously
+    """Gradients packed into flat buckets (of ``communication_data_type``) (each padded to its partitions), all-reduced asynchronously
     as each bucket fills, in the order backward produces them: the same on every rank, since every rank
     runs the same graph. Each finished bucket's partitions go to `GradReducer._take`."""
 
@@ -308,14 +309,14 @@ class _Buckets:
         size = rec.partition_numel * self._reducer.world_size
         if size > self._elements:  # larger than a bucket: alone, from its own padded copy
             self._launch()
-            padded = torch.zeros(size, dtype=torch.float32)
+            padded = torch.zeros(size, dtype=self._reducer.comm_dtype)
             padded[:rec.numel] = flat
             self._start(padded, [(rec, 0)])
             return
         if self._used + size > self._elements:
             self._launch()
         if self._buffer is None:
-            self._buffer = torch.empty(self._elements, dtype=torch.float32)
+            self._buffer = torch.empty(self._elements, dtype=self._reducer.comm_dtype)
         view = self._buffer[self._used:self._used + size]
         view[:rec.numel].copy_(flat)
         view[rec.numel:].zero_()
@@ -353,4 +354,4 @@ class _Buckets:
         reducer.comm_seconds += time.perf_counter() - start
         for rec, offset in members:
             first = offset + reducer.rank * rec.partition_numel
-            reducer._take(rec, flat[first:first + rec.partition_numel].div(reducer.world_size))  # a copy: the bucket goes
+            reducer._take(rec, fp32_mean(flat[first:first + rec.partition_numel], reducer.world_size))

@@ -79,8 +79,7 @@ class UpdateAfterBackward:
             raise error
         if ctx.store.region is not None:
             ctx.store.region.commit()  # every partition's write has landed
-        for rec in records:  # kept whole parameters whose partition is not the parameter itself
-            ctx.store.refresh(rec)
+        ctx.store.refresh_many(records)  # kept whole parameters whose partition is not the parameter itself
         return True
 
     def after_step(self) -> None:

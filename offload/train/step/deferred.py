@@ -171,9 +171,8 @@ class DeferredStep:
         self._opt.step()  # sync point: every update has run; commits now or once its writes land
         if self._writeback is not None:
             self._writeback.finish()  # sync point: the partitions' writes have landed
-        for index in list(self._refresh):
-            self._refresh.discard(index)
-            self._store.refresh(self._store.records[index])
+        refresh, self._refresh = sorted(self._refresh), set()
+        self._store.refresh_many([self._store.records[index] for index in refresh])
 
     def abandon(self) -> None:
         """Forget the step (after the engine gave it up: the optimizer and the write-back let go first)."""

@@ -97,8 +97,7 @@ class UpdateDuringBackward(FastPath):
             raise error
         if ctx.agreement.active:
             ctx.optimizer.commit_held()
-        for rec in ctx.trainable():  # kept whole parameters whose partition is not the parameter itself
-            ctx.store.refresh(rec)
+        ctx.store.refresh_many(ctx.trainable())  # kept whole parameters whose partition is not the parameter itself
         return True
 
     def after_step(self) -> None:
