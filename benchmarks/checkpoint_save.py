@@ -1,10 +1,12 @@
 """What a checkpoint save costs, beside ``torch.save`` and fio on the same disk.
 
-A GPT-2 (default: small) with parameters and optimizer state on NVMe takes one step; then, ``--repeats``
-times and alternated so that the disk's swings hit every side alike:
+A GPT-2 (``--model``: small, the default, medium or large; or ``--model-config``) with parameters and optimizer
+state on NVMe takes one step; then, ``--repeats`` times and alternated so that the disk's swings hit every side
+alike:
 
 - **ours**: ``engine.save_checkpoint`` (a new tag each time, removed after): every partition read from the
-  swap files and written with its optimizer state, checksummed, fsynced;
+  swap files and written with its optimizer state, checksummed, written with O_DIRECT (where the file system
+  allows: the line printed first says which), fsynced;
 - **ours, asynchronous**: ``save_checkpoint(..., async_save=True)`` while training goes on: the steps run
   while the save is in flight against steps without one (each side's median), and the time training
   waits for the save: the call's return (the snapshot) plus the time steps waited for slots the save had
@@ -20,6 +22,7 @@ Reported: the medians, ours over each, the checkpoint's bytes, and the page cach
 over a step without, and the wait over the synchronous save's time.
 
     python -m benchmarks.checkpoint_save --dir DIR --repeats 5
+    python -m benchmarks.checkpoint_save --dir DIR --model gpt2-medium --repeats 3
     python -m benchmarks.checkpoint_save --dir DIR --model-config '{"n_layer": 2, "n_embd": 64, "n_head": 2}' --no-fio
 """
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import statistics
@@ -39,22 +43,30 @@ import transformers
 from benchmarks._common import gpt2_on_nvme_after_a_step
 
 GPT2_SMALL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
+MODELS = {"gpt2": GPT2_SMALL, "gpt2-medium": {**GPT2_SMALL, "n_layer": 24, "n_embd": 1024, "n_head": 16},
+          "gpt2-large": {**GPT2_SMALL, "n_layer": 36, "n_embd": 1280, "n_head": 20}}
+"""GPT-2's sizes by their Hugging Face names (124 M, 355 M and 774 M parameters)."""
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; print and return its figures."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default=None, help="directory on the disk for the swap files and the checkpoints")
-    parser.add_argument("--model-config", default=json.dumps(GPT2_SMALL), help="GPT2Config keywords, JSON")
+    parser.add_argument("--model", choices=sorted(MODELS), default="gpt2", help="GPT-2's size (default gpt2: small)")
+    parser.add_argument("--model-config", default=None, help="GPT2Config keywords, JSON (instead of --model)")
     parser.add_argument("--repeats", type=int, default=5, help="saves of each kind; medians reported (default 5)")
     parser.add_argument("--no-fio", action="store_true", help="leave fio out (it is skipped where not installed)")
     parser.add_argument("--out", default=None, help="write the figures to this JSON file")
     args = parser.parse_args(argv)
+    model_config = json.loads(args.model_config) if args.model_config else MODELS[args.model]
     root = tempfile.mkdtemp(prefix="checkpoint-save-", dir=args.dir)
+    print(f"checkpoint_save: {args.model_config or args.model} in {root}, {args.repeats} repeats, "
+          f"fio {'off' if args.no_fio else 'on'}")
     try:
-        figures = _measure(root, json.loads(args.model_config), args.repeats, fio=not args.no_fio)
+        figures = _measure(root, model_config, args.repeats, fio=not args.no_fio)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    print(f"the save wrote its tensor files {figures['write_mode']}")
     line = (f"checkpoint {figures['checkpoint_gb']:.3f} GB: ours {figures['ours_s']:.3f} s, torch.save + fsync "
             f"{figures['torch_save_s']:.3f} s ({figures['ours_over_torch_save']:.2f}x)")
     if figures.get("fio_write_read_s"):
@@ -89,6 +101,10 @@ def _measure(root: str, model_config: dict, repeats: int, *, fio: bool) -> dict:
         return time.perf_counter() - began
 
     ours, saves, cached, checkpoint_bytes = [], [], [], 0
+    fallbacks, logger = _BufferedFiles(), logging.getLogger("offload")
+    level = logger.level
+    logger.addHandler(fallbacks)
+    logger.setLevel(logging.DEBUG)
     steps, during, calls, slot_waits = [], [], [], []
     fio_times: dict[str, list[float]] = {"write": [], "read": []}
     try:
@@ -123,7 +139,10 @@ def _measure(root: str, model_config: dict, repeats: int, *, fio: bool) -> dict:
             shutil.rmtree(path)
     finally:
         engine.close()
+        logger.removeHandler(fallbacks)
+        logger.setLevel(level)
     figures = {"checkpoint_gb": checkpoint_bytes / 1e9, "ours_s": statistics.median(ours),
+               "write_mode": f"through the page cache ({fallbacks.reasons[0]})" if fallbacks.reasons else "with O_DIRECT",
                "torch_save_s": statistics.median(saves), "ours_runs_s": [round(s, 3) for s in ours],
                "torch_save_runs_s": [round(s, 3) for s in saves],
                "page_cache_share": max(0, statistics.median(cached)) / max(checkpoint_bytes, 1)}
@@ -162,6 +181,19 @@ def _fio(directory: str, nbytes: int) -> dict[str, float]:
         if os.path.exists(filename):
             os.unlink(filename)
     return out
+
+
+class _BufferedFiles(logging.Handler):
+    """Collects the save's debug lines saying that a file was written through the page cache (no O_DIRECT)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.reasons: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "written through the page cache" in message:
+            self.reasons.append(message)
 
 
 def _cached_bytes() -> int:

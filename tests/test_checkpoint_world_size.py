@@ -6,6 +6,7 @@ Processes over gloo, started here, as in tests/test_engine_dist.py."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -160,3 +161,68 @@ def test_a_flip_in_a_middle_chunk_of_rank_1s_file_is_refused_at_every_world_size
         assert engine.global_steps == 0
     finally:
         engine.close()
+
+
+def _refuse_a_flip_on_rank_1(rank: int, world_size: int, tmp: str, out: str) -> None:
+    """A run of 4 steps (the reference); another that saves after step 2, takes step 3, then loads the
+    checkpoint in which rank 1 flipped one bit of its own optimizer file (refused), and takes step 4."""
+    from checkpoint_flips import tensor_at
+
+    from tensorio.testing import flip_bit
+
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    shares = [batch.chunk(world_size)[rank] for batch in batches(BEFORE + 2)]
+    result: dict = {}
+
+    def step(engine, batch):
+        loss = engine(batch, labels=batch).loss
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().clone()
+        torch.distributed.all_reduce(total)
+        return total.item() / world_size
+    try:
+        engine, *_ = initialize(model=gpt2(), config=config(tmp, world_size, 0.0, False))
+        result["reference"] = [step(engine, batch) for batch in shares]
+        engine.close()
+        engine, *_ = initialize(model=gpt2(), config=config(tmp, world_size, 0.0, False))
+        losses = [step(engine, batch) for batch in shares[:BEFORE]]
+        saved = engine.save_checkpoint(os.path.join(tmp, "ckpt"))
+        losses.append(step(engine, shares[BEFORE]))  # the engine's state is no longer the checkpoint's
+        if rank == 1:
+            victim = os.path.join(saved, "rank00001_optimizer.safetensors")
+            _, offset, nbytes = tensor_at(Path(victim))
+            flip_bit(victim, offset + nbytes // 2, 5)
+        torch.distributed.barrier()
+        before = dict(engine.full_parameters())
+        try:
+            engine.load_checkpoint(os.path.join(tmp, "ckpt"))
+        except Exception as error:  # noqa: BLE001 - the test asserts on it
+            result["error"] = (type(error).__name__, str(error), type(error.__cause__).__name__, str(error.__cause__))
+        result["unchanged"] = all(torch.equal(t, before[name]) for name, t in engine.full_parameters())
+        result["steps"], result["failure"] = engine.global_steps, engine.stats().failure.value
+        losses.append(step(engine, shares[BEFORE + 1]))
+        result["losses"] = losses
+        engine.close()
+    finally:
+        torch.save(result, f"{out}.{rank}")
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_a_load_refused_on_rank_1_is_refused_on_every_rank_and_both_train_on(disk_dir, monkeypatch):
+    """World size 2, one bit flipped in rank 1's optimizer file only: rank 1's check fails, every rank refuses
+    the load (rank 0's bytes were good, and it had staged them), both engines keep the state of step 3 and
+    take step 4 as a run that was never asked to load (the same losses, bit for bit)."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    out = str(disk_dir / "result")
+    run_ranks(_refuse_a_flip_on_rank_1, [(rank, 2, str(disk_dir), out) for rank in range(2)], timeout=300)
+    zero, one = (torch.load(f"{out}.{rank}") for rank in range(2))
+    for result in (zero, one):
+        kind, message, _, _ = result["error"]
+        assert kind == "RanksFailed" and "failed on rank 1" in message and "ChecksumError" in message, message
+        assert result["unchanged"] and result["steps"] == BEFORE + 1 and result["failure"] == "none"
+        assert result["losses"] == result["reference"]  # step 4 from step 3's state, as if no load was asked
+    assert one["error"][2] == "ChecksumError" and "rank00001_optimizer.safetensors" in one["error"][3]
+    assert zero["reference"] == one["reference"] and len(set(zero["reference"])) == BEFORE + 2

@@ -20,7 +20,7 @@ from offload.config.swap import SwapConfig
 from offload.optim.kernel import ParamState, StepInputs, check_hyperparameters, check_params
 from offload.optim.overlap import BackgroundWorker, BackwardUpdates
 from offload.optim.schedule import SwapSchedule
-from offload.optim.state_io import OptimizerState
+from offload.optim.state_io import OptimizerState, load_reads
 from offload.optim.step import StepRun
 from offload.optim.subgroups import (ParamSpec, SubGroupPlan, choose_buffer_count, chosen_swap_config, linked_groups,
                                      plan_subgroups)
@@ -355,6 +355,13 @@ class OffloadAdam(torch.optim.Optimizer):
         """
         self._transaction.sync()
         self._state.load_saved(saved, layout, read, before_commit)
+
+    def load_reads(self, saved: Mapping[str, Any], layout: Mapping[str, int]) -> list[list[tuple[str, int, int]]]:
+        """The ``read(name, start, stop)`` calls `load_state` will make for ``saved`` and ``layout``, in its order,
+        one list per sub-group: a loader starts them ahead (several in flight) and hands them over as asked.
+        Pure: reads nothing, changes nothing."""
+        steps = {int(index): step for index, step in saved["steps"].items()}
+        return load_reads(self._state.plans, steps, layout)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict from `state_dict` here or from torch.optim.AdamW / Adam for the same parameters.

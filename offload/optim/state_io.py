@@ -192,6 +192,17 @@ class OptimizerState:
             ours["params"] = params
 
 
+def load_reads(plans: list[SubGroupPlan], steps: Mapping[int, float],
+               layout: Mapping[str, int]) -> list[list[tuple[str, int, int]]]:
+    """The reads `fill` asks for, in its order, per sub-group: ``(name, start, stop)`` each (what a loader may
+    start ahead of `OptimizerState.load_saved`'s calls)."""
+    keys = ("exp_avg", "exp_avg_sq", "master_param")
+    return [[(f"{member.param}.{key}", member.start, member.start + member.numel)
+             for member in plan.members if member.param in steps
+             for key in keys[:plan.regions] if f"{member.param}.{key}" in layout]
+            for plan in plans]
+
+
 def fill(plan: SubGroupPlan, regions: list[torch.Tensor], steps: Mapping[int, float],
           get: Callable[[int, str, int, int], torch.Tensor | None], params: list[ParamState]) -> None:
     """Write loaded state into a sub-group's state regions (zeros for parameters without state)."""

@@ -8,8 +8,11 @@ the data section, then the tensors' bytes back to back.
 from __future__ import annotations
 
 import collections
+import errno
 import json
+import logging
 import os
+import shutil
 import struct
 import tempfile
 from contextlib import contextmanager
@@ -18,13 +21,16 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 
-from tensorio import DIRECT_ALIGN, AioHandle, IOFuture, aligned_tensor
+from tensorio import DIRECT_ALIGN, AioHandle, BufferPool, IOFuture, aligned_tensor
 
 from offload.storage.checkpoint_dir import fsync_dir
+from offload.storage.direct_writes import StagedWrites, open_direct
 from offload.storage.file_checksums import FileChecksums, TensorHasher
 
 __all__ = ["SAFETENSORS_DTYPES", "DirectSafetensorsWriter", "SafetensorsWriter", "atomic_safetensors",
            "save_tensors_safetensors"]
+
+log = logging.getLogger("offload")
 
 
 def save_tensors_safetensors(
@@ -84,12 +90,27 @@ class SafetensorsWriter:
     header so that the tensors' data starts at a multiple of it in the file. Not atomic by itself: write it inside
     `atomic_checkpoint`'s directory, or to a temporary name that you rename.
 
+    Two ways to the disk, the same bytes:
+
+    - buffered (the default): each run is written with pwrite where it belongs, and every 64 MiB the kernel is
+      asked to write back what was written and drop it from the page cache;
+    - ``handle`` given (a tensorio `AioHandle`): the tensors' bytes go out with O_DIRECT from a few page-aligned
+      chunks (`offload.storage.direct_writes`, taken from ``pool`` when given), the page cache left alone; the
+      caller's buffer is free again when `write` returns. Each element must then be written once. Where the
+      file system refuses O_DIRECT, the writer falls back to the buffered way: `direct` is False and
+      `buffered_reason` says why (also logged at debug level).
+
+    ``preallocate``: reserve the file's blocks when it is opened (``posix_fallocate``; skipped where the file
+    system cannot), so that a full disk is named before anything is written.
+
     Raises TypeError for a dtype safetensors cannot store, ValueError for a write outside a tensor or
-    of another dtype (naming the tensor), OSError from the file system.
+    of another dtype (naming the tensor), OSError from the file system (ENOSPC from the preallocation
+    names the file and the bytes it needs), TensorIOError naming the file for a failed O_DIRECT write.
     """
 
     def __init__(self, path: str | os.PathLike, layout: Mapping[str, tuple[torch.dtype, Sequence[int]]],
-                 metadata: Mapping[str, str] | None = None, *, data_align: int = 8, checksums: bool = False) -> None:
+                 metadata: Mapping[str, str] | None = None, *, data_align: int = 8, checksums: bool = False,
+                 handle: AioHandle | None = None, pool: BufferPool | None = None, preallocate: bool = False) -> None:
         head, self._places, end = _header(layout, metadata, data_align)
         self._data = len(head)
         self.path = os.fspath(path)
@@ -98,14 +119,31 @@ class SafetensorsWriter:
         self.checksums: FileChecksums | None = None
         """With ``checksums``: the header's and each tensor's chunk checksums, once closed
         (`offload.storage.file_checksums`); tensors written front to back are hashed as they are written."""
+        self.buffered_reason: str | None = None if handle is not None else "no I/O handle given"
+        """Why the data is written through the page cache rather than with O_DIRECT; None when it is not."""
+        self._direct: StagedWrites | None = None
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         self._unflushed = 0
         try:
-            _pwrite_all(self._fd, head, 0)
-            os.ftruncate(self._fd, self._data + end)
+            _pwrite_all(self._fd, head, 0)  # whole pages (data_align 4096) or the page cache's: never written with O_DIRECT
+            if preallocate:
+                _preallocate(self._fd, self._data + end, self.path)
+            os.ftruncate(self._fd, self._data + end)  # the final size: the last partial page is written in place
+            if handle is not None:
+                fd, reason = open_direct(self.path)
+                if fd is None:
+                    self.buffered_reason = reason
+                    log.debug("%s: written through the page cache: %s", self.path, reason)
+                else:
+                    self._direct = StagedWrites(handle, fd, self.path, pool=pool)
         except BaseException:
             os.close(self._fd)
             raise
+
+    @property
+    def direct(self) -> bool:
+        """Whether the tensors' bytes are written with O_DIRECT (see `buffered_reason` when not)."""
+        return self._direct is not None
 
     def write(self, name: str, values: torch.Tensor, first: int = 0) -> None:
         """Put ``values`` (flattened) into tensor ``name`` from its element ``first`` on."""
@@ -118,32 +156,50 @@ class SafetensorsWriter:
         if first < 0 or first + flat.numel() > numel:
             raise ValueError(f"{self.path}: elements {first}..{first + flat.numel()} are outside tensor {name!r} "
                              f"of {numel} elements")
-        raw = flat.contiguous().view(torch.uint8).numpy()
-        _pwrite_all(self._fd, raw, self._data + start + first * flat.element_size())
-        if self._hasher is not None:
+        contiguous = flat.contiguous().view(torch.uint8)
+        raw = contiguous.numpy()
+        if self._hasher is not None:  # the bytes in flight, hashed once, on this thread
             self._hasher.feed(name, first * flat.element_size(), memoryview(raw).cast("B"))
+        offset = self._data + start + first * flat.element_size()
+        if self._direct is not None:
+            self._direct.put(contiguous, offset)
+            return
+        _pwrite_all(self._fd, raw, offset)
         self._unflushed += raw.nbytes
         if self._unflushed >= _WRITE_BEHIND_BYTES:  # the disk writes the last bytes while the caller reads the next
             self._unflushed = 0
             _drop_cached(self._fd)
 
     def close(self) -> None:
-        """Flush the file to the disk (fsync) and close it (with ``checksums``: finish them first)."""
+        """Wait for the O_DIRECT writes, flush the file to the disk (fsync: this file only) and close it (with
+        ``checksums``: finish them first). Raises TensorIOError for a failed write, OSError from fsync."""
         if self._fd >= 0:
             try:
+                if self._direct is not None:
+                    self._direct.finish()  # sync point: every write landed (or the first error raised)
                 if self._hasher is not None:
                     self.checksums = self._hasher.finish(self._fd)
                 os.fsync(self._fd)
                 _drop_cached(self._fd)  # written and on the disk: its pages need not stay in the page cache
             finally:
-                os.close(self._fd)
-                self._fd = -1
+                self._abandon()
+
+    def _abandon(self) -> None:
+        """After an error: wait for the writes in flight (never raises), close the descriptors."""
+        if self._direct is not None:
+            self._direct.abandon()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def __enter__(self) -> "SafetensorsWriter":
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        if exc[0] is None:
+            self.close()
+        else:  # the file is given up (its directory or temporary name is removed): no fsync
+            self._abandon()
 
 
 class DirectSafetensorsWriter:
@@ -356,6 +412,21 @@ def _drop_cached(fd: int) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     except (AttributeError, OSError):
         pass
+
+
+def _preallocate(fd: int, size: int, path: str) -> None:
+    """Reserve the blocks of the file's ``size`` bytes. Where the file system cannot (EOPNOTSUPP, EINVAL,
+    ENOSYS), nothing is reserved and the writes allocate as they go. Raises OSError (ENOSPC, EDQUOT) naming
+    ``path``, the bytes needed and the bytes free."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as error:
+        if error.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            return
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+        raise OSError(error.errno, f"cannot reserve the file's {size:,} bytes ({error.strerror}); the file system "
+                                   f"has {free:,} bytes free: free space or save to another directory",
+                      path) from error
 
 
 def _pwrite_all(fd: int, data, offset: int) -> None:

@@ -36,14 +36,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tensorio import aligned_tensor
+from tensorio import AioConfig, AioHandle, aligned_tensor
 
 from offload.params import ParamRecord, ParamStore
 from offload.params.partition import partition_numel
 from offload.storage import SafetensorsWriter, atomic_checkpoint, atomic_safetensors, resolve_tag
 from offload.train.checkpoint.files import (RANK_FILE_ALIGN, client_file, decode_state, encode_state, optimizer_file,
                                             params_file, states_file, write_json)
-from offload.train.checkpoint.reader import CheckpointReader, PendingRead
+from offload.train.checkpoint.reader import READ_AHEAD_BYTES, CheckpointReader, PendingRead, ReadAhead
 from offload.train.checkpoint.snapshot import Snapshot
 from offload.train.checkpoint.states_file import states_bytes, whole_file_checksum
 from offload.train.step.agree import StepAgreement
@@ -76,18 +76,19 @@ sys.exit(main(["consolidate", os.path.dirname(tag_dir), *sys.argv[1:], "--tag", 
 
 def save_checkpoint(save_dir: str | os.PathLike, tag: str, *, rank: int, group: Any, store: ParamStore,
                     optimizer: Any, state: Mapping[str, Any], model: nn.Module | None = None,
-                    update_latest: bool = True, exclude_frozen: bool = False) -> str:
+                    update_latest: bool = True, exclude_frozen: bool = False, aio: AioConfig | None = None) -> str:
     """Write this rank's partitions, optimizer state and ``state`` (JSON-able plus tensors) under
     ``save_dir/tag`` atomically with the other ranks; rank 0 also writes ``model``'s config.json
     (when it has a transformers config) and zero_to_fp32.py. Return the tag's path.
 
     ``update_latest`` False leaves ``latest`` alone; ``exclude_frozen`` leaves out the partitions of
-    parameters that do not require gradients.
+    parameters that do not require gradients; ``aio``: the engine's settings (its backend; ``direct`` False
+    writes through the page cache), see `CheckpointSave`.
     One partition and one optimizer sub-group in memory at a time. Raises TypeError naming the
     entry of ``state`` that is neither JSON nor a tensor (before anything is written), OSError
     naming the file for ENOSPC and the like, TensorIOError for the swap files.
     """
-    job = CheckpointSave(store, optimizer, state, exclude_frozen=exclude_frozen)
+    job = CheckpointSave(store, optimizer, state, exclude_frozen=exclude_frozen, aio=aio)
     return job.run(save_dir, tag, rank=rank, group=group, model=model, update_latest=update_latest)
 
 
@@ -99,13 +100,20 @@ class CheckpointSave:
     copied), so that `run` may write it from a background thread while training goes on; call `close`
     once it has run or will not (lets the pins go). ``bytes_written`` / ``total_bytes``: its progress.
 
+    The partitions and optimizer state are written with O_DIRECT through a tensorio handle of the save's own
+    (``aio``'s backend), from a few page-aligned chunks taken from the swap file's buffer pool, the page cache
+    left alone; where the file system refuses O_DIRECT (or ``aio.direct`` is False) through the page cache, the
+    same bytes. `write_modes` says which, per file.
+
     Raises TypeError naming the entry of ``state`` that is neither JSON nor a tensor (here, before
     anything is written), ValueError from `Snapshot` for an optimizer it cannot read.
     """
 
     def __init__(self, store: ParamStore, optimizer: Any, state: Mapping[str, Any], *, exclude_frozen: bool = False,
-                 snapshot: bool = False) -> None:
-        self.store, self.optimizer = store, optimizer
+                 snapshot: bool = False, aio: AioConfig | None = None) -> None:
+        self.store, self.optimizer, self.aio = store, optimizer, aio or AioConfig()
+        self.write_modes: dict[str, str] = {}
+        """File name -> "O_DIRECT", or "buffered: <why>", for the tensor files `run` wrote."""
         records = store.records
         self.encoded, self.tensors = encode_state({**state, "parameters": _parameter_list(records, optimizer)})
         self.saved = [rec for rec in records if rec.param.requires_grad or not exclude_frozen]
@@ -130,13 +138,13 @@ class CheckpointSave:
         encoded, tensors, snapshot = self.encoded, self.tensors, self.snapshot
         # One staging directory for all ranks; the tag commits only once every rank's files are in
         # place, and if any rank fails nothing becomes visible and every rank raises.
-        with atomic_checkpoint(save_dir, tag, all_ranks=True, group=group, update_latest=update_latest) as staging:
+        with atomic_checkpoint(save_dir, tag, all_ranks=True, group=group, update_latest=update_latest) as staging, \
+                _write_handle(self.aio) as handle:
             # 1. Parameters, one partition at a time.
             # Each tensor file's checksums (hashed as it is written) go into the JSON (docs/reliability.md).
             checksums = encoded["checksums"] = {}
             layout = {rec.name: (rec.partition.dtype, (rec.partition_numel,)) for rec in self.saved}
-            with _naming_the_file(staging / params_file(rank)) as path, \
-                    SafetensorsWriter(path, layout, data_align=RANK_FILE_ALIGN, checksums=True) as out:
+            with _naming_the_file(staging / params_file(rank)) as path, self._writer(path, layout, handle) as out:
                 parts = snapshot.partitions() if snapshot is not None else _partitions_read_ahead(self.store, self.saved)
                 for rec, values in parts:
                     self._write(out, rec.name, values)
@@ -147,8 +155,7 @@ class CheckpointSave:
                     self.layout = self.optimizer.state_layout()
                     self.total_bytes += 4 * sum(self.layout.values())
                 layout = {name: (torch.float32, (numel,)) for name, numel in self.layout.items()}
-                with _naming_the_file(staging / optimizer_file(rank)) as path, \
-                        SafetensorsWriter(path, layout, data_align=RANK_FILE_ALIGN, checksums=True) as out:
+                with _naming_the_file(staging / optimizer_file(rank)) as path, self._writer(path, layout, handle) as out:
                     stream = snapshot.stream_optimizer if snapshot is not None else self.optimizer.save_state
                     encoded["optimizer"] = stream(lambda name, first, values: self._write(out, name, values, first))
                 checksums[optimizer_file(rank)] = out.checksums.to_json()
@@ -165,6 +172,15 @@ class CheckpointSave:
             with _naming_the_file(staging / states_file(rank)) as path, open(path, "wb") as file:
                 file.write(states_bytes(encoded))  # its own checksum in its head
         return os.path.join(os.fspath(save_dir), tag)
+
+    def _writer(self, path: Any, layout: dict[str, Any], handle: AioHandle | None) -> SafetensorsWriter:
+        """A rank file's writer: checksummed, preallocated, O_DIRECT through ``handle`` where it can."""
+        pool = getattr(self.store.swap, "pool", None)  # the engine's I/O buffers, where there is a swap file
+        out = SafetensorsWriter(path, layout, data_align=RANK_FILE_ALIGN, checksums=True, handle=handle, pool=pool,
+                                preallocate=True)
+        self.write_modes[os.path.basename(path)] = "O_DIRECT" if out.direct else \
+            f"buffered: {'aio.direct is false' if handle is None else out.buffered_reason}"
+        return out
 
     def _write(self, out: SafetensorsWriter, name: str, values: torch.Tensor, first: int = 0) -> None:
         out.write(name, values, first)
@@ -265,14 +281,16 @@ class CheckpointLoad:
             else:
                 names = self.reader.names("optimizer")
                 layout = {name: self._trainable[int(name.split(".")[0])].partition_numel for name in names}
+                ahead = self._read_ahead(saved, layout)  # the next ranges read while one is checked and staged
                 with sized_partitions(self._trainable):
                     try:
-                        self.optimizer.load_state(saved, layout,
-                                                  lambda name, start, stop: self._read_state(name, start, stop).result(),
+                        self.optimizer.load_state(saved, layout, lambda name, start, stop: ahead.take((name, start, stop)),
                                                   before_commit=agree)
                     except ValueError as error:
                         saved_by = self.rank if self.rank < self.saved_world_size else 0
                         raise ValueError(f"{os.path.join(self.path, states_file(saved_by))}: {error}") from error
+                    finally:
+                        ahead.close()  # sync point: no read left in flight into a buffer the pool gives out again
         except BaseException as error:
             if region is not None:
                 region.rollback()  # reads take the committed slots again; nothing else changed
@@ -333,6 +351,16 @@ class CheckpointLoad:
         start = self.rank * rec.partition_numel
         return self.reader.read("params", rec.name, start, start + rec.partition_numel,
                                 numel=None if self.saved_world_size == self.world_size else rec.numel)
+
+    def _read_ahead(self, saved: Mapping[str, Any], layout: Mapping[str, int]) -> ReadAhead:
+        """The optimizer's reads, in the order its `load_state` asks for them (`OffloadAdam.load_reads`), started
+        ahead: at most one sub-group's state (and `READ_AHEAD_BYTES`) beyond the range being staged. An optimizer
+        that cannot say its order is read one range at a time."""
+        plan = getattr(self.optimizer, "load_reads", None)
+        groups = plan(saved, layout) if plan is not None else []
+        largest = max((sum(4 * (stop - start) for _, start, stop in group) for group in groups), default=0)
+        return ReadAhead([key for group in groups for key in group], lambda key: self._read_state(*key),
+                         lambda key: 4 * (key[2] - key[1]), max_bytes=min(READ_AHEAD_BYTES, largest))
 
     def _read_state(self, name: str, start: int, stop: int) -> PendingRead:
         """Start reading elements ``[start, stop)`` of this rank's partition of optimizer state ``name``."""
@@ -432,6 +460,17 @@ def save_16bit_model(save_dir: str | os.PathLike, save_filename: str, *, rank: i
         _write_config(save_dir, model)
     if world_size > 1:
         dist.barrier(group=group)
+
+
+@contextlib.contextmanager
+def _write_handle(aio: AioConfig) -> Iterator[AioHandle | None]:
+    """The save's own tensorio handle for its O_DIRECT writes (1 MiB pieces, 16 in flight), closed at the end
+    (its writes all waited for by then); None where ``aio.direct`` is False."""
+    if aio.direct is False:
+        yield None
+        return
+    with AioHandle(block_size=1 << 20, queue_depth=16, backend=aio.backend) as handle:
+        yield handle
 
 
 def _partitions_read_ahead(store: ParamStore, records: list[ParamRecord]) -> Iterator[tuple[ParamRecord, torch.Tensor]]:

@@ -28,7 +28,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
@@ -41,7 +41,7 @@ from offload.train.checkpoint.states_file import decoded_state, read_states, rea
 
 log = logging.getLogger("offload")
 
-__all__ = ["READ_BUFFER_BYTES", "CheckpointReader", "PendingRead"]
+__all__ = ["READ_AHEAD_BYTES", "READ_BUFFER_BYTES", "CheckpointReader", "PendingRead", "ReadAhead"]
 
 _BLOCK = 8 << 20
 """Bytes per read request: large sequential reads, 8 in flight."""
@@ -82,6 +82,69 @@ class PendingRead:
         if self.out is None:
             return single if single is not None else torch.zeros(self.count, dtype=self.dtype)
         return self.out
+
+    def wait(self) -> None:
+        """Wait for the reads without raising or counting them (a read given up: its buffers may then be reused)."""
+        for piece in self.pieces:
+            piece[1].exception()
+
+
+READ_AHEAD_BYTES = 64 << 20
+"""Bytes a `ReadAhead` keeps in flight beyond the read being handed over, at most (the engine passes less:
+one optimizer sub-group's state where that is smaller)."""
+
+
+class ReadAhead:
+    """Reads started ahead of their use, in the order they will be asked for, so that checking and staging
+    one range overlaps reading the next ones.
+
+    ``order``: the keys in the order `take` will be called (`OffloadAdam.load_reads`); ``start(key)`` starts a
+    key's read (a `PendingRead`); ``nbytes(key)`` its size. Beyond the read being handed over, at most
+    ``depth`` reads and ``max_bytes`` are in flight, but always the next one (so a range larger than the bound
+    still overlaps its neighbour). A key asked for out of the planned order is read then (correct, not ahead).
+    Call `close` at the end, whatever happened: it waits for the reads never taken.
+    """
+
+    def __init__(self, order: Sequence[Hashable], start: Callable[[Any], PendingRead], nbytes: Callable[[Any], int], *,
+                 depth: int = 8, max_bytes: int = READ_AHEAD_BYTES) -> None:
+        self._order, self._start, self._nbytes = list(order), start, nbytes
+        self._depth, self._max_bytes = max(1, depth), max_bytes
+        self._next = 0  # the first key of ``order`` not started yet
+        self._started: dict[Hashable, tuple[PendingRead, int]] = {}
+        self._bytes = 0
+        self.most_ahead = 0
+        """The most reads in flight at once beside the one being handed over (a measure for tests)."""
+
+    def take(self, key: Hashable) -> torch.Tensor:
+        """``key``'s elements (sync point: waits for its read); the reads after it are started first. Raises
+        the read's TensorIOError / ChecksumError."""
+        entry = self._started.pop(key, None)
+        if entry is None:  # the first key, or one out of the planned order
+            if self._next < len(self._order) and self._order[self._next] == key:
+                self._next += 1
+            entry = (self._start(key), 0)
+        self._bytes -= entry[1]
+        self._top_up()
+        return entry[0].result()
+
+    def _top_up(self) -> None:
+        while self._next < len(self._order) and len(self._started) < self._depth:
+            key = self._order[self._next]
+            size = self._nbytes(key)
+            if self._started and self._bytes + size > self._max_bytes:
+                break
+            self._next += 1
+            self._started[key] = (self._start(key), size)
+            self._bytes += size
+        self.most_ahead = max(self.most_ahead, len(self._started))
+
+    def close(self) -> None:
+        """Wait for the reads started and never taken (after an error, or an order other than planned); drop
+        them. Never raises."""
+        started, self._started = self._started, {}
+        for pending, _ in started.values():
+            pending.wait()
+        self._bytes = 0
 
 
 class CheckpointReader:

@@ -42,7 +42,8 @@ def save_engine_checkpoint(ctx: StepContext, path: UpdatePath, module: nn.Module
     if async_save is None:
         async_save = ctx.config.checkpoint.async_save
     if async_save and saves is not None:
-        job = CheckpointSave(ctx.store, ctx.optimizer, state, exclude_frozen=exclude_frozen, snapshot=True)
+        job = CheckpointSave(ctx.store, ctx.optimizer, state, exclude_frozen=exclude_frozen, snapshot=True,
+                             aio=ctx.config.aio)
         target = os.path.join(os.fspath(save_dir), tag)
         try:
             group = saves.group_for(ctx.group, world_size)  # the background's collectives, apart from training's
@@ -55,7 +56,7 @@ def save_engine_checkpoint(ctx: StepContext, path: UpdatePath, module: nn.Module
         return target
     saved = save_checkpoint(save_dir, tag, rank=rank, group=ctx.group, store=ctx.store,
                             optimizer=ctx.optimizer, state=state, model=module,
-                            update_latest=save_latest, exclude_frozen=exclude_frozen)
+                            update_latest=save_latest, exclude_frozen=exclude_frozen, aio=ctx.config.aio)
     ctx.failure.saved(saved)
     return saved
 
