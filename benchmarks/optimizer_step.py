@@ -1,16 +1,21 @@
 """Benchmark 2: one OffloadAdam step with all state on NVMe, against the in-memory step and the I/O bound.
 
     python -m benchmarks.optimizer_step --params 104857600 --dir /work/tmp
+    python -m benchmarks.optimizer_step --params 104857600 --dir /work/tmp /dev/shm   # striped over two drives
 
 The I/O bound is the state's bytes read at fio's read speed plus its bytes written at fio's write
 speed, both measured here (before and after the offloaded steps, the faster run counting) on the
 same directory with the same aio settings. Headline:
 offloaded step / max(I/O bound, in-memory step) (target: at most 1.15).
+
+With several directories (one per drive) the state is striped over them (`offload.storage.StripedSwapFile`)
+and fio's speeds are the sums of each directory's, measured alone: the bound of drives that add up.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import tempfile
@@ -51,7 +56,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=int, default=100 * 2**20, help="fp32 parameter elements")
     ap.add_argument("--tensors", type=int, default=12, help="parameters the elements are split into")
-    ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temporary one)")
+    ap.add_argument("--dir", nargs="+", default=None,
+                    help="directory on the disk to measure (default: a temporary one); several: one per drive, "
+                         "the state striped over them")
     ap.add_argument("--sub-group-size", type=int, default=1 << 22)
     ap.add_argument("--buffer-count", type=int, default=4)
     ap.add_argument("--queue-depth", type=int, default=32)
@@ -62,9 +69,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--fio-size", type=int, default=1 << 30, help="bytes fio moves per direction")
     args = ap.parse_args(argv)
     aio = AioConfig(block_size=args.block_size, queue_depth=args.queue_depth, thread_count=args.thread_count)
-    with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-optimizer-step-") as directory:
+    with contextlib.ExitStack() as stack:
+        directories = [stack.enter_context(tempfile.TemporaryDirectory(dir=d, prefix="bench-optimizer-step-"))
+                       for d in (args.dir or [None])]
         print(f"params={args.params} tensors={args.tensors} sub_group_size={args.sub_group_size} "
-              f"buffer_count={args.buffer_count} aio={aio} torch_threads={torch.get_num_threads()} dir={directory}")
+              f"buffer_count={args.buffer_count} aio={aio} torch_threads={torch.get_num_threads()} "
+              f"dir={' '.join(directories)}")
         params = _model(args.params, args.tensors)
 
         # 1. In-memory step: the same kernel with all state in RAM.
@@ -78,12 +88,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         #    runs counts (the strictest bound on a shared, noisy machine).
         fio_size = min(args.fio_size, max(8 * args.params, args.block_size * args.thread_count))
 
-        def fio(rw: str) -> float:
-            return run_fio(job_for_config(aio, directory=directory, rw=rw, size=fio_size)).bw_bytes
+        def fio(rw: str) -> float:  # several drives: the sum of each one's speed alone
+            return sum(run_fio(job_for_config(aio, directory=d, rw=rw, size=fio_size)).bw_bytes for d in directories)
         read_bws, write_bws = [fio("read")], [fio("write")]
 
         # 3. Fully offloaded step, pipelined.
-        opt = OffloadAdam(params, lr=1e-4, nvme_offload_fraction=1.0, nvme_offload_dir=directory,
+        opt = OffloadAdam(params, lr=1e-4, nvme_offload_fraction=1.0, nvme_offload_dir=directories if len(directories) > 1 else directories[0],
                           sub_group_size=args.sub_group_size, buffer_count=args.buffer_count, aio=aio)
         offloaded = statistics.median(_time_steps(opt, args.warmup, args.steps))
         state_bytes = sum(r.plan.state_bytes for r in opt.swapper.records.values())

@@ -27,7 +27,7 @@ from offload.params.construct import BUILT, PartitionedBuild, built_store, disca
 from offload.params.pretrained import load_pretrained
 from offload.params.record import ParamRecord
 from offload.params.store import EXTERNAL, find_record
-from offload.storage import SwapFile
+from offload.storage import open_swap_file
 from offload.train.setup import compute_device_of
 from offload.train.sizing import auto_max_in_cpu
 
@@ -111,8 +111,8 @@ class Init:
         swap = None
         if self.device == "nvme":
             check_nvme_paths(cfg)
-            swap = SwapFile(offload_param.nvme_path, cfg.aio, kind="params",
-                            key="zero_optimization.offload_param.nvme_path")
+            swap = open_swap_file(offload_param.rank_paths or offload_param.nvme_path, cfg.aio, kind="params",
+                                  key="zero_optimization.offload_param.nvme_path")
         max_in_cpu = offload_param.max_in_cpu if swap is not None else 0
         if max_in_cpu == "auto":  # the model is not built yet: the engine's other shares at their most
             max_in_cpu, how = auto_max_in_cpu(cfg, None, 2 if self.dtype in (torch.float16, torch.bfloat16) else 4)

@@ -75,6 +75,31 @@ class IOFuture:
                 return
         fn(self)
 
+    @classmethod
+    def all_of(cls, futures: "list[IOFuture]") -> "IOFuture":
+        """One future for several requests (a request split over files): it finishes when every one has,
+        with the sum of their bytes, or with the first failure in the order given once all are done (so that
+        no buffer is still in use when it raises). It carries no ``checksums``: each part keeps its own.
+        An empty list gives a future already done with 0 bytes."""
+        joined = cls()
+        if not futures:
+            joined._resolve(0, None)
+            return joined
+        remaining = [len(futures)]
+        lock = threading.Lock()
+
+        def finished(_: "IOFuture") -> None:
+            with lock:
+                remaining[0] -= 1
+                if remaining[0]:
+                    return
+            error = next((f._error for f in futures if f._error is not None), None)
+            joined._resolve(0 if error else sum(f._nbytes for f in futures), error)
+
+        for future in futures:
+            future.add_done_callback(finished)
+        return joined
+
     def _resolve(self, nbytes: int, error: BaseException | None, checksums: Checksums | None = None) -> None:
         with self._lock:
             self._nbytes, self._error, self.checksums = nbytes, error, checksums

@@ -12,15 +12,21 @@ pytestmark = pytest.mark.bench
 
 
 @pytest.mark.fio
-def test_optimizer_step_benchmark_tiny(tmp_path, capsys):
+@pytest.mark.parametrize("drives", [1, 2])
+def test_optimizer_step_benchmark_tiny(tmp_path, capsys, drives):
     from benchmarks import optimizer_step
 
+    dirs = [tmp_path / f"drive{i}" for i in range(drives)]
+    for directory in dirs:
+        directory.mkdir()
     result = optimizer_step.main(["--params", "300000", "--tensors", "3", "--sub-group-size", "65536",
-                                  "--warmup", "1", "--steps", "2", "--fio-size", str(4 << 20), "--dir", str(tmp_path)])
+                                  "--warmup", "1", "--steps", "2", "--fio-size", str(4 << 20),
+                                  "--dir", *map(str, dirs)])
     out = capsys.readouterr().out
     assert "offloaded / max(I/O bound, in-memory)" in out
+    assert all(f"{d}/bench-optimizer-step-" in out for d in dirs)  # a swap directory on each drive given
     assert result["offloaded_s"] > 0 and result["io_bound_s"] > 0 and result["ratio"] > 0
-    assert list(tmp_path.iterdir()) == []  # swap and fio files removed
+    assert all(list(d.iterdir()) == [] for d in dirs)  # swap and fio files removed
 
 
 def test_colossal_benchmark_tiny(tmp_path, monkeypatch, capsys):

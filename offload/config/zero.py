@@ -15,19 +15,28 @@ from offload.config.swap import SwapConfig, prefixed
 DEVICES = ("none", "cpu", "nvme")
 
 
-def rank_path(key: str, nvme_path: Any) -> tuple[Any, tuple[str, ...]]:
-    """(this rank's directory, every directory) of an ``nvme_path`` that is one directory or a list of them:
-    the node's ranks are spread over a list, local rank ``LOCAL_RANK`` modulo its length (several NVMe drives,
-    a rank's swap files on one of them). Raises ValueError naming ``key`` for an empty list or one holding
-    anything but non-empty strings."""
+def rank_path(key: str, nvme_path: Any) -> tuple[Any, tuple[str, ...], tuple[str, ...]]:
+    """(this rank's directory, this rank's drives, every directory) of an ``nvme_path`` that is one directory
+    or a list of them. The node's ``L`` ranks (``LOCAL_WORLD_SIZE``, at least ``LOCAL_RANK`` + 1) are spread
+    over a list of ``n`` drives: with ``L >= n`` local rank ``r`` takes entry ``r`` modulo ``n`` (its swap files
+    on one drive); with fewer ranks than drives it takes entries ``r, r + L, r + 2L, ...`` and stripes its swap
+    files over them (`offload.storage.striped`). "This rank's drives" is empty unless there are several (then
+    "this rank's directory" is the first). Raises ValueError naming ``key`` for an empty list or one holding
+    anything but non-empty strings, and naming the variable for a bad ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``."""
     if not isinstance(nvme_path, (list, tuple)):
-        return nvme_path, (nvme_path,) if isinstance(nvme_path, str) and nvme_path else ()
+        return nvme_path, (), (nvme_path,) if isinstance(nvme_path, str) and nvme_path else ()
     if not nvme_path or not all(isinstance(path, str) and path for path in nvme_path):
         raise ValueError(f"{key}.nvme_path: expected a directory path or a non-empty list of them, got {nvme_path!r}")
     local = os.environ.get("LOCAL_RANK", "0").strip() or "0"
     if not local.isdigit():
         raise ValueError(f"LOCAL_RANK: {local!r} is not a rank number (it spreads the ranks over {key}.nvme_path)")
-    return nvme_path[int(local) % len(nvme_path)], tuple(nvme_path)
+    ranks = os.environ.get("LOCAL_WORLD_SIZE", "1").strip() or "1"
+    if not ranks.isdigit() or int(ranks) < 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE: {ranks!r} is not a positive integer (the ranks on this node, spread "
+                         f"over {key}.nvme_path)")
+    rank, ranks = int(local), max(int(ranks), int(local) + 1)
+    share = tuple(nvme_path[rank::ranks]) if ranks < len(nvme_path) else (nvme_path[rank % len(nvme_path)],)
+    return share[0], share if len(share) > 1 else (), tuple(nvme_path)
 
 
 def _check_device(key: str, device: Any, nvme_path: Any) -> None:
@@ -53,10 +62,14 @@ class OffloadParamConfig:
     nvme_path: str | None = None
     """Directory for the swap files; required with device "nvme". It need not exist until the engine starts.
     A list of directories (one per NVMe drive) spreads the node's ranks over them (`rank_path`): this is then
-    this rank's, and ``nvme_paths`` holds them all."""
+    this rank's (the first of ``rank_paths`` where it has several), and ``nvme_paths`` holds them all."""
 
     nvme_paths: tuple[str, ...] = field(default=(), init=False)
     """Every directory ``nvme_path`` named (one, or the list given)."""
+
+    rank_paths: tuple[str, ...] = field(default=(), init=False)
+    """This rank's drives where it has several (fewer ranks on the node than drives listed): its swap files are
+    striped over them; empty otherwise (`rank_path`)."""
 
     pin_memory: bool = False
     """Accepted as DeepSpeed takes it, and not read: with compute on a GPU the partitions held in host memory
@@ -76,7 +89,7 @@ class OffloadParamConfig:
     `offload.zero.Init`) starts; ``engine.plan`` prints the figures."""
 
     def __post_init__(self) -> None:
-        self.nvme_path, self.nvme_paths = rank_path(self._KEY, self.nvme_path)
+        self.nvme_path, self.rank_paths, self.nvme_paths = rank_path(self._KEY, self.nvme_path)
         _check_device(self._KEY, self.device, self.nvme_path)
         self.pin_memory = boolean(f"{self._KEY}.pin_memory", self.pin_memory)
         self.buffer_count = integral(f"{self._KEY}.buffer_count", self.buffer_count, minimum=1)
@@ -104,6 +117,9 @@ class OffloadOptimizerConfig:
     nvme_paths: tuple[str, ...] = field(default=(), init=False)
     """Every directory ``nvme_path`` named (one, or the list given)."""
 
+    rank_paths: tuple[str, ...] = field(default=(), init=False)
+    """This rank's drives where it has several, as ``offload_param.rank_paths``."""
+
     pin_memory: bool = False
     """Stage optimizer states through page-locked host buffers."""
 
@@ -127,7 +143,7 @@ class OffloadOptimizerConfig:
     """Fraction of the optimizer states offloaded, from 0 to 1."""
 
     def __post_init__(self) -> None:
-        self.nvme_path, self.nvme_paths = rank_path(self._KEY, self.nvme_path)
+        self.nvme_path, self.rank_paths, self.nvme_paths = rank_path(self._KEY, self.nvme_path)
         _check_device(self._KEY, self.device, self.nvme_path)
         self.fast_init = boolean(f"{self._KEY}.fast_init", self.fast_init)
         self.ratio = number(f"{self._KEY}.ratio", self.ratio, minimum=0, maximum=1)

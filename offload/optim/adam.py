@@ -10,7 +10,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import weakref
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -36,7 +36,8 @@ class OffloadAdam(torch.optim.Optimizer):
         params, lr, betas, eps, weight_decay: as for ``torch.optim.AdamW``; param groups work.
         adamw_mode: decoupled weight decay (AdamW) when True, L2 weight decay (Adam) when False.
         nvme_offload_fraction: share of the state kept on NVMe, 0.0 to 1.0 (by sub-group, in order).
-        nvme_offload_dir: existing writable directory for the swap file; None: a private temporary
+        nvme_offload_dir: existing writable directory for the swap file, or a list of them (one per drive:
+            the file is striped over them, `offload.storage.StripedSwapFile`); None: a private temporary
             directory, removed by ``close()`` or at exit.
         buffer_count, pin_memory, pipeline_read, pipeline_write, sub_group_size: the swap settings,
             named as DeepSpeed's ``offload_optimizer`` section names them (see `SwapConfig`). Not given,
@@ -65,7 +66,7 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, adamw_mode: bool = True,
-                 nvme_offload_fraction: float = 0.0, nvme_offload_dir: str | None = None, *,
+                 nvme_offload_fraction: float = 0.0, nvme_offload_dir: str | Sequence[str] | None = None, *,
                  amsgrad: bool = False, maximize: bool = False, buffer_count: int | None = None,
                  pin_memory: bool = True, pipeline_read: bool = True, pipeline_write: bool = True,
                  sub_group_size: int | None = None,
@@ -114,7 +115,8 @@ class OffloadAdam(torch.optim.Optimizer):
         self._tmpdir = None
         if any(p.offloaded for p in self._plans) and nvme_offload_dir is None:
             self._tmpdir = tempfile.mkdtemp(prefix="offload-adam-")
-        directory = self._tmpdir or (str(nvme_offload_dir) if nvme_offload_dir is not None else "")
+        directory = self._tmpdir or (nvme_offload_dir if isinstance(nvme_offload_dir, (list, tuple)) else
+                                     str(nvme_offload_dir) if nvme_offload_dir is not None else "")
         self._swapper = StateSwapper(self._plans, directory, self._swap_config, spare_limit=spare_limit)
         # 3. The step, by job: its inputs (hyperparameters, gradient scale, gradients handed over), the
         #    swap schedule (read-ahead, eviction, the learnt order), the transaction (commit or abort),

@@ -14,7 +14,7 @@ import enum
 import errno
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -24,6 +24,7 @@ from offload.config.swap import SwapConfig
 from offload.optim.spare import SparePool
 from offload.optim.subgroups import SubGroupPlan
 from offload.storage.slotted import SlotPair, SlottedRegion
+from offload.storage.striped import open_swap_file
 from offload.storage.swapfile import PAGE, SwapFile
 from offload.storage.write_queue import WriteQueue
 
@@ -63,15 +64,15 @@ class StateSwapper:
     largest size asked for), plus the spare memory the caller lends (`add_spare`, at most
     ``spare_limit`` bytes until `drop_spares`; None: no limit). Raises
     FileNotFoundError / PermissionError / TensorIOError at construction when the swap file cannot
-    be created in ``directory``.
+    be created in ``directory`` (a list of directories: striped over them, `open_swap_file`).
     """
 
-    def __init__(self, plans: list[SubGroupPlan], directory: str, config: SwapConfig,
+    def __init__(self, plans: list[SubGroupPlan], directory: str | Sequence[str], config: SwapConfig,
                  spare_limit: int | None = None) -> None:
         self.config = config
         offloaded = [plan for plan in plans if plan.offloaded]
         # The file is made now so that a bad directory fails here, not in the middle of a step.
-        self._file = SwapFile(directory, config.aio, kind="adam", key="nvme_offload_dir") if offloaded else None
+        self._file = open_swap_file(directory, config.aio, kind="adam", key="nvme_offload_dir") if offloaded else None
         self._region = SlottedRegion(self._file) if offloaded else None
         self.records: dict[int, SwapRecord] = {  # slots A and B; state_bytes is a multiple of the page
             plan.index: SwapRecord(plan=plan, slots=self._region.add(plan.state_bytes)) for plan in offloaded}

@@ -30,7 +30,7 @@ from offload.params import (ParamRecord, ParamStore, Placement, Prefetcher, Swap
                             partition_numel)
 from offload.params.construct import BUILT, built_store
 from offload.params.placement import attach_accumulator, parameter_names, pin_partition
-from offload.storage import SwapFile
+from offload.storage import StripedSwapFile, SwapFile, open_swap_file
 from offload.train.checkpoint.rank_state import sized_partitions
 from offload.train.grads.loss_scaler import build_loss_scaler
 from offload.train.grads.reduce import GradReducer
@@ -108,7 +108,7 @@ def assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int,
 
 
 def _partition(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, world_size: int, rank: int,
-               group: Any, device: Device) -> tuple[list[ParamRecord], SwapFile | None]:
+               group: Any, device: Device) -> tuple[list[ParamRecord], SwapFile | StripedSwapFile | None]:
     """Step 1 of `_build` for a model built whole: cast, partition, place."""
     zero = cfg.zero_optimization
     offload_param = zero.offload_param
@@ -129,7 +129,8 @@ def _partition(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, 
                                   if p.numel() > zero.stage3_param_persistence_threshold})
     swap = None
     if nvme:
-        swap = SwapFile(offload_param.nvme_path, cfg.aio, kind="params", key="zero_optimization.offload_param.nvme_path")
+        swap = open_swap_file(offload_param.rank_paths or offload_param.nvme_path, cfg.aio, kind="params",
+                              key="zero_optimization.offload_param.nvme_path")  # striped over several drives
         undo.callback(swap.close)
     placement = Placement(world_size=world_size, rank=rank, swap=swap, max_in_cpu=offload_param.max_in_cpu if nvme else 0,
                           persistence_threshold=zero.stage3_param_persistence_threshold,
@@ -141,7 +142,7 @@ def _partition(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, 
 
 
 def _adopt(model: nn.Module, built: ParamStore, cfg: EngineConfig, *, world_size: int, device: Device
-           ) -> tuple[list[ParamRecord], SwapFile | None]:
+           ) -> tuple[list[ParamRecord], SwapFile | StripedSwapFile | None]:
     """Step 1 of `_build` for a model built under `offload.zero.Init`: take its records as they are,
     named and numbered as the model names its parameters (records of parameters the model dropped, such as
     a weight replaced by a tied one, are left out). For a ``device`` with its own memory, the in-memory
@@ -243,7 +244,8 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
     mode = choose_update_mode(cfg, optimizer, trainable)
     fast = mode is not UpdateMode.AFTER_BACKWARD  # the optimizer's thread runs the updates
     sizes = plan_sizes(cfg, trainable, mode, budget)
-    grad_swap = (SwapFile(offload_opt.nvme_path, cfg.aio, kind="grads", key="zero_optimization.offload_optimizer.nvme_path")
+    grad_swap = (open_swap_file(offload_opt.rank_paths or offload_opt.nvme_path, cfg.aio, kind="grads",
+                                key="zero_optimization.offload_optimizer.nvme_path")
                  if offload_opt.device == "nvme" and sizes.swap_grads else None)
     if grad_swap is not None:
         undo.callback(grad_swap.close)
@@ -325,7 +327,7 @@ def _build_optimizer(cfg: EngineConfig, client: Any, params: list[dict[str, Any]
     """OffloadAdam over the param groups ``params`` with the config's or the client optimizer's hyperparameters."""
     off = cfg.zero_optimization.offload_optimizer
     swap = dict(nvme_offload_fraction=off.ratio if off.device == "nvme" else 0.0,
-                nvme_offload_dir=off.nvme_path if off.device == "nvme" else None,
+                nvme_offload_dir=(off.rank_paths or off.nvme_path) if off.device == "nvme" else None,
                 buffer_count=buffer_count, pin_memory=off.pin_memory, pipeline_read=off.pipeline_read,
                 pipeline_write=off.pipeline_write, sub_group_size=sub_group_size,
                 aio=cfg.aio, overlap_backward=overlap_backward, spare_limit=spare_limit)

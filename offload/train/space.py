@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from offload.config import EngineConfig
 from offload.params.partition import partition_numel
+from offload.storage.striped import STRIPE_BYTES, drive_bytes
 from offload.storage.swapfile import PAGE, aligned_size
 
 __all__ = ["SwapSpace", "check_swap_space", "swap_space_needed"]
@@ -74,20 +75,25 @@ def check_swap_space(cfg: EngineConfig, needed: SwapSpace, ranks: int | None = N
     systems of ``offload_param.nvme_path`` and ``offload_optimizer.nvme_path`` cannot hold ``needed``
     (the two may share one file system) for each of the ``ranks`` of this node (default: ``LOCAL_WORLD_SIZE``,
     `offload.device.local_ranks`) that shares this rank's drive (all of them, or their share of a list of
-    ``nvme_path``s), whose partitions are the same size."""
+    ``nvme_path``s), whose partitions are the same size. A rank with several drives (``rank_paths``) needs
+    on each its stripes of each swap file (`offload.storage.striped.drive_bytes`)."""
     from offload.device import local_ranks
 
     ranks = local_ranks() if ranks is None else ranks
     zero = cfg.zero_optimization
     wanted: dict[int, list[tuple[str, str, int]]] = {}
     sharing = 1
-    for key, offload, nbytes in (("offload_param.nvme_path", zero.offload_param, needed.params),
-                                 ("offload_optimizer.nvme_path", zero.offload_optimizer, needed.optimizer + needed.grads)):
-        path = offload.nvme_path
-        if nbytes and path:
+    for key, offload, files in (("offload_param.nvme_path", zero.offload_param, (needed.params,)),
+                                ("offload_optimizer.nvme_path", zero.offload_optimizer, (needed.optimizer, needed.grads))):
+        share = offload.rank_paths or ((offload.nvme_path,) if offload.nvme_path else ())
+        if not sum(files) or not share:
+            continue
+        drives = max(1, len(offload.nvme_paths))  # a list spreads the node's ranks over its drives
+        sharing = max(sharing, -(-ranks // drives))
+        for index, path in enumerate(share):  # this rank's drives: each holds its stripes of each file
+            nbytes = sum(drive_bytes(size, stripe=STRIPE_BYTES, drives=len(share), drive=index)
+                         for size in files)
             wanted.setdefault(os.stat(path).st_dev, []).append((key, os.path.abspath(path), nbytes))
-            drives = max(1, len(offload.nvme_paths))  # a list spreads the node's ranks over its drives
-            sharing = max(sharing, -(-ranks // drives))
     for entries in wanted.values():
         total = sharing * sum(nbytes for _, _, nbytes in entries)
         free = shutil.disk_usage(entries[0][1]).free

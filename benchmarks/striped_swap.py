@@ -1,0 +1,121 @@
+"""One rank's swap traffic striped over several drives, against the sum of fio on each drive.
+
+Each round writes then reads ``--size`` bytes of one swap file in ``--request-size`` requests,
+``--in-flight`` of them at a time (as the engine's partitions and sub-groups move), first through a
+`SwapFile` on each directory alone, then through one `StripedSwapFile` over all of them; then fio
+(sequential, the same block size, queue depth and O_DIRECT) on each directory alone and on all of them
+at once (one fio per directory, started together). Medians of the rounds. Headline: the striped file's
+GB/s over the sum of each drive's fio alone (the target: at least 0.9).
+
+    python -m benchmarks.striped_swap /work/tmp/x /dev/shm/sd --size 512M --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import statistics
+import tempfile
+import time
+
+import torch
+
+from bench.fio import FioJob, run_fio
+from offload.storage import StripedSwapFile, SwapFile
+from tensorio import AioConfig, aligned_tensor, parse_size
+
+
+def _stream(file: SwapFile | StripedSwapFile, buffers: list[torch.Tensor], total: int, *, write: bool) -> float:
+    """GB/s of moving ``total`` bytes through ``file`` in requests the size of a buffer, one per buffer in flight."""
+    size = buffers[0].nbytes
+    start = time.perf_counter()
+    in_flight: list = []
+    for index, offset in enumerate(range(0, total, size)):
+        if len(in_flight) == len(buffers):
+            in_flight.pop(0).result()  # sync point: the oldest request frees its buffer
+        buffer = buffers[index % len(buffers)]
+        in_flight.append(file.write(buffer, offset) if write else file.read(buffer, offset))
+    for future in in_flight:
+        future.result()
+    return total / (time.perf_counter() - start) / 1e9
+
+
+def _swap_round(make, buffers: list[torch.Tensor], total: int) -> tuple[float, float]:
+    """(write GB/s, read GB/s) of a fresh swap file from ``make()``."""
+    file = make()
+    try:
+        file.allocate(total)
+        file.preallocate()
+        return _stream(file, buffers, total, write=True), _stream(file, buffers, total, write=False)
+    finally:
+        file.close()
+
+
+def _fio(directories: list[str], rw: str, size: int, aio: AioConfig) -> float:
+    """Summed GB/s of one fio per directory, all started together."""
+    jobs = [FioJob(directory=d, rw=rw, size=size, block_size=aio.block_size, queue_depth=aio.queue_depth,
+                   overwrite=rw == "write") for d in directories]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        return sum(result.bw_bytes for result in pool.map(run_fio, jobs)) / 1e9
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    """Run the benchmark; print the configuration, the figures and the headline ratio; return them."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dirs", nargs="+", metavar="DIR", help="one directory per drive (two or more)")
+    ap.add_argument("--size", default="512M", help="bytes written then read per file (default 512M)")
+    ap.add_argument("--request-size", default="16M", help="bytes per request (default 16M)")
+    ap.add_argument("--in-flight", type=int, default=4, help="requests in flight (default 4)")
+    ap.add_argument("--rounds", type=int, default=3, help="repetitions; medians are reported")
+    ap.add_argument("--no-fio", action="store_true", help="skip fio")
+    ap.add_argument("--no-verify", action="store_true", help="no checksums (aio.verify false), as fio has none")
+    args = ap.parse_args(argv)
+    if len(args.dirs) < 2:
+        ap.error("give two or more directories, one per drive")
+    total, request = parse_size(args.size), parse_size(args.request_size)
+    if request % 4096 or request < 4096 or total < request:
+        ap.error(f"--request-size {args.request_size} must be a multiple of 4096 and at most --size {args.size}")
+    total -= total % request
+    aio = AioConfig(verify=not args.no_verify)
+    print(f"dirs={' '.join(args.dirs)} size={total} request={request} in_flight={args.in_flight} "
+          f"rounds={args.rounds} aio={aio}")
+    buffers = [aligned_tensor(request, torch.uint8).fill_(index + 1) for index in range(args.in_flight)]
+    figures: dict[str, list[float]] = {}
+
+    def add(name: str, value: float) -> None:
+        figures.setdefault(name, []).append(value)
+
+    with contextlib.ExitStack() as stack:
+        dirs = [stack.enter_context(tempfile.TemporaryDirectory(dir=d, prefix="bench-striped-")) for d in args.dirs]
+        for _ in range(args.rounds):
+            for index, directory in enumerate(dirs):
+                write, read = _swap_round(lambda: SwapFile(directory, aio, kind="bench"), buffers, total)
+                add(f"alone {index} write", write)
+                add(f"alone {index} read", read)
+            write, read = _swap_round(lambda: StripedSwapFile(dirs, aio, kind="bench"), buffers, total)
+            add("striped write", write)
+            add("striped read", read)
+            if not args.no_fio:
+                for rw in ("write", "read"):
+                    for index, directory in enumerate(dirs):
+                        add(f"fio {index} {rw}", _fio([directory], rw, total, aio))
+                    add(f"fio at once {rw}", _fio(dirs, rw, total, aio))
+    medians = {name: statistics.median(values) for name, values in figures.items()}
+    for name, value in medians.items():
+        print(f"{name:22s} {value:6.2f} GB/s  (rounds: {', '.join(f'{v:.2f}' for v in figures[name])})")
+    for rw in ("write", "read"):
+        alone = sum(medians[f"alone {i} {rw}"] for i in range(len(dirs)))
+        line = f"{rw}: striped {medians[f'striped {rw}']:.2f} GB/s = {medians[f'striped {rw}'] / alone:.2f}x the " \
+               f"sum of each alone ({alone:.2f})"
+        if not args.no_fio:
+            fio = sum(medians[f"fio {i} {rw}"] for i in range(len(dirs)))
+            medians[f"ratio to fio {rw}"] = medians[f"striped {rw}"] / fio
+            line += f", {medians[f'ratio to fio {rw}']:.2f}x the sum of fio alone ({fio:.2f}; fio at once " \
+                    f"{medians[f'fio at once {rw}']:.2f})"
+        print(line)
+    return medians
+
+
+if __name__ == "__main__":
+    main()

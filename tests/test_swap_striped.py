@@ -1,0 +1,334 @@
+"""One rank's swap files striped over several drives (``nvme_path`` a list longer than the node's ranks):
+the stripe layout (pure, against an independent formula), bytes on each drive read back with plain
+``open().read()``, checksums per piece, preallocation per drive, a missing or read-only drive named, the
+space check counting each drive's share, and the engine training the same losses on two drives as on one."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from offload.config import EngineConfig
+from offload.storage import StripedSwapFile, SwapFile, open_swap_file
+from offload.storage.striped import STRIPE_BYTES, drive_bytes, stripe_pieces
+from offload.train.engine import initialize
+from offload.train.space import SwapSpace, check_swap_space
+from tensorio import AioConfig, ChecksumError, aligned_tensor
+from test_engine import engine_config, train
+
+STRIPE = 8192  # two pages: small files still cross many units
+
+
+def _where(byte: int, stripe: int, drives: int) -> tuple[int, int]:
+    """(drive, byte of its file) of ``byte`` of the striped space, straight from RAID 0's definition."""
+    unit = byte // stripe
+    return unit % drives, (unit // drives) * stripe + byte % stripe
+
+
+@settings(max_examples=300, deadline=None)
+@given(offset=st.integers(0, 5 * 4096), nbytes=st.integers(0, 9 * 4096 + 7), stripe=st.sampled_from([4096, 8192, 12288]),
+       drives=st.integers(1, 4), chunk=st.one_of(st.none(), st.integers(1, 20000)))
+def test_pieces_cover_the_request_in_order_and_map_each_byte_as_raid0_does(offset, nbytes, stripe, drives, chunk):
+    pieces = stripe_pieces(offset, nbytes, stripe=stripe, drives=drives, chunk=chunk)
+    assert sum(p.length for p in pieces) == nbytes and all(p.length > 0 for p in pieces)
+    start = 0
+    for piece in pieces:
+        assert piece.start == start
+        first, last = offset + start, offset + start + piece.length - 1
+        assert first // stripe == last // stripe  # never across a stripe unit ...
+        if chunk:
+            assert start // chunk == (start + piece.length - 1) // chunk  # ... nor across a checksum chunk
+        assert _where(first, stripe, drives) == (piece.drive, piece.file_offset)
+        start += piece.length
+    end = offset + nbytes  # each drive's file ends after the last byte of [0, end) it holds: each unit's last
+    ends = [0] * drives
+    for unit in range(-(-end // stripe)):
+        drive, at = _where(min(end, (unit + 1) * stripe) - 1, stripe, drives)
+        ends[drive] = max(ends[drive], at + 1)
+    assert [drive_bytes(end, stripe=stripe, drives=drives, drive=d) for d in range(drives)] == ends
+
+
+def test_bad_arguments_are_named(tmp_path):
+    with pytest.raises(ValueError, match=r"stripe_pieces: offset -1 and size 10 must be at least 0"):
+        stripe_pieces(-1, 10, stripe=4096, drives=2)
+    with pytest.raises(ValueError, match=r"nvme_path: striping needs two or more distinct directories"):
+        StripedSwapFile([tmp_path, tmp_path], AioConfig(), kind="params")
+    with pytest.raises(ValueError, match=r"stripe_bytes: 1000 is not a positive multiple of 4096"):
+        StripedSwapFile([tmp_path / "a", tmp_path / "b"], AioConfig(), kind="params", stripe_bytes=1000)
+
+
+@pytest.fixture
+def drives(tmp_path):
+    """Two directories: on the disk and, where it exists, on a tmpfs (two file systems, as two drives)."""
+    second = tempfile.mkdtemp(dir="/dev/shm") if os.path.isdir("/dev/shm") else str(tmp_path / "drive1")
+    os.makedirs(second, exist_ok=True)
+    (tmp_path / "drive0").mkdir()
+    yield [str(tmp_path / "drive0"), second]
+    shutil.rmtree(second, ignore_errors=True)
+
+
+def _drive_contents(file: StripedSwapFile, offset: int, nbytes: int) -> bytes:
+    """The bytes ``[offset, offset + nbytes)`` of the striped space, read from the drives' files with plain
+    reads, byte by byte from RAID 0's definition (not through the pieces the file itself uses)."""
+    data = [open(path, "rb").read() for path in file.paths]
+    out = bytearray()
+    for byte in range(offset, offset + nbytes):
+        drive, at = _where(byte, file.stripe_bytes, len(data))
+        out.append(data[drive][at])
+    return bytes(out)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("nbytes", [1, 4095, 4096 * 10 + 1, 3 * STRIPE + 5])
+def test_bytes_land_on_every_drive_and_read_back(drives, nbytes, verify):
+    file = StripedSwapFile(drives, AioConfig(verify=verify), kind="params", stripe_bytes=STRIPE)
+    try:
+        first, second = file.allocate(nbytes), file.allocate(nbytes, slots=2)
+        assert (first, second) == (0, -(-nbytes // 4096) * 4096)
+        file.preallocate()
+        sizes = [os.stat(path).st_size for path in file.paths]
+        assert sizes == [drive_bytes(file.allocated_bytes, stripe=STRIPE, drives=2, drive=d) for d in range(2)]
+        values = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
+        source = aligned_tensor(nbytes, torch.uint8)
+        source.copy_(values)
+        assert file.write(source, second).result() == nbytes
+        assert _drive_contents(file, second, nbytes) == values.numpy().tobytes()
+        back = aligned_tensor(nbytes, torch.uint8)
+        assert file.read(back, second).result() == nbytes and torch.equal(back, values)
+        assert file.bytes_written == file.bytes_read == nbytes
+        assert file.bytes_verified == (nbytes if verify else 0)
+        if nbytes > STRIPE:  # both drives moved bytes
+            assert all(f.bytes_written > 0 and f.bytes_read > 0 for f in file.files)
+    finally:
+        file.close()
+    assert not any(os.path.exists(path) for path in file.paths) and file.closed
+
+
+def test_chunks_read_alone_verify_and_a_flipped_byte_names_the_drives_file(drives):
+    """As the optimizer does: a slot written whole in chunks (its state regions), one chunk read alone."""
+    file = StripedSwapFile(drives, AioConfig(), kind="adam", stripe_bytes=STRIPE)
+    try:
+        chunk = 3 * 4096 + 512  # regions not aligned to the stripe
+        offset = file.allocate(4 * chunk)
+        values = torch.arange(chunk // 4, dtype=torch.float32)  # four regions of chunk bytes each
+        state = torch.cat([values + 10000 * r for r in range(4)])
+        file.write(state, offset, chunk=chunk).result()
+        region = torch.empty(chunk // 4, dtype=torch.float32)
+        file.read(region, offset + 2 * chunk, chunk=chunk, what="region 2").result()
+        assert torch.equal(region, values + 20000)
+        whole = torch.empty_like(state)
+        file.read(whole, offset, chunk=chunk).result()
+        assert torch.equal(whole, state)
+        drive, at = _where(offset + 2 * chunk + 10, STRIPE, 2)  # flip a byte of region 2, on whichever drive holds it
+        with open(file.paths[drive], "r+b") as raw:
+            raw.seek(at)
+            byte = raw.read(1)[0]
+            raw.seek(at)
+            raw.write(bytes([byte ^ 0x10]))
+        with pytest.raises(ChecksumError, match=rf"\(region 2\): {re.escape(file.paths[drive])} at offset"):
+            file.read(region, offset + 2 * chunk, chunk=chunk, what="region 2").result()
+    finally:
+        file.close()
+
+
+def test_a_missing_drive_is_named_and_nothing_is_left_on_the_others(drives):
+    missing = os.path.join(drives[1], "gone")
+    with pytest.raises(FileNotFoundError, match=rf"nvme_path '{missing}' does not exist"):
+        StripedSwapFile([drives[0], missing], AioConfig(), kind="params")
+    assert os.listdir(drives[0]) == []
+    assert isinstance(open_swap_file(drives[0], AioConfig(), kind="params"), SwapFile)
+
+
+@pytest.fixture
+def read_only_dir():
+    """A directory this process cannot create files in: a read-only tmpfs mount as root, else mode 0500."""
+    root = tempfile.mkdtemp()
+    if os.geteuid() == 0:
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", root]).returncode != 0:
+            os.rmdir(root)
+            pytest.skip("cannot mount a read-only tmpfs here")
+        yield root
+        subprocess.run(["umount", root], check=True)
+    else:
+        os.chmod(root, 0o500)
+        yield root
+        os.chmod(root, 0o700)
+    os.rmdir(root)
+
+
+MODEL_IN, MODEL_HIDDEN = 256, 1024
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)  # 0.53 M parameters: 4 MB of partitions in two slots, 8 MB of optimizer state
+    return nn.Sequential(nn.Linear(MODEL_IN, MODEL_HIDDEN), nn.GELU(), nn.Linear(MODEL_HIDDEN, MODEL_IN))
+
+
+def _batches(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, MODEL_IN, generator=g), torch.randn(4, MODEL_IN, generator=g)) for _ in range(n)]
+
+
+def _loss(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def _config(nvme_path) -> dict:
+    config = engine_config("unused", "nvme", "nvme")
+    for key in ("offload_param", "offload_optimizer"):
+        config["zero_optimization"][key]["nvme_path"] = nvme_path
+    config["zero_optimization"]["offload_param"].update(buffer_size=1 << 18)
+    return config
+
+
+def _swap_sizes(directory: str) -> dict[str, int]:
+    """Bytes of each kind of swap file in ``directory``."""
+    return {name.split("-")[1]: os.stat(os.path.join(directory, name)).st_size for name in os.listdir(directory)}
+
+
+def test_one_rank_stripes_its_swap_files_over_two_drives_and_trains_as_on_one(tmp_path, drives, monkeypatch,
+                                                                               read_only_dir):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # alone on the node: both drives are this rank's
+    one = tmp_path / "one"
+    one.mkdir()
+    engine, *_ = initialize(model=_model(), config=_config(str(one)))
+    try:
+        expected = train(engine, _batches(), _loss)
+        alone = _swap_sizes(str(one))
+    finally:
+        engine.close()
+    engine, *_ = initialize(model=_model(), config=_config(drives))
+    try:
+        losses = train(engine, _batches(), _loss)
+        on_drives = [_swap_sizes(d) for d in drives]
+    finally:
+        engine.close()
+    assert losses == expected
+    assert set(alone) == {"params", "adam"}
+    for kind, size in alone.items():  # each file's bytes split over the drives as the stripes fall, none lost
+        assert [sizes[kind] for sizes in on_drives] == [drive_bytes(size, stripe=STRIPE_BYTES, drives=2, drive=d)
+                                                       for d in range(2)]
+        assert min(sizes[kind] for sizes in on_drives) >= size // 3
+    assert all(os.listdir(d) == [] for d in drives)  # removed at close
+    # A second drive missing, or read-only, is named at initialize, before anything is written.
+    missing = os.path.join(drives[1], "gone")
+    with pytest.raises(FileNotFoundError, match=rf"offload_param\.nvme_path: '{missing}' does not exist"):
+        initialize(model=_model(), config=_config([drives[0], missing]))
+    with pytest.raises(PermissionError, match=rf"offload_param\.nvme_path: '{read_only_dir}': permission denied"):
+        initialize(model=_model(), config=_config([drives[0], read_only_dir]))
+    assert os.listdir(drives[0]) == []
+
+
+def test_the_ranks_share_of_the_drives_follows_local_world_size(tmp_path, monkeypatch):
+    paths = [str(tmp_path / f"nvme{i}") for i in range(5)]
+    section = {"device": "nvme", "nvme_path": paths}
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "offload_param": section}}
+    for ranks, rank, share in (("2", "0", paths[0::2]), ("2", "1", paths[1::2]), ("1", "0", paths),
+                               ("5", "3", [paths[3]]), ("8", "6", [paths[1]]), ("", "0", paths)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        offload = EngineConfig.from_dict(config, world_size=8).zero_optimization.offload_param
+        assert (offload.nvme_path, offload.rank_paths or (offload.nvme_path,)) == (share[0], tuple(share))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "0")
+    with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE: '0' is not a positive integer"):
+        EngineConfig.from_dict(config, world_size=8)
+
+
+def test_the_space_check_counts_each_drives_share(tmp_path, drives, monkeypatch):
+    """Half of the swap on each of two file systems: a size that neither holds whole but each holds half of
+    passes on the two, and is refused on the smaller alone, naming it."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    if os.stat(drives[0]).st_dev == os.stat(drives[1]).st_dev:
+        pytest.skip("needs two file systems")
+    free = [shutil.disk_usage(d).free for d in drives]
+    small = drives[free.index(min(free))]
+    needed = SwapSpace(params=min(free) * 3 // 2, optimizer=0, grads=0)
+    check_swap_space(EngineConfig.from_dict(_config(drives), world_size=1), needed, ranks=1)
+    with pytest.raises(OSError, match=rf"not enough swap space: zero_optimization\.offload_param\.nvme_path "
+                                      rf"'{small}'") as info:
+        check_swap_space(EngineConfig.from_dict(_config(small), world_size=1), needed, ranks=1)
+    assert info.value.errno == errno.ENOSPC
+    same = [str(tmp_path / "a"), str(tmp_path / "b")]  # two directories of one file system: no more room
+    for path in same:
+        os.mkdir(path)
+    big = SwapSpace(params=shutil.disk_usage(tmp_path).free * 3 // 2, optimizer=0, grads=0)
+    with pytest.raises(OSError, match=r"not enough swap space: .*/a' \(.* and .*/b' \("):
+        check_swap_space(EngineConfig.from_dict(_config(same), world_size=1), big, ranks=1)
+
+
+def test_a_failed_drive_fails_the_request_naming_its_file_and_its_bytes_are_not_trusted(drives):
+    from tensorio import TensorIOError
+    from tensorio.testing import Fail, inject_faults
+
+    file = StripedSwapFile(drives, AioConfig(), kind="params", stripe_bytes=STRIPE)
+    try:
+        offset = file.allocate(4 * STRIPE)
+        data = aligned_tensor(4 * STRIPE, torch.uint8).fill_(7)
+        with inject_faults(Fail(errno.ENOSPC, path=lambda path: path == file.paths[1])):
+            future = file.write(data, offset)
+            with pytest.raises(TensorIOError, match=re.escape(file.paths[1])) as info:
+                future.result()
+        assert info.value.errno == errno.ENOSPC and future.done()
+        with pytest.raises(TensorIOError, match=r"the last write of these bytes failed"):
+            file.read(aligned_tensor(4 * STRIPE, torch.uint8), offset)
+    finally:
+        file.close()
+
+
+@pytest.mark.bench
+def test_striped_swap_benchmark_tiny(drives, capsys):
+    """benchmarks/striped_swap.py runs end to end at a tiny size (no timing asserted) and leaves nothing."""
+    from benchmarks import striped_swap
+
+    result = striped_swap.main([*drives, "--size", "2M", "--request-size", "256K", "--rounds", "1", "--no-fio"])
+    out = capsys.readouterr().out
+    assert "write: striped" in out and "read: striped" in out
+    assert result["striped write"] > 0 and result["striped read"] > 0 and {"alone 0 read", "alone 1 read"} <= set(result)
+    assert all(os.listdir(d) == [] for d in drives)
+
+
+def test_a_non_contiguous_buffer_is_refused_before_any_io(drives):
+    file = StripedSwapFile(drives, AioConfig(), kind="params", stripe_bytes=STRIPE)
+    try:
+        with pytest.raises(ValueError, match=r"the buffer must be a contiguous CPU tensor, got a non-contiguous one"):
+            file.write(torch.zeros(64, 64).t(), file.allocate(64 * 64 * 4))
+        assert file.bytes_written == 0
+    finally:
+        file.close()
+
+
+def test_a_model_built_under_zero_init_stripes_its_partitions_and_trains_as_on_one_drive(tmp_path, drives, monkeypatch):
+    """The other way in: `offload.zero.Init` places the partitions as the model is built, on both drives."""
+    from offload import zero
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    one = tmp_path / "one"
+    one.mkdir()
+    losses, sizes = [], []
+    for nvme_path in (str(one), drives):
+        config = _config(nvme_path)
+        with zero.Init(config_dict_or_path=config):
+            model = _model()
+        engine, *_ = initialize(model=model, config=config)
+        try:
+            losses.append(train(engine, _batches(2), _loss))
+            sizes.append([_swap_sizes(d).get("params", 0) for d in ([str(one)] if nvme_path == str(one) else drives)])
+        finally:
+            engine.close()
+    assert losses[0] == losses[1]
+    assert sizes[1] == [drive_bytes(sizes[0][0], stripe=STRIPE_BYTES, drives=2, drive=d) for d in range(2)]
+    assert min(sizes[1]) > 0
