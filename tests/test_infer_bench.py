@@ -185,3 +185,28 @@ def test_tiny_resident_run_beside_transformers(capsys):
     assert figures["ratio"] == figures["medians"]["ours"] / figures["medians"]["transformers"] > 0
     assert figures["tensors"] == 21 and 0 <= figures["misaligned_tensors"] <= 21
     assert "ours / transformers" in printed and "(target <= 1.05)" in printed
+
+
+@pytest.mark.bench
+def test_tiny_revisions_run_alternates_two_trees_each_with_its_own_cache(capsys):
+    """benchmarks/infer_revisions.py at a tiny scale against HEAD: both sides run from their own tree (the
+    revision's worktree is gone afterwards), int4 through a quantized cache of each side's own, the same
+    tokens, the ratio printed."""
+    import subprocess
+
+    from benchmarks.infer_revisions import main as revisions
+
+    root = scratch_dir("infer-revisions-")
+    try:
+        figures = revisions(["--dir", str(root), "--rev", "HEAD", "--scale", "0.025", "--layers", "2", "--shards", "1",
+                             "--budget", "1MiB", "--quantize", "int4", "--prompt-tokens", "4", "--new-tokens", "3",
+                             "--repeats", "1"])
+        assert not list(root.glob("revisions-*"))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    worktrees = subprocess.run(["git", "worktree", "list"], capture_output=True, text=True, check=True).stdout
+    assert str(root) not in worktrees  # the revision's worktree is gone, and git forgot it
+    assert set(figures["runs"]) == {"HEAD", "this tree"}
+    assert figures["same_tokens"] and len(figures["runs"]["HEAD"][0]["tokens"]) >= 3
+    assert figures["ratio_s_per_token"] > 0
+    assert "this tree / HEAD: s/token" in capsys.readouterr().out
