@@ -17,7 +17,7 @@ import transformers
 
 from offload.infer import init_inference
 from tensorio import IOFuture, TensorIOError
-from test_infer_families import FAMILIES
+from test_infer_families import save_family
 from test_infer_generate import scratch_dir
 
 MOE_FAMILIES = ["mixtral", "qwen3_moe", "deepseek_v3"]
@@ -35,15 +35,12 @@ def saved():
     built = {}
     try:
         for family in MOE_FAMILIES:
-            torch.manual_seed(0)
-            model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()).to(torch.bfloat16).eval()
             directory = root / family
-            model.save_pretrained(directory, max_shard_size="100KB")
+            size = save_family(directory, family)
             loaded = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).eval()
             with torch.no_grad():
                 tokens = {b: loaded.generate(_prompt(b), max_new_tokens=NEW_TOKENS, do_sample=False,
                                              pad_token_id=0).tolist() for b in (1, 3)}
-            size = sum(p.numel() * p.element_size() for p in model.parameters())
             built[family] = (directory, size, tokens)
         yield built
     finally:

@@ -20,7 +20,7 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
-from test_infer_families import FAMILIES
+from test_infer_families import FAMILIES, save_family
 from test_infer_generate import one_thread  # noqa: F401 - autouse: one compute thread for tiny matrices
 from test_infer_generate import scratch_dir
 
@@ -55,11 +55,7 @@ def saved():
     built = {}
     try:
         for family in MOE:
-            torch.manual_seed(0)
-            config = FAMILIES[family]()
-            model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
-            model.save_pretrained(root / family, max_shard_size="100KB")
-            built[family] = (root / family, sum(p.numel() * p.element_size() for p in model.parameters()), config, root)
+            built[family] = (root / family, save_family(root / family, family), FAMILIES[family](), root)
         yield built
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -65,21 +65,27 @@ def _prompt() -> torch.Tensor:
     return torch.randint(3, 256, (2, 8), generator=torch.Generator().manual_seed(1))
 
 
+def save_family(directory, family: str) -> int:
+    """Save a tiny random bf16 model of ``family`` (seed 0) to ``directory`` with ``save_pretrained``, in shards
+    of 100 KB (the names and layouts real checkpoints have); its bytes."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()).to(torch.bfloat16).eval()
+    model.save_pretrained(directory, max_shard_size="100KB")
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 @pytest.fixture(scope="module")
 def saved():
     """family -> (checkpoint directory, its bf16 bytes, transformers' greedy tokens from it, the scratch root)."""
     root = scratch_dir("infer-families-")
     built = {}
     try:
-        for family, config in FAMILIES.items():
-            torch.manual_seed(0)
-            model = transformers.AutoModelForCausalLM.from_config(config()).to(torch.bfloat16).eval()
+        for family in FAMILIES:
             directory = root / family
-            model.save_pretrained(directory, max_shard_size="100KB")
+            size = save_family(directory, family)
             loaded = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).eval()
             with torch.no_grad():
                 tokens = loaded.generate(_prompt(), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-            size = sum(p.numel() * p.element_size() for p in model.parameters())
             built[family] = (directory, size, tokens.tolist(), root)
         yield built
     finally:
