@@ -4,7 +4,8 @@ The writer (`SafetensorsWriter` with a tensorio handle) must write the bytes the
 the same checksums, whatever the sizes (1, 4095, 4096 * 10 + 1 bytes: a last partial page) and the order of
 the runs; fall back to the buffered way, saying why, where O_DIRECT is refused; name the file when a write
 fails. The engine's save writes the same files either way, and a failed write leaves the previous checkpoint.
-The load keeps several optimizer ranges in flight (`ReadAhead`), counted, not timed.
+The load keeps several partitions and optimizer ranges in flight (`ReadAhead`), counted, not timed, and
+writes each on-disk partition to its staged slot from the buffer it was read into.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from safetensors import safe_open
 
 from offload.storage import LATEST, SafetensorsWriter
 from offload.storage import direct_writes
+from offload.storage.slotted import SlottedRegion
 from offload.train.checkpoint import reader as reader_module
 from offload.train.checkpoint.reader import PendingRead, ReadAhead
 from offload.train.engine import initialize
@@ -218,15 +220,17 @@ def test_a_save_whose_direct_write_fails_leaves_the_previous_checkpoint(disk_dir
 
 # ---- the load's read-ahead ------------------------------------------------------------------------------
 
-def test_the_load_reads_optimizer_ranges_ahead_and_loads_what_was_saved(disk_dir, monkeypatch):
-    """While one optimizer range is handed over, the next ones' reads have been started: counted through the
-    reader (starts and hand-overs), not timed."""
+def test_the_load_reads_ranges_ahead_stages_partitions_without_a_copy_and_loads_what_was_saved(disk_dir, monkeypatch):
+    """While one partition or optimizer range is handed over, the next ones' reads have been started: counted
+    through the reader (starts and hand-overs), not timed. An on-disk partition is written to its staged slot
+    from the buffer it was read into (no copy in between)."""
     engine = _engine(disk_dir)
     try:
         engine.save_checkpoint(disk_dir / "ckpt")
         before = dict(engine.full_parameters())
-        events = []
+        events, read_into, staged_from = [], set(), []
         read, result = reader_module.CheckpointReader.read, PendingRead.result
+        stage = SlottedRegion.stage
 
         def counted_read(self, kind, name, start, stop, **kwargs):
             pending = read(self, kind, name, start, stop, **kwargs)
@@ -236,24 +240,33 @@ def test_the_load_reads_optimizer_ranges_ahead_and_loads_what_was_saved(disk_dir
 
         def counted_result(self):
             events.append(("take", getattr(self, "kind", "")))
-            return result(self)
+            values = result(self)
+            read_into.add(values.data_ptr())
+            return values
+
+        def recorded_stage(self, pair, values, **kwargs):
+            staged_from.append(values.data_ptr())
+            return stage(self, pair, values, **kwargs)
         monkeypatch.setattr(reader_module.CheckpointReader, "read", counted_read)
         monkeypatch.setattr(PendingRead, "result", counted_result)
         engine.backward(gpt2_loss(engine, gpt2_batches(3)[2]))
         engine.step()
+        monkeypatch.setattr(SlottedRegion, "stage", recorded_stage)
         engine.load_checkpoint(disk_dir / "ckpt")
         assert all(torch.equal(t, before[name]) for name, t in engine.full_parameters())
     finally:
         engine.close()
-    ahead, started, taken = 0, 0, 0
-    for what, kind in events:
-        if kind != "optimizer":
-            continue
-        started += what == "start"
-        taken += what == "take"
-        ahead = max(ahead, started - taken)
-    assert taken > 10 and started == taken  # every range read once, none left over
-    assert ahead >= 3, f"at most {ahead} optimizer reads in flight: read one at a time"
+    assert staged_from and all(address in read_into for address in staged_from)  # no copy between
+    for kind, least in (("params", 2), ("optimizer", 3)):
+        ahead, started, taken = 0, 0, 0
+        for what, of in events:
+            if of != kind:
+                continue
+            started += what == "start"
+            taken += what == "take"
+            ahead = max(ahead, started - taken)
+        assert taken > 10 and started == taken, kind  # every range read once, none left over
+        assert ahead >= least, f"at most {ahead} {kind} reads in flight: read one at a time"
 
 
 class _FakeRead:

@@ -185,7 +185,7 @@ def test_checkpoints_are_streamed_in_bounded_memory(mode, disk_dir):
     """save_checkpoint and load_checkpoint hold one partition and one optimizer sub-group at a time,
     not the model's state (which a model larger than RAM could not gather); an asynchronous save pins the
     swap files' slots instead of copying them, and reads through buffers of the same sizes."""
-    width, layers = 512, 40
+    width, layers = 512, 48
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
     out = subprocess.run([sys.executable, "-c", CHECKPOINT_SCRIPT, str(width), str(layers), str(disk_dir), mode],
                          capture_output=True, text=True, timeout=300, env=env)

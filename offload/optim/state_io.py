@@ -14,6 +14,7 @@ import torch
 from offload.optim.kernel import ParamState
 from offload.optim.subgroups import SubGroupPlan
 from offload.optim.swapper import StateSwapper, Where
+from offload.storage.host_copy import host_copy
 
 
 class OptimizerState:
@@ -165,12 +166,12 @@ class OptimizerState:
             for plan in self.plans:
                 if plan.offloaded:
                     rec = self.swapper.records[plan.index]
-                    # Every element is written: the state on disk is not read (it may be what failed).
+                    # `fill` writes every element: the state on disk is not read (it may be what failed).
                     regions = self.swapper.blank(rec) if rec.where is Where.ON_DISK else self.swapper.read_now(rec)
                     fill(plan, regions, steps, get, self.params)
                     self.swapper.start_write(rec)
                 else:  # a copy (memory: this sub-group's state once more) until every rank's load is known good
-                    staged[plan.index] = [region.clone() for region in self.resident[plan.index]]
+                    staged[plan.index] = [torch.empty_like(region) for region in self.resident[plan.index]]
                     fill(plan, staged[plan.index], steps, get, self.params)
             self.swapper.drain()
             if before_commit is not None:
@@ -181,7 +182,7 @@ class OptimizerState:
         self.swapper.commit()
         for index, regions in staged.items():
             for region, values in zip(self.resident[index], regions):
-                region.copy_(values)
+                host_copy(region, values)
         for rec in self.params:
             step = steps.get(rec.index)
             rec.step = None if step is None else torch.tensor(float(step), dtype=torch.float32)
@@ -205,16 +206,25 @@ def load_reads(plans: list[SubGroupPlan], steps: Mapping[int, float],
 
 def fill(plan: SubGroupPlan, regions: list[torch.Tensor], steps: Mapping[int, float],
           get: Callable[[int, str, int, int], torch.Tensor | None], params: list[ParamState]) -> None:
-    """Write loaded state into a sub-group's state regions (zeros for parameters without state)."""
+    """Write loaded state into every element of a sub-group's state regions, asking ``get`` in `load_reads`'
+    order: each member's runs (zeros for parameters without state), and the padding between and after the
+    runs zeroed, so ``regions`` may hold anything before (`StateSwapper.blank`). Copies on this thread
+    (`host_copy`)."""
+    end = 0  # the first element of the regions not written yet (members lie in offset order)
     for member in plan.members:
-        param = params[member.param].param
+        if member.offset < end:
+            raise RuntimeError(f"internal error: sub-group {plan.index}'s members overlap or are out of order")
         start, stop = member.start, member.start + member.numel
         for key, region in zip(("exp_avg", "exp_avg_sq", "master_param"), regions):
+            region[end:member.offset].zero_()  # padding: fewer than MEMBER_ALIGN elements
             run = region[member.offset:member.offset + member.numel]
             values = get(member.param, key, start, stop) if member.param in steps else None
             if member.param not in steps:
                 run.zero_()
             elif values is not None:
-                run.copy_(values)
+                host_copy(run, values)
             else:  # a 16-bit parameter's state from torch's AdamW: the master copy is the parameter
-                run.copy_(param.detach().reshape(-1)[start:stop])
+                run.copy_(params[member.param].param.detach().reshape(-1)[start:stop])
+        end = member.offset + member.numel
+    for region in regions:
+        region[end:].zero_()  # the regions' padding to whole pages

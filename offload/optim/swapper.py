@@ -241,13 +241,11 @@ class StateSwapper:
         return self.wait_read(rec)
 
     def blank(self, rec: SwapRecord) -> list[torch.Tensor]:
-        """Memory for ``rec``'s state, zeroed, without reading it: for a load, which overwrites it all (and
-        must work when what is on disk is corrupt). Its state must be on disk (sync point: may wait for a
-        write to free a buffer)."""
+        """Memory for ``rec``'s state without reading it, **contents unspecified** (a buffer's last user's): for
+        a load, which writes every element (`offload.optim.state_io.fill`) and must work when what is on disk
+        is corrupt. Its state must be on disk (sync point: may wait for a write to free a buffer)."""
         _expect(rec, Where.ON_DISK, "overwrite")
         self._acquire(rec, spare=False)
-        for region in rec.regions:
-            region.zero_()
         rec.where = Where.RESIDENT
         return rec.regions
 

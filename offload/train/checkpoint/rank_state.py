@@ -36,11 +36,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tensorio import AioConfig, AioHandle, aligned_tensor
+from tensorio import AioConfig, AioHandle
 
 from offload.params import ParamRecord, ParamStore
 from offload.params.partition import partition_numel
 from offload.storage import SafetensorsWriter, atomic_checkpoint, atomic_safetensors, resolve_tag
+from offload.storage.host_copy import host_copy
 from offload.train.checkpoint.files import (RANK_FILE_ALIGN, client_file, decode_state, encode_state, optimizer_file,
                                             params_file, states_file, write_json)
 from offload.train.checkpoint.reader import READ_AHEAD_BYTES, CheckpointReader, PendingRead, ReadAhead
@@ -305,7 +306,7 @@ class CheckpointLoad:
         if region is not None:
             region.commit()
         for rec, values in copies:
-            rec.partition.data.copy_(values)
+            host_copy(rec.partition.data, values)
         for rec in records:
             self.store.refresh(rec)
         self.verify_seconds = time.perf_counter() - began
@@ -313,30 +314,37 @@ class CheckpointLoad:
         return state
 
     def _stage_partitions(self, records: list[ParamRecord], copies: list[tuple[ParamRecord, torch.Tensor]]) -> None:
-        """Read every saved partition (checked as it lands, the next one read meanwhile) into where the new
-        state is staged: an on-disk partition to its uncommitted slot (a few writes in flight), one in memory
-        to a copy appended to ``copies``. Raises ChecksumError / TensorIOError; the caller rolls back."""
+        """Read every saved partition (checked as it lands, the next ones read meanwhile: `ReadAhead`) into where
+        the new state is staged: an on-disk partition to its uncommitted slot (a few writes in flight), one in
+        memory to a copy appended to ``copies``. Raises ChecksumError / TensorIOError; the caller rolls back."""
         region = self.store.region
         writes: list = []
+        sizes = [rec.partition_numel * rec.partition.element_size() for rec in records]
+        # Read ahead: at most the largest partition's bytes (and 64 MiB) beyond the one being staged, 4 reads.
+        ahead = ReadAhead(range(len(records)), lambda i: self._read_partition(records[i]), sizes.__getitem__,
+                          depth=4, max_bytes=min(READ_AHEAD_BYTES, max(sizes, default=0)))
         try:
-            pending = self._read_partition(records[0]) if records else None
             for i, rec in enumerate(records):
-                values = pending.result()
-                pending = self._read_partition(records[i + 1]) if i + 1 < len(records) else None
+                values = ahead.take(i)
                 if rec.on_disk:
-                    staged = aligned_tensor(rec.partition_numel, rec.partition.dtype)  # O_DIRECT from it
-                    staged.copy_(values)
-                    writes.append(region.stage(rec.slots, staged))  # the request keeps ``staged`` alive
+                    # Written from the read buffer itself, no copy: page-aligned where the partition starts a
+                    # page of the file (O_DIRECT from it), else tensorio stages it. The request keeps ``values``
+                    # alive, so the reader's pool gives that buffer out again only once the write is done.
+                    if values.dtype != rec.partition.dtype:  # saved in another dtype: converted
+                        values = values.to(rec.partition.dtype)
+                    writes.append(region.stage(rec.slots, values))
                     if len(writes) > 2:
                         writes.pop(0).result()  # sync point: bounds the memory in flight
-                else:
-                    copies.append((rec, values.clone()))  # ``values`` may be a reused read buffer
+                else:  # ``values`` is a read buffer the pool gives out again: copied out of it
+                    copies.append((rec, host_copy(torch.empty_like(values), values)))
             for future in writes:  # sync point
                 future.result()
         except BaseException:
             for future in writes:  # never roll back a slot still being written
                 future.exception()
             raise
+        finally:
+            ahead.close()  # sync point: no read left in flight into a buffer the pool gives out again
 
     def _agreement(self) -> StepAgreement:
         return StepAgreement(world_size=self.world_size, rank=self.rank, group=self.group)

@@ -35,6 +35,7 @@ import torch
 from tensorio import DIRECT_ALIGN, AioHandle, BufferPool, ChecksumError, Checksums, IOFuture
 
 from offload.storage.file_checksums import FileChecksums, header_checksum
+from offload.storage.host_copy import host_copy
 from offload.storage.safetensors_reader import SafetensorsCheckpoint, TensorEntry
 from offload.train.checkpoint.files import optimizer_file, params_file, require_file
 from offload.train.checkpoint.states_file import decoded_state, read_states, read_states_file, verify_side_files
@@ -50,8 +51,21 @@ _POOL_BYTES = 512 << 20
 """Read buffers kept for reuse at most (`CheckpointReader.pool`)."""
 
 READ_BUFFER_BYTES = (64 << 20) + 2 * DIRECT_ALIGN
-"""Read buffers are taken in multiples of this size (64 MiB and the window's alignment slack), so that
-the reads of a streamed copy, 64 MiB runs whatever their tensor, all share them."""
+"""Read buffers above it are taken in multiples of this size (64 MiB and the window's alignment slack), so
+that the reads of a streamed copy, 64 MiB runs whatever their tensor, all share them; smaller reads take the
+smallest of 1, 2, 4, ... 32 MiB (with the same slack) that holds them (`buffer_bytes`)."""
+
+
+def buffer_bytes(nbytes: int) -> int:
+    """The size of read buffer a read of ``nbytes`` (its aligned window) takes from the pool: a few size classes,
+    so that reads of nearby sizes share buffers, while the pool's budget holds many small ones (the load keeps
+    several reads and writes in flight, most of a few MiB: in 64 MiB buffers they would overflow it)."""
+    size = 1 << 20
+    while size + 2 * DIRECT_ALIGN < nbytes and size + 2 * DIRECT_ALIGN < READ_BUFFER_BYTES:
+        size *= 2
+    if nbytes <= size + 2 * DIRECT_ALIGN:
+        return size + 2 * DIRECT_ALIGN
+    return -(-nbytes // READ_BUFFER_BYTES) * READ_BUFFER_BYTES
 
 
 @dataclass
@@ -78,7 +92,7 @@ class PendingRead:
             if self.out is None:
                 single = values
             else:
-                self.out[first:first + values.numel()] = values
+                host_copy(self.out[first:first + values.numel()], values)
         if self.out is None:
             return single if single is not None else torch.zeros(self.count, dtype=self.dtype)
         return self.out
@@ -261,7 +275,7 @@ class CheckpointReader:
         out = None
         if pieces and not whole:  # assembled from several files, or with zeros past the tensor's end
             nbytes = count * _itemsize(entry.dtype)
-            out = self.pool.take(-(-nbytes // READ_BUFFER_BYTES) * READ_BUFFER_BYTES, torch.uint8)[:nbytes].view(entry.dtype)
+            out = self.pool.take(buffer_bytes(nbytes), torch.uint8)[:nbytes].view(entry.dtype)
             out[stop_data - start:] = 0
         return PendingRead(out, pieces, count, entry.dtype, self)
 
@@ -277,7 +291,7 @@ class CheckpointReader:
         end = -(-hi // DIRECT_ALIGN) * DIRECT_ALIGN
         size = self.file_sizes[path]
         length = min(end, size) - begin  # a window may end at the end of the file, unaligned
-        buffer = self.pool.take(-(-(end - begin) // READ_BUFFER_BYTES) * READ_BUFFER_BYTES, torch.uint8)
+        buffer = self.pool.take(buffer_bytes(end - begin), torch.uint8)
         verify = Checksums(values, sums.chunk, hi - lo, start=lo - begin) if sums is not None else None
         future = self.handle.read(buffer[:length] if length < buffer.numel() else buffer, path, begin, verify=verify,
                                   what=f"tensor {piece.name!r}")
