@@ -21,13 +21,14 @@ import torch.distributed as dist
 from torch import nn
 
 from offload.config import EngineConfig, check_nvme_paths, world_size_from_env
-from offload.device import Device, start_process_group
+from offload.device import Device, local_ranks, start_process_group
 from offload.params import ParamStore, Placement, Prefetcher, SwapBudget
 from offload.params.construct import BUILT, PartitionedBuild, built_store, discard_build, settle_for_gather
 from offload.params.pretrained import load_pretrained
 from offload.params.record import ParamRecord
 from offload.params.store import EXTERNAL, find_record
 from offload.storage import open_swap_file
+from offload.train.heap import share_freed_memory
 from offload.train.setup import compute_device_of
 from offload.train.sizing import auto_max_in_cpu
 
@@ -108,6 +109,9 @@ class Init:
             return self
         cfg, zero = self.config, self.config.zero_optimization
         offload_param = zero.offload_param
+        heap = share_freed_memory(local_ranks())  # before the build: several ranks on the node share its memory
+        if heap and self._rank == 0:
+            log.info("zero.Init: %s", heap)
         swap = None
         if self.device == "nvme":
             check_nvme_paths(cfg)

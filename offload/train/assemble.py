@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from offload.config import EngineConfig, ZeroConfig, check_against_model, check_nvme_paths
-from offload.device import CpuDevice, Device
+from offload.device import CpuDevice, Device, local_ranks
 from offload.optim import OffloadAdam
 from offload.params import (ParamRecord, ParamStore, Placement, Prefetcher, SwapBudget, build_records,
                             partition_numel)
@@ -39,6 +39,7 @@ from offload.train.sizing import StepSizes, auto_max_in_cpu, plan_sizes
 from offload.train.space import check_swap_space, swap_space_needed
 from offload.train.step.after_backward import UpdateAfterBackward
 from offload.train.cpu_threads import set_cpu_threads
+from offload.train.heap import share_freed_memory
 from offload.train.step.agree import StepAgreement
 from offload.train.step.deferred import DeferredStep
 from offload.train.step.failure import FailureState, StepCounters
@@ -86,6 +87,9 @@ def assemble(model: nn.Module, cfg: EngineConfig, *, world_size: int, rank: int,
     check_nvme_paths(cfg)
     _warn_no_effect(zero)
     threads = set_cpu_threads()  # before the optimizer's worker starts: it takes half of them
+    heap = share_freed_memory(local_ranks())  # several ranks on the node: freed blocks go back to it
+    if heap and rank == 0:
+        log.info("%s", heap)
     with contextlib.ExitStack() as undo:
         originals = [(p, p.data) for p in model.parameters()]  # references, not copies
         undo.callback(_restore, originals)
