@@ -29,6 +29,7 @@ import os
 
 import torch
 
+from offload.storage.host_copy import host_copy
 from tensorio import DIRECT_ALIGN, AioHandle, BufferPool, IOFuture, TensorIOError, aligned_tensor
 
 __all__ = ["CHUNK_BYTES", "CHUNKS", "StagedWrites", "open_direct"]
@@ -94,9 +95,7 @@ class StagedWrites:
                 self._base = offset // DIRECT_ALIGN * DIRECT_ALIGN  # alignment: same offset within a page as in the file
                 self._begin = self._fill = offset - self._base
             take = min(raw.numel(), self._chunk.numel() - self._fill)
-            # numpy's memcpy, on this thread: torch's copy_ splits it over its OpenMP threads, which on busy
-            # cores wait for each other (5-10x slower here with other jobs running)
-            self._chunk.numpy()[self._fill:self._fill + take] = raw[:take].numpy()
+            host_copy(self._chunk[self._fill:self._fill + take], raw[:take])  # one thread's memcpy, not torch's team
             self._fill += take
             offset += take
             raw = raw[take:]
