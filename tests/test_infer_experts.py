@@ -47,7 +47,7 @@ def saved():
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _picked_recorder(engine):
+def picked_recorder(engine):
     """A forward pre-hook on every experts module recording (layer position, expert) of each forward's picks."""
     picked = []
     for layer in engine.experts.layers:
@@ -64,7 +64,7 @@ def test_only_the_picked_experts_are_read(saved, family):
         store = engine.experts
         assert store is not None and "experts:" in str(engine.plan)
         store.guess = False  # every read is then one the router asked for
-        picked = _picked_recorder(engine)
+        picked = picked_recorder(engine)
         tokens = engine.generate(_prompt(), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0).tolist()
         assert tokens == reference[1]
         experts = {(layer.position, e.index): e for layer in store.layers for e in layer.experts}

@@ -20,6 +20,7 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
+from test_infer_experts import picked_recorder
 from test_infer_families import FAMILIES, save_family
 from test_infer_generate import one_thread  # noqa: F401 - autouse: one compute thread for tiny matrices
 from test_infer_generate import scratch_dir
@@ -93,16 +94,6 @@ def _expert_nbytes(config, bits: str) -> int:
     return _quantized_nbytes(2 * inner, hidden, bits) + _quantized_nbytes(hidden, inner, bits)
 
 
-def _picked_recorder(engine):
-    """A forward pre-hook on every experts module recording (layer position, expert) of each forward's picks."""
-    picked = []
-    for layer in engine.experts.layers:
-        def hook(module, args, position=layer.position, count=layer.count):
-            picked.append({(position, e) for e in args[1].reshape(-1).tolist() if 0 <= e < count})
-        layer.module.register_forward_pre_hook(hook)
-    return picked
-
-
 @pytest.mark.parametrize("bits", list(SPECS))
 @pytest.mark.parametrize("family", MOE)
 def test_routed_quantized_experts_give_resident_tokens_and_read_quantized_bytes(saved, resident_tokens, family, bits):
@@ -121,7 +112,7 @@ def test_routed_quantized_experts_give_resident_tokens_and_read_quantized_bytes(
         assert expected < (0.35 if bits == "int4" else 0.55) * bf16
         assert engine.plan.experts.expert_nbytes == expected
         assert engine.plan.experts.expert_read_nbytes == -(-expected // PAGE) * PAGE
-        picked = _picked_recorder(engine)
+        picked = picked_recorder(engine)
         tokens, logits = _generate(engine)
         assert store.counts.reads == sum(len(step) for step in picked)
         assert store.counts.bytes_read == sum(experts[key].read_nbytes for step in picked for key in step)
