@@ -9,8 +9,10 @@ Every configuration trains the same global batch (``--batch`` sequences, split o
 ``--repeats`` times; medians are printed. Per configuration: the step time and the seconds per step
 rank 0's backward spent blocked in gradient reductions (``GradReducer.comm_seconds``: the part of the
 communication not hidden behind backward). The offload devices are "none" by default, so that the disk
-does not blur the communication. Headline: world size 2's blocked reduction time with buckets against
-per-parameter calls, and its step time against world size 1's.
+does not blur the communication. Beside them, the floor of world size 2 on these cores: two world-size-1
+processes at once, each with its share of the cores and half the batch, nothing exchanged. Headline:
+world size 2's blocked reduction time with buckets against per-parameter calls, and its step time
+against world size 1's and against the floor.
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ import time
 
 from benchmarks._common import free_port
 
-CONFIGS = {  # name: (world size, reduce_bucket_size, overlap_comm)
-    "world 1": (1, None, True),
-    "world 2, per parameter": (2, 1, False),
-    "world 2, buckets": (2, None, True),
+CONFIGS = {  # name: (processes, reduce_bucket_size, overlap_comm, alone)
+    "world 1": (1, None, True, False),
+    "world 2, per parameter": (2, 1, False, False),
+    "world 2, buckets": (2, None, True, False),
+    "floor: 2 alone": (2, None, True, True),
 }
+"""The floor of world 2 on these cores: two world-size-1 processes at once, each with its share of the cores
+and half the global batch, nothing exchanged (what two ranks would take if communication cost nothing)."""
 DEFAULT_MODEL = {"n_layer": 6, "n_embd": 512, "n_head": 8, "vocab_size": 8192, "n_positions": 256}
 
 
@@ -39,7 +44,12 @@ def _rank(rank: int, world: int, args: dict, out: str) -> None:
     from offload import initialize
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the cores are shared by the ranks
-    if world > 1:
+    batch_size = args["batch"]
+    if args["alone"]:  # the floor: a process of its own with its half of the batch, no process group
+        batch_size, world_of_engine = args["batch"] // world, 1
+    else:
+        world_of_engine = world
+    if world_of_engine > 1:
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**args["model"], resid_pdrop=0.0, embd_pdrop=0.0,
@@ -52,7 +62,7 @@ def _rank(rank: int, world: int, args: dict, out: str) -> None:
         for key in ("offload_param", "offload_optimizer"):
             zero[key]["nvme_path"] = args["dir"]
     engine, *_ = initialize(model=model, config={
-        "train_batch_size": args["batch"], "train_micro_batch_size_per_gpu": args["batch"] // world,
+        "train_batch_size": batch_size, "train_micro_batch_size_per_gpu": args["batch"] // world,
         "zero_optimization": zero, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "gradient_clipping": 0.0})  # the updates during backward, as the recorded figures ran
     gen = torch.Generator().manual_seed(1)
@@ -62,7 +72,7 @@ def _rank(rank: int, world: int, args: dict, out: str) -> None:
     times, comm = [], []
     for i, batch in enumerate(batches):
         share = batch.chunk(world)[rank]
-        if world > 1:
+        if world_of_engine > 1:
             torch.distributed.barrier()
         blocked = engine.stats().comm_seconds
         start = time.perf_counter()
@@ -76,7 +86,7 @@ def _rank(rank: int, world: int, args: dict, out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"step_s": statistics.median(times), "comm_s": statistics.median(comm), "times": times}, f)
-    if world > 1:
+    if world_of_engine > 1:
         torch.distributed.barrier()  # no rank tears its connections down while another still uses them
         torch.distributed.destroy_process_group()
 
@@ -85,9 +95,10 @@ def run_config(name: str, args: argparse.Namespace, directory: str) -> dict:
     """One configuration in fresh processes; its figures (rank 0's)."""
     import torch.multiprocessing as mp
 
-    world, bucket, overlap = CONFIGS[name]
+    world, bucket, overlap, alone = CONFIGS[name]
     payload = {"model": args.model_config, "batch": args.batch, "seq": args.seq, "warmup": args.warmup,
-               "steps": args.steps, "device": args.device, "dir": directory, "bucket": bucket, "overlap": overlap}
+               "steps": args.steps, "device": args.device, "dir": directory, "bucket": bucket, "overlap": overlap,
+               "alone": alone}
     out = os.path.join(directory, "result.json")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     mp.start_processes(_rank, args=(world, payload, out), nprocs=world, start_method="spawn")
@@ -120,9 +131,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:24s} step {results[name]['step_s']:7.3f} s   blocked in reductions {results[name]['comm_s']:6.3f} s"
               f"   (steps: {', '.join(format(r['step_s'], '.2f') for r in rs)})")
     per_param, buckets, one = (results["world 2, per parameter"], results["world 2, buckets"], results["world 1"])
+    floor = results["floor: 2 alone"]
     print(f"world 2: reductions block backward {buckets['comm_s']:.3f} s per step with buckets against "
           f"{per_param['comm_s']:.3f} s with one call per parameter; step {buckets['step_s'] / one['step_s']:.2f}x world 1's "
-          f"({per_param['step_s'] / one['step_s']:.2f}x per parameter)")
+          f"({per_param['step_s'] / one['step_s']:.2f}x per parameter); the floor (two processes alone on these "
+          f"cores, half the batch each) {floor['step_s'] / one['step_s']:.2f}x world 1's, so world 2 is "
+          f"{buckets['step_s'] / floor['step_s']:.2f}x its floor")
     return results
 
 
