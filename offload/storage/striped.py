@@ -24,9 +24,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from tensorio import AioConfig, BufferPool, IOFuture, aligned_tensor
+from tensorio import AioConfig, BufferPool, IOFuture
 
-from offload.storage.swapfile import PAGE, SwapFile, aligned_size
+from offload.storage.swapfile import PAGE, PooledBuffers, SwapFile, aligned_size
 
 __all__ = ["STRIPE_BYTES", "StripePiece", "StripedSwapFile", "drive_bytes", "open_swap_file", "stripe_pieces"]
 
@@ -73,7 +73,7 @@ def drive_bytes(end: int, *, stripe: int, drives: int, drive: int) -> int:
     return rows * stripe + min(stripe, max(0, rest - drive * stripe))
 
 
-class StripedSwapFile:
+class StripedSwapFile(PooledBuffers):
     """A swap file striped over ``directories`` (one per drive), with `SwapFile`'s interface.
 
     Made whole or not at all: every drive's file is created here (a missing or unwritable directory
@@ -199,16 +199,6 @@ class StripedSwapFile:
         pieces = stripe_pieces(offset, nbytes, stripe=self.stripe_bytes, drives=len(self.files),
                                chunk=chunk if self.verify else None)
         return pieces or [StripePiece(drive=0, file_offset=0, start=0, length=0)]  # nothing to move: one empty request
-
-    def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A page-aligned buffer of ``numel`` elements for this file's I/O, from `pool` when set (as
-        `SwapFile.buffer`)."""
-        return self.pool.take(numel, dtype) if self.pool is not None else aligned_tensor(numel, dtype)
-
-    def read_new(self, numel: int, dtype: torch.dtype, offset: int, *, what: str = "") -> tuple[torch.Tensor, IOFuture]:
-        """Start reading ``numel`` elements at ``offset`` into a new page-aligned buffer (`buffer`), as `read`."""
-        buffer = self.buffer(numel, dtype)
-        return buffer, self.read(buffer, offset, what=what)
 
     @property
     def closed(self) -> bool:

@@ -36,7 +36,7 @@ import torch
 
 from tensorio import DIRECT_ALIGN, AioConfig, AioHandle, BufferPool, Checksums, IOFuture, TensorIOError, aligned_tensor
 
-__all__ = ["PAGE", "SwapFile", "StaleSwapFile", "check_swap_directory", "is_swap_file_name",
+__all__ = ["PAGE", "PooledBuffers", "SwapFile", "StaleSwapFile", "check_swap_directory", "is_swap_file_name",
            "remove_stale_swap_files", "stale_swap_files"]
 
 log = logging.getLogger("offload")
@@ -68,7 +68,25 @@ def check_swap_directory(directory: str | os.PathLike, key: str) -> str:
     return path
 
 
-class SwapFile:
+class PooledBuffers:
+    """The buffers of a swap file's I/O (`SwapFile`, `offload.storage.striped.StripedSwapFile`): from its
+    ``pool`` (set by the owner) when it has one. Needs the file's ``read(buffer, offset, what=...)``."""
+
+    pool: BufferPool | None
+
+    def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A page-aligned buffer of ``numel`` elements for this file's I/O (O_DIRECT), contents
+        unspecified: from the file's pool when it has one, so that its memory is not faulted in anew."""
+        return self.pool.take(numel, dtype) if self.pool is not None else aligned_tensor(numel, dtype)
+
+    def read_new(self, numel: int, dtype: torch.dtype, offset: int, *, what: str = "") -> tuple[torch.Tensor, IOFuture]:
+        """Start reading ``numel`` elements at ``offset`` into a new page-aligned buffer (`buffer`), verified
+        as `read` does."""
+        buffer = self.buffer(numel, dtype)
+        return buffer, self.read(buffer, offset, what=what)
+
+
+class SwapFile(PooledBuffers):
     """One swap file of page-aligned extents, read and written through one tensorio handle.
 
     The file is created (mode 0600, locked) at construction, so that a bad directory fails here and
@@ -175,17 +193,6 @@ class SwapFile:
                                     name_errno=False, hint=f"{what}; write them again (load a checkpoint)")
             values.append(future.checksums.values[index])
         return Checksums(tuple(values), chunk, nbytes)
-
-    def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A page-aligned buffer of ``numel`` elements for this file's I/O (O_DIRECT), contents
-        unspecified: from the file's pool when it has one, so that its memory is not faulted in anew."""
-        return self.pool.take(numel, dtype) if self.pool is not None else aligned_tensor(numel, dtype)
-
-    def read_new(self, numel: int, dtype: torch.dtype, offset: int, *, what: str = "") -> tuple[torch.Tensor, IOFuture]:
-        """Start reading ``numel`` elements at ``offset`` into a new page-aligned buffer (`buffer`), verified
-        as `read` does."""
-        buffer = self.buffer(numel, dtype)
-        return buffer, self.read(buffer, offset, what=what)
 
     def write(self, tensor: torch.Tensor, offset: int, *, chunk: int | None = None) -> IOFuture:
         """Start writing ``tensor`` (contiguous, CPU) at ``offset``; keep it unchanged until done. With
