@@ -16,4 +16,6 @@ def test_tiny_run_with_its_floor(capsys, tmp_path):
     assert set(results) == set(CONFIGS) and "floor: 2 alone" in results
     assert all(r["step_s"] > 0 for r in results.values())
     assert results["floor: 2 alone"]["comm_s"] == 0  # nothing exchanged
-    assert "x its floor" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "x its floor" in out and "collectives alone take" in out
+    assert results["collectives alone"]["calls"] > 0  # one step's collectives recorded, then replayed
