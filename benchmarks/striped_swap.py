@@ -2,12 +2,13 @@
 
 Each round writes then reads ``--size`` bytes of one swap file in ``--request-size`` requests,
 ``--in-flight`` of them at a time (as the engine's partitions and sub-groups move), first through a
-`SwapFile` on each directory alone, then through one `StripedSwapFile` over all of them; then fio
-(sequential, the same block size, queue depth and O_DIRECT) on each directory alone and on all of them
-at once (one fio per directory, started together). Medians of the rounds. Headline: the striped file's
-GB/s over the sum of each drive's fio alone (the target: at least 0.9).
+`SwapFile` on each directory alone, then through one `StripedSwapFile` over all of them (stripes weighted
+by ``--weights``: measured by default, as the engine does; with ``--compare-even`` also even stripes);
+then fio (sequential, the same block size, queue depth and O_DIRECT) on each directory alone and on all of
+them at once (one fio per directory, started together). Medians of the rounds. Headline: the striped
+file's GB/s over the sum of each drive's fio alone (the target: at least 0.9).
 
-    python -m benchmarks.striped_swap /work/tmp/x /dev/shm/sd --size 512M --rounds 3
+    python -m benchmarks.striped_swap /work/tmp/x /dev/shm/sd --size 512M --rounds 3 [--weights 1,3] [--compare-even]
 """
 
 from __future__ import annotations
@@ -52,6 +53,22 @@ def _swap_round(make, buffers: list[torch.Tensor], total: int) -> tuple[float, f
         file.close()
 
 
+def _weights(text: str, drives: int) -> tuple[int, ...] | None:
+    """``--weights``: None for "auto" (measured), ones for "even", else the integers given, one per directory."""
+    if text == "auto":
+        return None
+    if text == "even":
+        return (1,) * drives
+    try:
+        weights = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        weights = ()
+    if len(weights) != drives or min(weights) < 1:
+        raise ValueError(f"--weights {text!r}: give \"auto\", \"even\" or {drives} integers of at least 1, "
+                         f"comma-separated (one per directory)")
+    return weights
+
+
 def _fio(directories: list[str], rw: str, size: int, aio: AioConfig) -> float:
     """Summed GB/s of one fio per directory, all started together."""
     jobs = [FioJob(directory=d, rw=rw, size=size, block_size=aio.block_size, queue_depth=aio.queue_depth,
@@ -70,21 +87,36 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--rounds", type=int, default=3, help="repetitions; medians are reported")
     ap.add_argument("--no-fio", action="store_true", help="skip fio")
     ap.add_argument("--no-verify", action="store_true", help="no checksums (aio.verify false), as fio has none")
+    ap.add_argument("--weights", default="auto",
+                    help='the drives\' stripe weights: "auto" (measured, the default), "even", or e.g. 1,3')
+    ap.add_argument("--compare-even", action="store_true", help="also measure the striped file with even stripes")
     args = ap.parse_args(argv)
     if len(args.dirs) < 2:
         ap.error("give two or more directories, one per drive")
+    try:
+        weights = _weights(args.weights, len(args.dirs))
+    except ValueError as error:
+        ap.error(str(error))
     total, request = parse_size(args.size), parse_size(args.request_size)
     if request % 4096 or request < 4096 or total < request:
         ap.error(f"--request-size {args.request_size} must be a multiple of 4096 and at most --size {args.size}")
     total -= total % request
     aio = AioConfig(verify=not args.no_verify)
     print(f"dirs={' '.join(args.dirs)} size={total} request={request} in_flight={args.in_flight} "
-          f"rounds={args.rounds} aio={aio}")
+          f"rounds={args.rounds} weights={args.weights} aio={aio}")
     buffers = [aligned_tensor(request, torch.uint8).fill_(index + 1) for index in range(args.in_flight)]
     figures: dict[str, list[float]] = {}
 
     def add(name: str, value: float) -> None:
         figures.setdefault(name, []).append(value)
+
+    used: list[tuple[int, ...]] = []
+
+    def striped(directories: list[str], stripe_weights: tuple[int, ...] | None) -> StripedSwapFile:
+        """A striped file of ``stripe_weights`` (None: measured), the weights it took noted in ``used``."""
+        file = StripedSwapFile(directories, aio, kind="bench", weights=stripe_weights)
+        used.append(file.weights)
+        return file
 
     with contextlib.ExitStack() as stack:
         dirs = [stack.enter_context(tempfile.TemporaryDirectory(dir=d, prefix="bench-striped-")) for d in args.dirs]
@@ -93,9 +125,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 write, read = _swap_round(lambda: SwapFile(directory, aio, kind="bench"), buffers, total)
                 add(f"alone {index} write", write)
                 add(f"alone {index} read", read)
-            write, read = _swap_round(lambda: StripedSwapFile(dirs, aio, kind="bench"), buffers, total)
+            write, read = _swap_round(lambda: striped(dirs, weights), buffers, total)
             add("striped write", write)
             add("striped read", read)
+            if args.compare_even:
+                write, read = _swap_round(lambda: striped(dirs, (1,) * len(dirs)), buffers, total)
+                add("striped even write", write)
+                add("striped even read", read)
             if not args.no_fio:
                 for rw in ("write", "read"):
                     for index, directory in enumerate(dirs):
@@ -104,10 +140,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     medians = {name: statistics.median(values) for name, values in figures.items()}
     for name, value in medians.items():
         print(f"{name:22s} {value:6.2f} GB/s  (rounds: {', '.join(f'{v:.2f}' for v in figures[name])})")
+    print(f"stripe weights: {':'.join(map(str, used[0]))} ({'measured' if weights is None else 'given'}; 1 MiB units, "
+          f"{' : '.join(args.dirs)})")
+    medians.update({f"weight {index}": float(weight) for index, weight in enumerate(used[0])})
     for rw in ("write", "read"):
         alone = sum(medians[f"alone {i} {rw}"] for i in range(len(dirs)))
         line = f"{rw}: striped {medians[f'striped {rw}']:.2f} GB/s = {medians[f'striped {rw}'] / alone:.2f}x the " \
                f"sum of each alone ({alone:.2f})"
+        if args.compare_even:
+            line += f" (even stripes {medians[f'striped even {rw}']:.2f} GB/s = " \
+                    f"{medians[f'striped even {rw}'] / alone:.2f}x)"
         if not args.no_fio:
             fio = sum(medians[f"fio {i} {rw}"] for i in range(len(dirs)))
             medians[f"ratio to fio {rw}"] = medians[f"striped {rw}"] / fio

@@ -116,7 +116,8 @@ class Init:
         if self.device == "nvme":
             check_nvme_paths(cfg)
             swap = open_swap_file(offload_param.rank_paths or offload_param.nvme_path, cfg.aio, kind="params",
-                                  key="zero_optimization.offload_param.nvme_path")
+                                  key="zero_optimization.offload_param.nvme_path",
+                                  weights=offload_param.rank_weights or None)
         max_in_cpu = offload_param.max_in_cpu if swap is not None else 0
         if max_in_cpu == "auto":  # the model is not built yet: the engine's other shares at their most
             max_in_cpu, how = auto_max_in_cpu(cfg, None, 2 if self.dtype in (torch.float16, torch.bfloat16) else 4)

@@ -1,11 +1,15 @@
 """One rank's swap files striped over several drives (``nvme_path`` a list longer than the node's ranks):
-the stripe layout (pure, against an independent formula), bytes on each drive read back with plain
-``open().read()``, checksums per piece, preallocation per drive, a missing or read-only drive named, the
-space check counting each drive's share, and the engine training the same losses on two drives as on one."""
+the stripe layout, even and weighted (pure, against an independent formula), bytes on each drive read back
+with plain ``open().read()``, checksums per piece, preallocation per drive, a missing or read-only drive
+named, the space check counting each drive's share, the drives' weights (stated and checked in the config,
+or measured: the rounding of fake speeds, no timing), and the engine training the same losses on two drives
+as on one."""
 
 from __future__ import annotations
 
 import errno
+import logging
+import math
 import os
 import re
 import shutil
@@ -20,7 +24,9 @@ from torch import nn
 
 from offload.config import EngineConfig
 from offload.storage import StripedSwapFile, SwapFile, open_swap_file
-from offload.storage.striped import STRIPE_BYTES, drive_bytes, stripe_pieces
+from offload.storage import drive_speed
+from offload.storage.drive_speed import measured_weights, probe_speed, stripe_weights
+from offload.storage.striped import STRIPE_BYTES, StripeLayout, drive_bytes, stripe_pieces
 from offload.train.engine import initialize
 from offload.train.space import SwapSpace, check_swap_space
 from tensorio import AioConfig, ChecksumError, aligned_tensor
@@ -29,38 +35,85 @@ from test_engine import engine_config, train
 STRIPE = 8192  # two pages: small files still cross many units
 
 
-def _where(byte: int, stripe: int, drives: int) -> tuple[int, int]:
-    """(drive, byte of its file) of ``byte`` of the striped space, straight from RAID 0's definition."""
-    unit = byte // stripe
-    return unit % drives, (unit // drives) * stripe + byte % stripe
+def _where(byte: int, stripe: int, weights) -> tuple[int, int]:
+    """(drive, byte of its file) of ``byte`` of the striped space, straight from the layout's definition:
+    cycles of sum(weights) units, drive i holding weights[i] units of each after those of the drives before
+    it, cycle by cycle in its file. All ones: RAID 0 (unit u on drive u % drives)."""
+    cycle, unit = divmod(byte // stripe, sum(weights))
+    for drive, weight in enumerate(weights):
+        if unit < weight:
+            return drive, (cycle * weight + unit) * stripe + byte % stripe
+        unit -= weight
+    raise AssertionError("unreachable")
+
+
+def _reduced(weights) -> tuple[int, ...]:
+    return tuple(w // math.gcd(*weights) for w in weights)
 
 
 @settings(max_examples=300, deadline=None)
 @given(offset=st.integers(0, 5 * 4096), nbytes=st.integers(0, 9 * 4096 + 7), stripe=st.sampled_from([4096, 8192, 12288]),
-       drives=st.integers(1, 4), chunk=st.one_of(st.none(), st.integers(1, 20000)))
-def test_pieces_cover_the_request_in_order_and_map_each_byte_as_raid0_does(offset, nbytes, stripe, drives, chunk):
-    pieces = stripe_pieces(offset, nbytes, stripe=stripe, drives=drives, chunk=chunk)
+       weights=st.lists(st.integers(1, 5), min_size=1, max_size=4), chunk=st.one_of(st.none(), st.integers(1, 20000)))
+def test_pieces_cover_the_request_in_order_and_map_each_byte_as_the_layout_says(offset, nbytes, stripe, weights, chunk):
+    pieces = stripe_pieces(offset, nbytes, stripe=stripe, weights=weights, chunk=chunk)
+    reduced = _reduced(weights)  # weights are ratios: (2, 2) is (1, 1)
     assert sum(p.length for p in pieces) == nbytes and all(p.length > 0 for p in pieces)
     start = 0
-    for piece in pieces:
+    for index, piece in enumerate(pieces):
         assert piece.start == start
         first, last = offset + start, offset + start + piece.length - 1
-        assert first // stripe == last // stripe  # never across a stripe unit ...
+        for byte in (first, last, *range(-(-first // stripe) * stripe, last, stripe)):  # every unit it touches
+            assert _where(byte, stripe, reduced) == (piece.drive, piece.file_offset + byte - first)  # one drive, in a row
         if chunk:
-            assert start // chunk == (start + piece.length - 1) // chunk  # ... nor across a checksum chunk
-        assert _where(first, stripe, drives) == (piece.drive, piece.file_offset)
+            assert start // chunk == (start + piece.length - 1) // chunk  # never across a checksum chunk
+        if index:  # cut only where the drive's run or a chunk ends: requests as large as the layout allows
+            assert pieces[index - 1].drive != piece.drive or (offset + start) % (stripe * sum(reduced)) == 0 or \
+                (chunk and start % chunk == 0)
         start += piece.length
     end = offset + nbytes  # each drive's file ends after the last byte of [0, end) it holds: each unit's last
-    ends = [0] * drives
+    ends = [0] * len(weights)
     for unit in range(-(-end // stripe)):
-        drive, at = _where(min(end, (unit + 1) * stripe) - 1, stripe, drives)
+        drive, at = _where(min(end, (unit + 1) * stripe) - 1, stripe, reduced)
         ends[drive] = max(ends[drive], at + 1)
-    assert [drive_bytes(end, stripe=stripe, drives=drives, drive=d) for d in range(drives)] == ends
+    assert [drive_bytes(end, stripe=stripe, weights=weights, drive=d) for d in range(len(weights))] == ends
+
+
+@settings(max_examples=100, deadline=None)
+@given(offset=st.integers(0, 9 * 4096), nbytes=st.integers(0, 9 * 4096 + 7), drives=st.integers(1, 4),
+       times=st.integers(1, 4), chunk=st.one_of(st.none(), st.integers(1, 20000)))
+def test_equal_weights_are_the_even_layout_of_before(offset, nbytes, drives, times, chunk):
+    """Equal weights, whatever their value, lay the bytes out as RAID 0 with one unit per drive did."""
+    assert stripe_pieces(offset, nbytes, stripe=4096, weights=[times] * drives, chunk=chunk) == \
+        stripe_pieces(offset, nbytes, stripe=4096, drives=drives, chunk=chunk)
+    for piece in stripe_pieces(offset, nbytes, stripe=4096, drives=drives, chunk=chunk):
+        unit = (offset + piece.start) // 4096  # the formula of docs/engine.md, "Striped over several drives"
+        assert (piece.drive, piece.file_offset) == (unit % drives, (unit // drives) * 4096 + (offset + piece.start) % 4096)
+    assert StripeLayout(4096, (times,) * drives) == StripeLayout.even(4096, drives)
+
+
+def test_a_weighted_drive_gets_its_share_as_one_piece_per_cycle():
+    """(3, 1) over 1 MiB units: a 16 MiB request is 3 MiB on the first drive, 1 MiB on the second, four times."""
+    pieces = stripe_pieces(0, 16 << 20, stripe=1 << 20, weights=[3, 1])
+    assert [(p.drive, p.length >> 20) for p in pieces] == [(0, 3), (1, 1)] * 4
+    assert [p.file_offset >> 20 for p in pieces] == [0, 0, 3, 1, 6, 2, 9, 3]
+    assert [drive_bytes(16 << 20, stripe=1 << 20, weights=[3, 1], drive=d) >> 20 for d in (0, 1)] == [12, 4]
 
 
 def test_bad_arguments_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"stripe_pieces: offset -1 and size 10 must be at least 0"):
         stripe_pieces(-1, 10, stripe=4096, drives=2)
+    with pytest.raises(ValueError, match=r"stripe_pieces: give one of drives .* and weights"):
+        stripe_pieces(0, 10, stripe=4096, drives=2, weights=[1, 1])
+    for weights in ([], [0, 1], [1.5, 1], [True, 1]):
+        with pytest.raises(ValueError, match=r"stripe weights: .* is not allowed; give one integer of at least 1"):
+            StripeLayout(4096, tuple(weights))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with pytest.raises(ValueError, match=r"nvme_path: 3 stripe weights \[1, 2, 3\] for 2 directories; give one per"):
+        StripedSwapFile([tmp_path / "a", tmp_path / "b"], AioConfig(), kind="params", weights=[1, 2, 3])
+    with pytest.raises(ValueError, match=r"stripe weights: \(0, 1\) is not allowed"):
+        StripedSwapFile([tmp_path / "a", tmp_path / "b"], AioConfig(), kind="params", weights=[0, 1])
+    assert os.listdir(tmp_path / "a") == os.listdir(tmp_path / "b") == []  # refused before any file was made
     with pytest.raises(ValueError, match=r"nvme_path: striping needs two or more distinct directories"):
         StripedSwapFile([tmp_path, tmp_path], AioConfig(), kind="params")
     with pytest.raises(ValueError, match=r"stripe_bytes: 1000 is not a positive multiple of 4096"):
@@ -79,25 +132,27 @@ def drives(tmp_path):
 
 def _drive_contents(file: StripedSwapFile, offset: int, nbytes: int) -> bytes:
     """The bytes ``[offset, offset + nbytes)`` of the striped space, read from the drives' files with plain
-    reads, byte by byte from RAID 0's definition (not through the pieces the file itself uses)."""
+    reads, byte by byte from the layout's definition (not through the pieces the file itself uses)."""
     data = [open(path, "rb").read() for path in file.paths]
     out = bytearray()
     for byte in range(offset, offset + nbytes):
-        drive, at = _where(byte, file.stripe_bytes, len(data))
+        drive, at = _where(byte, file.stripe_bytes, file.weights)
         out.append(data[drive][at])
     return bytes(out)
 
 
+@pytest.mark.parametrize("weights", [(1, 1), (3, 1), (2, 5)])
 @pytest.mark.parametrize("verify", [True, False])
-@pytest.mark.parametrize("nbytes", [1, 4095, 4096 * 10 + 1, 3 * STRIPE + 5])
-def test_bytes_land_on_every_drive_and_read_back(drives, nbytes, verify):
-    file = StripedSwapFile(drives, AioConfig(verify=verify), kind="params", stripe_bytes=STRIPE)
+@pytest.mark.parametrize("nbytes", [1, 4095, 4096 * 10 + 1, 3 * STRIPE + 5, 9 * STRIPE + 4097])
+def test_bytes_land_on_every_drive_and_read_back(drives, nbytes, verify, weights):
+    file = StripedSwapFile(drives, AioConfig(verify=verify), kind="params", stripe_bytes=STRIPE, weights=weights)
     try:
+        assert file.weights == weights
         first, second = file.allocate(nbytes), file.allocate(nbytes, slots=2)
         assert (first, second) == (0, -(-nbytes // 4096) * 4096)
         file.preallocate()
         sizes = [os.stat(path).st_size for path in file.paths]
-        assert sizes == [drive_bytes(file.allocated_bytes, stripe=STRIPE, drives=2, drive=d) for d in range(2)]
+        assert sizes == [drive_bytes(file.allocated_bytes, stripe=STRIPE, weights=weights, drive=d) for d in range(2)]
         values = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
         source = aligned_tensor(nbytes, torch.uint8)
         source.copy_(values)
@@ -107,16 +162,17 @@ def test_bytes_land_on_every_drive_and_read_back(drives, nbytes, verify):
         assert file.read(back, second).result() == nbytes and torch.equal(back, values)
         assert file.bytes_written == file.bytes_read == nbytes
         assert file.bytes_verified == (nbytes if verify else 0)
-        if nbytes > STRIPE:  # both drives moved bytes
-            assert all(f.bytes_written > 0 and f.bytes_read > 0 for f in file.files)
+        touched = {_where(byte, STRIPE, weights)[0] for byte in range(second, second + nbytes, 512)}
+        assert {d for d, f in enumerate(file.files) if f.bytes_written > 0 and f.bytes_read > 0} == touched
     finally:
         file.close()
     assert not any(os.path.exists(path) for path in file.paths) and file.closed
 
 
-def test_chunks_read_alone_verify_and_a_flipped_byte_names_the_drives_file(drives):
+@pytest.mark.parametrize("weights", [(1, 1), (1, 3)])
+def test_chunks_read_alone_verify_and_a_flipped_byte_names_the_drives_file(drives, weights):
     """As the optimizer does: a slot written whole in chunks (its state regions), one chunk read alone."""
-    file = StripedSwapFile(drives, AioConfig(), kind="adam", stripe_bytes=STRIPE)
+    file = StripedSwapFile(drives, AioConfig(), kind="adam", stripe_bytes=STRIPE, weights=weights)
     try:
         chunk = 3 * 4096 + 512  # regions not aligned to the stripe
         offset = file.allocate(4 * chunk)
@@ -129,7 +185,7 @@ def test_chunks_read_alone_verify_and_a_flipped_byte_names_the_drives_file(drive
         whole = torch.empty_like(state)
         file.read(whole, offset, chunk=chunk).result()
         assert torch.equal(whole, state)
-        drive, at = _where(offset + 2 * chunk + 10, STRIPE, 2)  # flip a byte of region 2, on whichever drive holds it
+        drive, at = _where(offset + 2 * chunk + 10, STRIPE, weights)  # flip a byte of region 2, on whichever drive holds it
         with open(file.paths[drive], "r+b") as raw:
             raw.seek(at)
             byte = raw.read(1)[0]
@@ -184,12 +240,30 @@ def _loss(model, batch):
     return nn.functional.mse_loss(model(x), y)
 
 
-def _config(nvme_path) -> dict:
+def _config(nvme_path, stripe_weights=None) -> dict:
     config = engine_config("unused", "nvme", "nvme")
     for key in ("offload_param", "offload_optimizer"):
         config["zero_optimization"][key]["nvme_path"] = nvme_path
+        if stripe_weights is not None:
+            config["zero_optimization"][key]["stripe_weights"] = stripe_weights
     config["zero_optimization"]["offload_param"].update(buffer_size=1 << 18)
     return config
+
+
+def _fake_probe(path, aio, **_):
+    """A seam for `probe_speed`: the tmpfs three times the disk (bytes/s), nothing timed."""
+    return 3e9 if os.path.realpath(path).startswith("/dev/shm") else 1e9
+
+
+@pytest.fixture
+def fake_speeds(monkeypatch, drives):
+    """The swap files' own measurement (the default path) answered by `_fake_probe`, from an empty cache;
+    yields the weights it gives ``drives``: (1, 3) on disk + tmpfs, (1, 1) on one file system."""
+    monkeypatch.setattr(drive_speed, "probe_speed", _fake_probe)
+    monkeypatch.setattr(drive_speed, "_speeds", {})
+    weights = measured_weights(drives, AioConfig(), probe=_fake_probe)
+    assert weights == ((1, 3) if os.stat(drives[0]).st_dev != os.stat(drives[1]).st_dev else (1, 1))
+    yield weights
 
 
 def _swap_sizes(directory: str) -> dict[str, int]:
@@ -198,7 +272,8 @@ def _swap_sizes(directory: str) -> dict[str, int]:
 
 
 def test_one_rank_stripes_its_swap_files_over_two_drives_and_trains_as_on_one(tmp_path, drives, monkeypatch,
-                                                                               read_only_dir):
+                                                                               read_only_dir, fake_speeds):
+    """With the default config: stripes in proportion to the drives' measured speeds."""
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # alone on the node: both drives are this rank's
     one = tmp_path / "one"
@@ -218,9 +293,9 @@ def test_one_rank_stripes_its_swap_files_over_two_drives_and_trains_as_on_one(tm
     assert losses == expected
     assert set(alone) == {"params", "adam"}
     for kind, size in alone.items():  # each file's bytes split over the drives as the stripes fall, none lost
-        assert [sizes[kind] for sizes in on_drives] == [drive_bytes(size, stripe=STRIPE_BYTES, drives=2, drive=d)
-                                                       for d in range(2)]
-        assert min(sizes[kind] for sizes in on_drives) >= size // 3
+        assert [sizes[kind] for sizes in on_drives] == [drive_bytes(size, stripe=STRIPE_BYTES, weights=fake_speeds,
+                                                                    drive=d) for d in range(2)]
+        assert min(sizes[kind] for sizes in on_drives) > 0
     assert all(os.listdir(d) == [] for d in drives)  # removed at close
     # A second drive missing, or read-only, is named at initialize, before anything is written.
     missing = os.path.join(drives[1], "gone")
@@ -246,7 +321,7 @@ def test_the_ranks_share_of_the_drives_follows_local_world_size(tmp_path, monkey
         EngineConfig.from_dict(config, world_size=8)
 
 
-def test_the_space_check_counts_each_drives_share(tmp_path, drives, monkeypatch):
+def test_the_space_check_counts_each_drives_share(tmp_path, drives, monkeypatch, fake_speeds):
     """Half of the swap on each of two file systems: a size that neither holds whole but each holds half of
     passes on the two, and is refused on the smaller alone, naming it."""
     monkeypatch.delenv("LOCAL_RANK", raising=False)
@@ -256,7 +331,7 @@ def test_the_space_check_counts_each_drives_share(tmp_path, drives, monkeypatch)
     free = [shutil.disk_usage(d).free for d in drives]
     small = drives[free.index(min(free))]
     needed = SwapSpace(params=min(free) * 3 // 2, optimizer=0, grads=0)
-    check_swap_space(EngineConfig.from_dict(_config(drives), world_size=1), needed, ranks=1)
+    check_swap_space(EngineConfig.from_dict(_config(drives, [1, 1]), world_size=1), needed, ranks=1)
     with pytest.raises(OSError, match=rf"not enough swap space: zero_optimization\.offload_param\.nvme_path "
                                       rf"'{small}'") as info:
         check_swap_space(EngineConfig.from_dict(_config(small), world_size=1), needed, ranks=1)
@@ -273,7 +348,7 @@ def test_a_failed_drive_fails_the_request_naming_its_file_and_its_bytes_are_not_
     from tensorio import TensorIOError
     from tensorio.testing import Fail, inject_faults
 
-    file = StripedSwapFile(drives, AioConfig(), kind="params", stripe_bytes=STRIPE)
+    file = StripedSwapFile(drives, AioConfig(), kind="params", stripe_bytes=STRIPE, weights=(1, 1))
     try:
         offset = file.allocate(4 * STRIPE)
         data = aligned_tensor(4 * STRIPE, torch.uint8).fill_(7)
@@ -295,13 +370,22 @@ def test_striped_swap_benchmark_tiny(drives, capsys):
 
     result = striped_swap.main([*drives, "--size", "2M", "--request-size", "256K", "--rounds", "1", "--no-fio"])
     out = capsys.readouterr().out
-    assert "write: striped" in out and "read: striped" in out
+    assert "write: striped" in out and "read: striped" in out and "stripe weights: " in out and "(measured;" in out
     assert result["striped write"] > 0 and result["striped read"] > 0 and {"alone 0 read", "alone 1 read"} <= set(result)
+    assert result["weight 0"] >= 1 and result["weight 1"] >= 1
+    result = striped_swap.main([*drives, "--size", "2M", "--request-size", "256K", "--rounds", "1", "--no-fio",
+                                "--weights", "1,3", "--compare-even"])
+    out = capsys.readouterr().out
+    assert "stripe weights: 1:3 (given;" in out and "(even stripes " in out and result["striped even read"] > 0
+    assert (result["weight 0"], result["weight 1"]) == (1, 3)
     assert all(os.listdir(d) == [] for d in drives)
+    with pytest.raises(SystemExit):
+        striped_swap.main([*drives, "--weights", "1,0"])
+    assert "--weights '1,0': give" in capsys.readouterr().err
 
 
 def test_a_non_contiguous_buffer_is_refused_before_any_io(drives):
-    file = StripedSwapFile(drives, AioConfig(), kind="params", stripe_bytes=STRIPE)
+    file = StripedSwapFile(drives, AioConfig(), kind="params", stripe_bytes=STRIPE, weights=(1, 1))
     try:
         with pytest.raises(ValueError, match=r"the buffer must be a contiguous CPU tensor, got a non-contiguous one"):
             file.write(torch.zeros(64, 64).t(), file.allocate(64 * 64 * 4))
@@ -320,7 +404,7 @@ def test_a_model_built_under_zero_init_stripes_its_partitions_and_trains_as_on_o
     one.mkdir()
     losses, sizes = [], []
     for nvme_path in (str(one), drives):
-        config = _config(nvme_path)
+        config = _config(nvme_path, [2, 1] if nvme_path is drives else None)  # stated: nothing measured
         with zero.Init(config_dict_or_path=config):
             model = _model()
         engine, *_ = initialize(model=model, config=config)
@@ -330,5 +414,108 @@ def test_a_model_built_under_zero_init_stripes_its_partitions_and_trains_as_on_o
         finally:
             engine.close()
     assert losses[0] == losses[1]
-    assert sizes[1] == [drive_bytes(sizes[0][0], stripe=STRIPE_BYTES, drives=2, drive=d) for d in range(2)]
+    assert sizes[1] == [drive_bytes(sizes[0][0], stripe=STRIPE_BYTES, weights=[2, 1], drive=d) for d in range(2)]
     assert min(sizes[1]) > 0
+
+
+def test_stated_stripe_weights_are_checked_naming_the_key_and_shared_as_the_drives_are(tmp_path, monkeypatch):
+    paths = [str(tmp_path / f"nvme{i}") for i in range(4)]
+    key = "zero_optimization.offload_param.stripe_weights"
+
+    def offload(nvme_path, weights):
+        section = {"device": "nvme", "nvme_path": nvme_path, "stripe_weights": weights}
+        config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "offload_param": section}}
+        return EngineConfig.from_dict(config, world_size=1).zero_optimization.offload_param
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert offload(paths, [4, 3, 2, 1]).rank_weights == (3, 1)  # entries 1 and 3, as rank_paths takes them
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # one drive each: nothing to stripe
+    assert offload(paths, [4, 3, 2, 1]).rank_weights == ()
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.delenv("LOCAL_RANK")
+    assert offload(paths, None).rank_weights == ()  # not set: measured when the files are made
+    assert offload(paths, [2.0, 1, 1, 1]).rank_weights == (2, 1, 1, 1)
+    for weights, message in (([3, 1], r": expected a list of 4 integers from 1 to 16, one per nvme_path directory"),
+                             ("fast", r": expected a list of 4 integers"),
+                             ([1, 0, 1, 1], r"\[1\]: 0 is not allowed; use an integer >= 1"),
+                             ([1, 1, 17, 1], r"\[2\]: 17 is not allowed; use an integer from 1 to 16"),
+                             ([1, 1, 1.5, 1], r"\[2\]: expected an integer, got 1.5")):
+        with pytest.raises(ValueError, match=re.escape(key) + message):
+            offload(paths, weights)
+    with pytest.raises(ValueError, match=rf"{re.escape(key)}: \[2, 1\] needs nvme_path to be a list of directories"):
+        offload(paths[0], [2, 1])
+    optimizer = {"device": "nvme", "nvme_path": paths[:2], "stripe_weights": [1]}
+    with pytest.raises(ValueError, match=r"zero_optimization\.offload_optimizer\.stripe_weights: expected a list of 2"):
+        EngineConfig.from_dict({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+            "stage": 3, "offload_optimizer": optimizer}}, world_size=1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(speeds=st.lists(st.floats(0.05, 20.0), min_size=1, max_size=6), data=st.data())
+def test_weights_of_speeds_are_small_ordered_and_symmetric(speeds, data):
+    """Fake throughputs, nothing timed: a cycle of at most 16 units, a faster drive never gets fewer units,
+    the same speeds (in any order) the same weights, and weights reduced."""
+    weights = stripe_weights(speeds)
+    assert len(weights) == len(speeds) and sum(weights) <= 16 and math.gcd(*weights) == 1
+    for i, j in ((i, j) for i in range(len(speeds)) for j in range(len(speeds))):
+        if speeds[i] >= speeds[j]:
+            assert weights[i] >= weights[j]
+    order = data.draw(st.permutations(range(len(speeds))))
+    assert stripe_weights([speeds[i] for i in order]) == tuple(weights[i] for i in order)
+
+
+def test_weights_follow_speed_ratios_and_noise_between_equal_drives_is_ignored():
+    assert stripe_weights([1e9, 1e9]) == (1, 1)
+    assert stripe_weights([1.0e9, 1.25e9]) == stripe_weights([1.25e9, 1.0e9]) == (1, 1)  # a noisy probe of twins
+    assert stripe_weights([0.7e9, 2.1e9]) == (1, 3) and stripe_weights([2.1e9, 0.7e9]) == (3, 1)
+    assert stripe_weights([1.0, 1.5]) == (2, 3)
+    assert stripe_weights([1.0, 1.1, 3.0]) == (1, 1, 3)  # the two near-equal drives stay equal
+    assert stripe_weights([1.0, 100.0]) == (1, 15)  # the cycle is capped at 16 units
+    assert stripe_weights([5.0] * 20) == (1,) * 20  # more drives than the cap: all equal
+    for bad in ([], [1.0, 0.0], [1.0, float("nan")]):
+        with pytest.raises(ValueError, match=r"stripe_weights: speeds .* must be one or more positive numbers"):
+            stripe_weights(bad)
+
+
+def test_measured_weights_probe_each_file_system_once_and_fall_back_to_even(tmp_path, drives, caplog):
+    calls = []
+
+    def probe(path, aio):
+        calls.append(path)
+        return _fake_probe(path, aio)
+
+    two_fs = os.stat(drives[0]).st_dev != os.stat(drives[1]).st_dev
+    assert measured_weights(drives, AioConfig(), probe=probe) == ((1, 3) if two_fs else (1, 1))
+    same = [tmp_path / "a", tmp_path / "b", tmp_path / "c"]
+    for path in same:
+        path.mkdir()
+    calls.clear()
+    assert measured_weights(same, AioConfig(), probe=probe) == (1, 1, 1) and len(calls) == 1  # one file system
+
+    def failing(path, aio):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with caplog.at_level(logging.WARNING, logger="offload.storage.drive_speed"):
+        assert measured_weights(drives, AioConfig(), probe=failing, key="some.nvme_path") == (1, 1)
+    assert "some.nvme_path: could not measure the drives' speeds" in caplog.text and "striping evenly" in caplog.text
+
+
+def test_the_probe_moves_bytes_and_leaves_nothing(tmp_path):
+    """`probe_speed` itself, tiny: a figure (not checked against anything) and no file left behind."""
+    assert probe_speed(tmp_path, AioConfig(), nbytes=64 << 10) > 0
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_striped_file_measures_its_drives_by_default(drives, fake_speeds):
+    file = StripedSwapFile(drives, AioConfig(), kind="params", stripe_bytes=STRIPE)
+    try:
+        assert file.weights == fake_speeds
+        again = open_swap_file(drives, AioConfig(), kind="grads")  # measured once: the figures are kept
+        assert again.weights == fake_speeds
+        again.close()
+        stated = open_swap_file(drives, AioConfig(), kind="adam", weights=[5, 5])
+        assert stated.weights == (1, 1)
+        stated.close()
+    finally:
+        file.close()

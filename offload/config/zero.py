@@ -34,9 +34,43 @@ def rank_path(key: str, nvme_path: Any) -> tuple[Any, tuple[str, ...], tuple[str
     if not ranks.isdigit() or int(ranks) < 1:
         raise ValueError(f"LOCAL_WORLD_SIZE: {ranks!r} is not a positive integer (the ranks on this node, spread "
                          f"over {key}.nvme_path)")
-    rank, ranks = int(local), max(int(ranks), int(local) + 1)
-    share = tuple(nvme_path[rank::ranks]) if ranks < len(nvme_path) else (nvme_path[rank % len(nvme_path)],)
+    share = tuple(nvme_path[i] for i in _rank_entries(len(nvme_path)))
     return share[0], share if len(share) > 1 else (), tuple(nvme_path)
+
+
+def _rank_entries(count: int) -> range:
+    """The entries of a list of ``count`` drives this rank takes (`rank_path`; the variables checked there)."""
+    rank = int(os.environ.get("LOCAL_RANK", "0").strip() or "0")
+    ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1").strip() or "1"), rank + 1)
+    return range(rank, count, ranks) if ranks < count else range(rank % count, rank % count + 1)
+
+
+MAX_STRIPE_WEIGHT = 16
+"""The largest ``stripe_weights`` entry: a drive 16 times another's speed."""
+
+
+def rank_weights(key: str, stripe_weights: Any, nvme_path: Any) -> tuple[int, ...]:
+    """This rank's drives' ``stripe_weights`` (one integer per ``nvme_path`` entry, taken as `rank_path` takes
+    the entries); empty where none are stated (they are measured) or the rank has one drive. Raises
+    ValueError naming ``key.stripe_weights`` for weights without a list of directories, or not one integer
+    from 1 to `MAX_STRIPE_WEIGHT` per entry."""
+    if stripe_weights is None:
+        return ()
+    name = f"{key}.stripe_weights"
+    if not isinstance(nvme_path, (list, tuple)):
+        raise ValueError(f"{name}: {stripe_weights!r} needs nvme_path to be a list of directories (one per drive, "
+                         f"one weight each); nvme_path is {nvme_path!r}")
+    if not isinstance(stripe_weights, (list, tuple)) or len(stripe_weights) != len(nvme_path):
+        raise ValueError(f"{name}: expected a list of {len(nvme_path)} integers from 1 to {MAX_STRIPE_WEIGHT}, one "
+                         f"per nvme_path directory (each drive's relative speed, e.g. [3, 1]), got {stripe_weights!r}")
+    weights = [integral(f"{name}[{i}]", w, minimum=1) for i, w in enumerate(stripe_weights)]
+    for i, w in enumerate(weights):
+        if w > MAX_STRIPE_WEIGHT:
+            raise ValueError(f"{name}[{i}]: {w} is not allowed; use an integer from 1 to {MAX_STRIPE_WEIGHT} (the "
+                             f"weights are ratios: [16, 1] puts 16 stripe units on the first drive per 1 on the "
+                             f"second)")
+    share = tuple(weights[i] for i in _rank_entries(len(nvme_path)))
+    return share if len(share) > 1 else ()
 
 
 def _check_device(key: str, device: Any, nvme_path: Any) -> None:
@@ -71,6 +105,14 @@ class OffloadParamConfig:
     """This rank's drives where it has several (fewer ranks on the node than drives listed): its swap files are
     striped over them; empty otherwise (`rank_path`)."""
 
+    stripe_weights: list[int] | None = None
+    """With a list ``nvme_path``: each drive's relative speed, one integer from 1 to 16 per entry; a rank
+    striping over several drives puts that many stripe units on each per cycle (`StripeLayout`). Not set:
+    measured when the swap files are made (`offload.storage.drive_speed`)."""
+
+    rank_weights: tuple[int, ...] = field(default=(), init=False)
+    """``stripe_weights`` of this rank's drives where it has several and they are stated; empty otherwise."""
+
     pin_memory: bool = False
     """Accepted as DeepSpeed takes it, and not read: with compute on a GPU the partitions held in host memory
     and the I/O buffers are page-locked whatever it says (the copies to the device need it); with compute
@@ -89,7 +131,9 @@ class OffloadParamConfig:
     `offload.zero.Init`) starts; ``engine.plan`` prints the figures."""
 
     def __post_init__(self) -> None:
-        self.nvme_path, self.rank_paths, self.nvme_paths = rank_path(self._KEY, self.nvme_path)
+        listed = self.nvme_path
+        self.nvme_path, self.rank_paths, self.nvme_paths = rank_path(self._KEY, listed)
+        self.rank_weights = rank_weights(self._KEY, self.stripe_weights, listed)
         _check_device(self._KEY, self.device, self.nvme_path)
         self.pin_memory = boolean(f"{self._KEY}.pin_memory", self.pin_memory)
         self.buffer_count = integral(f"{self._KEY}.buffer_count", self.buffer_count, minimum=1)
@@ -120,6 +164,12 @@ class OffloadOptimizerConfig:
     rank_paths: tuple[str, ...] = field(default=(), init=False)
     """This rank's drives where it has several, as ``offload_param.rank_paths``."""
 
+    stripe_weights: list[int] | None = None
+    """Each drive's relative speed, as ``offload_param.stripe_weights``. Not set: measured."""
+
+    rank_weights: tuple[int, ...] = field(default=(), init=False)
+    """``stripe_weights`` of this rank's drives, as ``offload_param.rank_weights``."""
+
     pin_memory: bool = False
     """Stage optimizer states through page-locked host buffers."""
 
@@ -143,7 +193,9 @@ class OffloadOptimizerConfig:
     """Fraction of the optimizer states offloaded, from 0 to 1."""
 
     def __post_init__(self) -> None:
-        self.nvme_path, self.rank_paths, self.nvme_paths = rank_path(self._KEY, self.nvme_path)
+        listed = self.nvme_path
+        self.nvme_path, self.rank_paths, self.nvme_paths = rank_path(self._KEY, listed)
+        self.rank_weights = rank_weights(self._KEY, self.stripe_weights, listed)
         _check_device(self._KEY, self.device, self.nvme_path)
         self.fast_init = boolean(f"{self._KEY}.fast_init", self.fast_init)
         self.ratio = number(f"{self._KEY}.ratio", self.ratio, minimum=0, maximum=1)

@@ -39,6 +39,8 @@ class OffloadAdam(torch.optim.Optimizer):
         nvme_offload_dir: existing writable directory for the swap file, or a list of them (one per drive:
             the file is striped over them, `offload.storage.StripedSwapFile`); None: a private temporary
             directory, removed by ``close()`` or at exit.
+        stripe_weights: with a list ``nvme_offload_dir``, each directory's relative speed (one integer each:
+            its stripe units per cycle, `offload.storage.StripeLayout`); None: measured when the file is made.
         buffer_count, pin_memory, pipeline_read, pipeline_write, sub_group_size: the swap settings,
             named as DeepSpeed's ``offload_optimizer`` section names them (see `SwapConfig`). Not given,
             ``sub_group_size`` is chosen from the parameters' sizes and the host's memory and
@@ -71,7 +73,7 @@ class OffloadAdam(torch.optim.Optimizer):
                  pin_memory: bool = True, pipeline_read: bool = True, pipeline_write: bool = True,
                  sub_group_size: int | None = None,
                  aio: AioConfig | Mapping[str, Any] | None = None, overlap_backward: bool = False,
-                 spare_limit: int | None = None) -> None:
+                 spare_limit: int | None = None, stripe_weights: Sequence[int] | None = None) -> None:
         check_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
         fraction = float(nvme_offload_fraction)
         if not 0.0 <= fraction <= 1.0:
@@ -117,7 +119,8 @@ class OffloadAdam(torch.optim.Optimizer):
             self._tmpdir = tempfile.mkdtemp(prefix="offload-adam-")
         directory = self._tmpdir or (nvme_offload_dir if isinstance(nvme_offload_dir, (list, tuple)) else
                                      str(nvme_offload_dir) if nvme_offload_dir is not None else "")
-        self._swapper = StateSwapper(self._plans, directory, self._swap_config, spare_limit=spare_limit)
+        self._swapper = StateSwapper(self._plans, directory, self._swap_config, spare_limit=spare_limit,
+                                     stripe_weights=stripe_weights)
         # 3. The step, by job: its inputs (hyperparameters, gradient scale, gradients handed over), the
         #    swap schedule (read-ahead, eviction, the learnt order), the transaction (commit or abort),
         #    and the state I/O of state dicts and checkpoints.

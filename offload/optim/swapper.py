@@ -64,15 +64,17 @@ class StateSwapper:
     largest size asked for), plus the spare memory the caller lends (`add_spare`, at most
     ``spare_limit`` bytes until `drop_spares`; None: no limit). Raises
     FileNotFoundError / PermissionError / TensorIOError at construction when the swap file cannot
-    be created in ``directory`` (a list of directories: striped over them, `open_swap_file`).
+    be created in ``directory`` (a list of directories: striped over them, `open_swap_file`, with
+    ``stripe_weights``, or weights measured where None).
     """
 
     def __init__(self, plans: list[SubGroupPlan], directory: str | Sequence[str], config: SwapConfig,
-                 spare_limit: int | None = None) -> None:
+                 spare_limit: int | None = None, stripe_weights: Sequence[int] | None = None) -> None:
         self.config = config
         offloaded = [plan for plan in plans if plan.offloaded]
         # The file is made now so that a bad directory fails here, not in the middle of a step.
-        self._file = open_swap_file(directory, config.aio, kind="adam", key="nvme_offload_dir") if offloaded else None
+        self._file = (open_swap_file(directory, config.aio, kind="adam", key="nvme_offload_dir", weights=stripe_weights)
+                      if offloaded else None)
         self._region = SlottedRegion(self._file) if offloaded else None
         self.records: dict[int, SwapRecord] = {  # slots A and B; state_bytes is a multiple of the page
             plan.index: SwapRecord(plan=plan, slots=self._region.add(plan.state_bytes)) for plan in offloaded}

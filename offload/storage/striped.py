@@ -2,11 +2,15 @@
 
 Where a rank has several drives (``nvme_path`` lists more drives than the node has ranks: `rank_path`),
 each of its swap files is a `StripedSwapFile`: one `SwapFile` per drive, each with its own tensorio
-handle (its own I/O threads and queue), under one offset space laid out as RAID 0 does. The offset
-space is cut into stripe units of ``stripe_bytes`` (1 MiB, a multiple of the page); unit ``u`` lives on
-drive ``u % drives`` at byte ``(u // drives) * stripe_bytes`` of that drive's file. Every read and write
-is split at the unit boundaries into one request per unit, all started at once, and answered by one
-future (`tensorio.IOFuture.all_of`): a request of two units or more keeps two drives busy.
+handle (its own I/O threads and queue), under one offset space laid out as RAID 0 does, with stripes
+in proportion to each drive's speed (`StripeLayout`). The offset space is cut into stripe units of
+``stripe_bytes`` (1 MiB, a multiple of the page) and the units into cycles of ``sum(weights)`` units;
+drive ``i`` holds ``weights[i]`` consecutive units of each cycle (after drives ``0 .. i-1``'s), back to
+back in its file. Equal weights are RAID 0's layout: unit ``u`` on drive ``u % drives``. The weights are
+measured when the file is made (`offload.storage.drive_speed`), or stated (``stripe_weights``). Every read
+and write is split where the drive changes into one request per drive's run of units, all started at
+once, and answered by one future (`tensorio.IOFuture.all_of`): a request longer than a run keeps two
+drives busy, and a fast drive gets its share of a request as one large piece.
 
 Everything a `SwapFile` guarantees holds per drive: the files are named, locked, removed and reclaimed
 as `SwapFile`'s are; extents and the A/B slots are offsets in the striped space (`allocate`);
@@ -17,18 +21,22 @@ that a read of the same chunks splits into the same pieces and each is verified 
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
 from tensorio import AioConfig, BufferPool, IOFuture
 
+from offload.storage.drive_speed import measured_weights
 from offload.storage.swapfile import PAGE, PooledBuffers, SwapFile, aligned_size
 
-__all__ = ["STRIPE_BYTES", "StripePiece", "StripedSwapFile", "drive_bytes", "open_swap_file", "stripe_pieces"]
+__all__ = ["STRIPE_BYTES", "StripeLayout", "StripePiece", "StripedSwapFile", "drive_bytes", "open_swap_file",
+           "stripe_pieces"]
 
 STRIPE_BYTES = 1 << 20
 """The stripe unit: tensorio's default piece (``aio.block_size``), so that striping adds no smaller requests
@@ -46,31 +54,99 @@ class StripePiece:
     length: int
 
 
-def stripe_pieces(offset: int, nbytes: int, *, stripe: int, drives: int, chunk: int | None = None) -> list[StripePiece]:
-    """The pieces of a request of ``nbytes`` at ``offset`` of the striped space, in order, cut at every
-    stripe-unit boundary and (``chunk``) at every multiple of ``chunk`` from the request's start. Pure.
+@dataclass(frozen=True, slots=True)
+class StripeLayout:
+    """Where each byte of a striped space lives (pure). The space is cut into units of ``stripe`` bytes and
+    the units into cycles of ``sum(weights)``; drive ``i`` holds ``weights[i]`` consecutive units of each
+    cycle, after those of drives ``0 .. i-1``, back to back in its file (cycle ``c``'s at unit ``c *
+    weights[i]`` of it). The weights are ratios, kept reduced by their common divisor: ``(2, 2)`` is ``(1, 1)``,
+    RAID 0's layout (unit ``u`` on drive ``u % drives``).
 
-    Raises ValueError for a negative offset or size, or a stripe, drive count or chunk below 1."""
-    if offset < 0 or nbytes < 0:
-        raise ValueError(f"stripe_pieces: offset {offset} and size {nbytes} must be at least 0")
-    if stripe < 1 or drives < 1 or (chunk is not None and chunk < 1):
+    Raises ValueError for a stripe below 1 or weights that are not one or more integers of at least 1."""
+
+    stripe: int
+    weights: tuple[int, ...]
+    starts: tuple[int, ...] = field(init=False, repr=False)
+    """The first unit of each drive's run within a cycle."""
+
+    def __post_init__(self) -> None:
+        weights = tuple(self.weights)
+        if not weights or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in weights):
+            raise ValueError(f"stripe weights: {self.weights!r} is not allowed; give one integer of at least 1 "
+                             f"per drive")
+        if self.stripe < 1:
+            raise ValueError(f"stripe_bytes: {self.stripe} must be at least 1")
+        common = math.gcd(*weights)
+        weights = tuple(w // common for w in weights)
+        object.__setattr__(self, "weights", weights)
+        object.__setattr__(self, "starts", tuple(sum(weights[:i]) for i in range(len(weights))))
+
+    @classmethod
+    def even(cls, stripe: int, drives: int) -> "StripeLayout":
+        """RAID 0 over ``drives`` drives of one speed."""
+        return cls(stripe, (1,) * drives)
+
+    @property
+    def drives(self) -> int:
+        return len(self.weights)
+
+    @property
+    def cycle(self) -> int:
+        """Stripe units per cycle: each drive's run once."""
+        return sum(self.weights)
+
+    def pieces(self, offset: int, nbytes: int, chunk: int | None = None) -> list[StripePiece]:
+        """The pieces of a request of ``nbytes`` at ``offset``, in order, cut where the drive changes (at the
+        end of each drive's run of units) and (``chunk``) at every multiple of ``chunk`` from the request's
+        start. Raises ValueError for a negative offset or size, or a chunk below 1."""
+        if offset < 0 or nbytes < 0:
+            raise ValueError(f"stripe_pieces: offset {offset} and size {nbytes} must be at least 0")
+        if chunk is not None and chunk < 1:
+            raise ValueError(f"stripe_pieces: chunk {chunk} must be at least 1")
+        stripe, weights, starts = self.stripe, self.weights, self.starts
+        pieces = []
+        start = 0
+        while start < nbytes:
+            at = offset + start
+            cycle, unit = divmod(at // stripe, self.cycle)
+            drive = bisect.bisect_right(starts, unit) - 1
+            run_end = (cycle * self.cycle + starts[drive] + weights[drive]) * stripe  # the drive's run ends here
+            end = min(nbytes, run_end - offset, (start // chunk + 1) * chunk if chunk else nbytes)
+            file_offset = (cycle * weights[drive] + unit - starts[drive]) * stripe + at % stripe
+            pieces.append(StripePiece(drive=drive, file_offset=file_offset, start=start, length=end - start))
+            start = end
+        return pieces
+
+    def drive_bytes(self, end: int, drive: int) -> int:
+        """Bytes of drive ``drive``'s file that the space ``[0, end)`` covers (its file's size)."""
+        cycles, rest = divmod(end, self.stripe * self.cycle)
+        run = self.weights[drive] * self.stripe
+        return cycles * run + min(run, max(0, rest - self.starts[drive] * self.stripe))
+
+
+def stripe_pieces(offset: int, nbytes: int, *, stripe: int, drives: int | None = None,
+                  weights: Sequence[int] | None = None, chunk: int | None = None) -> list[StripePiece]:
+    """The pieces of a request of ``nbytes`` at ``offset`` of the striped space over ``drives`` drives of one
+    speed or drives of ``weights`` (`StripeLayout`), in order, cut where the drive changes and (``chunk``) at
+    every multiple of ``chunk`` from the request's start. Pure.
+
+    Raises ValueError for a negative offset or size, a stripe, drive count or chunk below 1, or bad weights."""
+    return _layout(stripe, drives, weights, chunk).pieces(offset, nbytes, chunk)
+
+
+def drive_bytes(end: int, *, stripe: int, drives: int | None = None, weights: Sequence[int] | None = None,
+                drive: int) -> int:
+    """Bytes of drive ``drive``'s file that the striped space ``[0, end)`` covers (its file's size), over
+    ``drives`` drives of one speed or drives of ``weights``. Pure."""
+    return _layout(stripe, drives, weights).drive_bytes(end, drive)
+
+
+def _layout(stripe: int, drives: int | None, weights: Sequence[int] | None, chunk: int | None = None) -> StripeLayout:
+    if (drives is None) == (weights is None):
+        raise ValueError("stripe_pieces: give one of drives (drives of one speed) and weights (one per drive)")
+    if stripe < 1 or (drives is not None and drives < 1) or (chunk is not None and chunk < 1):
         raise ValueError(f"stripe_pieces: stripe {stripe}, drives {drives} and chunk {chunk} must be at least 1")
-    pieces = []
-    start = 0
-    while start < nbytes:
-        at = offset + start
-        unit = at // stripe
-        end = min(nbytes, (unit + 1) * stripe - offset, (start // chunk + 1) * chunk if chunk else nbytes)
-        pieces.append(StripePiece(drive=unit % drives, file_offset=(unit // drives) * stripe + at % stripe,
-                                  start=start, length=end - start))
-        start = end
-    return pieces
-
-
-def drive_bytes(end: int, *, stripe: int, drives: int, drive: int) -> int:
-    """Bytes of drive ``drive``'s file that the striped space ``[0, end)`` covers (its file's size). Pure."""
-    rows, rest = divmod(end, stripe * drives)
-    return rows * stripe + min(stripe, max(0, rest - drive * stripe))
+    return StripeLayout.even(stripe, drives) if drives is not None else StripeLayout(stripe, tuple(weights))
 
 
 class StripedSwapFile(PooledBuffers):
@@ -78,32 +154,50 @@ class StripedSwapFile(PooledBuffers):
 
     Made whole or not at all: every drive's file is created here (a missing or unwritable directory
     raises as `SwapFile` does, naming ``key`` and the directory) and those made are removed on failure.
-    Requests are split into stripe units (`stripe_pieces`) sent to the drives' files together.
+    ``weights`` are the drives' relative speeds, one integer each (`StripeLayout`); None: measured now, once
+    per file system and process (`offload.storage.drive_speed.measured_weights`, well under a second).
+    Requests are split into runs of stripe units (`StripeLayout.pieces`) sent to the drives' files together.
 
-    Raises ValueError for fewer than two directories, a directory listed twice or a ``stripe_bytes`` that
-    is not a positive multiple of the page.
+    Raises ValueError for fewer than two directories, a directory listed twice, a ``stripe_bytes`` that
+    is not a positive multiple of the page, or ``weights`` that are not one integer of at least 1 per
+    directory.
     """
 
     def __init__(self, directories: Sequence[str | os.PathLike], aio: AioConfig, *, kind: str,
-                 key: str = "nvme_path", stripe_bytes: int = STRIPE_BYTES) -> None:
+                 key: str = "nvme_path", stripe_bytes: int = STRIPE_BYTES,
+                 weights: Sequence[int] | None = None) -> None:
         paths = [os.path.abspath(os.fspath(d)) for d in directories]
         if len(paths) < 2 or len(set(paths)) != len(paths):
             raise ValueError(f"{key}: striping needs two or more distinct directories, got {list(directories)!r}")
         if stripe_bytes < PAGE or stripe_bytes % PAGE:
             raise ValueError(f"stripe_bytes: {stripe_bytes} is not a positive multiple of {PAGE} (O_DIRECT's alignment)")
+        if weights is not None:  # checked before any file is made
+            if len(weights) != len(paths):
+                raise ValueError(f"{key}: {len(weights)} stripe weights {list(weights)!r} for {len(paths)} "
+                                 f"directories; give one per directory")
+            StripeLayout(stripe_bytes, tuple(weights))
         self.stripe_bytes = stripe_bytes
         self.files: list[SwapFile] = []
         """One per drive, in the order given."""
         try:
             for directory in directories:
                 self.files.append(SwapFile(directory, aio, kind=kind, key=key))
+            if weights is None:  # the directories are known good now: measure them
+                weights = measured_weights(paths, aio, key=key)
         except BaseException:
             for file in self.files:
                 file.close()
             raise
+        self.layout = StripeLayout(stripe_bytes, tuple(weights))
+        """Where each byte of the striped space lives."""
         self.pool: BufferPool | None = None
         """Where `buffer` takes buffers from; set by the owner, as `SwapFile.pool`."""
         self._end = 0
+
+    @property
+    def weights(self) -> tuple[int, ...]:
+        """Each drive's stripe units per cycle (reduced: equal drives have 1 each)."""
+        return self.layout.weights
 
     @property
     def path(self) -> str:
@@ -154,7 +248,7 @@ class StripedSwapFile(PooledBuffers):
         so that a full drive is named now. Raises OSError naming the drive's file, the bytes it needs and the
         bytes free."""
         for index, file in enumerate(self.files):
-            share = drive_bytes(self._end, stripe=self.stripe_bytes, drives=len(self.files), drive=index)
+            share = self.layout.drive_bytes(self._end, index)
             if share > file.allocated_bytes:
                 file.allocate(share - file.allocated_bytes)
             file.preallocate()
@@ -196,8 +290,7 @@ class StripedSwapFile(PooledBuffers):
             raise ValueError(f"striped swap file {self.path}: the buffer must be a contiguous CPU tensor, got "
                              f"{'a non-contiguous' if not tensor.is_contiguous() else 'a ' + tensor.device.type} one")
         nbytes = tensor.nbytes
-        pieces = stripe_pieces(offset, nbytes, stripe=self.stripe_bytes, drives=len(self.files),
-                               chunk=chunk if self.verify else None)
+        pieces = self.layout.pieces(offset, nbytes, chunk if self.verify else None)
         return pieces or [StripePiece(drive=0, file_offset=0, start=0, length=0)]  # nothing to move: one empty request
 
     @property
@@ -214,14 +307,14 @@ class StripedSwapFile(PooledBuffers):
 
 
 def open_swap_file(directories: str | os.PathLike | Sequence[str | os.PathLike], aio: AioConfig, *, kind: str,
-                   key: str = "nvme_path") -> SwapFile | StripedSwapFile:
-    """A swap file in ``directories``: a `SwapFile` for one directory, a `StripedSwapFile` over several.
-    Raises as those do."""
+                   key: str = "nvme_path", weights: Sequence[int] | None = None) -> SwapFile | StripedSwapFile:
+    """A swap file in ``directories``: a `SwapFile` for one directory, a `StripedSwapFile` over several
+    (``weights``: each drive's stripe units per cycle; None: measured). Raises as those do."""
     if isinstance(directories, (str, os.PathLike)):
         return SwapFile(directories, aio, kind=kind, key=key)
     if len(directories) == 1:
         return SwapFile(directories[0], aio, kind=kind, key=key)
-    return StripedSwapFile(directories, aio, kind=kind, key=key)
+    return StripedSwapFile(directories, aio, kind=kind, key=key, weights=weights)
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:

@@ -134,7 +134,8 @@ def _partition(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, 
     swap = None
     if nvme:
         swap = open_swap_file(offload_param.rank_paths or offload_param.nvme_path, cfg.aio, kind="params",
-                              key="zero_optimization.offload_param.nvme_path")  # striped over several drives
+                              key="zero_optimization.offload_param.nvme_path",  # striped over several drives
+                              weights=offload_param.rank_weights or None)
         undo.callback(swap.close)
     placement = Placement(world_size=world_size, rank=rank, swap=swap, max_in_cpu=offload_param.max_in_cpu if nvme else 0,
                           persistence_threshold=zero.stage3_param_persistence_threshold,
@@ -249,7 +250,8 @@ def _build(model: nn.Module, cfg: EngineConfig, undo: contextlib.ExitStack, *, w
     fast = mode is not UpdateMode.AFTER_BACKWARD  # the optimizer's thread runs the updates
     sizes = plan_sizes(cfg, trainable, mode, budget)
     grad_swap = (open_swap_file(offload_opt.rank_paths or offload_opt.nvme_path, cfg.aio, kind="grads",
-                                key="zero_optimization.offload_optimizer.nvme_path")
+                                key="zero_optimization.offload_optimizer.nvme_path",
+                                weights=offload_opt.rank_weights or None)
                  if offload_opt.device == "nvme" and sizes.swap_grads else None)
     if grad_swap is not None:
         undo.callback(grad_swap.close)
@@ -332,6 +334,7 @@ def _build_optimizer(cfg: EngineConfig, client: Any, params: list[dict[str, Any]
     off = cfg.zero_optimization.offload_optimizer
     swap = dict(nvme_offload_fraction=off.ratio if off.device == "nvme" else 0.0,
                 nvme_offload_dir=(off.rank_paths or off.nvme_path) if off.device == "nvme" else None,
+                stripe_weights=off.rank_weights or None,
                 buffer_count=buffer_count, pin_memory=off.pin_memory, pipeline_read=off.pipeline_read,
                 pipeline_write=off.pipeline_write, sub_group_size=sub_group_size,
                 aio=cfg.aio, overlap_backward=overlap_backward, spare_limit=spare_limit)

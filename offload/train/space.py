@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from offload.config import EngineConfig
 from offload.params.partition import partition_numel
-from offload.storage.striped import STRIPE_BYTES, drive_bytes
+from offload.storage.drive_speed import measured_weights
+from offload.storage.striped import STRIPE_BYTES, StripeLayout
 from offload.storage.swapfile import PAGE, aligned_size
 
 __all__ = ["SwapSpace", "check_swap_space", "swap_space_needed"]
@@ -76,7 +77,8 @@ def check_swap_space(cfg: EngineConfig, needed: SwapSpace, ranks: int | None = N
     (the two may share one file system) for each of the ``ranks`` of this node (default: ``LOCAL_WORLD_SIZE``,
     `offload.device.local_ranks`) that shares this rank's drive (all of them, or their share of a list of
     ``nvme_path``s), whose partitions are the same size. A rank with several drives (``rank_paths``) needs
-    on each its stripes of each swap file (`offload.storage.striped.drive_bytes`)."""
+    on each its stripes of each swap file (`offload.storage.striped.StripeLayout.drive_bytes`), by the
+    drives' weights (``stripe_weights``, or measured as the swap files will measure them)."""
     from offload.device import local_ranks
 
     ranks = local_ranks() if ranks is None else ranks
@@ -90,9 +92,11 @@ def check_swap_space(cfg: EngineConfig, needed: SwapSpace, ranks: int | None = N
             continue
         drives = max(1, len(offload.nvme_paths))  # a list spreads the node's ranks over its drives
         sharing = max(sharing, -(-ranks // drives))
+        weights = (offload.rank_weights or measured_weights(share, cfg.aio, key=f"zero_optimization.{key}")
+                   if len(share) > 1 else (1,))
+        layout = StripeLayout(STRIPE_BYTES, tuple(weights))
         for index, path in enumerate(share):  # this rank's drives: each holds its stripes of each file
-            nbytes = sum(drive_bytes(size, stripe=STRIPE_BYTES, drives=len(share), drive=index)
-                         for size in files)
+            nbytes = sum(layout.drive_bytes(size, index) for size in files)
             wanted.setdefault(os.stat(path).st_dev, []).append((key, os.path.abspath(path), nbytes))
     for entries in wanted.values():
         total = sharing * sum(nbytes for _, _, nbytes in entries)
