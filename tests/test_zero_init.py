@@ -463,7 +463,7 @@ def _build_on_a_rank(rank: int, tmp: str, out: str) -> None:
     device = SimulatedDevice(seed=rank, max_delay_s=0.0002)
     checked: list[str] = []
     check = device.check_collective
-    device.check_collective = lambda *tensors, op="collective": (checked.append(op), check(*tensors, op=op))[1]
+    device.check_collective = lambda *tensors, op="collective", **kw: (checked.append(op), check(*tensors, op=op, **kw))[1]
     config = engine_config(tmp, "cpu", "none", micro=2)
     with zero.Init(config_dict_or_path=config, compute_device=device):
         model = mlp()

@@ -20,7 +20,7 @@ from offload.device._host_memory import (AUTO_MARGIN_BYTES, AUTO_MARGIN_SHARE, H
 from offload.device._packed import CPU_KERNELS, PackedKernels
 from offload.device._ranks import check_rank_devices
 from offload.device._simtorch import count_host_syncs
-from offload.device._simulated import CopyRecord, SimulatedDevice
+from offload.device._simulated import CollectiveRecord, CopyRecord, SimulatedDevice
 
 __all__ = [
     "AUTO_MARGIN_BYTES",
@@ -28,6 +28,7 @@ __all__ = [
     "CPU_KERNELS",
     "DEVICE_CHOICES",
     "CollectiveDeviceError",
+    "CollectiveRecord",
     "CopyRecord",
     "CpuDevice",
     "CudaDevice",

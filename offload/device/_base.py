@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,11 +62,13 @@ class Device(ABC):
 
     - memory: ``empty``/``free`` (device buffers, counted against ``budget_bytes``),
       ``pinned_empty``/``free_pinned`` (page-locked host buffers, `tensorio.locked_tensor`);
-    - copies: ``to_device``/``to_host``, asynchronous on a stream, each returning its `Event`;
-    - streams: ``compute_stream`` (where the model's kernels run) and ``new_stream`` (side streams);
+    - copies: ``to_device``/``to_host``/``device_copy``, asynchronous on a stream, each returning its `Event`;
+    - streams: ``compute_stream`` (where the model's kernels run), ``new_stream`` (side streams) and
+      ``record_stream`` (a buffer used on a stream other than the one it was allocated for);
     - checks: ``check_ready`` before a buffer is read, ``check_writable`` before a host buffer is
       refilled (no-ops on real hardware, enforced by the simulated device);
-    - collectives: ``collective_backend``, ``collective_tensor``, ``check_collective``;
+    - collectives: ``collective_backend``, ``collective_tensor``, ``check_collective``, ``collective_on``
+      (a collective ordered on a stream);
     - quantized weights: ``packed_kernels``.
     """
 
@@ -113,9 +116,15 @@ class Device(ABC):
         with self._held_lock:
             return sum(held.nbytes for held in self._held.values())
 
-    def empty(self, numel: int, dtype: torch.dtype = torch.uint8, *, name: str) -> torch.Tensor:
+    def empty(self, numel: int, dtype: torch.dtype = torch.uint8, *, name: str,
+              stream: Stream | None = None) -> torch.Tensor:
         """A 1-D device buffer of ``numel`` elements (contents undefined), counted against the budget
         until `free`. ``name`` appears in every error about it.
+
+        ``stream`` (default: compute) is the stream the buffer is allocated for: once freed, a GPU's
+        caching allocator hands its memory out again in that stream's order, so work on that stream
+        never needs a wait to reuse it; any other stream that uses it must be named to `record_stream`
+        before `free` (or be waited for by it, or by the host).
 
         Raises ValueError for a negative ``numel``; DeviceMemoryError with the figures when it would
         take the buffers held over ``budget_bytes``.
@@ -132,7 +141,7 @@ class Device(ABC):
                     f"{describe_bytes(held + nbytes)}, over its budget of {describe_bytes(self.budget_bytes)} "
                     f"({self.budget_setting}); held now: {describe_bytes(held)} in {len(self._held)} buffers"
                     f"{': ' + names if names else ''}; free buffers first or raise {self.budget_setting}")
-            tensor = self._empty(numel, dtype, name)
+            tensor = self._empty(numel, dtype, name, stream or self.compute_stream)
             self._held[id(tensor)] = _Held(name, nbytes, tensor)
         return tensor
 
@@ -208,8 +217,28 @@ class Device(ABC):
                 f"({self.describe(host_side)}); a GPU would copy it synchronously through a bounce buffer, or "
                 f"read it after the host has moved on. Allocate it with Device.pinned_empty (tensorio.locked_tensor)")
 
+    def device_copy(self, dst: torch.Tensor, src: torch.Tensor, *, stream: Stream) -> Event:
+        """Copy device ``src`` into device ``dst`` (buffers of this device or views of them, strided
+        views included), asynchronously on ``stream``; returns the copy's event.
+
+        ``stream`` must already be ordered after ``src``'s last write (``stream.wait_event`` of it); another
+        stream may read ``dst`` once it has waited for the event. Raises ValueError for a shape or dtype
+        mismatch or a tensor that is not this device's memory.
+        """
+        if dst.shape != src.shape or dst.dtype != src.dtype:
+            raise ValueError(f"device_copy: dst is {tuple(dst.shape)} {dst.dtype} but src is "
+                             f"{tuple(src.shape)} {src.dtype}; they must match")
+        for role, tensor in (("dst", dst), ("src", src)):
+            if not self.owns(tensor):
+                raise ValueError(f"device_copy: the {role} is not memory of the {self.name} device "
+                                 f"({tensor.device}); allocate it with {self.name}.empty")
+        return self._device_copy(dst, src, stream)
+
     @abstractmethod
     def _to_device(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> Event: ...
+
+    @abstractmethod
+    def _device_copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> Event: ...
 
     @abstractmethod
     def _to_host(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> Event: ...
@@ -224,6 +253,12 @@ class Device(ABC):
     @abstractmethod
     def new_stream(self, name: str) -> Stream:
         """A side stream (for copies that overlap compute); ``name`` appears in errors."""
+
+    def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
+        """``tensor`` (a device buffer, or a view of one) is used by work issued to ``stream``, not the
+        stream it was allocated for (`empty`): after `free`, its memory is not handed out again until the
+        work issued to ``stream`` by then has run (CUDA's ``Tensor.record_stream``). Call it when that
+        stream takes the buffer; nothing to do for the stream it was allocated for, nor on the CPU."""
 
     @abstractmethod
     def synchronize(self) -> None:
@@ -260,15 +295,38 @@ class Device(ABC):
         waits for the collective (sync point)."""
         return tensor.cpu()
 
-    def check_collective(self, *tensors: torch.Tensor, op: str = "collective") -> None:
+    def check_collective(self, *tensors: torch.Tensor, op: str = "collective", stream: Stream | None = None) -> None:
         """Raise CollectiveDeviceError naming the tensor and the fix when one of ``tensors`` does not
-        live where ``collective_backend`` needs it."""
+        live where ``collective_backend`` needs it. ``stream`` (default: compute): the stream the
+        collective is ordered on (the simulated device checks that it waited for the tensors' copies)."""
         for i, tensor in enumerate(tensors):
             if tensor.device != self.collective_device():
                 raise CollectiveDeviceError(
                     f"{op}: tensor {i} ({tuple(tensor.shape)}, {tensor.dtype}) is on {tensor.device}, but "
                     f"{self.collective_backend} on the {self.name} device needs it on {self.collective_device()}; "
                     f"pass device.collective_tensor(tensor)")
+
+    def collective_on(self, stream: Stream, issue: Callable[[torch.Tensor, torch.Tensor], object],
+                      output: torch.Tensor, input: torch.Tensor, *, op: str) -> Event:
+        """Run a collective that reads ``input`` and writes ``output`` (device buffers) in ``stream``'s order,
+        without the host waiting: it runs after the work issued to ``stream`` so far, and work issued to
+        ``stream`` from now on runs after it. ``issue(output, input)`` starts it without waiting
+        (``async_op=True``) and returns its work handle (or None once done). Returns the event after it:
+        another stream reads ``output`` once it has waited for that event.
+
+        Calls `check_collective` first (``op`` names it in errors). On a GPU NCCL runs it on a stream of
+        its own, which waits for ``stream`` at issue, and ``stream`` then waits for NCCL's; on the CPU it is
+        waited for at once (sync point).
+        """
+        self.check_collective(input, output, op=op, stream=stream)
+        return self._collective_on(stream, issue, output, input, op)
+
+    def _collective_on(self, stream: Stream, issue: Callable[[torch.Tensor, torch.Tensor], object],
+                       output: torch.Tensor, input: torch.Tensor, op: str) -> Event:
+        work = issue(output, input)
+        if work is not None:
+            work.wait()  # sync point
+        return stream.record()
 
     # ---- lifetime and names ---------------------------------------------------------------------
 
@@ -287,7 +345,7 @@ class Device(ABC):
         return f"a {tensor.device} tensor at {tensor.data_ptr():#x}, {describe_bytes(nbytes)}"
 
     @abstractmethod
-    def _empty(self, numel: int, dtype: torch.dtype, name: str) -> torch.Tensor: ...
+    def _empty(self, numel: int, dtype: torch.dtype, name: str, stream: Stream) -> torch.Tensor: ...
 
     def _free(self, tensor: torch.Tensor, name: str) -> None:
         """After `free` has given ``tensor``'s bytes back: what the backend does with the buffer."""

@@ -59,14 +59,14 @@ class CpuDevice(Device):
     def owns(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cpu"
 
-    def _empty(self, numel: int, dtype: torch.dtype, name: str) -> torch.Tensor:
+    def _empty(self, numel: int, dtype: torch.dtype, name: str, stream: Stream) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype)
 
     def _to_device(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> Event:
         dst.copy_(src)
         return _DoneEvent()
 
-    _to_host = _to_device
+    _to_host = _device_copy = _to_device
 
     @property
     def compute_stream(self) -> Stream:

@@ -7,6 +7,7 @@ machine without a GPU; docs/device.md); keep it that thin.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -106,15 +107,27 @@ class CudaDevice(Device):
     def owns(self, tensor: torch.Tensor) -> bool:
         return tensor.device == self.torch_device
 
-    def _empty(self, numel: int, dtype: torch.dtype, name: str) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype, device=self.torch_device)
+    def _empty(self, numel: int, dtype: torch.dtype, name: str, stream: Stream) -> torch.Tensor:
+        with torch.cuda.stream(stream.raw):  # the caching allocator's pool of that stream
+            return torch.empty(numel, dtype=dtype, device=self.torch_device)
 
     def _to_device(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> Event:
         with torch.cuda.stream(stream.raw):
             dst.copy_(src, non_blocking=True)
             return stream.record()
 
-    _to_host = _to_device
+    _to_host = _device_copy = _to_device
+
+    def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
+        tensor.record_stream(stream.raw)
+
+    def _collective_on(self, stream: Stream, issue: Callable[[torch.Tensor, torch.Tensor], object],
+                       output: torch.Tensor, input: torch.Tensor, op: str) -> Event:
+        with torch.cuda.stream(stream.raw):
+            work = issue(output, input)  # NCCL's stream waits for this one's work so far
+            if work is not None:
+                work.wait()  # this stream waits for NCCL's; the host does not
+            return stream.record()
 
     @property
     def compute_stream(self) -> Stream:

@@ -108,6 +108,7 @@ class Queue:
                 op()
             except BaseException as exc:  # noqa: BLE001 - handed to the host at its next call
                 self._on_fault(exc)
+            del op  # what it holds (views of device buffers) goes now, not at the next op
             with self._cond:
                 self._ops.popleft()
                 self.executed = seq
@@ -120,6 +121,13 @@ class SimEvent(Event):
         self.index, self.seq, self.clock = index, seq, clock
         self.number = 0
         """The copy it ends (the device's count of copies issued), 0 for other work."""
+        self.work = ""
+        """What it ends where that is not a copy (a collective), for errors."""
+
+    @property
+    def label(self) -> str:
+        """How errors name the work it ends: "copy #3", "collective #2 (all_gather of ...)"."""
+        return self.work or f"copy #{self.number}"
 
     @property
     def stream_name(self) -> str:
@@ -152,6 +160,7 @@ class SimEvent(Event):
 class SideStream(Stream):
     def __init__(self, device: Any, queue: Queue) -> None:
         self._device, self.queue, self.name = device, queue, queue.name
+        self.index = queue.index
         self.clock: Clock = {queue.index: 0}
         weakref.finalize(self, queue.retire)
 
@@ -173,6 +182,7 @@ class ComputeStream(Stream):
     """The host thread: what it waits for is run before the next compute, not before the host goes on."""
 
     name = "compute"
+    index = COMPUTE
 
     def __init__(self, device: Any) -> None:
         self._device = device
@@ -196,5 +206,9 @@ class ComputeStream(Stream):
 
     def record(self) -> Event:
         self.run_pending()
+        return SimEvent(self._device, None, COMPUTE, self.mark(), dict(self.clock))
+
+    def mark(self) -> int:
+        """A new point in compute's order, after the compute issued so far: what a later event covers."""
         self.clock[COMPUTE] += 1
-        return SimEvent(self._device, None, COMPUTE, self.clock[COMPUTE], dict(self.clock))
+        return self.clock[COMPUTE]

@@ -13,14 +13,22 @@ Two kinds of check, both raising an error that names the buffer and the bug (doc
   host, by ``synchronize`` or a True ``query``). ``check_ready`` raises DeviceSyncError when a
   device buffer's last copy is not ordered before the reading stream; ``check_writable`` when a
   host buffer still has a copy reading or filling it that the host has not seen finish; a copy
-  from a device buffer checks its source the same way, ``free`` its buffer.
+  from a device buffer checks its source the same way. ``free`` follows CUDA's caching allocator:
+  a buffer is allocated for a stream (``empty(stream=)``, default compute), whose next work may reuse
+  its memory at once, so every use of it by another stream (copies, collectives, compute's
+  ``check_ready``) must be ordered before that stream, seen done by the host, or named to
+  ``record_stream``.
 - ground truth: a device buffer holds NaN bytes (0xFF) from its allocation, from the issue of a
   copy into it until that copy runs, and after ``free``, so a read that slips past the model checks
-  computes on NaN; a copy compares its host source with the snapshot taken when it was issued and
+  computes on NaN (after ``free`` once the buffer's stream and the ``record_stream`` ones have run the
+  work issued by then); a copy compares its host source with the snapshot taken when it was issued and
   reports a host write in between (raised by the next call into the device).
 
 Every copy is logged in issue order (``copy_log``: its number, direction, device buffer, stream and
-size), so a test can tell when a copy was issued relative to the compute around it.
+size), so a test can tell when a copy was issued relative to the compute around it; every collective
+ordered on a stream (``collective_on``) in ``collective_log``. Such a collective is issued by the host in
+program order (gloo, as NCCL's calls), into a buffer of its own; its result lands in the output only
+when its stream runs past it, as a GPU's stream waiting for NCCL's.
 
 With ``register_host=True`` the device also stands in for CUDA's host registration: it installs its
 own `tensorio.HostRegistration` ("simulated-registered", recorded in ``registered_host``) until
@@ -41,20 +49,20 @@ import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from offload.device._base import Device, Event, Stream
 from offload.device._errors import CollectiveDeviceError, DeviceSyncError, describe_bytes
 from offload.device._packed import SimulatedPackedKernels
-from offload.device._simstreams import SCHEDULES, Clock, ComputeStream, Queue, SideStream, SimEvent, merge
+from offload.device._simstreams import COMPUTE, SCHEDULES, Clock, ComputeStream, Queue, SideStream, SimEvent, merge
 from offload.device._ranks import rank_gpu
 from offload.device._simtorch import (COUNT_ENV, DEVICE_TYPE, check_index, current_device, device_count, host_view,
                                       install, new_device_tensor, note_host_sync, set_device)
 from tensorio import HostRegistration, in_locked_buffer, lock_status, set_host_registration
 
-__all__ = ["CopyRecord", "SimulatedDevice"]
+__all__ = ["CollectiveRecord", "CopyRecord", "SimulatedDevice"]
 
 def _span(tensor: torch.Tensor) -> tuple[int, int]:
     """The byte range ``[start, end)`` a tensor's elements lie in (a strided view: first to last element)."""
@@ -92,6 +100,19 @@ class CopyRecord:
     nbytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class CollectiveRecord:
+    """One collective as issued by `SimulatedDevice.collective_on`: ``number`` (1, 2, ...), ``op`` (as the
+    caller named it), the output device ``buffer``'s name, the ``stream`` it is ordered on and the output's
+    ``nbytes``."""
+
+    number: int
+    op: str
+    buffer: str
+    stream: str
+    nbytes: int
+
+
 @dataclass(eq=False)
 class _Alloc:
     name: str
@@ -99,11 +120,17 @@ class _Alloc:
     end: int
     base: torch.Tensor | None
     """None once freed (``alive`` then says whether a view still holds its memory)."""
+    stream: Any = None
+    """The stream it was allocated for (`Device.empty`): the one whose next work may reuse it once freed."""
     alive: Callable[[], torch.Tensor | None] = lambda: None
     write: SimEvent | None = None
-    """The last copy into it."""
+    """The last copy (or collective) into it."""
     reads: list[SimEvent] = field(default_factory=list)
-    """Copies out of it not yet run."""
+    """Copies (or collectives) out of it not yet run."""
+    recorded: dict[int, Any] = field(default_factory=dict)
+    """Streams named to `record_stream`, by index: their work at its free comes before any reuse."""
+    compute_read: int = 0
+    """Where in compute's order compute last read it (`check_ready`), when it was allocated for a side stream."""
 
 
 @dataclass(eq=False)
@@ -160,6 +187,8 @@ class SimulatedDevice(Device):
         self._lock = threading.Lock()
         self.copy_log: list[CopyRecord] = []
         """Every copy issued so far, in issue order."""
+        self.collective_log: list[CollectiveRecord] = []
+        """Every collective issued through `collective_on` so far, in issue order."""
         super().__init__(budget_bytes=budget_bytes, budget_setting=budget_setting)
         self._compute = ComputeStream(self)
         self.registered_host: dict[int, int] = {}
@@ -216,23 +245,62 @@ class SimulatedDevice(Device):
         self._freed = [alloc for alloc in self._freed if alloc.alive() is not None]
         return next((alloc for alloc in self._freed if alloc.start <= start < alloc.end), None)
 
-    def _empty(self, numel: int, dtype: torch.dtype, name: str) -> torch.Tensor:
+    def _empty(self, numel: int, dtype: torch.dtype, name: str, stream: Stream) -> torch.Tensor:
+        stream = self._own(stream)
         tensor = new_device_tensor((numel,), (1,), dtype, self.torch_device.index)
         _poison(tensor)
-        self._allocs.append(_Alloc(name, *_span(tensor), tensor))
+        self._allocs.append(_Alloc(name, *_span(tensor), tensor, stream))
         return tensor
 
     def _free(self, tensor: torch.Tensor, name: str) -> None:
+        """CUDA's caching allocator: the buffer's stream may reuse the memory at once (its own work is in
+        order), the `record_stream` ones once their work issued by now has run; any other use must be
+        ordered before the buffer's stream or seen done by the host."""
         alloc = next(a for a in self._allocs if a.base is tensor)
-        pending = [e for e in ([alloc.write] if alloc.write else []) + alloc.reads if not self._observed(e)]
+        pending = [e for e in ([alloc.write] if alloc.write else []) + alloc.reads
+                   if not self._reusable_after(alloc, e.index, e.seq)]
         if pending:
             raise DeviceSyncError(
-                f"device buffer {name!r} freed while copy #{pending[0].number} on stream "
-                f"{pending[0].stream_name!r} may still use it; synchronize that copy's event first")
-        _poison(tensor)
+                f"device buffer {name!r} freed while {pending[0].label} on stream {pending[0].stream_name!r} may "
+                f"still use it; synchronize that event first, or name that stream to record_stream when it takes "
+                f"the buffer (allocated for stream {alloc.stream.name!r})")
+        if alloc.compute_read and not self._reusable_after(alloc, COMPUTE, alloc.compute_read):
+            raise DeviceSyncError(
+                f"device buffer {name!r} freed while compute may still read it: it was allocated for stream "
+                f"{alloc.stream.name!r}, whose next work may reuse its memory at once; record_stream(it, "
+                f"compute_stream) when compute takes it")
         self._allocs.remove(alloc)
         alloc.alive, alloc.base = weakref.ref(tensor), None
         self._freed.append(alloc)
+        in_use = any(not e.done for e in ([alloc.write] if alloc.write else []) + alloc.reads)
+        self._reclaim(tensor, [alloc.stream, *alloc.recorded.values()], in_use)
+
+    def _reusable_after(self, alloc: _Alloc, index: int, seq: int) -> bool:
+        """Whether work ``seq`` of stream ``index`` that used ``alloc`` is over before any reuse of its memory."""
+        return (index == alloc.stream.index or index in alloc.recorded
+                or max(alloc.stream.clock.get(index, 0), self._host_clock.get(index, 0)) >= seq)
+
+    def _reclaim(self, tensor: torch.Tensor, streams: list[Any], in_use: bool) -> None:
+        """Poison freed ``tensor`` (its memory may be reused) once each of ``streams`` has run its work issued
+        so far (``in_use``: a copy or collective of it has not run yet)."""
+        if in_use and any(stream is self._compute for stream in streams):
+            self._compute.run_pending()  # the compute stream is the host: the uses it waited for run first
+        waiting = [s for s in {id(s): s for s in streams}.values()
+                   if isinstance(s, SideStream) and not s.queue.stopped and s.queue.executed < s.queue.issued]
+        if not waiting:
+            _poison(tensor)
+            return
+        left, lock = [len(waiting)], threading.Lock()
+
+        def one_done() -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                _poison(tensor)
+
+        for stream in waiting:
+            stream.submit(one_done)
 
     # ---- copies ---------------------------------------------------------------------------------
 
@@ -274,6 +342,55 @@ class SimulatedDevice(Device):
         self._uses.append(_HostUse("fill", *_span(dst), event, alloc.name, dst))
         return event
 
+    def _device_copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> Event:
+        self.raise_faults()
+        stream = self._own(stream)
+        dst_alloc, src_alloc = self._live(dst, "copied into"), self._live(src, "copied from")
+        self._check_ordered(src_alloc, src, stream, f"copied on stream {stream.name!r}")
+        if not any(not read.done for read in dst_alloc.reads):
+            _poison(dst)  # the data is not there until the copy runs
+        number = self._log("on_device", dst_alloc, stream, dst)
+        event = stream.submit(lambda: host_view(dst).copy_(host_view(src)))
+        event.number = number
+        dst_alloc.write = event
+        src_alloc.reads = [e for e in src_alloc.reads if not e.done] + [event]
+        return event
+
+    def _collective_on(self, stream: Stream, issue: Callable[[torch.Tensor, torch.Tensor], object],
+                       output: torch.Tensor, input: torch.Tensor, op: str) -> Event:
+        self.raise_faults()
+        stream = self._own(stream)
+        out_alloc, in_alloc = self._live(output, f"written by {op}"), self._live(input, f"read by {op}")
+        # gloo reads the input when it runs: the host lets the stream reach this point first (a step of the
+        # simulation, not a wait a GPU's host makes: nothing is observed)
+        if isinstance(stream, SideStream):
+            stream.queue.wait_executed(stream.queue.issued)
+        staging = torch.empty_like(output)  # the result in flight, in the output once the stream runs past it
+        work = issue(staging, input)
+        if not any(not read.done for read in out_alloc.reads):
+            _poison(output)
+        number = len(self.collective_log) + 1
+        self.collective_log.append(CollectiveRecord(number, op, out_alloc.name, stream.name,
+                                                    output.numel() * output.element_size()))
+
+        def land() -> None:
+            if work is not None:
+                work.wait()
+            host_view(output).copy_(host_view(staging))
+
+        event = stream.submit(land)
+        event.work = f"collective #{number} ({op})"
+        out_alloc.write = event
+        in_alloc.reads = [e for e in in_alloc.reads if not e.done] + [event]
+        return event
+
+    def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
+        if not self.owns(tensor):
+            raise ValueError(f"record_stream: {self.describe(tensor)} is not a buffer of this device")
+        alloc = self._live(tensor, "named to record_stream")
+        stream = self._own(stream)
+        alloc.recorded[stream.index] = stream
+
     def _own(self, stream: Stream) -> SideStream | ComputeStream:
         if stream is not self._compute and not (isinstance(stream, SideStream) and stream._device is self):
             raise ValueError(f"stream {getattr(stream, 'name', stream)!r} is not a stream of this simulated device; "
@@ -304,6 +421,7 @@ class SimulatedDevice(Device):
         note_host_sync("synchronize")
         self.raise_faults()
         self._compute.run_pending()
+        self._compute.mark()  # the compute issued so far, now seen done
         for queue in list(self._queues):
             if not queue.stopped:
                 queue.wait_executed(queue.issued)
@@ -336,6 +454,8 @@ class SimulatedDevice(Device):
             if alloc.base is None:
                 raise DeviceSyncError(f"device buffer {alloc.name!r} read on stream {stream.name!r} after it was freed")
             self._check_ordered(alloc, tensor, stream, f"read on stream {stream.name!r}")
+            if stream is self._compute and alloc.stream is not self._compute:
+                alloc.compute_read = self._compute.mark()
             if stream is self._compute and alloc.write is not None:
                 alloc.write.run()
             self.raise_faults()
@@ -361,7 +481,7 @@ class SimulatedDevice(Device):
         write = alloc.write
         if write is not None and max(stream.clock.get(write.index, 0), self._host_clock.get(write.index, 0)) < write.seq:
             raise DeviceSyncError(
-                f"device buffer {alloc.name!r} {what} before the event of its copy #{write.number} on stream "
+                f"device buffer {alloc.name!r} {what} before the event of its {write.label} on stream "
                 f"{write.stream_name!r} was waited for: {stream.name}.wait_event(that event) first "
                 f"(its bytes are {'still NaN' if not write.done else 'there here only by chance'})")
 
@@ -416,15 +536,15 @@ class SimulatedDevice(Device):
         self.check_ready(tensor)
         return tensor.cpu()
 
-    def check_collective(self, *tensors: torch.Tensor, op: str = "collective") -> None:
+    def check_collective(self, *tensors: torch.Tensor, op: str = "collective", stream: Stream | None = None) -> None:
         """Raise CollectiveDeviceError for a tensor that is not a device buffer (NCCL's rule), and
-        DeviceSyncError for one whose copy the compute stream has not waited for."""
+        DeviceSyncError for one whose copy ``stream`` (default: compute) has not waited for."""
         for i, tensor in enumerate(tensors):
             if not self.owns(tensor):
                 raise CollectiveDeviceError(
                     f"{op}: tensor {i} ({tuple(tensor.shape)}, {tensor.dtype}) is host memory, not a device buffer; "
                     f"NCCL on a GPU takes device tensors only: pass device.collective_tensor(tensor)")
-            self.check_ready(tensor)
+            self.check_ready(tensor, stream)
 
     # ---- names ----------------------------------------------------------------------------------
 

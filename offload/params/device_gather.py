@@ -3,15 +3,20 @@
 A partition at rest is host memory: a page-locked buffer (``offload_param`` "none" or "cpu") or the
 page-locked buffer an NVMe read filled. Per gathered parameter, in order:
 
-1. copy: a device buffer (`Device.empty`) is filled from the host partition by `Device.to_device` on
-   the side stream "param-copy", which first waits for the compute issued so far (the buffer may reuse
-   memory that compute just let go of);
-2. the compute stream waits for the copy's event (`Stream.wait_event`), never the host;
-3. across ranks, the partitions are all-gathered on the device (`Device.check_collective`), a module's
-   together in one call (`gather_many`, `offload.params.coalesce`);
-4. release: the buffer goes back to the budget (`Device.free`) once the host has seen its copy done
-   and no view of it is left: backward's autograd node holds the view a saved-tensor unpack returned
-   until it has run, after the store has released the parameter (`_sweep`).
+1. copy: a device buffer, allocated for the side stream "param-copy" (`Device.empty`), is filled from
+   the host partition by `Device.to_device` on that stream. It waits for no compute: a GPU's caching
+   allocator reuses that stream's memory in its order, after the other streams that used a buffer
+   (each named to `Device.record_stream` when it takes one);
+2. the stream that reads the copy waits for its event (`Stream.wait_event`), never the host: at world
+   size 1 the compute stream (the copy is the parameter), across ranks the side stream "param-gather";
+3. across ranks, on "param-gather", a module's partitions are packed into one flat input, all-gathered in
+   one call into one flat output (`Device.collective_on`, `offload.params.coalesce`) and unpacked into a
+   buffer per parameter (`Device.device_copy`), all allocated for that stream; so a gather issued ahead
+   runs beside the compute queued before it, and the compute stream waits for the gather's event only
+   when the module takes it (`finish`);
+4. release: the buffer goes back to the budget (`Device.free`) once no view of it is left: backward's
+   autograd node holds the view a saved-tensor unpack returned until it has run, after the store has
+   released the parameter (`_sweep`); its memory waits for the compute that read it (`record_stream`).
 
 While a module computes, the next partitions of the recorded order are copied ahead (step 1 for them,
 ``ahead_elements`` at most, whatever host data is there without waiting for a read). A host buffer
@@ -25,13 +30,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 from tensorio import storage_references
 
 from offload.device import Device, Event
-from offload.params.coalesce import all_gather_flat, by_dtype, columns, unpack_row_major
+from offload.params.coalesce import all_gather_flat, by_dtype, columns
 from offload.params.record import ParamRecord
 
 
@@ -50,11 +55,25 @@ class _Copy:
 
     buffer: torch.Tensor
     event: Event | None
-    """The copy into ``buffer``; None for a buffer compute filled (an all-gather's)."""
+    """The copy into ``buffer``; None for a buffer the gather stream filled (an all-gather's)."""
     source: torch.Tensor
     references: int | None = None
     """The buffer's storage references while only the buffer itself refers to it (see `_sweep`; None:
     torch cannot count them, and the buffer is freed at the end of the pass)."""
+
+
+@dataclass(slots=True, eq=False)
+class _Call:
+    """One all-gather of `DeviceGathers._issue` (partitions of one dtype), on the gather stream."""
+
+    recs: list[ParamRecord]
+    fulls: list[_Copy]
+    """Each record's full buffer."""
+    event: Event
+    """After the last unpack: what compute waits for."""
+    spent: list[_Copy]
+    """The partitions' buffers and the flat ones: given back when the gather is taken or dropped (their
+    memory waits for the gather stream's work), counted in the budget until then."""
 
 
 @dataclass(slots=True, eq=False)
@@ -64,18 +83,24 @@ class InFlight:
     members: list[tuple[ParamRecord, torch.Tensor]]
     copies: list[_Copy] | None
     """World size 1: each member's copy, its full parameter itself; else None."""
-    calls: list[tuple] = field(default_factory=list)
-    """Per dtype, what `DeviceGathers._issue` returned."""
+    calls: list[_Call] = field(default_factory=list)
+    """Per dtype, its all-gather."""
 
 
 class DeviceGathers:
     """The device side of `ParamStore.gather` and `ParamStore.release` where memory is separate."""
+
+    side_stream_gathers: ClassVar[bool] = True
+    """Across ranks, all-gather on the side stream "param-gather" (False: on the compute stream, which
+    the tests compare it with)."""
 
     def __init__(self, device: Device, *, world_size: int, rank: int, group: object,
                  ahead_elements: int) -> None:
         self.device, self.world_size, self.rank, self.group = device, world_size, rank, group
         self.ahead_elements = ahead_elements
         self.side = device.new_stream("param-copy")
+        self.gather_stream = (device.new_stream("param-gather") if world_size > 1 and self.side_stream_gathers
+                              else device.compute_stream)
         self._ahead: dict[int, _Copy] = {}
         """Record index -> its partition copied ahead of its gather."""
         self._gathered: dict[int, _Copy] = {}
@@ -117,9 +142,9 @@ class DeviceGathers:
         all-gather for all of them (per dtype; `offload.params.coalesce`)."""
         return self.finish(self.start(members))
 
-    def start(self, members: Sequence[tuple[ParamRecord, torch.Tensor]], *, async_op: bool = False) -> InFlight:
-        """Steps 1 to 3 of `gather_many` up to the all-gathers, issued (``async_op``: on a GPU, NCCL's stream
-        runs them beside compute); `finish` waits for them and unpacks, `abandon` drops them."""
+    def start(self, members: Sequence[tuple[ParamRecord, torch.Tensor]]) -> InFlight:
+        """Steps 1 to 3 of `gather_many` up to the all-gathers, issued on the gather stream without the host
+        or compute waiting for them; `finish` makes compute wait for them, `abandon` drops them."""
         self._sweep()
         copies = []
         for rec, local in members:
@@ -129,74 +154,77 @@ class DeviceGathers:
                 copy = None
             if copy is None:
                 copy = self._copy(rec, local)
-            # 2. Compute waits for the copy (the host goes on).
-            self.device.compute_stream.wait_event(copy.event)
+            # 2. The stream that reads the copy waits for it (the host goes on).
+            (self.device.compute_stream if self.world_size == 1 else self.gather_stream).wait_event(copy.event)
             copies.append(copy)
         flight = InFlight(list(members), copies if self.world_size == 1 else None)
         if self.world_size > 1:  # 3. all-gather on device tensors, one call per dtype
             for batch in by_dtype(members):
-                flight.calls.append(self._issue([(rec, local, copies[at]) for at, (rec, local) in batch], async_op))
+                flight.calls.append(self._issue([(rec, local, copies[at]) for at, (rec, local) in batch]))
         self._starting.update(rec.index for rec, _ in members)
         return flight
 
-    def _issue(self, batch: list[tuple[ParamRecord, torch.Tensor, _Copy]], async_op: bool) -> tuple:
-        """Step 3 for partitions of one dtype copied to the device, each into a full buffer of its own:
-        (records, full buffers, flat output or None, input, work or None)."""
-        world, dtype = self.world_size, batch[0][0].partition.dtype
+    def _issue(self, batch: list[tuple[ParamRecord, torch.Tensor, _Copy]]) -> _Call:
+        """Step 3 for partitions of one dtype copied to the device, on the gather stream, each into a full
+        buffer of its own."""
+        world, dtype, stream = self.world_size, batch[0][0].partition.dtype, self.gather_stream
         recs = [rec for rec, _, _ in batch]
         fulls = []
-        for rec, local, _ in batch:
-            full = self.device.empty(rec.partition_numel * world, dtype, name=f"gathered {rec.name}")
+        for rec, local, copy in batch:
+            full = self.device.empty(rec.partition_numel * world, dtype, name=f"gathered {rec.name}", stream=stream)
             fulls.append(_Copy(full, None, local, storage_references(full)))  # before any view of it exists
+            self.device.record_stream(copy.buffer, stream)  # allocated for "param-copy", read here
+
+        def issue(output: torch.Tensor, input: torch.Tensor) -> object:
+            return all_gather_flat(output, input, group=self.group, async_op=True)
+
+        spent = [copy for _, _, copy in batch]
         if len(batch) == 1:  # straight into its full buffer
-            sent, rows = batch[0][2], None
-            self.device.check_collective(sent.buffer, fulls[0].buffer, op=f"all_gather of {recs[0].name!r}")
-            return recs, fulls, None, sent, all_gather_flat(fulls[0].buffer, sent.buffer, group=self.group,
-                                                             async_op=async_op)
-        # pack, gather into one flat buffer (unpacked by `finish`; offload/params/coalesce.py)
+            event = self.device.collective_on(stream, issue, fulls[0].buffer, spent[0].buffer,
+                                              op=f"all_gather of {recs[0].name!r}")
+            return _Call(recs, fulls, event, spent)
+        # pack, gather into one flat buffer, unpack (offload/params/coalesce.py)
         starts, total = columns(recs)
         what = f"{len(recs)} parameters from {recs[0].name}"
-        flat = self.device.empty(total, dtype, name=f"all_gather input of {what}")
+        flat = self.device.empty(total, dtype, name=f"all_gather input of {what}", stream=stream)
         for (rec, _, copy), start in zip(batch, starts):
-            self.device.check_ready(copy.buffer)  # compute reads it: ordered after its copy
-            flat[start:start + rec.partition_numel].copy_(copy.buffer)
-            self._discard(copy)
-        rows = self.device.empty(total * world, dtype, name=f"all_gather output of {what}")
-        self.device.check_collective(flat, rows, op=f"all_gather of {what}")
-        sent = _Copy(flat, None, flat)
-        return recs, fulls, rows, sent, all_gather_flat(rows, flat, group=self.group, async_op=async_op)
+            self.device.device_copy(flat[start:start + rec.partition_numel], copy.buffer, stream=stream)
+        rows = self.device.empty(total * world, dtype, name=f"all_gather output of {what}", stream=stream)
+        self.device.collective_on(stream, issue, rows, flat, op=f"all_gather of {what}")
+        by_rank = rows.view(world, total)
+        for rec, start, full in zip(recs, starts, fulls):
+            part = rec.partition_numel
+            event = self.device.device_copy(full.buffer.view(world, part), by_rank[:, start:start + part],
+                                            stream=stream)
+        return _Call(recs, fulls, event, spent + [_Copy(flat, None, flat), _Copy(rows, None, rows)])
 
     def finish(self, flight: InFlight) -> list[torch.Tensor]:
-        """Wait for ``flight``'s all-gathers (sync point: on a GPU the compute stream waits for NCCL's) and
-        unpack them; each member's full flat parameter (a member gathered meanwhile keeps its buffer)."""
+        """Make the compute stream wait for ``flight``'s all-gathers (the host does not wait) and take each
+        member's full flat parameter (a member gathered meanwhile keeps its buffer); its memory waits
+        for the compute that reads it (`Device.record_stream`)."""
+        compute = self.device.compute_stream
         if flight.copies is not None:  # world size 1: the copies are the parameters
             for (rec, _), copy in zip(flight.members, flight.copies):
                 self.device.check_ready(copy.buffer)
+                self.device.record_stream(copy.buffer, compute)
                 self._keep(rec, copy)
-        for recs, fulls, rows, sent, work in flight.calls:
-            if work is not None:
-                work.wait()
-            self._discard(sent)
-            if rows is not None:
-                starts, total = columns(recs)
-                for rec, start, full in zip(recs, starts, fulls):
-                    unpack_row_major(rows.view(self.world_size, total), rec, start, full.buffer)
-                self.device.free(rows)
-            for rec, full in zip(recs, fulls):
+        for call in flight.calls:
+            compute.wait_event(call.event)  # 2. compute waits for the gather (the host goes on)
+            for rec, full in zip(call.recs, call.fulls):
+                self.device.check_ready(full.buffer)
+                self.device.record_stream(full.buffer, compute)
                 self._keep(rec, full)
+            for copy in call.spent:
+                self._discard(copy)
         flight.calls = []
         self._starting.difference_update(rec.index for rec, _ in flight.members)
         return [self._gathered[rec.index].buffer[:rec.numel] for rec, _ in flight.members]
 
     def abandon(self, flight: InFlight) -> None:
-        """Drop ``flight`` unused (end of a pass): wait for its all-gathers, give its buffers back."""
-        for _, fulls, rows, sent, work in flight.calls:
-            if work is not None:
-                work.wait()
-            for copy in [sent, *fulls]:
+        """Drop ``flight`` unused (end of a pass): give its buffers back (their memory waits for the gather)."""
+        for call in flight.calls:
+            for copy in [*call.fulls, *call.spent]:
                 self._discard(copy)
-            if rows is not None:
-                self.device.free(rows)
         for copy in flight.copies or ():
             self._discard(copy)
         flight.calls, flight.copies = [], None
@@ -210,7 +238,7 @@ class DeviceGathers:
 
     def release(self, rec: ParamRecord) -> None:
         """``rec``'s gathered buffer goes back to the budget once no view of it is left (compute issued
-        so far may still read it: the device orders the buffer's next use after it, see `_copy`)."""
+        so far may still read it: its memory waits for that compute, `finish` named it to `record_stream`)."""
         gathered = self._gathered.pop(rec.index, None)
         if gathered is not None:
             self._retired.append(gathered)
@@ -303,7 +331,8 @@ class DeviceGathers:
         self._returning = kept
 
     def drop_all(self) -> None:
-        """End of a pass (or an error): every copy ahead and gathered buffer goes (sync point: their copies)."""
+        """End of a pass (or an error): every copy ahead and gathered buffer goes (sync point: the copies
+        that read host partitions)."""
         for copy in [*self._ahead.values(), *self._gathered.values(), *self._retired]:
             self._discard(copy)
         self._ahead.clear()
@@ -318,12 +347,12 @@ class DeviceGathers:
     # ---- internals -------------------------------------------------------------------------------
 
     def _copy(self, rec: ParamRecord, local: torch.Tensor) -> _Copy:
-        """1. Copy ``rec``'s host partition into a new device buffer on the side stream."""
-        buffer = self.device.empty(rec.partition_numel, rec.partition.dtype, name=f"partition {rec.name}")
+        """1. Copy ``rec``'s host partition into a new device buffer on the side stream, allocated for it: its
+        memory was last used by that stream, or by streams named to `record_stream` that the allocator
+        waits for, so the copy waits for no compute."""
+        buffer = self.device.empty(rec.partition_numel, rec.partition.dtype, name=f"partition {rec.name}",
+                                   stream=self.side)
         references = storage_references(buffer)  # before any view of it exists
-        # The new buffer may reuse memory compute issued so far still reads (a GPU's allocator hands it
-        # out at once): the copy waits for that compute.
-        self.side.wait_event(self.device.compute_stream.record())
         source = local[:rec.partition_numel]
         event = self.device.to_device(buffer, source, stream=self.side)
         self.bytes_to_device += buffer.numel() * buffer.element_size()
@@ -331,6 +360,6 @@ class DeviceGathers:
         return _Copy(buffer, event, source, references)
 
     def _discard(self, copy: _Copy) -> None:
-        if copy.event is not None:  # sync point: no copy may still fill a buffer given back
-            copy.event.synchronize()
+        # No wait: the buffer was allocated for the stream that fills it, and the other streams that use it
+        # were named to record_stream; its memory is reused only after their work.
         self.device.free(copy.buffer)

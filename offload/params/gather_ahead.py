@@ -4,7 +4,9 @@ before it is gathered and waited for when the module needs it (`ParamStore.gathe
 The order of a pass's coalesced gathers is recorded in the first step (`GroupOrder`), as `Prefetcher`
 records the reads; from the second step on, right after each gather the next group's partitions are
 taken (its NVMe reads waited for, its pending update run) and its all-gather issued without waiting
-(``async_op``; on a GPU NCCL runs it on its own stream beside compute). One is in flight at most. Every
+(host memory: ``async_op``, gloo's thread runs it; on a GPU, on the side stream "param-gather" of
+`DeviceGathers`, beside the compute queued before it, which waits for it only when the module takes it).
+One is in flight at most. Every
 rank records the same order (the same graph) and decides from it alone, so every rank issues the same
 collectives in the same order. A gather whose group is not the one in flight gathers at once; the
 one in flight stays until its group comes or the pass ends (`abandon`: waited for, dropped).

@@ -219,7 +219,7 @@ class ParamStore:
         if not members:
             return
         if self.gathers is not None:
-            flight = self.gathers.start(members, async_op=True)
+            flight = self.gathers.start(members)
             self.ahead.hold(key, members, functools.partial(self.gathers.finish, flight),
                             functools.partial(self.gathers.abandon, flight))
         else:
