@@ -70,6 +70,20 @@ def test_an_op_mixing_device_and_host_tensors_raises_as_on_a_gpu(late):
     assert torch.equal(host, torch.ones(4, 8))
 
 
+def test_histc_counts_integers_on_the_device_as_cuda_does(late):
+    """CUDA's histc takes integers (transformers' experts count tokens per expert so off the CPU), the CPU's
+    refuses them: on the device integer counts come back in their dtype, equal to the float count on the CPU,
+    the maximum in the last bin; on the host the CPU's refusal stands."""
+    picks = torch.tensor([0, 3, 3, 1, 7, 7, 7, 2], dtype=torch.int32)
+    counts = torch.histc(picks.to(late.torch_device), bins=8, min=0, max=7)
+    assert counts.device == late.torch_device and counts.dtype == torch.int32
+    assert counts.cpu().tolist() == torch.histc(picks.float(), bins=8, min=0, max=7).int().tolist() == [1, 1, 1, 2, 0, 0, 0, 3]
+    floats = torch.histc(picks.float().to(late.torch_device), bins=4, min=0, max=8)
+    assert torch.equal(floats.cpu(), torch.histc(picks.float(), bins=4, min=0, max=8))
+    with pytest.raises(RuntimeError, match="histogram_cpu|not implemented"):
+        torch.histc(picks, bins=8, min=0, max=7)
+
+
 def test_attention_on_the_device_is_torchs_math_path_bit_for_bit(late):
     """simgpu has no fused attention kernel (torch has them for the CPU and CUDA only): its
     scaled_dot_product_attention is the CPU's math path to the bit, with and without a mask (the reference

@@ -7,8 +7,8 @@ read) gives the tokens of our resident run of the same quantization; each expert
 bytes (sizes computed here from the config, not from the engine's layout) in one aligned read; the bytes
 the store reads are exactly those of the experts the routers picked (recorded by a hook); the cache by use
 holds the quantized tensors, equal to those ``safetensors`` reads from the quantized cache file. A
-checkpoint that stores the experts fused is read expert by expert once quantized; on a device the packed
-experts stream with their layer, bit for bit as on the CPU. And `QuantExperts` computes what its
+checkpoint that stores the experts fused is read expert by expert once quantized; on a device with
+``experts`` "whole" the packed experts stream with their layer, bit for bit as on the CPU. And `QuantExperts` computes what its
 dequantized weights compute.
 """
 
@@ -182,9 +182,9 @@ def test_a_checkpoint_with_fused_experts_is_read_expert_by_expert_once_quantized
 
 @pytest.mark.simulated
 def test_on_a_device_the_quantized_experts_stream_with_their_layer(saved):
-    """Compute on a device: the experts are streamed packed with their layer (through the device's ring), and
-    compute bit for bit what the CPU computes (attention on torch's math kernel on both, as the simulated
-    device takes it)."""
+    """Compute on a device with ``experts`` "whole": the experts are streamed packed with their layer (through
+    the device's ring), and compute bit for bit what the CPU computes (attention on torch's math kernel on
+    both, as the simulated device takes it). Routed on a device: tests/test_infer_experts_device.py."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from offload.device import SimulatedDevice
@@ -195,7 +195,7 @@ def test_on_a_device_the_quantized_experts_stream_with_their_layer(saved):
             sdpa_kernel([SDPBackend.MATH]):
         expected = _generate(engine)
     with SimulatedDevice(budget_bytes=int(size * 0.36), budget_setting="max_memory[0]") as device:
-        with init_inference(directory, compute_device=device, max_in_cpu=0, **settings) as engine:
+        with init_inference(directory, compute_device=device, max_in_cpu=0, experts="whole", **settings) as engine:
             streamed = [u for u in engine.units if u.name not in engine.plan.resident]
             assert engine.experts is None and any(isinstance(m, QuantExperts) for u in streamed for m in u.module.modules())
             tokens, logits = _generate(engine)

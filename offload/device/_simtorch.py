@@ -323,6 +323,16 @@ def _run(op: torch._ops.OpOverload, *args, **kwargs):
     return wrapped[0]
 
 
+def _histc(values, bins=100, min=0, max=0):
+    """``torch.histc``: CUDA's kernel counts every dtype, integers included (transformers' experts count their
+    tokens that way off the CPU), the CPU's floating point only; integers are counted here in float64,
+    exactly as CUDA bins them ((value - min) * bins / (max - min), the last edge in the last bin), and the
+    counts returned in the input's dtype."""
+    if values.is_floating_point():
+        return _run(torch.ops.aten.histc.default, values, bins, min, max)
+    return _run(torch.ops.aten.histc.default, values.double(), bins, min, max).to(values.dtype)
+
+
 def _empty_memory_format(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
     dtype = dtype or torch.get_default_dtype()
     stride = torch.empty(size, dtype=dtype, device="meta", memory_format=memory_format or torch.contiguous_format).stride()
@@ -465,6 +475,7 @@ def install() -> None:
         aten.impl("_copy_from", _copy_from, "PrivateUse1")
         aten.impl("_copy_from_and_resize", _copy_from_and_resize, "PrivateUse1")
         aten.impl("_has_compatible_shallow_copy_type", _compatible, "PrivateUse1")
+        aten.impl("histc", _histc, "PrivateUse1")
         c10d = torch.library.Library("c10d", "IMPL")
         with warnings.catch_warnings():  # c10d's own PrivateUse1 kernels look for a backend of the device type
             warnings.simplefilter("ignore")

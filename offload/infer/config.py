@@ -426,7 +426,8 @@ class InferenceConfig:
     "routed" reads each expert on its own, only those the router picks for some token of the batch (the
     most used kept in memory, the next layer's guessed and read ahead: offload/infer/experts/); "whole"
     streams them with their layer, every expert every forward (as Accelerate and ZeRO-Inference do). On a
-    device with memory of its own experts are streamed whole for now. Not a DeepSpeed key."""
+    device with memory of its own "routed" keeps the most used experts there too, the others copied there
+    when picked (offload/infer/experts/device.py). Not a DeepSpeed key."""
 
     def __post_init__(self) -> None:
         key = "zero_optimization.offload_param"

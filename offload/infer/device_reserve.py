@@ -56,6 +56,7 @@ class DeviceReservation:
             log.info("offload.infer: re-placing for batch %d x %d tokens (KV cache %s on the %s)", batch, tokens,
                      format_bytes(kv), "host" if plan.kv.staged_nbytes else "device")
             self._apply(plan)
+        self._fit_experts(plan)  # the KV cache's room on the device is the kept experts'
         self.plan = plan
         return plan
 

@@ -118,12 +118,23 @@ class InferenceEngine(DeviceReservation):
                 self._quantize(directory)
             self._auto_budget = self._resolve_auto_budget()
             """(bytes, how they were found) of a ``max_in_cpu`` "auto", read once here; None for a number."""
-            # 4. The placement; streamed tensors must be on the disk in the compute dtype.
-            self.plan = self._make_plan(kv_bytes=0, kv_shape=(0, 0))
+            # 4. The placement; streamed tensors must be on the disk in the compute dtype. On a device whose ring
+            # cannot take a whole layer of experts, the experts are split out first (each copied there alone).
+            try:
+                self.plan = self._make_plan(kv_bytes=0, kv_shape=(0, 0))
+            except BudgetError:
+                if not self.compute.separate_memory or settings.experts != "routed":
+                    raise
+                self.units, self.experts = route_experts(self.units, self.module, self.checkpoint, self.handle, None,
+                                                         settings, compute=self.compute)
+                if self.experts is None:
+                    raise
+                self.plan = self._make_plan(kv_bytes=0, kv_shape=(0, 0))
             if any(self._needs_conversion(u) for u in self._read_in_place()):
                 self._use_converted_copy()
-            self.units, self.experts = route_experts(self.units, self.module, self.checkpoint, self.handle, self.plan,
-                                                     settings, separate_memory=self.compute.separate_memory)
+            if self.experts is None:
+                self.units, self.experts = route_experts(self.units, self.module, self.checkpoint, self.handle,
+                                                         self.plan, settings, compute=self.compute)
             if self.plan.streamed and settings.disk_gbps is None:
                 self.plan = self._make_plan(0, (0, 0), disk=measure_disk(self.handle, self.checkpoint))
             elif self.experts is not None:
@@ -137,7 +148,9 @@ class InferenceEngine(DeviceReservation):
             self._apply(self.plan)
         except BaseException:
             if hasattr(self, "streamer"):
-                self.streamer.close()  # the device ring's buffers too
+                self.streamer.close()  # the device ring's buffers too (and the experts')
+            elif self.experts is not None:
+                self.experts.close()
             for load in self._loads:
                 load.close()
             self.compute.synchronize()
@@ -404,9 +417,11 @@ class InferenceEngine(DeviceReservation):
         ``kv_what`` names the ``kv_bytes`` in the errors when they are not the whole cache (`make_plan`)."""
         args = (kv_bytes, kv_shape, disk, activations, kv_link_bytes, host_kv_bytes, kv_what)
         plan = self._placement(self._sizes(), *args)
-        if self.experts is not None:  # what the budget leaves after resident weights and the KV cache
+        if self.experts is not None:  # what the budgets leave after resident weights and the KV cache
             room = None if plan.budget < 0 else plan.budget - plan.resident_bytes - plan.kv_bytes
-            plan = dataclasses.replace(plan, experts=expert_plan(self.experts, room=room, batch=kv_shape[0]))
+            device = None if plan.device is None else plan.device.budget - plan.device.used_bytes
+            plan = dataclasses.replace(plan, experts=expert_plan(self.experts, room=room, batch=kv_shape[0],
+                                                                 device_room=device))
         kv_quant = self.settings.kv_offload.quantization
         if kv_quant is not None:
             text = self._text_config()
@@ -431,11 +446,12 @@ class InferenceEngine(DeviceReservation):
         """`_make_plan` for units of ``sizes``."""
         if self._device_budget is not None:
             budget, setting = self._device_budget
-            speed = self.settings.host_to_device_gbps
+            speed, experts = self.settings.host_to_device_gbps, self.experts.device if self.experts else None
             tier = place_device(sizes, budget=budget, setting=setting, ring_slots=self.settings.buffer_count,
                                 kv_bytes=kv_bytes, kv_shape=kv_shape,
                                 activation_bytes=self.activation_bytes(1, 1) if activations is None else activations,
-                                host_to_device_bps=speed * 1e9 if speed else None, kv_link_bytes=kv_link_bytes)
+                                host_to_device_bps=speed * 1e9 if speed else None, kv_link_bytes=kv_link_bytes,
+                                expert_slot_bytes=experts.ring_bytes if experts is not None else 0)
             host = self._host_plan([u for u in sizes if u.name not in tier.resident], host_kv_bytes, kv_shape, disk)
             return dataclasses.replace(host, units=tuple(sizes), resident=host.resident | tier.resident, device=tier)
         return self._host_plan(sizes, kv_bytes, kv_shape, disk, kv_what)
@@ -533,13 +549,17 @@ class InferenceEngine(DeviceReservation):
             self.streamer.stager = DeviceRing(self.compute, slots, slot_nbytes)
         self.streamer.set_units([u for u in self.units if u.streamable], plan.buffer_nbytes if streamed else 0,
                                 self._lookahead_units(plan))
-        if self.experts is not None:
-            self.experts.set_capacity(plan.experts.cache_bytes)
+        self._fit_experts(plan)
         # 3. transformers takes the model's device and dtype from its first parameter: bind it now.
         first = next(self.module.parameters(), None)
         for unit in self.units:
             if unit.loading is not None and any(ref.placeholder is first for ref in unit.params):
                 unit.loading.wait(unit)
+
+    def _fit_experts(self, plan: Plan) -> None:
+        """The experts kept by use within what ``plan`` leaves them (host memory, and the device's)."""
+        if self.experts is not None:
+            self.experts.set_capacity(plan.experts.cache_bytes, plan.experts.device_cache_bytes)
 
     def _place(self, unit: Unit, host: torch.Tensor) -> torch.Tensor | None:
         """A unit read into pinned ``host`` memory (`ResidentLoad`): copied to a device buffer of its own,

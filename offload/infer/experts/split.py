@@ -98,6 +98,14 @@ class ExpertLayer:
     def count(self) -> int:
         return len(self.experts)
 
+    @property
+    def slice_shapes(self) -> tuple[tuple[torch.Size, torch.dtype], ...]:
+        """(shape, dtype) of one expert's value for each of ``params``: its slice [1, ...] of a fused parameter,
+        or a `QuantExperts`' first child's parameter whole."""
+        whole = isinstance(self.module, QuantExperts)
+        return tuple((ref.placeholder.shape if whole else torch.Size((1, *ref.placeholder.shape[1:])),
+                      ref.placeholder.dtype) for ref in self.params)
+
 
 def split_experts(units: list[Unit], module: nn.Module, checkpoint: SafetensorsCheckpoint) -> tuple[list[Unit], list[ExpertLayer]]:
     """``units`` with the experts of every mixture-of-experts layer taken out (and the routers in units of

@@ -6,8 +6,9 @@ host-to-device link once per forward, through a ring of device buffers (``ring_s
 largest such unit). A unit on the device is counted as the buffer its windows are read into (its
 weights and their alignment slack: what the device allocates). The device holds, in this order: the
 units that must stay (embeddings, norms, tied weights: compute reads them where it runs), the
-activations, the KV cache, the ring, then as many whole decoder layers as fit, largest first, spread
-through the forward.
+activations, the KV cache, the ring (and a mixture of experts' copy slots), then as many whole decoder
+layers as fit, largest first, spread through the forward; what is left holds experts kept there by use
+(offload/infer/plan/experts.py).
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class DeviceTier:
     kv_link_bytes: int = 0
     """KV cache bytes copied host -> device per token when the cache lives on the host (every layer's
     keys and values at the full length, the bound); ``kv_bytes`` is then its two device buffers."""
+    expert_slot_bytes: int = 0
+    """A mixture of experts' copy slots (offload/infer/experts/device.py): the picked experts the device does
+    not keep are copied into them."""
 
     @property
     def ring_bytes(self) -> int:
@@ -51,15 +55,17 @@ class DeviceTier:
 
     @property
     def used_bytes(self) -> int:
-        """Everything reserved on the device: resident units, ring, KV cache, activations."""
-        return self.resident_bytes + self.ring_bytes + self.kv_bytes + self.activation_bytes
+        """Everything reserved on the device: resident units, ring, expert copy slots, KV cache, activations."""
+        return self.resident_bytes + self.ring_bytes + self.expert_slot_bytes + self.kv_bytes + self.activation_bytes
 
 
 def place_device(units: Sequence[UnitSize], *, budget: int, setting: str, ring_slots: int, kv_bytes: int = 0,
                  kv_shape: tuple[int, int] = (0, 0), activation_bytes: int = 0,
-                 host_to_device_bps: float | None = None, kv_link_bytes: int = 0) -> DeviceTier:
+                 host_to_device_bps: float | None = None, kv_link_bytes: int = 0,
+                 expert_slot_bytes: int = 0) -> DeviceTier:
     """Place ``units`` (forward order) on a device of ``budget`` bytes (see the module docstring);
     the units left out go through a ring of ``ring_slots`` device buffers of the largest of them.
+    ``expert_slot_bytes``: a mixture of experts' copy slots, held beside the activations.
 
     Raises BudgetError naming ``setting`` and the figures when the budget cannot hold the units that
     must stay, the activations, the KV cache of ``kv_shape`` and the ring of the largest unit. With
@@ -68,7 +74,7 @@ def place_device(units: Sequence[UnitSize], *, budget: int, setting: str, ring_s
     required = [u for u in units if not u.streamable]
     streamable = [u for u in units if u.streamable]
     must = sum(u.buffer_nbytes for u in required)
-    fixed = must + activation_bytes + kv_bytes
+    fixed = must + activation_bytes + kv_bytes + expert_slot_bytes
     rank = {streamable[i].name: r for r, i in enumerate(spread_order(len(streamable)))}
     left = sorted(streamable, key=lambda u: (-u.buffer_nbytes, rank[u.name]))
     slot = max((u.buffer_nbytes for u in streamable), default=0)
@@ -80,13 +86,14 @@ def place_device(units: Sequence[UnitSize], *, budget: int, setting: str, ring_s
         raise BudgetError(
             f"{setting}: the device budget of {format_bytes(budget)} cannot hold the units that must stay on the "
             f"device ({format_bytes(must)}: {unit_names(required)}) + activations {format_bytes(activation_bytes)}"
-            f"{kv} + a copy ring of {ring_slots} x {format_bytes(slot, up=True)} (the largest layer) = "
+            f"{kv}{_slots(expert_slot_bytes)} + a copy ring of {ring_slots} x {format_bytes(slot, up=True)} (the largest layer) = "
             f"{format_bytes(fixed + ring_slots * slot, up=True)}; raise {setting} to at least that"
             + (", or lower the batch size or the number of tokens" if kv_bytes else "")
             + (", or set offload_param.buffer_count 1 (one ring buffer)" if ring_slots > 1 else ""))
     if not left and fixed > budget:
         raise BudgetError(f"{setting}: the device budget of {format_bytes(budget)} cannot hold "
-                          f"{format_bytes(fixed, up=True)} (units that must stay, activations, KV cache); raise it")
+                          f"{format_bytes(fixed, up=True)} (units that must stay, activations, KV cache"
+                          f"{', expert copy slots' if expert_slot_bytes else ''}); raise it")
     # Whole units while they fit beside the ring for the largest unit still left out.
     resident, room = {u.name for u in required}, budget - fixed
     held = 0
@@ -99,4 +106,9 @@ def place_device(units: Sequence[UnitSize], *, budget: int, setting: str, ring_s
     out = [u for u in streamable if u.name not in resident]
     slot = max((u.buffer_nbytes for u in out), default=0)
     return DeviceTier(budget, setting, frozenset(resident), must + held, ring_slots if out else 0, slot, kv_bytes,
-                      activation_bytes, host_to_device_bps, kv_link_bytes)
+                      activation_bytes, host_to_device_bps, kv_link_bytes, expert_slot_bytes)
+
+
+def _slots(nbytes: int) -> str:
+    """The experts' copy slots in a budget error ("" for none)."""
+    return f" + expert copy slots {format_bytes(nbytes)} (offload_param.buffer_count x top-k)" if nbytes else ""

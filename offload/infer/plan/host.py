@@ -161,11 +161,12 @@ class Plan:
 
     @property
     def host_to_device_bytes_per_forward(self) -> int:
-        """Bytes copied from host to device per forward (per token): every unit the device does not keep."""
+        """Bytes copied from host to device per forward (per token): every unit the device does not keep, and
+        the picked experts it does not keep."""
         if self.device is None:
             return 0
         return (sum(u.device_copy_nbytes for u in self.units if u.name not in self.device.resident)
-                + self.device.kv_link_bytes)
+                + self.device.kv_link_bytes + (self.experts.host_to_device_bytes_per_forward if self.experts else 0))
 
     def link_seconds(self) -> dict[str, float | None]:
         """Per forward (per token), each link's time at its speed (None where the speed is unknown):

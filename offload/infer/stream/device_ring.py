@@ -73,6 +73,12 @@ class DeviceRing:
         """Whether ``key`` has been copied (or its copy issued) into a device buffer."""
         return key in self._copies
 
+    def copied(self, key: object) -> Event | None:
+        """The event of ``key``'s copy into its device buffer (None where it holds none): done once the copy
+        has read its host buffer."""
+        copy = self._copies.get(key)
+        return copy.copied if copy is not None else None
+
     def prefetch(self, key: object, host: torch.Tensor, copies: Sequence[Copy]) -> bool:
         """Start ``copies`` from ``host`` into a free device buffer for ``key`` (`device_layout.whole`: the
         first bytes as they are); False when none is free."""
