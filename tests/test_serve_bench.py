@@ -31,3 +31,10 @@ def test_tiny_run_end_to_end(capsys):
     assert figures["offline"]["file_tokens_per_s"] > 0 and figures["offline"]["repeated_tokens_per_s"] > 0
     assert figures["start"]["to_first_answer_s"] >= figures["start"]["engine_build_s"] > 0
     assert "| (b) 2 clients, tokens/s |" in printed and "| (c) 4 prompts from a file, tokens/s |" in printed
+
+
+def test_offline_only_with_online_only_is_refused(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        main(["--dir", str(tmp_path), "--offline-only", "--online-only"])
+    assert "leave nothing to measure" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # refused before a checkpoint was written
