@@ -11,6 +11,7 @@ from offload.train.grads.clip import clip_grad_norm_, grad_norm
 from offload.train.grads.loss_scaler import DynamicLossScaler, LossScaler, StaticLossScaler, build_loss_scaler
 from offload.train.schedulers import WarmupDecayLR, WarmupLR, build_scheduler
 from offload.train.step.agree import RanksFailed
+from offload.train.step.stop import RanksStopped
 from offload.train.timers import PhaseTimers
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "LossScaler",
     "PhaseTimers",
     "RanksFailed",
+    "RanksStopped",
     "StaticLossScaler",
     "WarmupDecayLR",
     "WarmupLR",

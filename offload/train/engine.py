@@ -37,6 +37,7 @@ from offload.train.checkpoint.save_load import (gathered_parameters, load_engine
 from offload.train.setup import engine_from_arguments
 from offload.train.stats import EngineStats, collect_stats
 from offload.train.step.failure import CounterAttribute
+from offload.train.step.stop import RankStop, destroy_group
 from offload.train.step.update_mode import StepContext, UpdatePath
 from offload.train.surface import consolidated_state_dict, engine_call, guard_misuse, step_scheduler
 from offload.train.timers import PhaseTimers
@@ -110,6 +111,9 @@ class Engine:
         self._store: ParamStore = ctx.store
         self._reducer: GradReducer = ctx.reducer
         self._failure = ctx.failure
+        self._stop = RankStop(world_size=world_size, rank=rank, group=ctx.group, failure=ctx.failure,
+                              let_go=self._let_group_go)
+        """Several ranks: an error of forward, backward or step not agreed stops every rank (`engine_call`)."""
         device = ctx.store.device
         self.timers = PhaseTimers.from_config(  # a phase's time includes the device work it queued
             self.config, log=log.info if rank == 0 else (lambda line: None),
@@ -226,6 +230,19 @@ class Engine:
             error = self._ctx.agreement.agreed(None, what)
             if error is not None:
                 raise error
+
+    def _let_group_go(self) -> None:
+        """Before the engine's process group is destroyed (a stop, `close`): wait for the collectives in flight
+        (gradient reductions, an all-gather issued ahead) and drop them, and every reference the engine's
+        parts hold to the group (gloo closes its connections only once nothing holds it)."""
+        try:
+            self._reducer.abandon()
+            self._store.release_all()
+        finally:
+            for part in (self, self._ctx, self._ctx.agreement, self._stop, self._store, self._store.gathers,
+                         self._reducer):
+                if getattr(part, "group", None) is not None:
+                    part.group = None
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next ``step()`` updates the parameters: every gradient_accumulation_steps micro
@@ -398,8 +415,10 @@ class Engine:
         the model's. Raises FileNotFoundError for a missing checkpoint or file, SafetensorsError for a
         truncated one and ValueError for one of another model or for ``custom_load_fn``, each naming
         the file, with the engine as it was before the call. An error after the load began (an I/O
-        error) refuses step() and save_checkpoint() until a load succeeds.
+        error) refuses step() and save_checkpoint() until a load succeeds. After a failure that stopped every
+        rank (`RanksStopped`) it refuses too: load into a new engine.
         """
+        self._failure.check_stopped("load a checkpoint into this engine")
         return load_engine_checkpoint(self._ctx, self._path, rank=self.rank, world_size=self.world_size,
                                       load_dir=load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                       load_lr_scheduler_states=load_lr_scheduler_states,
@@ -466,14 +485,19 @@ class Engine:
     def close(self) -> None:
         """Remove the hooks, the parameter swap file and the optimizer's swap file.
 
-        With more than one rank it also collects garbage now: tensors a collective used, left in
-        reference cycles, would otherwise be freed during interpreter shutdown, after
-        ``destroy_process_group``, where gloo's teardown may abort the process (docs/engine.md).
+        With more than one rank it also destroys the engine's own process group (over gloo: made at
+        `initialize`) and collects garbage now: tensors a collective used, left in reference cycles, would
+        otherwise be freed during interpreter shutdown, after ``destroy_process_group``, where gloo's
+        teardown may abort the process (docs/engine.md).
         An asynchronous save in flight is waited for first; its failure is raised once everything is closed.
         """
         self._saves.close()  # sync point: the save reads the swap files closed below
+        group = self.group
+        if group is not None and not self.closed:  # its own (gloo): let go, then destroyed below
+            self._let_group_go()
         self._finalizer()
         if self.world_size > 1:
+            destroy_group(group)
             gc.collect()
         self._saves.raise_failure()
 

@@ -15,6 +15,7 @@ from torch import nn
 from offload.config import EngineConfig, world_size_from_env
 from offload.device import Device, check_process_group, check_rank_devices, device_for, start_process_group
 from offload.train.assemble import assemble
+from offload.train.step.stop import destroy_group
 from offload.train.surface import check_distributed_arguments, config_from_arguments
 
 
@@ -47,11 +48,15 @@ def engine_from_arguments(*, args: Any, model: nn.Module | None, optimizer: Any,
     if dist_init_required and not started:
         start_process_group(device)
     world_size, rank, group = _process_group(device)
-    if world_size > 1:
-        check_rank_devices(device, group)  # no two ranks of a node on one device (a collective: every rank)
-    engine = assemble(model, cfg, world_size=world_size, rank=rank, group=group, optimizer=optimizer,
-                      lr_scheduler=lr_scheduler, model_parameters=model_parameters, make_engine=make_engine,
-                      device=device)
+    try:
+        if world_size > 1:
+            check_rank_devices(device, group)  # no two ranks of a node on one device (a collective: every rank)
+        engine = assemble(model, cfg, world_size=world_size, rank=rank, group=group, optimizer=optimizer,
+                          lr_scheduler=lr_scheduler, model_parameters=model_parameters, make_engine=make_engine,
+                          device=device)
+    except BaseException:
+        destroy_group(group)
+        raise
     loader = None
     if training_data is not None:
         loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu,
@@ -83,14 +88,27 @@ def check_group_carries(device: Device, backend: str) -> None:
 
 
 def _process_group(device: Device) -> tuple[int, int, Any]:
-    """World size and rank; starts the default process group when launched by torchrun. Raises
-    ValueError when a group the caller started cannot carry the engine's collectives."""
+    """World size, rank and the engine's process group (`engine_group`); starts the default process group
+    when launched by torchrun. Raises ValueError when a group the caller started cannot carry the engine's
+    collectives."""
     if dist.is_available() and dist.is_initialized():
         check_process_group(device)
         check_group_carries(device, dist.get_backend())
-        return dist.get_world_size(), dist.get_rank(), None
-    world_size = world_size_from_env()
-    if world_size == 1:
-        return 1, 0, None  # no process group needed
-    start_process_group(device)
-    return dist.get_world_size(), dist.get_rank(), None
+    else:
+        if world_size_from_env() == 1:
+            return 1, 0, None  # no process group needed
+        start_process_group(device)
+    world_size = dist.get_world_size()
+    return world_size, dist.get_rank(), engine_group(device) if world_size > 1 else None
+
+
+def engine_group(device: Device) -> Any:
+    """The process group the engine's collectives run in: over gloo, a group of its own of every rank, made
+    now (a collective: every rank); None (the default group) over NCCL, whose second communicator would cost
+    device memory.
+
+    Why its own: a rank that fails outside the ranks' agreement stops the others by destroying the group
+    (offload/train/step/stop.py), and gloo closes a group's connections only once nothing holds it, which
+    the default group cannot promise (``import torch.distributed.nn`` after ``init_process_group`` binds it
+    as a default argument for good). The default group stays the caller's, usable after such a stop."""
+    return dist.new_group(backend="gloo") if device.collective_backend == "gloo" else None

@@ -225,23 +225,36 @@ def refuse_forward_outside(engine: Any) -> None:
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
 
+_STOPPING = ("forward", "backward", "step")
+"""The engine's calls whose errors not agreed by the ranks stop every rank (`engine._stop`)."""
+
 
 def engine_call(method: _Method) -> _Method:
     """Mark an `Engine` method as one of the engine's own calls (forward, backward, step, a settle):
     while one runs, gradients may arrive and the engine's optimizer may step (``engine._calls`` counts
-    them; `refuse_backward_outside` and `refuse_optimizer_step_outside` refuse both outside them)."""
+    them; `refuse_backward_outside` and `refuse_optimizer_step_outside` refuse both outside them). Refuses
+    every call once the ranks stopped; an error of forward, backward or step that the ranks did not agree
+    stops them (``engine._stop``, `offload.train.step.stop.RankStop`)."""
+
+    name = method.__name__
+    stops = name in _STOPPING
 
     @functools.wraps(method)
     def call(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        engine._failure.check_stopped(f"call {name}()")  # every rank stopped: the process group is closed
         engine._calls += 1
         try:
             return method(engine, *args, **kwargs)
         except BaseException as error:
+            # Several ranks: an error the ranks did not agree stops every rank (offload/train/step/stop.py).
+            raised = engine._stop.after(error, where=name, step=engine.global_steps + 1) if stops else error
             corrupt = checksum_error_in(error)
             if corrupt is not None:  # given up as any failure above; then nothing on disk is trusted
                 engine._failure.corrupt(corrupt)
-            if getattr(error, "needs_load", False):  # `RanksFailed`: another rank needs a load, so every rank does
-                engine._failure.another_rank(str(error))
+            if getattr(raised, "needs_load", False):  # `RanksFailed`: another rank needs a load, so every rank does
+                engine._failure.another_rank(str(raised))
+            if raised is not error:
+                raise raised from error
             raise
         finally:
             engine._calls -= 1

@@ -36,6 +36,14 @@ class Failure(enum.Enum):
     ANOTHER_RANK = "another rank needs a load"
     """Another rank's step failed where it needs a load (corrupt bytes, or part way): every rank gave the
     step up, and step and save refuse until every rank loads a checkpoint (`RanksFailed`)."""
+    STOPPED = "stopped"
+    """A rank failed outside the ranks' agreement and every rank stopped (offload/train/step/stop.py): the
+    engine's process group is closed, and every call that needs it refuses, a load included."""
+
+
+class Refused(RuntimeError):
+    """A call refused by the failure state, before it began anything: the same on every rank, whose
+    states follow the same agreed failures (so a refusal needs no agreement of its own)."""
 
 
 @dataclass(slots=True)
@@ -67,12 +75,14 @@ class FailureState:
 
     def partly_updated(self, reason: str) -> None:
         """A step failed after changing some parameters and not others."""
-        if self.kind is not Failure.CORRUPT:
+        if self.kind not in (Failure.CORRUPT, Failure.STOPPED):
             self.kind, self.reason = Failure.PARTLY_UPDATED, reason
 
     def corrupt(self, error: BaseException) -> None:
         """A read from a swap file failed its checksum (``error``, a tensorio.ChecksumError): the step it
         was part of is given up, and nothing on disk is trusted again until a load."""
+        if self.kind is Failure.STOPPED:
+            return
         self.kind = Failure.CORRUPT
         self.reason = (f"a swap file returned corrupt bytes ({describe(error)}); the step was given up, but "
                        f"the values kept on disk can no longer be trusted")
@@ -81,6 +91,16 @@ class FailureState:
         """Another rank needs a load after a step every rank gave up (``reason``: the agreed error)."""
         if self.kind not in _NEEDS_LOAD:
             self.kind, self.reason = Failure.ANOTHER_RANK, reason
+
+    def stopped(self, reason: str) -> None:
+        """Every rank stopped after a failure outside the ranks' agreement (``reason``: which, and what to do
+        next; offload/train/step/stop.py): the process group is closed (over any other condition)."""
+        self.kind, self.reason = Failure.STOPPED, reason
+
+    def check_stopped(self, what: str) -> None:
+        """Raise `Refused` when every rank stopped (``what``: "step", ...), with the reason and what to do."""
+        if self.kind is Failure.STOPPED:
+            raise Refused(f"cannot {what}: {self.reason}")
 
     def gradients_cleared(self) -> None:
         """``zero_grad()``: a new accumulation starts."""
@@ -97,21 +117,25 @@ class FailureState:
         self.kind, self.reason, self.last_rollback, self.resume_from = Failure.NONE, None, None, path
 
     def check(self, what: str) -> None:
-        """Raise RuntimeError, saying how to resume, when the parameters may be partly updated or corrupt."""
+        """Raise `Refused` (a RuntimeError), saying how to resume, when the parameters may be partly updated
+        or corrupt, or every rank stopped."""
         if self.kind not in _NEEDS_LOAD:
             return
+        self.check_stopped(what)
         resume = (f"load_checkpoint({os.path.dirname(self.resume_from)!r}, "
                   f"tag={os.path.basename(self.resume_from)!r})" if self.resume_from else
                   "load_checkpoint(...) with your last checkpoint")
         if self.kind in (Failure.CORRUPT, Failure.ANOTHER_RANK):
-            raise RuntimeError(f"cannot {what}: {self.reason}. Resume with {resume}")
-        raise RuntimeError(f"cannot {what}: {self.reason}, so some parameters may carry its update and others "
-                           f"not; {what} would go on from a mixed model. Resume with {resume}")
+            raise Refused(f"cannot {what}: {self.reason}. Resume with {resume}")
+        raise Refused(f"cannot {what}: {self.reason}, so some parameters may carry its update and others "
+                      f"not; {what} would go on from a mixed model. Resume with {resume}")
 
     def check_all_ranks(self, what: str, *, group: Any, world_size: int, rank: int) -> None:
         """`check` agreed by every rank of ``group`` (one all-reduce of a flag per rank): where any rank cannot
         ``what`` (its parameters partly updated or corrupt), every rank raises, the others naming it, so that
-        none is left waiting in the collectives that ``what`` begins. Every rank must call it."""
+        none is left waiting in the collectives that ``what`` begins. Every rank must call it (after a stop,
+        each refuses alone: the process group is closed)."""
+        self.check_stopped(what)
         import torch
         import torch.distributed as dist
 
@@ -124,21 +148,21 @@ class FailureState:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
             others = [r for r, flag in enumerate(flags.tolist()) if flag and r != rank]
             if others and not blocked:
-                raise RuntimeError(f"cannot {what}: rank{'s' if len(others) > 1 else ''} "
-                                   f"{', '.join(map(str, others))} cannot (a step there failed part way or read corrupt "
-                                   f"bytes; its error says which), and every rank refuses with it; resume every rank "
-                                   f"with load_checkpoint(...)")
+                raise Refused(f"cannot {what}: rank{'s' if len(others) > 1 else ''} "
+                              f"{', '.join(map(str, others))} cannot (a step there failed part way or read corrupt "
+                              f"bytes; its error says which), and every rank refuses with it; resume every rank "
+                              f"with load_checkpoint(...)")
         self.check(what)
 
     def check_step(self) -> None:
-        """Raise RuntimeError when ``step()`` cannot run: partly updated parameters, or lost gradients."""
+        """Raise `Refused` when ``step()`` cannot run: partly updated parameters, lost gradients, a stop."""
         self.check("step")
         if self.kind is Failure.GRADIENTS_LOST:
-            raise RuntimeError(f"cannot step: {self.reason}; call zero_grad() and run the accumulation "
-                               f"again, or load_checkpoint(...)")
+            raise Refused(f"cannot step: {self.reason}; call zero_grad() and run the accumulation "
+                          f"again, or load_checkpoint(...)")
 
 
-_NEEDS_LOAD = (Failure.PARTLY_UPDATED, Failure.CORRUPT, Failure.ANOTHER_RANK)
+_NEEDS_LOAD = (Failure.PARTLY_UPDATED, Failure.CORRUPT, Failure.ANOTHER_RANK, Failure.STOPPED)
 
 
 def checksum_error_in(error: BaseException) -> BaseException | None:
