@@ -195,21 +195,27 @@ def offline(checkpoint: Path, options: list[str], args: argparse.Namespace, voca
              for i, n in enumerate(lengths)]
     prompts, answers = work / "prompts.jsonl", work / "answers.jsonl"
     prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    files, repeated = [], []
+    files, repeated, details = [], [], []
     mean = round(statistics.mean(lengths))
     for _ in range(args.repeats):
         answers.unlink(missing_ok=True)
         figures = run_child("offload.generate", [str(checkpoint), "--prompts-file", str(prompts), "--output",
                                                  str(answers), "--batch-size", str(args.prompts), "--json", *options])
         files.append(figures["tokens"] / figures["seconds"])
+        detail = {"file": {key: figures.get(key) for key in ("seconds", "steps", "largest_batch", "positions", "padding",
+                                                             "read_bytes")}}
         figures = run_child("offload.generate", [str(checkpoint), "--prompt-ids", ",".join(map(str, prompt_ids(0, mean, vocab))),
                                                  "--batch-size", str(args.prompts), "--max-new-tokens", str(args.new_tokens),
                                                  "--json", *options])
         seconds = figures["first_token_s"] + (figures["s_per_token"] or 0.0) * (len(figures["tokens"]) - 1)
         repeated.append(args.prompts * len(figures["tokens"]) / seconds)
+        detail["repeated"] = {"seconds": seconds, "read_bytes": figures.get("read_bytes"),
+                              "first_token_s": figures["first_token_s"], "s_per_token": figures["s_per_token"]}
+        details.append(detail)
+        print(f"(c) round: file {detail['file']}; repeated {detail['repeated']}", flush=True)
     file_rate, repeated_rate = statistics.median(files), statistics.median(repeated)
     return {"lengths": f"{min(lengths)}-{max(lengths)} (mean {mean})", "file_tokens_per_s": file_rate,
-            "repeated_tokens_per_s": repeated_rate, "ratio": file_rate / repeated_rate}
+            "repeated_tokens_per_s": repeated_rate, "ratio": file_rate / repeated_rate, "rounds": details}
 
 
 # ---- the run ------------------------------------------------------------------------------------------------
