@@ -6,6 +6,7 @@
 # first on PATH and its python/ (liburing) on PYTHONPATH, and the check says what it uses.
 #
 #   scripts/gpu_check.sh OUTDIR [--bundle DIR] [--dir /nvme/tmp] [--tiny] [...]   # python -m benchmarks.gpu check --help
+#   scripts/gpu_check.sh OUTDIR --parts moe --dir /nvme/tmp   # issue 48: benchmarks.infer_moe --device cuda (moe.json)
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-python3}

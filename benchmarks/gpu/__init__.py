@@ -6,7 +6,8 @@
   traced with torch.profiler: per-token breakdowns and top-20 tables (``_trace.py``);
 - ``train.py``: the training step on the GPU (parameters and optimizer state on NVMe), with a per-step
   breakdown (``_waits.py`` counts the NVMe waits);
-- ``check.py``: all of them and the gpu tests in one command, summary.md with the targets (``_report.py``).
+- ``check.py``: all of them and the gpu tests in one command, summary.md with the targets (``_report.py``);
+  with ``--parts moe`` benchmarks/infer_moe.py's device tier on the GPU (issue 48).
 
 Each refuses to run without a GPU (nothing here fakes GPU figures); each also runs on
 the simulated device (``--device simulated``) at a tiny size, as its smoke test does (``check --tiny``).

@@ -1,5 +1,6 @@
 """summary.md's sections for issue 51: the breakdowns (generation per token with each side's default, at
-equal memory, training per step) and each GPU target met / not met / not measured, with its figures.
+equal memory, training per step) and each GPU target met / not met / not measured, with its figures; and
+the mixture-of-experts part's (issue 48, `moe_section`).
 
 Every target is judged only on CUDA (``judged``); elsewhere its figures are still shown, and the
 verdict says why it is not measured.
@@ -133,3 +134,25 @@ def sections(train: dict | None, profile: dict | None, infer: dict | None) -> li
         out += ["", f"Training, per step (benchmarks.gpu.train; top-20 tables of a profiled step: {files}; "
                 "train-breakdown.md):", "", breakdown_table(models)]
     return out
+
+
+def moe_section(moe: dict | None) -> list[str]:
+    """summary.md's lines for the mixture-of-experts part (benchmarks.infer_moe with a device): each run's
+    figures and its targets (issue 48's: the tokens equal transformers' on the device); none without it."""
+    if moe is None:
+        return []
+    budget = f"{moe['device_budget'] / 2**30:.3f} GiB" if moe.get("device_budget") else "-"
+    out = ["", f"Mixture of experts (benchmarks.infer_moe --device {moe.get('device')}, issue 48): "
+           f"{moe['checkpoint_bytes'] / 1e9:.2f} GB, device budget {budget}, host {moe['budget'] / 2**30:.3f} GiB:", "",
+           "| run | s/token | read per token | on the device / pinned / NVMe | tokens = transformers' |",
+           "|---|---|---|---|---|"]
+    for r in moe.get("runs", []):
+        name = f"{r['experts']}, batch {r['batch']}"
+        if "error" in r:
+            out.append(f"| {name} | FAILED: {r['error']} | | | |")
+            continue
+        tiers = r.get("tiers")
+        where = f"{tiers['on_device']} / {tiers['in_host_memory']} / {tiers['streamed']}" if tiers else "-"
+        equal = {True: "yes", False: "NO"}.get(r.get("tokens_equal"), "-")
+        out.append(f"| {name} | {r['s_per_token']:.4f} | {r['per_token']['io'] / 2**20:.1f} MiB | {where} | {equal} |")
+    return out + [""] + [f"- {line}" for line in moe.get("targets", [])]
