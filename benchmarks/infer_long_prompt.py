@@ -15,6 +15,16 @@
    in a fresh process: its peak RSS.
 4. The targets (issue 48): ours <= 1.3 x transformers' peak + the budget at the same prompt; the estimate
    an upper bound of the measured growth and within 1.5x of it at every length.
+
+With ``--cgroup-overhead SIZE`` each of our runs is in a memory cgroup of the budget + SIZE (page cache
+included; root needed, `benchmarks._cgroup`): its peak, the charges that hit the limit and the OOM kills
+are reported. The issue's 32K prompt on a streamed 2.7 GB Llama:
+
+    python -m benchmarks.infer_long_prompt --dir /work/bench-long27 --tokens 32768 --transformers-tokens 0 \
+        --hidden 2560 --intermediate 6912 --layers 16 --heads 20 --kv-heads 4 --vocab 32000 \
+        --budget 1GiB --cgroup-overhead 1GiB
+
+(``--transformers-tokens 0``: transformers' side skipped.)
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import resource
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks._cgroup import MemoryCgroup
 from benchmarks._common import ChildError, high_water_mark, reset_high_water_mark, run_child
 from tensorio import parse_size
 
@@ -123,10 +134,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", help="where the checkpoint is written (once)")
     ap.add_argument("--tokens", default="1024,4096,16384,32768", help="our prompt lengths, one process each")
-    ap.add_argument("--transformers-tokens", type=int, default=16384, help="transformers' prompt length")
+    ap.add_argument("--transformers-tokens", type=int, default=16384,
+                    help="transformers' prompt length (0: transformers' side skipped)")
     ap.add_argument("--budget", default="128MiB", help="our max_in_cpu (layers streamed below it; it holds the KV cache)")
-    for name in ("hidden", "intermediate", "vocab"):
-        ap.add_argument(f"--{name}", type=int, default=getattr(LongSpec, name))
+    for name in ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab"):
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(LongSpec, name))
+    ap.add_argument("--cgroup-overhead", help="run each of ours in a memory cgroup of the budget + this size")
     ap.add_argument("--out", help="write every figure to this JSON file")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -135,20 +148,31 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     if not args.dir:
         ap.error("--dir is required")
-    spec = LongSpec(hidden=args.hidden, intermediate=args.intermediate, vocab=args.vocab)
+    spec = LongSpec(hidden=args.hidden, intermediate=args.intermediate, layers=args.layers, heads=args.heads,
+                    kv_heads=args.kv_heads, vocab=args.vocab)
+    limit = parse_size(args.budget) + parse_size(args.cgroup_overhead) if args.cgroup_overhead else None
     checkpoint = write_checkpoint(Path(args.dir).resolve() / "checkpoint", spec)
     size = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
     print(f"checkpoint: {checkpoint} ({size / 1e9:.2f} GB, {spec}); our budget {args.budget}")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
     runs = []
     lengths = [int(t) for t in args.tokens.split(",") if t]
-    for kind, tokens in [("ours", t) for t in lengths] + [("transformers", args.transformers_tokens)]:
+    others = [("transformers", args.transformers_tokens)] if args.transformers_tokens else []
+    for kind, tokens in [("ours", t) for t in lengths] + others:
         payload = {"kind": kind, "tokens": tokens, "checkpoint": str(checkpoint), "budget": args.budget,
                    "vocab": spec.vocab}
+        group = _cgroup(limit) if kind == "ours" and limit is not None else None
         try:
-            result = run_child("benchmarks.infer_long_prompt", ["--child", json.dumps(payload)])
+            result = run_child("benchmarks.infer_long_prompt", ["--child", json.dumps(payload)], cgroup=group)
         except ChildError as exc:
             result = {"kind": kind, "tokens": tokens, "error": exc.one_line()}
+        finally:
+            if group is not None:
+                result_cgroup = {"limit": limit, "peak": group.peak(), "limit_hits": group.limit_hits(),
+                                 "oom_kills": group.oom_kills()}
+                group.close()
+        if group is not None:
+            result["cgroup"] = result_cgroup
         runs.append(result)
         print(_line(result))
     figures = {"spec": asdict(spec), "budget": parse_size(args.budget), "runs": runs,
@@ -159,14 +183,28 @@ def main(argv: list[str] | None = None) -> dict:
     return figures
 
 
+def _cgroup(limit: int) -> MemoryCgroup:
+    """A memory cgroup limited to ``limit`` bytes. Raises SystemExit with the reason where none can be made."""
+    group = MemoryCgroup.create("offload-long-prompt")
+    if isinstance(group, str):
+        raise SystemExit(f"--cgroup-overhead: {group}")
+    group.set_limit(limit)
+    return group
+
+
 def _line(r: dict) -> str:
+    where = ""
+    if "cgroup" in r:
+        c = r["cgroup"]
+        where = (f"; in a cgroup of {c['limit'] / 2**30:.2f} GiB: peak {c['peak'] / 2**30:.2f} GiB, "
+                 f"{c['limit_hits']} charges at the limit, {c['oom_kills']} OOM kills")
     if "error" in r:
-        return f"{r['kind']:>12} {r['tokens']:>6} tokens: FAILED, {r['error']}"
+        return f"{r['kind']:>12} {r['tokens']:>6} tokens: FAILED, {r['error']}{where}"
     line = f"{r['kind']:>12} {r['tokens']:>6} tokens: peak RSS {r['peak_rss'] / 2**30:.2f} GiB, growth {r['growth'] / 2**20:.0f} MiB"
     if r["kind"] == "ours":
         line += (f", estimate {r['estimate'] / 2**20:.0f} MiB ({r['estimate'] / max(r['growth'], 1):.2f}x), "
                  f"prefill chunk {r['chunk']} tokens ({r['forwards'] - 1} forwards)")
-    return line
+    return line + where
 
 
 def targets(runs: list[dict], budget: int) -> list[str]:

@@ -28,3 +28,28 @@ def test_tiny_run_end_to_end(capsys):
     assert any("bound 1.3 x transformers + budget" in line for line in figures["targets"])
     assert sum("x the measured growth" in line for line in figures["targets"]) == 2
     assert "transformers    512 tokens: peak RSS" in capsys.readouterr().out
+
+
+@pytest.mark.bench
+def test_tiny_run_in_a_memory_cgroup_without_transformers(capsys):
+    """--cgroup-overhead runs ours in a memory cgroup of the budget + the overhead and reports its peak, limit
+    hits and OOM kills; --transformers-tokens 0 skips transformers' side; the model's shape is chosen."""
+    from benchmarks._cgroup import MemoryCgroup
+
+    probe = MemoryCgroup.create("offload-test-probe")
+    if isinstance(probe, str):
+        pytest.skip(probe)
+    probe.close()
+    root = scratch_dir("infer-long-cgroup-")
+    try:
+        figures = main(["--dir", str(root), "--tokens", "256", "--transformers-tokens", "0", "--hidden", "256",
+                        "--intermediate", "512", "--layers", "3", "--heads", "4", "--kv-heads", "2", "--vocab", "2000",
+                        "--budget", "2MiB", "--cgroup-overhead", "2GiB"])
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    assert figures["spec"]["layers"] == 3 and figures["spec"]["kv_heads"] == 2
+    (run,) = figures["runs"]
+    assert run["kind"] == "ours" and "error" not in run
+    group = run["cgroup"]
+    assert group["limit"] == (2 << 20) + (2 << 30) and 0 < group["peak"] <= group["limit"] and group["oom_kills"] == 0
+    assert "in a cgroup of 2.00 GiB: peak" in capsys.readouterr().out
