@@ -115,7 +115,7 @@ def test_engine_dist_benchmark_tiny(tmp_path, monkeypatch, capsys):
     def run_config(name, args, directory):
         ran.append(name)
         if name == "world 2, per parameter":
-            return {"step_s": 4.0, "comm_s": 0.75, "times": [4.0]}
+            return {"step_s": 4.0, "comm_s": 0.75, "times": [4.0], "calls": 0}
         return real(name, args, directory)
 
     monkeypatch.setattr(engine_dist, "run_config", run_config)
