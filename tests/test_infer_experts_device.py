@@ -23,7 +23,7 @@ import pytest
 import torch
 import transformers
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from test_infer_families import FAMILIES
+from test_infer_families import save_family
 from test_infer_generate import one_thread  # noqa: F401 - autouse: one compute thread for tiny matrices
 from test_infer_generate import scratch_dir
 
@@ -57,18 +57,6 @@ def _generate(engine, prompt: torch.Tensor | None = None) -> tuple[list, torch.T
     return out.sequences.cpu().tolist(), torch.stack(out.logits).cpu()
 
 
-def save(directory, family: str) -> int:
-    """Save a tiny random bf16 model of ``family`` (`FAMILIES`, widened by `WIDER`; seed 0) as transformers saves
-    it, in shards of 100 KB; its bytes."""
-    torch.manual_seed(0)
-    config = FAMILIES[family]()
-    for key, value in WIDER.get(family, {}).items():
-        setattr(config, key, value)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
-    model.save_pretrained(directory, max_shard_size="100KB")
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
 @pytest.fixture(scope="module")
 def saved():
     """family -> (checkpoint directory, model bytes, scratch root for the quantized caches, transformers' tokens)."""
@@ -76,7 +64,7 @@ def saved():
     built = {}
     try:
         for family in MOE:
-            size = save(root / family, family)
+            size = save_family(root / family, family, **WIDER.get(family, {}))
             loaded = transformers.AutoModelForCausalLM.from_pretrained(root / family, dtype=torch.bfloat16).eval()
             with torch.no_grad():
                 tokens = loaded.generate(_prompt(), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0).tolist()

@@ -65,11 +65,14 @@ def _prompt() -> torch.Tensor:
     return torch.randint(3, 256, (2, 8), generator=torch.Generator().manual_seed(1))
 
 
-def save_family(directory, family: str) -> int:
-    """Save a tiny random bf16 model of ``family`` (seed 0) to ``directory`` with ``save_pretrained``, in shards
-    of 100 KB (the names and layouts real checkpoints have); its bytes."""
+def save_family(directory, family: str, **config) -> int:
+    """Save a tiny random bf16 model of ``family`` (seed 0; ``config`` overrides its settings) to ``directory``
+    with ``save_pretrained``, in shards of 100 KB (the names and layouts real checkpoints have); its bytes."""
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()).to(torch.bfloat16).eval()
+    settings = FAMILIES[family]()
+    for key, value in config.items():
+        setattr(settings, key, value)
+    model = transformers.AutoModelForCausalLM.from_config(settings).to(torch.bfloat16).eval()
     model.save_pretrained(directory, max_shard_size="100KB")
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
