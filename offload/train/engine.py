@@ -37,6 +37,7 @@ from offload.train.checkpoint.save_load import (gathered_parameters, load_engine
 from offload.train.setup import engine_from_arguments
 from offload.train.stats import EngineStats, collect_stats
 from offload.train.step.failure import CounterAttribute
+from offload.train.step.outside import StopOnError, hook_uncaught, stops_ranks
 from offload.train.step.stop import RankStop, destroy_group
 from offload.train.step.update_mode import StepContext, UpdatePath
 from offload.train.surface import consolidated_state_dict, engine_call, guard_misuse, step_scheduler
@@ -114,6 +115,8 @@ class Engine:
         self._stop = RankStop(world_size=world_size, rank=rank, group=ctx.group, failure=ctx.failure,
                               let_go=self._let_group_go)
         """Several ranks: an error of forward, backward or step not agreed stops every rank (`engine_call`)."""
+        self._unhook = weakref.finalize(self, hook_uncaught(self.stop)) if world_size > 1 else None
+        """Several ranks: an uncaught exception stops every rank (`stop`) before its process ends."""
         device = ctx.store.device
         self.timers = PhaseTimers.from_config(  # a phase's time includes the device work it queued
             self.config, log=log.info if rank == 0 else (lambda line: None),
@@ -243,6 +246,31 @@ class Engine:
                          self._reducer):
                 if getattr(part, "group", None) is not None:
                     part.group = None
+
+    def stop(self, error: BaseException, where: str = "the training loop") -> BaseException:
+        """Stop every rank for ``error``, raised by this rank's own code outside the engine's calls (its data
+        loader, its loss), as an error inside forward, backward or step does: record ``rank R failed in
+        <where> at step N: Type: message`` in the engine's process group's store and close the group, so that
+        every other rank's collective fails at once and raises `RanksStopped` naming it; every call then
+        refuses on every rank (a new engine resumes from the last checkpoint). Returns the exception to
+        raise: ``error``, with a note, or `RanksStopped` where another rank failed first. Changes nothing
+        (returns ``error``) at world size 1, after `close`, once the ranks stopped, for the errors every rank
+        raises alike and for ``GeneratorExit`` or a clean ``SystemExit`` (offload/train/step/outside.py).
+        Usually through `stop_on_error`; an uncaught exception calls it itself (docs/engine.md)."""
+        if self.closed or not stops_ranks(error):
+            return error
+        return self._stop.after(error, where=where, step=self.global_steps + 1)
+
+    def stop_on_error(self, where: str = "the training loop") -> StopOnError:
+        """A context manager: an exception leaving its block stops every rank (`stop`, its record naming
+        ``where``), then goes on as it is, or as `RanksStopped` where another rank failed first::
+
+            with engine.stop_on_error():
+                for batch in loader:
+                    engine.backward(loss_fn(engine(batch)))
+                    engine.step()
+        """
+        return StopOnError(self.stop, where)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next ``step()`` updates the parameters: every gradient_accumulation_steps micro
@@ -488,9 +516,12 @@ class Engine:
         With more than one rank it also destroys the engine's own process group (over gloo: made at
         `initialize`) and collects garbage now: tensors a collective used, left in reference cycles, would
         otherwise be freed during interpreter shutdown, after ``destroy_process_group``, where gloo's
-        teardown may abort the process (docs/engine.md).
-        An asynchronous save in flight is waited for first; its failure is raised once everything is closed.
+        teardown may abort the process (docs/engine.md), and puts back the ``sys.excepthook`` it chained
+        (`stop`). An asynchronous save in flight is waited for first; its failure is raised once everything
+        is closed.
         """
+        if self._unhook is not None:
+            self._unhook()  # the previous sys.excepthook again
         self._saves.close()  # sync point: the save reads the swap files closed below
         group = self.group
         if group is not None and not self.closed:  # its own (gloo): let go, then destroyed below

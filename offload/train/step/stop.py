@@ -22,6 +22,10 @@ until the process group's timeout (gloo's default: 30 minutes). So, with several
    freed in turn). Where there is no record before its own (another rank's process ended without one),
    its failed collective is raised with a note saying another rank probably ended.
 
+5. An error of the user's own code between the engine's calls (its data loader, its loss) stops every rank
+   the same way where it leaves ``with engine.stop_on_error():`` or the process uncaught (`offload.train.
+   step.outside`): recorded as ``rank R failed in the training loop at step N: ...``.
+
 Afterwards every engine call refuses with the same reason on every rank (`FailureState`'s STOPPED); a new
 engine resumes from the last checkpoint. No rank commits anything the failed rank did not: a step
 commits only after an all-reduce every rank joins, and the failed rank joins none after its failure.
@@ -42,7 +46,7 @@ import torch.distributed as dist
 
 from offload.train.checkpoint.background import CheckpointSaveError
 from offload.train.step.agree import RanksFailed
-from offload.train.step.failure import FailureState, Refused, describe
+from offload.train.step.failure import Failure, FailureState, Refused, describe
 
 __all__ = ["RankStop", "RanksStopped", "StopRecord", "communication_error", "destroy_group"]
 
@@ -61,7 +65,8 @@ class StopRecord:
 
     rank: int
     where: str
-    """The engine's call it left: "forward", "backward" or "step"."""
+    """The engine's call it left: "forward", "backward" or "step"; or where the user's code failed outside
+    them ("the training loop", `offload.train.step.outside`)."""
     step: int
     """The step under way (``global_steps + 1``)."""
     error: str
@@ -80,14 +85,14 @@ class StopRecord:
 
 class RanksStopped(RanksFailed):
     """Raised on every rank but the one that failed first outside the ranks' agreement (in its forward,
-    backward or step), naming it (``first``, a `StopRecord`); this rank's call stopped because its collective
-    failed (``__cause__``). The engine's process group is closed: resume every rank from the last checkpoint
-    in a new engine."""
+    backward or step, or in the user's code between them: `Engine.stop`), naming it (``first``, a
+    `StopRecord`); this rank's call stopped because its collective failed (``__cause__``). The engine's
+    process group is closed: resume every rank from the last checkpoint in a new engine."""
 
     def __init__(self, first: StopRecord, *, rank: int, where: str, local: BaseException, then: str) -> None:
         why = describe(local)
         why = why if len(why) <= 160 else why[:159] + "…"  # gloo's are long; the whole is ``__cause__``
-        RuntimeError.__init__(self, f"{first}; this rank ({rank}) stopped in its {where} ({why}). {then}")
+        RuntimeError.__init__(self, f"{first}; this rank ({rank}) stopped in {_its(where)} ({why}). {then}")
         self.what, self.reasons = f"step {first.step}", {first.rank: first.error}
         self.rank, self.needs_load = rank, True
         self.first = first
@@ -112,8 +117,10 @@ class RankStop:
     def after(self, error: BaseException, *, where: str, step: int) -> BaseException:
         """The error to raise for ``error``, which left ``where`` ("forward", ...) of step ``step``: ``error``
         itself where nothing stops (world size 1, an agreed error) or on the rank that failed first (with a
-        note); `RanksStopped` on the others. Closes the process group otherwise."""
-        if self.world_size <= 1 or isinstance(error, _AGREED):
+        note); `RanksStopped` on the others. Closes the process group otherwise. Nothing twice: once the ranks
+        stopped (or the engine's own group was let go: closed) ``error`` is returned as it is."""
+        if self.world_size <= 1 or isinstance(error, _AGREED) or self.failure.kind is Failure.STOPPED or (
+                self._own_group and self.group is None):
             return error
         first, unread = self._record(StopRecord(self.rank, where, step, describe(error)))
         self._close()
@@ -174,6 +181,11 @@ class RankStop:
             gc.collect()  # a handle in a reference cycle
         except Exception as failed:  # noqa: BLE001 - the error raised says what happened
             log.warning(f"offload: closing the process group after a failure: {describe(failed)}")
+
+
+def _its(where: str) -> str:
+    """``where`` a rank stopped, as a clause: "its forward" for an engine's call, "the training loop" as it is."""
+    return f"its {where}" if where in ("forward", "backward", "step") else where
 
 
 def communication_error(error: BaseException) -> bool:
