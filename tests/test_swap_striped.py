@@ -26,7 +26,7 @@ from offload.config import EngineConfig
 from offload.storage import StripedSwapFile, SwapFile, open_swap_file
 from offload.storage import drive_speed
 from offload.storage.drive_speed import measured_weights, probe_speed, stripe_weights
-from offload.storage.striped import STRIPE_BYTES, StripeLayout, drive_bytes, stripe_pieces
+from offload.storage.striped import STRIPE_BYTES, StripeLayout
 from offload.train.engine import initialize
 from offload.train.space import SwapSpace, check_swap_space
 from tensorio import AioConfig, ChecksumError, aligned_tensor
@@ -55,7 +55,8 @@ def _reduced(weights) -> tuple[int, ...]:
 @given(offset=st.integers(0, 5 * 4096), nbytes=st.integers(0, 9 * 4096 + 7), stripe=st.sampled_from([4096, 8192, 12288]),
        weights=st.lists(st.integers(1, 5), min_size=1, max_size=4), chunk=st.one_of(st.none(), st.integers(1, 20000)))
 def test_pieces_cover_the_request_in_order_and_map_each_byte_as_the_layout_says(offset, nbytes, stripe, weights, chunk):
-    pieces = stripe_pieces(offset, nbytes, stripe=stripe, weights=weights, chunk=chunk)
+    layout = StripeLayout(stripe, tuple(weights))
+    pieces = layout.pieces(offset, nbytes, chunk)
     reduced = _reduced(weights)  # weights are ratios: (2, 2) is (1, 1)
     assert sum(p.length for p in pieces) == nbytes and all(p.length > 0 for p in pieces)
     start = 0
@@ -75,7 +76,7 @@ def test_pieces_cover_the_request_in_order_and_map_each_byte_as_the_layout_says(
     for unit in range(-(-end // stripe)):
         drive, at = _where(min(end, (unit + 1) * stripe) - 1, stripe, reduced)
         ends[drive] = max(ends[drive], at + 1)
-    assert [drive_bytes(end, stripe=stripe, weights=weights, drive=d) for d in range(len(weights))] == ends
+    assert [layout.drive_bytes(end, d) for d in range(len(weights))] == ends
 
 
 @settings(max_examples=100, deadline=None)
@@ -83,9 +84,10 @@ def test_pieces_cover_the_request_in_order_and_map_each_byte_as_the_layout_says(
        times=st.integers(1, 4), chunk=st.one_of(st.none(), st.integers(1, 20000)))
 def test_equal_weights_are_the_even_layout_of_before(offset, nbytes, drives, times, chunk):
     """Equal weights, whatever their value, lay the bytes out as RAID 0 with one unit per drive did."""
-    assert stripe_pieces(offset, nbytes, stripe=4096, weights=[times] * drives, chunk=chunk) == \
-        stripe_pieces(offset, nbytes, stripe=4096, drives=drives, chunk=chunk)
-    for piece in stripe_pieces(offset, nbytes, stripe=4096, drives=drives, chunk=chunk):
+    even = StripeLayout.even(4096, drives)
+    weighted = StripeLayout(4096, (times,) * drives)
+    assert weighted.pieces(offset, nbytes, chunk) == even.pieces(offset, nbytes, chunk)
+    for piece in even.pieces(offset, nbytes, chunk):
         unit = (offset + piece.start) // 4096  # the formula of docs/engine.md, "Striped over several drives"
         assert (piece.drive, piece.file_offset) == (unit % drives, (unit // drives) * 4096 + (offset + piece.start) % 4096)
     assert StripeLayout(4096, (times,) * drives) == StripeLayout.even(4096, drives)
@@ -93,17 +95,20 @@ def test_equal_weights_are_the_even_layout_of_before(offset, nbytes, drives, tim
 
 def test_a_weighted_drive_gets_its_share_as_one_piece_per_cycle():
     """(3, 1) over 1 MiB units: a 16 MiB request is 3 MiB on the first drive, 1 MiB on the second, four times."""
-    pieces = stripe_pieces(0, 16 << 20, stripe=1 << 20, weights=[3, 1])
+    layout = StripeLayout(1 << 20, (3, 1))
+    pieces = layout.pieces(0, 16 << 20)
     assert [(p.drive, p.length >> 20) for p in pieces] == [(0, 3), (1, 1)] * 4
     assert [p.file_offset >> 20 for p in pieces] == [0, 0, 3, 1, 6, 2, 9, 3]
-    assert [drive_bytes(16 << 20, stripe=1 << 20, weights=[3, 1], drive=d) >> 20 for d in (0, 1)] == [12, 4]
+    assert [layout.drive_bytes(16 << 20, d) >> 20 for d in (0, 1)] == [12, 4]
 
 
 def test_bad_arguments_are_named(tmp_path):
-    with pytest.raises(ValueError, match=r"stripe_pieces: offset -1 and size 10 must be at least 0"):
-        stripe_pieces(-1, 10, stripe=4096, drives=2)
-    with pytest.raises(ValueError, match=r"stripe_pieces: give one of drives .* and weights"):
-        stripe_pieces(0, 10, stripe=4096, drives=2, weights=[1, 1])
+    with pytest.raises(ValueError, match=r"StripeLayout.pieces: offset -1 and size 10 must be at least 0"):
+        StripeLayout.even(4096, 2).pieces(-1, 10)
+    with pytest.raises(ValueError, match=r"StripeLayout.pieces: chunk 0 must be at least 1"):
+        StripeLayout.even(4096, 2).pieces(0, 10, chunk=0)
+    with pytest.raises(ValueError, match=r"stripe_bytes: 0 must be at least 1"):
+        StripeLayout(0, (1, 1))
     for weights in ([], [0, 1], [1.5, 1], [True, 1]):
         with pytest.raises(ValueError, match=r"stripe weights: .* is not allowed; give one integer of at least 1"):
             StripeLayout(4096, tuple(weights))
@@ -152,7 +157,7 @@ def test_bytes_land_on_every_drive_and_read_back(drives, nbytes, verify, weights
         assert (first, second) == (0, -(-nbytes // 4096) * 4096)
         file.preallocate()
         sizes = [os.stat(path).st_size for path in file.paths]
-        assert sizes == [drive_bytes(file.allocated_bytes, stripe=STRIPE, weights=weights, drive=d) for d in range(2)]
+        assert sizes == [StripeLayout(STRIPE, tuple(weights)).drive_bytes(file.allocated_bytes, d) for d in range(2)]
         values = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
         source = aligned_tensor(nbytes, torch.uint8)
         source.copy_(values)
@@ -259,7 +264,7 @@ def _fake_probe(path, aio, **_):
 def fake_speeds(monkeypatch, drives):
     """The swap files' own measurement (the default path) answered by `_fake_probe`, from an empty cache;
     yields the weights it gives ``drives``: (1, 3) on disk + tmpfs, (1, 1) on one file system."""
-    monkeypatch.setattr(drive_speed, "probe_speed", _fake_probe)
+    monkeypatch.setattr(drive_speed, "probe_speeds", lambda paths, aio, **_: [_fake_probe(p, aio) for p in paths])
     monkeypatch.setattr(drive_speed, "_speeds", {})
     weights = measured_weights(drives, AioConfig(), probe=_fake_probe)
     assert weights == ((1, 3) if os.stat(drives[0]).st_dev != os.stat(drives[1]).st_dev else (1, 1))
@@ -293,8 +298,8 @@ def test_one_rank_stripes_its_swap_files_over_two_drives_and_trains_as_on_one(tm
     assert losses == expected
     assert set(alone) == {"params", "adam"}
     for kind, size in alone.items():  # each file's bytes split over the drives as the stripes fall, none lost
-        assert [sizes[kind] for sizes in on_drives] == [drive_bytes(size, stripe=STRIPE_BYTES, weights=fake_speeds,
-                                                                    drive=d) for d in range(2)]
+        assert [sizes[kind] for sizes in on_drives] == [StripeLayout(STRIPE_BYTES, fake_speeds).drive_bytes(size, d)
+                                                        for d in range(2)]
         assert min(sizes[kind] for sizes in on_drives) > 0
     assert all(os.listdir(d) == [] for d in drives)  # removed at close
     # A second drive missing, or read-only, is named at initialize, before anything is written.
@@ -414,7 +419,7 @@ def test_a_model_built_under_zero_init_stripes_its_partitions_and_trains_as_on_o
         finally:
             engine.close()
     assert losses[0] == losses[1]
-    assert sizes[1] == [drive_bytes(sizes[0][0], stripe=STRIPE_BYTES, weights=[2, 1], drive=d) for d in range(2)]
+    assert sizes[1] == [StripeLayout(STRIPE_BYTES, (2, 1)).drive_bytes(sizes[0][0], d) for d in range(2)]
     assert min(sizes[1]) > 0
 
 
@@ -505,6 +510,139 @@ def test_the_probe_moves_bytes_and_leaves_nothing(tmp_path):
     """`probe_speed` itself, tiny: a figure (not checked against anything) and no file left behind."""
     assert probe_speed(tmp_path, AioConfig(), nbytes=64 << 10) > 0
     assert os.listdir(tmp_path) == []
+
+
+@pytest.fixture
+def probe_files(monkeypatch):
+    """`SwapFile` as the probe makes it, noting each file's settings and each request: yields the list of
+    ``("made", directory, aio)`` and ``(op, directory, bytes)``, op "write" or "read", in the order made."""
+    events = []
+
+    class Noted(SwapFile):
+        def __init__(self, directory, aio, **kwargs):
+            super().__init__(directory, aio, **kwargs)
+            events.append(("made", str(directory), aio))
+
+        def write(self, tensor, offset, **kwargs):
+            events.append(("write", os.path.dirname(self.path), tensor.nbytes))
+            return super().write(tensor, offset, **kwargs)
+
+        def read(self, buffer, offset, **kwargs):
+            events.append(("read", os.path.dirname(self.path), buffer.nbytes))
+            return super().read(buffer, offset, **kwargs)
+
+    monkeypatch.setattr(drive_speed, "SwapFile", Noted)
+    yield events
+
+
+def test_the_probe_times_the_raw_drives_in_alternating_rounds(tmp_path, probe_files):
+    """No checksums (the swap file's other settings kept), a warm-up write each, then the drives in turn,
+    each round starting one drive later, every request the round's size; nothing left behind."""
+    dirs = [str(tmp_path / name) for name in "abc"]
+    for d in dirs:
+        os.mkdir(d)
+    aio = AioConfig(verify=True, queue_depth=3, direct=False)
+    speeds = drive_speed.probe_speeds(dirs, aio, nbytes=64 << 10, rounds=4, seconds=math.inf)
+    assert len(speeds) == 3 and all(s > 0 for s in speeds)
+    made = [e for e in probe_files if e[0] == "made"]
+    assert [d for _, d, _ in made] == dirs
+    assert all(cfg == AioConfig(verify=False, queue_depth=3, direct=False) for _, _, cfg in made)
+    moves = [e for e in probe_files if e[0] != "made"]
+    assert all(nbytes == 64 << 10 for _, _, nbytes in moves)
+    warm_up, rounds = moves[:3], moves[3:]
+    assert warm_up == [("write", d, 64 << 10) for d in dirs]
+    order = [0, 1, 2, 1, 2, 0, 2, 0, 1, 0, 1, 2]  # four rounds, each drive written then read in turn
+    assert [(op, d) for op, d, _ in rounds] == [(op, dirs[i]) for i in order for op in ("write", "read")]
+    assert all(os.listdir(d) == [] for d in dirs)
+
+
+def test_the_probe_sizes_its_rounds_by_the_queue_and_stops_when_out_of_time(tmp_path, probe_files, monkeypatch):
+    assert drive_speed.probe_config(AioConfig(queue_depth=5)) == AioConfig(queue_depth=5, verify=False)
+    assert drive_speed.probe_bytes(AioConfig()) == drive_speed.PROBE_BYTES == 16 << 20  # 2 x 8 x 1 MiB
+    assert drive_speed.probe_bytes(AioConfig(queue_depth=16)) == 32 << 20
+    assert drive_speed.probe_bytes(AioConfig(queue_depth=64, thread_count=4)) == drive_speed.MAX_PROBE_BYTES
+    assert drive_speed.probe_bytes(AioConfig(queue_depth=1, block_size=4096)) == drive_speed.PROBE_BYTES
+    monkeypatch.setattr(drive_speed, "PROBE_BYTES", 16 << 10)  # a tiny probe: two queues of 4 KiB x 4
+    aio = AioConfig(block_size=4096, queue_depth=4, thread_count=2)
+    drive_speed.probe_speeds([tmp_path], aio, seconds=0)  # out of time at once: the fewest rounds
+    assert [e[1:] for e in probe_files if e[0] == "read"] == [(str(tmp_path), 64 << 10)] * drive_speed.PROBE_MIN_ROUNDS
+    assert [e[1:] for e in probe_files if e[0] == "write"] == \
+        [(str(tmp_path), 64 << 10)] * (1 + drive_speed.PROBE_MIN_ROUNDS)
+
+
+def test_a_drive_counts_at_its_fastest_write_plus_its_fastest_read(monkeypatch):
+    """Other work only slows a round: each direction's fastest round counts, not the fastest or median
+    round trip (a fake clock that the fake files' requests move on)."""
+    clock = [0.0]
+    seconds = {"a": {"write": [9.0, 0.5, 0.1, 0.3], "read": [0.2, 0.4, 0.1]},  # warm-up write first
+               "b": {"write": [9.0, 1.0, 1.0, 1.0], "read": [1.0, 1.0, 1.0]}}
+
+    class Timed:
+        def __init__(self, directory, aio, **_):
+            self.left = {op: list(times) for op, times in seconds[str(directory)].items()}
+
+        def allocate(self, nbytes):
+            return 0
+
+        def preallocate(self):
+            pass
+
+        def _move(self, op):
+            took = self.left[op].pop(0)
+            return type("Done", (), {"result": lambda _: clock.__setitem__(0, clock[0] + took)})()
+
+        def write(self, tensor, offset):
+            return self._move("write")
+
+        def read(self, buffer, offset):
+            return self._move("read")
+
+        def close(self):
+            assert not any(self.left.values())  # every scripted request was made
+
+    monkeypatch.setattr(drive_speed, "SwapFile", Timed)
+    monkeypatch.setattr(drive_speed, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    speeds = drive_speed.probe_speeds(["a", "b"], AioConfig(), nbytes=1000, rounds=3, seconds=math.inf)
+    assert speeds == [pytest.approx(2000 / 0.2), pytest.approx(2000 / 2.0)]
+
+
+def test_new_file_systems_are_probed_together_once_whatever_the_checksums(drives, tmp_path, monkeypatch):
+    calls = []
+
+    def probe_speeds(paths, aio, **_):
+        calls.append((list(paths), aio))
+        return [_fake_probe(p, aio) for p in paths]
+
+    monkeypatch.setattr(drive_speed, "probe_speeds", probe_speeds)
+    monkeypatch.setattr(drive_speed, "_speeds", {})
+    two_fs = os.stat(drives[0]).st_dev != os.stat(drives[1]).st_dev
+    (tmp_path / "more").mkdir()
+    listed = [*drives, str(tmp_path / "more")]  # the third on the first one's file system
+    assert measured_weights(listed, AioConfig()) == ((1, 3, 1) if two_fs else (1, 1, 1))
+    assert calls == [(drives if two_fs else drives[:1], AioConfig())]  # one probe of every file system, in order
+    assert measured_weights(drives, AioConfig(verify=False)) == ((1, 3) if two_fs else (1, 1))
+    assert len(calls) == 1  # the figures are kept, checksums or not
+    measured_weights(drives, AioConfig(queue_depth=4))
+    assert len(calls) == 2 and calls[1][1] == AioConfig(queue_depth=4)  # other settings: measured again
+
+
+def test_a_real_probe_that_fails_stripes_evenly_and_leaves_nothing(drives, monkeypatch, caplog):
+    two_fs = os.stat(drives[0]).st_dev != os.stat(drives[1]).st_dev
+    full = drives[1] if two_fs else drives[0]  # the last file system probed is full
+
+    class Full(SwapFile):
+        def preallocate(self):
+            if os.path.dirname(self.path) == full:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            super().preallocate()
+
+    monkeypatch.setattr(drive_speed, "SwapFile", Full)
+    monkeypatch.setattr(drive_speed, "_speeds", {})
+    with caplog.at_level(logging.WARNING, logger="offload.storage.drive_speed"):
+        assert measured_weights(drives, AioConfig(), key="some.nvme_path") == (1, 1)
+    assert "some.nvme_path: could not measure the drives' speeds" in caplog.text and "No space left" in caplog.text
+    assert drive_speed._speeds == {}  # nothing half-measured is kept
+    assert all(os.listdir(d) == [] for d in drives)
 
 
 def test_a_striped_file_measures_its_drives_by_default(drives, fake_speeds):

@@ -3,15 +3,20 @@
 A `StripedSwapFile` over drives of unequal speed must give each drive a share of every request in
 proportion to its speed, or every request waits for the slowest drive's part (striped traffic is then at
 most D x the slowest drive, not the sum). The speeds are measured once per file system and process
-(`measured_weights`): a brief write then read of `PROBE_BYTES` through tensorio, with the swap file's
-own settings (O_DIRECT where the file system has it, checksums as ``aio.verify`` says), in a swap file of
-its own that is removed at once. `stripe_weights` turns the speeds into small integers (pure): drives
-within `EQUAL_WITHIN` of each other count as equal, so that a probe's noise never makes a lopsided layout
-of identical drives, and a cycle holds at most `MAX_CYCLE` stripe units.
+(`measured_weights`), all the new file systems together (`probe_speeds`): a probe file on each, then rounds
+that write then read `probe_bytes` (two queues' worth of the swap file's requests) on each drive in turn,
+with the swap file's own settings (O_DIRECT where the file system has it) but no checksums (`probe_config`:
+hashing costs the CPU the same per byte whatever drive the byte goes to, so it is no part of a drive's
+speed), taking each drive's fastest write and fastest read (other work only ever slows a round down). The
+drives alternate within the rounds, so that a burst of other traffic falls on every drive alike. About a
+quarter of a second for a disk and a tmpfs. `stripe_weights` turns the speeds into small integers (pure):
+drives within `EQUAL_WITHIN` of each other count as equal, so that a probe's noise never makes a lopsided
+layout of identical drives, and a cycle holds at most `MAX_CYCLE` stripe units.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -25,12 +30,29 @@ from tensorio import AioConfig, aligned_tensor
 
 from offload.storage.swapfile import SwapFile
 
-__all__ = ["EQUAL_WITHIN", "MAX_CYCLE", "PROBE_BYTES", "measured_weights", "probe_speed", "stripe_weights"]
+__all__ = ["EQUAL_WITHIN", "MAX_CYCLE", "MAX_PROBE_BYTES", "PROBE_BYTES", "PROBE_MIN_ROUNDS", "PROBE_ROUNDS",
+           "PROBE_SECONDS", "measured_weights", "probe_bytes", "probe_config", "probe_speed", "probe_speeds",
+           "stripe_weights"]
 
 log = logging.getLogger(__name__)
 
-PROBE_BYTES = 8 << 20
-"""Bytes the probe writes then reads on each file system: a few tens of milliseconds on a drive of 1 GB/s."""
+PROBE_BYTES = 16 << 20
+"""The fewest bytes a round of the probe writes then reads on each drive: two queues' worth at tensorio's
+default settings (8 pieces of 1 MiB in flight), so that a round keeps the queue full past its first batch and
+times the drive's rate, not one batch's latency (`probe_bytes`)."""
+
+MAX_PROBE_BYTES = 64 << 20
+"""The most bytes of a round, however deep the swap file's queues."""
+
+PROBE_ROUNDS = 8
+"""Rounds of the probe (each drive written then read once per round), at most."""
+
+PROBE_MIN_ROUNDS = 3
+"""Rounds of the probe at least, however long they take."""
+
+PROBE_SECONDS = 0.5
+"""No round starts after this many seconds of rounds (once `PROBE_MIN_ROUNDS` are done): a slow drive is
+measured in fewer rounds rather than for longer."""
 
 MAX_CYCLE = 16
 """Most stripe units in a cycle (every drive's run once): 16 MiB of 1 MiB units, a request's size."""
@@ -43,7 +65,7 @@ CLOSE_ENOUGH = 1.03
 runs share each request more evenly, and a probe is not this precise)."""
 
 _speeds: dict[tuple[int, str], float] = {}
-"""(file system's st_dev, the aio settings) -> bytes/s measured, once per process."""
+"""(file system's st_dev, the probe's aio settings) -> bytes/s measured, once per process."""
 _speeds_lock = threading.Lock()
 
 
@@ -97,51 +119,94 @@ def _cost(weights: Sequence[int], speeds: Sequence[float]) -> float:
     return max(w / (cycle * s) for w, s in zip(weights, speeds))
 
 
-def probe_speed(directory: str | os.PathLike, aio: AioConfig, *, nbytes: int = PROBE_BYTES,
-                key: str = "nvme_path") -> float:
-    """Bytes/s of writing then reading ``nbytes`` in ``directory`` through tensorio with ``aio`` (a swap file
-    of its own, preallocated, written once untimed to start its I/O workers, then written and read timed;
-    removed at the end). Raises as `SwapFile` does (naming ``key``) and TensorIOError for a failed request."""
-    file = SwapFile(directory, aio, kind="probe", key=key)
+def probe_config(aio: AioConfig) -> AioConfig:
+    """The settings the probe runs with: the swap file's ``aio`` (backend, O_DIRECT, pieces, queue depth,
+    threads) without checksums, so that it times the drive and not the CPU's hashing."""
+    return dataclasses.replace(aio, verify=False)
+
+
+def probe_bytes(aio: AioConfig) -> int:
+    """Bytes of each round of the probe for a swap file of ``aio``: two queues' worth (``block_size x
+    queue_depth x thread_count`` in flight), at least `PROBE_BYTES` and at most `MAX_PROBE_BYTES`."""
+    in_flight = aio.block_size * aio.queue_depth * aio.thread_count
+    return min(max(PROBE_BYTES, 2 * in_flight), MAX_PROBE_BYTES)
+
+
+def probe_speeds(directories: Sequence[str | os.PathLike], aio: AioConfig, *, nbytes: int | None = None,
+                 rounds: int = PROBE_ROUNDS, min_rounds: int = PROBE_MIN_ROUNDS, seconds: float = PROBE_SECONDS,
+                 key: str = "nvme_path") -> list[float]:
+    """Bytes/s of each of ``directories`` (one per drive), measured together through tensorio with
+    `probe_config` of ``aio``: a probe file on each (preallocated, written once untimed to start its I/O
+    workers and lay out its blocks), then up to ``rounds`` rounds (no new one after ``seconds`` of rounds,
+    once ``min_rounds`` are done), each writing then reading ``nbytes`` (default `probe_bytes`) on every
+    drive in turn, round ``r`` starting at drive ``r % len(directories)``. A drive's speed is ``2 *
+    nbytes`` over its fastest write plus its fastest read: other work (other processes' I/O and CPU use)
+    only slows a round down. The files are removed at the end. Raises as `SwapFile` does (naming ``key``)
+    and TensorIOError (an OSError) for a failed request."""
+    aio = probe_config(aio)
+    nbytes = probe_bytes(aio) if nbytes is None else nbytes
+    files: list[SwapFile] = []
     try:
-        offset = file.allocate(nbytes)
-        file.preallocate()
+        for directory in directories:
+            files.append(SwapFile(directory, aio, kind="probe", key=key))
         data = aligned_tensor(nbytes, torch.uint8).fill_(0x5A)
-        file.write(data, offset).result()  # warm-up: the handle's workers start, the blocks are written once
+        offsets = []
+        for file in files:
+            offsets.append(file.allocate(nbytes))
+            file.preallocate()
+            file.write(data, offsets[-1]).result()  # warm-up: the handle's workers start, the blocks are written
+        writes = [math.inf] * len(files)
+        reads = [math.inf] * len(files)
         start = time.perf_counter()
-        file.write(data, offset).result()
-        file.read(data, offset).result()
-        return 2 * nbytes / max(time.perf_counter() - start, 1e-9)
+        for done in range(rounds):
+            if done >= min_rounds and time.perf_counter() - start >= seconds:
+                break
+            for index in [(done + i) % len(files) for i in range(len(files))]:
+                file, offset = files[index], offsets[index]
+                began = time.perf_counter()
+                file.write(data, offset).result()
+                written = time.perf_counter()
+                file.read(data, offset).result()
+                writes[index] = min(writes[index], written - began)
+                reads[index] = min(reads[index], time.perf_counter() - written)
+        return [2 * nbytes / max(w + r, 1e-9) for w, r in zip(writes, reads)]
     finally:
-        file.close()
+        for file in files:
+            file.close()
+
+
+def probe_speed(directory: str | os.PathLike, aio: AioConfig, *, nbytes: int | None = None,
+                key: str = "nvme_path") -> float:
+    """Bytes/s of the drive of ``directory`` alone (`probe_speeds` of it; ``nbytes`` per round, default
+    `probe_bytes`). Raises as `probe_speeds` does."""
+    return probe_speeds([directory], aio, nbytes=nbytes, key=key)[0]
 
 
 def measured_weights(directories: Sequence[str | os.PathLike], aio: AioConfig, *, key: str = "nvme_path",
                      probe: Callable[[str, AioConfig], float] | None = None) -> tuple[int, ...]:
     """The stripe weights of ``directories`` (`stripe_weights` of their speeds). Each file system is probed
-    once per process and settings (`probe_speed`; directories on one file system share its figure, so they
-    get equal weights); ``probe(directory, aio)`` replaces the measurement, and then nothing is kept.
+    once per process and probe settings (`probe_config`: ``aio.verify`` makes no difference), the ones not
+    measured yet together (`probe_speeds`, the drives alternating); directories on one file system share its
+    figure, so they get equal weights. ``probe(directory, aio)`` replaces the measurement (one call per
+    file system), and then nothing is kept.
 
     Where a probe fails (a full or failing drive), the drives are taken as equal and a warning says why: the
     swap file's own checks then name the drive. Logs the speeds and the weights where it measured."""
     paths = [os.path.abspath(os.fspath(d)) for d in directories]
-    speeds: dict[int, float] = {}
-    measured = probe is not None
     try:
-        for path in paths:
-            device = os.stat(path).st_dev
-            if device in speeds:
-                continue
-            if probe is not None:
-                speeds[device] = probe(path, aio)
-            else:
-                speeds[device], fresh = _cached_speed(path, aio, device, key)
-                measured = measured or fresh
+        devices = [os.stat(path).st_dev for path in paths]
+        first: dict[int, str] = {}  # a directory per file system, in the order given
+        for device, path in zip(devices, paths):
+            first.setdefault(device, path)
+        if probe is not None:
+            speeds, measured = {device: probe(path, aio) for device, path in first.items()}, True
+        else:
+            speeds, measured = _cached_speeds(first, aio, key)
     except OSError as error:
         log.warning("%s: could not measure the drives' speeds (%s); striping evenly over %s", key, error,
                     ", ".join(paths))
         return (1,) * len(paths)
-    figures = [speeds[os.stat(path).st_dev] for path in paths]
+    figures = [speeds[device] for device in devices]
     weights = stripe_weights(figures)
     drives = ", ".join(f"{path} ({speed / 1e9:.2f} GB/s)" for path, speed in zip(paths, figures))
     (log.info if measured else log.debug)("%s: striping over %s with weights %s", key, drives,
@@ -149,11 +214,12 @@ def measured_weights(directories: Sequence[str | os.PathLike], aio: AioConfig, *
     return weights
 
 
-def _cached_speed(path: str, aio: AioConfig, device: int, key: str) -> tuple[float, bool]:
-    """(bytes/s of ``device``'s file system, whether it was measured now)."""
-    with _speeds_lock:  # one probe of a file system at a time, and only once
-        cache_key = (device, repr(aio))
-        if cache_key in _speeds:
-            return _speeds[cache_key], False
-        _speeds[cache_key] = probe_speed(path, aio, key=key)
-        return _speeds[cache_key], True
+def _cached_speeds(paths: dict[int, str], aio: AioConfig, key: str) -> tuple[dict[int, float], bool]:
+    """(bytes/s of each file system of ``paths`` (st_dev -> a directory on it), whether any was measured now)."""
+    settings = repr(probe_config(aio))
+    with _speeds_lock:  # one probe at a time, and each file system only once
+        missing = [device for device in paths if (device, settings) not in _speeds]
+        if missing:
+            for device, speed in zip(missing, probe_speeds([paths[d] for d in missing], aio, key=key)):
+                _speeds[device, settings] = speed
+        return {device: _speeds[device, settings] for device in paths}, bool(missing)

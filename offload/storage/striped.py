@@ -35,8 +35,7 @@ from tensorio import AioConfig, BufferPool, IOFuture
 from offload.storage.drive_speed import measured_weights
 from offload.storage.swapfile import PAGE, PooledBuffers, SwapFile, aligned_size
 
-__all__ = ["STRIPE_BYTES", "StripeLayout", "StripePiece", "StripedSwapFile", "drive_bytes", "open_swap_file",
-           "stripe_pieces"]
+__all__ = ["STRIPE_BYTES", "StripeLayout", "StripePiece", "StripedSwapFile", "open_swap_file"]
 
 STRIPE_BYTES = 1 << 20
 """The stripe unit: tensorio's default piece (``aio.block_size``), so that striping adds no smaller requests
@@ -100,9 +99,9 @@ class StripeLayout:
         end of each drive's run of units) and (``chunk``) at every multiple of ``chunk`` from the request's
         start. Raises ValueError for a negative offset or size, or a chunk below 1."""
         if offset < 0 or nbytes < 0:
-            raise ValueError(f"stripe_pieces: offset {offset} and size {nbytes} must be at least 0")
+            raise ValueError(f"StripeLayout.pieces: offset {offset} and size {nbytes} must be at least 0")
         if chunk is not None and chunk < 1:
-            raise ValueError(f"stripe_pieces: chunk {chunk} must be at least 1")
+            raise ValueError(f"StripeLayout.pieces: chunk {chunk} must be at least 1")
         stripe, weights, starts = self.stripe, self.weights, self.starts
         pieces = []
         start = 0
@@ -122,31 +121,6 @@ class StripeLayout:
         cycles, rest = divmod(end, self.stripe * self.cycle)
         run = self.weights[drive] * self.stripe
         return cycles * run + min(run, max(0, rest - self.starts[drive] * self.stripe))
-
-
-def stripe_pieces(offset: int, nbytes: int, *, stripe: int, drives: int | None = None,
-                  weights: Sequence[int] | None = None, chunk: int | None = None) -> list[StripePiece]:
-    """The pieces of a request of ``nbytes`` at ``offset`` of the striped space over ``drives`` drives of one
-    speed or drives of ``weights`` (`StripeLayout`), in order, cut where the drive changes and (``chunk``) at
-    every multiple of ``chunk`` from the request's start. Pure.
-
-    Raises ValueError for a negative offset or size, a stripe, drive count or chunk below 1, or bad weights."""
-    return _layout(stripe, drives, weights, chunk).pieces(offset, nbytes, chunk)
-
-
-def drive_bytes(end: int, *, stripe: int, drives: int | None = None, weights: Sequence[int] | None = None,
-                drive: int) -> int:
-    """Bytes of drive ``drive``'s file that the striped space ``[0, end)`` covers (its file's size), over
-    ``drives`` drives of one speed or drives of ``weights``. Pure."""
-    return _layout(stripe, drives, weights).drive_bytes(end, drive)
-
-
-def _layout(stripe: int, drives: int | None, weights: Sequence[int] | None, chunk: int | None = None) -> StripeLayout:
-    if (drives is None) == (weights is None):
-        raise ValueError("stripe_pieces: give one of drives (drives of one speed) and weights (one per drive)")
-    if stripe < 1 or (drives is not None and drives < 1) or (chunk is not None and chunk < 1):
-        raise ValueError(f"stripe_pieces: stripe {stripe}, drives {drives} and chunk {chunk} must be at least 1")
-    return StripeLayout.even(stripe, drives) if drives is not None else StripeLayout(stripe, tuple(weights))
 
 
 class StripedSwapFile(PooledBuffers):
