@@ -79,6 +79,24 @@ def _attempt(call) -> tuple[str, str, list[str]] | None:
     return None
 
 
+def refused_calls(engine, tmp: str, rank: int, ckpt: str) -> list:
+    """What a stopped engine's step, save and load raise (`_attempt` of each)."""
+    return [_attempt(call) for call in (
+        engine.step, lambda: engine.save_checkpoint(os.path.join(tmp, f"after{rank}")),
+        lambda: engine.load_checkpoint(ckpt))]
+
+
+def resumed_losses(tmp: str, rank: int, fault: Fault, ckpt: str, batches, mode: str = "in backward") -> list:
+    """The losses of a new engine resumed from ``ckpt`` over ``batches``. The stopped engine's group was its
+    own, so the default group is still whole on every rank (the barrier proves it)."""
+    dist.barrier()
+    engine = _engine(os.path.join(tmp, f"resumed{rank}"), fault, mode)
+    engine.load_checkpoint(ckpt)
+    losses = train(engine, batches, mlp_loss)
+    engine.close()
+    return losses
+
+
 def _rank(rank, tmp, mode, where, failing, port, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     batches = [(x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]) for x, y in BATCHES]
@@ -97,17 +115,9 @@ def _rank(rank, tmp, mode, where, failing, port, out):
         result["error"] = _attempt(lambda: train(engine, batches[1:], mlp_loss))
         result["steps"] = engine.global_steps
         result["failure"] = engine.stats().failure.value
-        result["refused"] = [_attempt(call) for call in (
-            engine.step, lambda: engine.save_checkpoint(os.path.join(tmp, f"after{rank}")),
-            lambda: engine.load_checkpoint(ckpt))]
+        result["refused"] = refused_calls(engine, tmp, rank, ckpt)
         engine.close()
-        # Resumed from the checkpoint of step 1 in a new engine: the engine's group was its own, so the
-        # default group is still whole on both ranks.
-        dist.barrier()
-        engine = _engine(os.path.join(tmp, f"resumed{rank}"), fault, mode)
-        engine.load_checkpoint(ckpt)
-        result["resumed"] = train(engine, batches[1:], mlp_loss)
-        engine.close()
+        result["resumed"] = resumed_losses(tmp, rank, fault, ckpt, batches[1:], mode)
     finally:
         torch.save(result, f"{out}.{rank}")
         if dist.is_initialized():

@@ -25,7 +25,8 @@ from offload.train import RanksStopped
 from offload.train.engine import initialize
 from offload.train.step.outside import UNCAUGHT, StopOnError, hook_uncaught, stops_ranks
 from test_engine import engine_config, mlp, mlp_loss, train
-from test_engine_dist_stop import BATCHES, MESSAGES, WORLD, Fault, _attempt, _engine, _free_port
+from test_engine_dist_stop import (BATCHES, MESSAGES, WORLD, Fault, _attempt, _engine, _free_port, refused_calls,
+                                   resumed_losses)
 
 TESTS = Path(__file__).resolve().parent
 
@@ -60,18 +61,12 @@ def _rank(rank, tmp, where, port, out):
 
         result["error"] = _attempt(loop)
         result["failure"] = engine.stats().failure.value
-        result["refused"] = [_attempt(call) for call in (
-            engine.step, lambda: engine.save_checkpoint(os.path.join(tmp, f"after{rank}")),
-            lambda: engine.load_checkpoint(ckpt))]
+        result["refused"] = refused_calls(engine, tmp, rank, ckpt)
         later = ValueError("later")
         result["again"] = engine.stop(later) is later and not hasattr(later, "__notes__")  # once stopped: nothing
         engine.close()
         result["restored"] = sys.excepthook is before
-        dist.barrier()  # the default group is whole: the engine's group was its own
-        engine = _engine(os.path.join(tmp, f"resumed{rank}"), fault)
-        engine.load_checkpoint(ckpt)
-        result["resumed"] = train(engine, batches[1:], mlp_loss)
-        engine.close()
+        result["resumed"] = resumed_losses(tmp, rank, fault, ckpt, batches[1:])
     finally:
         torch.save(result, f"{out}.{rank}")
         if dist.is_initialized():
