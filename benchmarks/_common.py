@@ -105,6 +105,22 @@ def reset_high_water_mark() -> bool:
     return True
 
 
+def live_tensor_peak(call) -> tuple[Any, int]:
+    """``call()``'s result and the peak of the bytes torch held allocated on this thread while it ran, over
+    those at its start (the profiler's memory events): the tensors themselves, without the allocator's
+    reuse of memory freed before (which hides growth from RSS) or its fragmentation (which adds to it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = call()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return result, peak
+
+
 def high_water_mark() -> int:
     """The kernel's peak RSS of this process since the last reset (VmHWM), in bytes."""
     with open("/proc/self/status") as f:

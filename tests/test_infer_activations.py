@@ -118,3 +118,38 @@ def test_the_prefills_reserve_is_freed_for_the_decode():
     (prompt, kept_prefill, reserved_prefill), *steps = seen
     assert prompt == 96 and reserved_prefill > 50 * decode_step
     assert all(tokens == 1 and reserved == decode_step and kept > kept_prefill for tokens, kept, reserved in steps)
+
+
+@pytest.mark.parametrize("prompt, chunk", [(2048, 512), (64, None)])
+def test_the_estimate_bounds_the_peak_of_live_tensors(prompt, chunk):
+    """Against the tensors torch holds (the profiler's peak, not RSS: the allocator's reuse and fragmentation
+    aside), for a grouped-query model with a large vocabulary: a chunk of a long prompt, whose mask and keys and
+    values repeated to every head over the whole context SDPA takes, and a short prompt, whose output head
+    would be copied whole by matmul for the last position's strided slice without the engine's row-major
+    input. The estimate plus the KV cache bounds the peak, within 1.5x."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from benchmarks._common import live_tensor_peak
+    from offload.infer import init_inference
+    from test_infer_generate import scratch_dir
+
+    root = scratch_dir("infer-live-peak-")
+    try:
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+                                          num_key_value_heads=2, vocab_size=32000, max_position_embeddings=4096)
+        transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(root / "llama")
+        ids = torch.randint(3, 32000, (1, prompt), generator=torch.Generator().manual_seed(1))
+        extra = {"prefill_chunk_size": chunk} if chunk else {}
+        with init_inference(root / "llama", disk_gbps=1.0) as engine:
+            engine.generate(ids[:, :16], max_new_tokens=2, do_sample=False, pad_token_id=0)
+            _, peak = live_tensor_peak(lambda: engine.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                                                               **extra))
+            total = prompt + 2
+            estimate = engine.activation_bytes(1, chunk or total, logits=1, context=total) + engine.kv_bytes(1, total)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    assert peak <= estimate <= 1.5 * peak, (peak, estimate)

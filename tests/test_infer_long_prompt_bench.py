@@ -26,7 +26,8 @@ def test_tiny_run_end_to_end(capsys):
     ours = runs[("ours", 512)]
     assert ours["estimate"] > 0 and ours["chunk"] == 512 and ours["forwards"] == 2  # the prefill, one new token
     assert any("bound 1.3 x transformers + budget" in line for line in figures["targets"])
-    assert sum("x the measured growth" in line for line in figures["targets"]) == 2
+    assert sum("x the peak of live tensors" in line for line in figures["targets"]) == 2
+    assert all(r["live_peak"] > 0 for (kind, _), r in runs.items() if kind == "ours")
     assert "transformers    512 tokens: peak RSS" in capsys.readouterr().out
 
 

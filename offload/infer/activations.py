@@ -34,26 +34,36 @@ _SMALLEST_CHUNK = 16
 def activation_bytes(text: Any, attention: str | None, dtype: torch.dtype, batch: int, tokens: int, *,
                      logits: int | None = None, context: int | None = None) -> int:
     """An upper estimate of one forward's activations over ``tokens`` tokens of a model whose text config is
-    ``text``, computing in ``dtype`` with attention implementation ``attention``: hidden states and the MLP's
-    intermediates in ``dtype``; the attention scores of every head (their product, fp32 softmax and cast
-    back) only where the implementation materialises them ("eager"), else (SDPA, flash attention: computed
-    in tiles, never all at once) the mask where transformers materialises it (a padded batch, a chunk of a
-    prompt: booleans, and SDPA's copy in ``dtype``); fp32 logits for ``logits`` positions of
-    each sequence (None: every position, as a forward returns them; ``generate`` keeps the last one's).
-    ``context``: the tokens attended to (the cache's and these; default ``tokens``), for a chunk of a prompt."""
+    ``text``, computing in ``dtype`` with attention implementation ``attention``: a decoder layer's hidden
+    states and MLP intermediates in ``dtype``; the attention scores of every head (their product, fp32
+    softmax and cast back) only where the implementation materialises them ("eager"), else (SDPA, flash
+    attention: computed in tiles, never all at once) the mask where transformers materialises it (a padded
+    batch, a chunk of a prompt: booleans, and SDPA's copy in ``dtype``); with grouped-query attention, the
+    keys and values repeated to every head over the whole context where transformers repeats them (eager
+    always, SDPA with a mask or heads wider than 256: its fused GQA takes neither); and fp32 logits for
+    ``logits`` positions of each sequence (None: every position, as a forward returns them; ``generate``
+    keeps the last one's). No copy of the output head's weight: the engine hands the head a row-major input
+    (`offload.infer.build.contiguous_head_input`). ``context``: the tokens attended to (the cache's and
+    these; default ``tokens``), for a chunk of a prompt. Checked against the peak of live tensors in
+    tests/test_infer_activations.py and `benchmarks.infer_long_prompt`."""
     hidden, heads = text.hidden_size, text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
     inner = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
     itemsize = torch.empty((), dtype=dtype).element_size()
     context = tokens if context is None else max(context, tokens)
     # per token: every head's scores (in the compute dtype, their fp32 softmax and its cast back); or, with
     # SDPA, the mask's row where transformers materialises it: as booleans and as SDPA converts them to the
     # compute dtype (a padded batch, a chunk attending to more tokens than its own; one sequence attending
-    # to itself alone goes by SDPA's is_causal, no mask)
-    masked = batch > 1 or context > tokens
-    scores = heads * context * (4 + 3 * itemsize) if attention in (None, "eager") else (
-        context * (1 + itemsize) if masked else 0)
+    # to itself alone goes by SDPA's is_causal, and one decoding a token attends to every position: no mask)
+    masked = batch > 1 or 1 < tokens < context
+    eager = attention in (None, "eager")
+    scores = heads * context * (4 + 3 * itemsize) if eager else (context * (1 + itemsize) if masked else 0)
+    repeats = kv_heads < heads and (eager or (attention == "sdpa" and (masked or head_dim > 256)))
+    repeated = 2 * context * heads * head_dim * itemsize if repeats else 0
     positions = tokens if logits is None else min(logits, tokens)
-    return batch * (tokens * ((6 * hidden + 3 * inner) * itemsize + scores) + 4 * positions * text.vocab_size)
+    return batch * (tokens * ((6 * hidden + 3 * inner) * itemsize + scores) + repeated
+                    + 4 * positions * text.vocab_size)
 
 
 def prefill_chunk(estimate: Callable[..., int], prompt: int, limit: int) -> int | None:
