@@ -190,8 +190,8 @@ def test_tiny_resident_run_beside_transformers(capsys):
 @pytest.mark.bench
 def test_tiny_revisions_run_alternates_two_trees_each_with_its_own_cache(capsys):
     """benchmarks/infer_revisions.py at a tiny scale against HEAD: both sides run from their own tree (the
-    revision's worktree is gone afterwards), int4 through a quantized cache of each side's own, the same
-    tokens, the ratio printed."""
+    revision's worktree is gone afterwards), int4 through a quantized cache of each side's own (kept under
+    --cache-dir), the same tokens, the ratio printed."""
     import subprocess
 
     from benchmarks.infer_revisions import main as revisions
@@ -200,8 +200,10 @@ def test_tiny_revisions_run_alternates_two_trees_each_with_its_own_cache(capsys)
     try:
         figures = revisions(["--dir", str(root), "--rev", "HEAD", "--scale", "0.025", "--layers", "2", "--shards", "1",
                              "--budget", "1MiB", "--quantize", "int4", "--prompt-tokens", "4", "--new-tokens", "3",
-                             "--repeats", "1"])
+                             "--repeats", "1", "--cache-dir", str(root / "caches")])
         assert not list(root.glob("revisions-*"))
+        for side in ("revision", "this-tree"):  # each side's cache kept for the next comparison
+            assert len(list((root / "caches" / side).glob("quantized-int4-*/model.safetensors"))) == 1
     finally:
         shutil.rmtree(root, ignore_errors=True)
     worktrees = subprocess.run(["git", "worktree", "list"], capture_output=True, text=True, check=True).stdout
