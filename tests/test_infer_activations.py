@@ -126,7 +126,9 @@ def test_the_estimate_bounds_the_peak_of_live_tensors(prompt, chunk):
     aside), for a grouped-query model with a large vocabulary: a chunk of a long prompt, whose mask and keys and
     values repeated to every head over the whole context SDPA takes, and a short prompt, whose output head
     would be copied whole by matmul for the last position's strided slice without the engine's row-major
-    input. The estimate plus the KV cache bounds the peak, within 1.5x."""
+    input. The estimate plus the KV cache bounds the peak; for the chunk, whose activations are MiBs, within
+    1.5x (the short prompt's are 0.5 MiB, where the kernels' per-thread workspace, which differs with the
+    threads a process has, is as large)."""
     import shutil
 
     import torch
@@ -152,4 +154,6 @@ def test_the_estimate_bounds_the_peak_of_live_tensors(prompt, chunk):
             estimate = engine.activation_bytes(1, chunk or total, logits=1, context=total) + engine.kv_bytes(1, total)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    assert peak <= estimate <= 1.5 * peak, (peak, estimate)
+    assert peak <= estimate, (peak, estimate)
+    if chunk:
+        assert estimate <= 1.5 * peak, (peak, estimate)
