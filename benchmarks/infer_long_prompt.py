@@ -217,7 +217,7 @@ def _line(r: dict) -> str:
                  f"({r['estimate'] / max(r['live_peak'], 1):.2f}x the live peak, "
                  f"{r['estimate'] / max(r['growth'], 1):.2f}x the RSS growth), "
                  f"prefill chunk {r['chunk']} tokens ({r['forwards'] - 1} forwards), resident weights the KV cache "
-                 f"displaced before it {r.get('displaced', 0) / 2**20:.0f} MiB")
+                 f"displaced before it {r['displaced'] / 2**20:.0f} MiB")
     return line + where
 
 

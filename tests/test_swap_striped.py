@@ -25,7 +25,7 @@ from torch import nn
 from offload.config import EngineConfig
 from offload.storage import StripedSwapFile, SwapFile, open_swap_file
 from offload.storage import drive_speed
-from offload.storage.drive_speed import measured_weights, probe_speed, stripe_weights
+from offload.storage.drive_speed import measured_weights, probe_speeds, stripe_weights
 from offload.storage.striped import STRIPE_BYTES, StripeLayout
 from offload.train.engine import initialize
 from offload.train.space import SwapSpace, check_swap_space
@@ -256,7 +256,7 @@ def _config(nvme_path, stripe_weights=None) -> dict:
 
 
 def _fake_probe(path, aio, **_):
-    """A seam for `probe_speed`: the tmpfs three times the disk (bytes/s), nothing timed."""
+    """A seam for the probe: the tmpfs three times the disk (bytes/s), nothing timed."""
     return 3e9 if os.path.realpath(path).startswith("/dev/shm") else 1e9
 
 
@@ -507,8 +507,8 @@ def test_measured_weights_probe_each_file_system_once_and_fall_back_to_even(tmp_
 
 
 def test_the_probe_moves_bytes_and_leaves_nothing(tmp_path):
-    """`probe_speed` itself, tiny: a figure (not checked against anything) and no file left behind."""
-    assert probe_speed(tmp_path, AioConfig(), nbytes=64 << 10) > 0
+    """`probe_speeds` itself, tiny: a figure (not checked against anything) and no file left behind."""
+    assert probe_speeds([tmp_path], AioConfig(), nbytes=64 << 10)[0] > 0
     assert os.listdir(tmp_path) == []
 
 

@@ -31,7 +31,7 @@ from tensorio import AioConfig, aligned_tensor
 from offload.storage.swapfile import SwapFile
 
 __all__ = ["EQUAL_WITHIN", "MAX_CYCLE", "MAX_PROBE_BYTES", "PROBE_BYTES", "PROBE_MIN_ROUNDS", "PROBE_ROUNDS",
-           "PROBE_SECONDS", "measured_weights", "probe_bytes", "probe_config", "probe_speed", "probe_speeds",
+           "PROBE_SECONDS", "measured_weights", "probe_bytes", "probe_config", "probe_speeds",
            "stripe_weights"]
 
 log = logging.getLogger(__name__)
@@ -173,13 +173,6 @@ def probe_speeds(directories: Sequence[str | os.PathLike], aio: AioConfig, *, nb
     finally:
         for file in files:
             file.close()
-
-
-def probe_speed(directory: str | os.PathLike, aio: AioConfig, *, nbytes: int | None = None,
-                key: str = "nvme_path") -> float:
-    """Bytes/s of the drive of ``directory`` alone (`probe_speeds` of it; ``nbytes`` per round, default
-    `probe_bytes`). Raises as `probe_speeds` does."""
-    return probe_speeds([directory], aio, nbytes=nbytes, key=key)[0]
 
 
 def measured_weights(directories: Sequence[str | os.PathLike], aio: AioConfig, *, key: str = "nvme_path",
