@@ -7,6 +7,10 @@ time from a buffer larger than the CPU's caches, as swapped bytes come from memo
 the step. What that costs the step is what that hashing costs on this CPU wherever it is done: the
 floor under the checksums' cost, beside which `tensorio`'s own hashing (in the I/O threads, as pieces
 land) is measured.
+
+``HashLoad(bytes_per_s=...)`` paces the hashing by bytes instead: ``bytes_per_s`` bytes hashed a second,
+wall time (`benchmarks.striped_swap`'s "fio at once + hashing" side hashes, while fio runs, as many bytes
+a second as fio moves).
 """
 
 from __future__ import annotations
@@ -25,12 +29,20 @@ _SLICE = 4 << 20  # a reaped batch's size; ~0.2 ms of hashing, so the thread wak
 class HashLoad:
     """While open, a daemon thread hashes (4 MiB slices of a ``buffer_bytes`` buffer, round and round) for
     ``cpu_rate`` CPU seconds a second, sleeping when ahead of the pace; ``hashed`` and ``cpu_seconds`` (the
-    hashing's, its loop's not counted) say what it did, over every time it was open (it can be reopened)."""
+    hashing's, its loop's not counted) say what it did, over every time it was open (it can be reopened).
+    With ``bytes_per_s`` instead of ``cpu_rate`` the pace is that many bytes hashed a second (wall time;
+    behind it, the thread hashes without pause until back on it); it may be changed between openings."""
 
-    def __init__(self, cpu_rate: float, *, buffer_bytes: int = 128 << 20) -> None:
-        if not 0 < cpu_rate < 1:
+    def __init__(self, cpu_rate: float | None = None, *, bytes_per_s: float | None = None,
+                 buffer_bytes: int = 128 << 20) -> None:
+        if (cpu_rate is None) == (bytes_per_s is None):
+            raise ValueError("HashLoad: give either cpu_rate or bytes_per_s, not both or neither")
+        if cpu_rate is not None and not 0 < cpu_rate < 1:
             raise ValueError(f"cpu_rate: {cpu_rate!r} is not allowed; use CPU seconds a second in (0, 1)")
+        if bytes_per_s is not None and not bytes_per_s > 0:
+            raise ValueError(f"bytes_per_s: {bytes_per_s!r} is not allowed; use bytes a second > 0")
         self.cpu_rate = cpu_rate
+        self.bytes_per_s = bytes_per_s
         self.hashed = 0
         self.cpu_seconds = 0.0
         self._buffer = memoryview(np.random.default_rng(0).integers(0, 256, buffer_bytes, dtype=np.uint8))
@@ -49,15 +61,17 @@ class HashLoad:
         self._thread.join()
 
     def _run(self) -> None:
-        start, spent, size = time.perf_counter(), 0.0, len(self._buffer)
+        start, spent, done, size = time.perf_counter(), 0.0, 0, len(self._buffer)
         while not self._stop.is_set():
-            ahead = spent / self.cpu_rate - (time.perf_counter() - start)
-            if ahead > 0:  # seconds until its hashing CPU time is back on the pace
+            due = done / self.bytes_per_s if self.bytes_per_s else spent / self.cpu_rate  # seconds of pace done
+            ahead = due - (time.perf_counter() - start)
+            if ahead > 0:  # seconds until the hashing is back on the pace
                 self._stop.wait(ahead)
                 continue
             began = time.thread_time()  # the hash alone, as `tensorio.checksum_totals` counts it
             xxhash.xxh3_64_intdigest(self._buffer[self._offset:self._offset + _SLICE])
             spent += time.thread_time() - began
             self.hashed += _SLICE
+            done += _SLICE
             self._offset = (self._offset + _SLICE) % size
         self.cpu_seconds += spent

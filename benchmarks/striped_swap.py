@@ -8,6 +8,14 @@ then fio (sequential, the same block size, queue depth and O_DIRECT) on each dir
 them at once (one fio per directory, started together). Medians of the rounds. Headline: the striped
 file's GB/s over the sum of each drive's fio alone (the target: at least 0.9).
 
+With checksums on (not ``--no-verify``) our file hashes (xxh3) every byte it writes or reads, and fio
+does not: the floor beside it is fio on all the directories at once while a thread of this process
+hashes, on the same cores, as many bytes a second as fio moves (`HashLoad` paced in bytes, 4 MiB slices
+from memory, as tensorio's I/O threads hash them). fio's own figure with that load is the pace's answer,
+so each round runs it twice: paced first at fio at once without hashing (more than fio then moves), then
+at what fio moved in that first pass; the second pass is the floor, with the GB/s hashed beside it (near
+what fio moved; under it, the floor errs high). Printed per round and as medians: the striped file over it.
+
     python -m benchmarks.striped_swap /work/tmp/x /dev/shm/sd --size 512M --rounds 3 [--weights 1,3] [--compare-even]
 """
 
@@ -23,6 +31,7 @@ import time
 import torch
 
 from bench.fio import FioJob, run_fio
+from benchmarks._hash_load import HashLoad
 from offload.storage import StripedSwapFile, SwapFile
 from tensorio import AioConfig, aligned_tensor, parse_size
 
@@ -77,6 +86,24 @@ def _fio(directories: list[str], rw: str, size: int, aio: AioConfig) -> float:
         return sum(result.bw_bytes for result in pool.map(run_fio, jobs)) / 1e9
 
 
+def _fio_hashing(directories: list[str], rw: str, size: int, aio: AioConfig, load: HashLoad,
+                 pace: float) -> tuple[float, float]:
+    """(summed fio GB/s, GB/s hashed) of one fio per directory at once while ``load`` hashes ``pace`` GB/s."""
+    load.bytes_per_s = pace * 1e9
+    hashed, start = load.hashed, time.perf_counter()
+    with load:
+        moved = _fio(directories, rw, size, aio)
+    return moved, (load.hashed - hashed) / (time.perf_counter() - start) / 1e9
+
+
+def _floor(directories: list[str], rw: str, size: int, aio: AioConfig, load: HashLoad,
+           pace: float) -> tuple[float, float]:
+    """fio at once while as many bytes are hashed as it moves: paced at ``pace`` (fio at once without the
+    hashing), then at what fio moved then; the second pass's (fio GB/s, GB/s hashed)."""
+    moved, _ = _fio_hashing(directories, rw, size, aio, load, pace)
+    return _fio_hashing(directories, rw, size, aio, load, moved)
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     """Run the benchmark; print the configuration, the figures and the headline ratio; return them."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -111,6 +138,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         figures.setdefault(name, []).append(value)
 
     used: list[tuple[int, ...]] = []
+    floor = not args.no_fio and aio.verify  # hashing beside fio, as our file hashes what it moves
+    load = HashLoad(bytes_per_s=1e9) if floor else None
 
     def striped(directories: list[str], stripe_weights: tuple[int, ...] | None) -> StripedSwapFile:
         """A striped file of ``stripe_weights`` (None: measured), the weights it took noted in ``used``."""
@@ -137,9 +166,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     for index, directory in enumerate(dirs):
                         add(f"fio {index} {rw}", _fio([directory], rw, total, aio))
                     add(f"fio at once {rw}", _fio(dirs, rw, total, aio))
+                    if floor:
+                        moved, hashed = _floor(dirs, rw, total, aio, load, figures[f"fio at once {rw}"][-1])
+                        add(f"fio at once+hash {rw}", moved)
+                        add(f"hashed beside fio {rw}", hashed)
+                        add(f"striped / floor {rw}", figures[f"striped {rw}"][-1] / moved)
     medians = {name: statistics.median(values) for name, values in figures.items()}
     for name, value in medians.items():
-        print(f"{name:22s} {value:6.2f} GB/s  (rounds: {', '.join(f'{v:.2f}' for v in figures[name])})")
+        unit = "x   " if name.startswith("striped / ") else "GB/s"
+        print(f"{name:23s} {value:6.2f} {unit}  (rounds: {', '.join(f'{v:.2f}' for v in figures[name])})")
     print(f"stripe weights: {':'.join(map(str, used[0]))} ({'measured' if weights is None else 'given'}; 1 MiB units, "
           f"{' : '.join(args.dirs)})")
     medians.update({f"weight {index}": float(weight) for index, weight in enumerate(used[0])})
@@ -155,6 +190,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             medians[f"ratio to fio {rw}"] = medians[f"striped {rw}"] / fio
             line += f", {medians[f'ratio to fio {rw}']:.2f}x the sum of fio alone ({fio:.2f}; fio at once " \
                     f"{medians[f'fio at once {rw}']:.2f})"
+        if floor:
+            medians[f"ratio to floor {rw}"] = medians[f"striped {rw}"] / medians[f"fio at once+hash {rw}"]
+            line += f"; {medians[f'ratio to floor {rw}']:.2f}x the floor, fio at once while as many bytes are " \
+                    f"hashed ({medians[f'fio at once+hash {rw}']:.2f}, hashing " \
+                    f"{medians[f'hashed beside fio {rw}']:.2f}; per round median " \
+                    f"{medians[f'striped / floor {rw}']:.2f}x)"
         print(line)
     return medians
 

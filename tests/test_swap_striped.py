@@ -389,6 +389,25 @@ def test_striped_swap_benchmark_tiny(drives, capsys):
     assert "--weights '1,0': give" in capsys.readouterr().err
 
 
+@pytest.mark.bench
+@pytest.mark.fio
+def test_striped_swap_benchmark_floor_of_fio_with_hashing_tiny(drives, capsys):
+    """With checksums on, fio at once runs again beside as many bytes hashed (the floor), per round and as
+    medians; with ``--no-verify`` that side is left out. No timing asserted; nothing left behind."""
+    from benchmarks import striped_swap
+
+    result = striped_swap.main([*drives, "--size", "2M", "--request-size", "256K", "--rounds", "1"])
+    out = capsys.readouterr().out
+    for rw in ("write", "read"):
+        assert all(result[f"{name} {rw}"] > 0 for name in ("fio at once+hash", "hashed beside fio",
+                                                           "striped / floor", "ratio to floor", "ratio to fio"))
+        assert f"{rw}: striped " in out and "x the floor, fio at once while as many bytes are hashed" in out
+    result = striped_swap.main([*drives, "--size", "2M", "--request-size", "256K", "--rounds", "1", "--no-verify"])
+    assert "the floor" not in capsys.readouterr().out and not any("floor" in name for name in result)
+    assert result["fio at once write"] > 0
+    assert all(os.listdir(d) == [] for d in drives)
+
+
 def test_a_non_contiguous_buffer_is_refused_before_any_io(drives):
     file = StripedSwapFile(drives, AioConfig(), kind="params", stripe_bytes=STRIPE, weights=(1, 1))
     try:
