@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from offload.device import AUTO_MARGIN_SHARE, Device, auto_budget, host_memory
+from offload.host_malloc import fix_mmap_threshold
 from offload.infer.activations import (AUTO_ACTIVATION_TOKENS, AUTO_PROCESS_MARGIN_BYTES, activation_bytes, before_decode,
                                        prefill_chunk)
 from offload.infer.build import (CheckpointMismatchError, build_units, checkpoint_directory, compute_device_for,
@@ -80,6 +81,7 @@ class InferenceEngine(DeviceReservation):
     def __init__(self, model: str | os.PathLike | nn.Module, settings: InferenceConfig, *,
                  checkpoint: str | os.PathLike | None = None, compute: Device | None = None) -> None:
         self.settings = settings
+        fix_mmap_threshold()  # activations freed go back to the system (offload/host_malloc.py)
         self.compute = compute or compute_device_for(settings)
         """Where the model computes (offload/device); ``device`` is its torch device."""
         self._owns_compute = compute is None
