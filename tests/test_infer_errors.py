@@ -167,6 +167,30 @@ def test_batch_and_length_that_do_not_fit_are_refused_up_front(checkpoint):
         assert engine.io_bytes() == read  # refused before any forward
 
 
+def test_a_length_that_does_not_fit_names_the_most_that_does(checkpoint):
+    """The refusal gives the longest length that fits at that batch, and that length does fit (one more
+    does not); the plan is left as it was."""
+    import re
+
+    with init_inference(checkpoint, max_in_cpu=tight_budget(checkpoint, 1), disk_gbps=1.0) as engine:
+        plan = engine.plan
+        with pytest.raises(BudgetError, match=r"for batch 4 x 4096 tokens.*\. At batch 4 at most [\d,]+ tokens fit "
+                                              r"\(prompt and new tokens together\)$") as refused:
+            engine.reserve(4, 4096)
+        assert engine.plan is plan
+        most = int(re.search(r"at most ([\d,]+) tokens fit", str(refused.value)).group(1).replace(",", ""))
+        assert 0 < most < 4096
+        with pytest.raises(BudgetError, match=f"for batch 4 x {most + 1} tokens"):
+            engine.reserve(4, most + 1)
+        assert engine.reserve(4, most).kv_shape == (4, most)
+
+
+def test_no_length_fits_where_not_even_one_token_does(checkpoint):
+    with init_inference(checkpoint, device="cpu", disk_gbps=1.0) as engine:
+        with pytest.raises(BudgetError, match=r"more than this machine's .*\. No length fits at batch 100000000$"):
+            engine.reserve(100_000_000, 16)
+
+
 def test_more_than_the_machine_has_is_refused(checkpoint):
     with init_inference(checkpoint, device="cpu", disk_gbps=1.0) as engine:
         with pytest.raises(BudgetError, match=r"batch 100000 x 100000 tokens needs [\d.]+ TiB of memory .* more than this "

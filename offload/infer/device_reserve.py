@@ -22,12 +22,13 @@ class DeviceReservation:
     """`InferenceEngine`'s reservation on a device with memory of its own."""
 
     def _reserve_on_device(self, batch: int, tokens: int, micro: int, logits: int | None, step: int,
-                           keep: KVPlacement | None = None) -> Plan:
+                           keep: KVPlacement | None = None, *, apply: bool = True) -> Plan:
         """`reserve` where compute has memory of its own: the activations on the device, and the KV cache
         there while the budget holds it (``kv_offload.device`` "auto"); else, or with "cpu" / "nvme", the
         cache on the host (in memory or on NVMe, as `place_kv` places it there), each layer's copied to
         the device per token through two device buffers (offload/infer/kv/device.py). With ``keep`` (a
-        cache a generate runs with) the cache stays where it is."""
+        cache a generate runs with) the cache stays where it is. With ``apply`` False the plan is only
+        found: nothing is re-placed."""
         setting = self.settings.kv_offload
         layers = self._text_config().num_hidden_layers
         kv, shape, parts = self.kv_bytes(batch, tokens), (batch, tokens), batch // micro
@@ -52,6 +53,8 @@ class DeviceReservation:
         if plan.memory_bytes > total:
             raise BudgetError(f"the plan keeps {format_bytes(plan.memory_bytes)} in host memory, more than this machine's "
                               f"{format_bytes(total)}; lower max_in_cpu (max_memory['cpu'])")
+        if not apply:
+            return plan
         if plan.resident != self.plan.resident or plan.device.resident != self.plan.device.resident:
             log.info("offload.infer: re-placing for batch %d x %d tokens (KV cache %s on the %s)", batch, tokens,
                      format_bytes(kv), "host" if plan.kv.staged_nbytes else "device")

@@ -26,10 +26,10 @@ from offload.infer.device_reserve import DeviceReservation
 from offload.infer.experts import ExpertStore, expert_plan, route_experts
 from offload.infer.kv.cache import CACHE_KEYWORD, MicroBatchedLayer, NvmeKVLayer, OffloadedKVCache
 from offload.infer.kv.device import KVStager, StagedKVLayer
-from offload.infer.kv.quant import KVCodec
+from offload.infer.kv.quant import kv_cache_bytes
 from offload.infer.plan.device import place_device
-from offload.infer.plan.host import (BudgetError, KVPlacement, Plan, UnitSize, format_bytes, kv_in_memory, make_plan,
-                                    place_kv)
+from offload.infer.plan.host import (BudgetError, KVPlacement, Plan, UnitSize, format_bytes, kv_in_memory,
+                                     make_plan, place_kv, with_longest_fit)
 from offload.infer.schedule import BlockSchedule, micro_batch_size
 from offload.infer.stream.device_layout import copy_to_device
 from offload.infer.stream.device_ring import DeviceRing
@@ -249,8 +249,20 @@ class InferenceEngine(DeviceReservation):
         that must stay plus that cache exceed the budget, or the plan exceeds the machine's memory.
         ``logits``, ``chunk``: the positions whose logits, and the tokens, the largest forward keeps and takes;
         ``keep``: the placement of a KV cache a generate already runs with: its micro-batches and its place
-        (device, host memory, NVMe) stay, only the activations' room changes (None: placed here)."""
+        (device, host memory, NVMe) stay, only the activations' room changes (None: placed here). Where
+        ``tokens`` do not fit, the error also gives the most that would at that batch."""
         self._check_open()
+        try:
+            return self._reserve(batch, tokens, logits, chunk, keep)
+        except BudgetError as exc:
+            if keep is not None:
+                raise
+            raise with_longest_fit(exc, lambda t: self._reserve(batch, t, logits, chunk, None, apply=False), batch,
+                                   tokens) from None
+
+    def _reserve(self, batch: int, tokens: int, logits: int | None, chunk: int | None, keep: KVPlacement | None,
+                 *, apply: bool = True) -> Plan:
+        """`reserve`'s plan; with ``apply`` False only found (nothing re-placed), or BudgetError raised."""
         setting, schedule = self.settings.kv_offload, self.settings.block_schedule
         step = tokens if chunk is None else min(chunk, tokens)
         micro = batch // keep.micro_batches if keep is not None else micro_batch_size(
@@ -258,7 +270,7 @@ class InferenceEngine(DeviceReservation):
             self._activation_limit, schedule.micro_batch_size)
         layers = self._text_config().num_hidden_layers
         if self._device_budget is not None:
-            return self._reserve_on_device(batch, tokens, micro, logits, step, keep)
+            return self._reserve_on_device(batch, tokens, micro, logits, step, keep, apply=apply)
         placement = keep or place_kv(self._sizes(), budget=self._budget(), layers=layers,
                              layer_nbytes=self.kv_bytes(batch, tokens) // layers, device=setting.device,
                              cpu_percent=setting.cpu_percent, buffer_count=setting.buffer_count,
@@ -275,10 +287,11 @@ class InferenceEngine(DeviceReservation):
                 f"{format_bytes(plan.resident_bytes)} + buffers {format_bytes(plan.buffers_bytes)} + KV cache "
                 f"{format_bytes(kv)} + activations {format_bytes(activations)}), more than this "
                 f"machine's {format_bytes(total)}; lower max_in_cpu, the batch size or the number of tokens")
-        if plan.resident != self.plan.resident:
+        if apply and plan.resident != self.plan.resident:
             log.info("offload.infer: re-placing for batch %d x %d tokens (KV cache %s)", batch, tokens, format_bytes(kv))
             self._apply(plan)
-        self.plan = plan
+        if apply:
+            self.plan = plan
         return plan
 
     # ---- figures ----------------------------------------------------------------------------------
@@ -308,15 +321,10 @@ class InferenceEngine(DeviceReservation):
         return self.streamer.wait_seconds
 
     def kv_bytes(self, batch: int, tokens: int, *, quantized: bool = True) -> int:
-        """Bytes of the KV cache for ``batch`` sequences of ``tokens`` tokens (keys and values, every layer),
-        quantized as ``kv_offload.quantization`` asks (``quantized`` False: in the compute dtype). Raises ValueError naming its group size where that
-        does not divide the head dimension."""
-        text = self._text_config()
-        heads = text.num_attention_heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        row = KVCodec(self.settings.kv_offload.quantization if quantized else None, head_dim, self.dtype).nbytes
-        return 2 * text.num_hidden_layers * batch * tokens * kv_heads * row
+        """Bytes of the KV cache of ``batch`` sequences of ``tokens`` tokens, quantized as ``kv_offload`` asks
+        (``quantized`` False: in the compute dtype); see `offload.infer.kv.quant.kv_cache_bytes`."""
+        codec = self.settings.kv_offload.quantization if quantized else None
+        return kv_cache_bytes(self._text_config(), codec, self.dtype, batch, tokens)
 
     def activation_bytes(self, batch: int, tokens: int, *, logits: int | None = None, context: int | None = None) -> int:
         """One forward's activations over ``tokens`` tokens, an upper estimate (offload/infer/activations.py)."""
@@ -588,6 +596,5 @@ class InferenceEngine(DeviceReservation):
         """The units whose bytes are used as read (no conversion): the streamed ones, and on a device all."""
         return [u for u in self.units if u.name not in self.plan.resident or self.compute.separate_memory]
 
-    def _on_device(self, value: Any) -> Any:
-        """A tensor argument moved to where compute runs (itself where it is there)."""
+    def _on_device(self, value: Any) -> Any:  # a tensor argument moved to where compute runs
         return value.to(self.device) if isinstance(value, torch.Tensor) else value

@@ -29,12 +29,15 @@ __all__ = ["BlockSchedule", "micro_batch_size"]
 def micro_batch_size(batch: int, activation_bytes: Callable[[int], int], limit: int, requested: int | None) -> int:
     """The micro-batch size for ``batch`` sequences: ``requested`` (None: the largest size whose
     ``activation_bytes(size)`` is within ``limit``), lowered to a divisor of ``batch`` so that the
-    micro-batches are equal. At least 1."""
+    micro-batches are equal. At least 1. (The activations grow with the size: found by halving.)"""
     largest = min(batch, requested) if requested else batch
-    if requested is None:
-        while largest > 1 and activation_bytes(largest) > limit:
-            largest -= 1
-    return max(size for size in range(1, largest + 1) if batch % size == 0)
+    if requested is None and activation_bytes(largest) > limit:
+        low, high = 1, largest  # low: 1 or within the limit; high: over it
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if activation_bytes(middle) <= limit else (low, middle)
+        largest = low
+    return next(size for size in range(largest, 0, -1) if batch % size == 0)
 
 
 class BlockSchedule:

@@ -23,7 +23,7 @@ from transformers.cache_utils import DynamicLayer
 
 from offload.infer.config import KVQuantization
 
-__all__ = ["KVCodec", "QuantizedLayer"]
+__all__ = ["KVCodec", "QuantizedLayer", "kv_cache_bytes"]
 
 _META = 4  # bytes of one scale or minimum (fp32)
 
@@ -97,6 +97,17 @@ class KVCodec:
         zero = torch.full_like(scale, self.levels // 2 + 1) if spec.symmetric else -meta[:, 1:] / scale
         x = torch.ops.quantized_decomposed.dequantize_per_token(q, scale, zero, 0, self.levels, torch.uint8, self.dtype)
         return x.view(*lead, self.head_dim)
+
+
+def kv_cache_bytes(text_config, quantization: KVQuantization | None, dtype: torch.dtype, batch: int, tokens: int) -> int:
+    """Bytes of the KV cache (keys and values, every layer) of ``batch`` sequences of ``tokens`` tokens of a
+    model of ``text_config``, stored by ``quantization`` (None: in ``dtype``). Raises ValueError naming its
+    group size where that does not divide the head dimension."""
+    heads = text_config.num_attention_heads
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    row = KVCodec(quantization, head_dim, dtype).nbytes
+    return 2 * text_config.num_hidden_layers * batch * tokens * kv_heads * row
 
 
 class QuantizedLayer(DynamicLayer):

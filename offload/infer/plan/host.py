@@ -11,7 +11,7 @@ streamed layer while each resident one computes.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,7 +21,8 @@ from offload.infer.plan.units import BudgetError, UnitSize, format_bytes, spread
 if TYPE_CHECKING:
     from offload.infer.plan.device import DeviceTier
 
-__all__ = ["BudgetError", "KVPlacement", "Plan", "UnitSize", "format_bytes", "kv_in_memory", "make_plan", "place_kv"]
+__all__ = ["BudgetError", "KVPlacement", "Plan", "UnitSize", "format_bytes", "kv_in_memory", "make_plan", "place_kv",
+           "with_longest_fit"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,23 @@ class KVPlacement:
     def nvme_bytes(self) -> int:
         """The cache's bytes on NVMe, each read once per step at the full length."""
         return len(self.nvme_layers) * self.layer_nbytes
+
+
+def with_longest_fit(error: BudgetError, plan_for: Callable[[int], object], batch: int, tokens: int) -> BudgetError:
+    """``error`` (``tokens`` tokens at ``batch`` do not fit) with the most tokens that would: the largest
+    length under ``tokens`` for which ``plan_for(length)`` raises no BudgetError, found by halving (what
+    fits only gets harder as the cache and the activations grow)."""
+    low, high = 0, tokens  # low fits (0 trivially), high does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        try:
+            plan_for(middle)
+        except BudgetError:
+            high = middle
+        else:
+            low = middle
+    return BudgetError(f"{error}. " + (f"At batch {batch} at most {low:,} tokens fit (prompt and new tokens together)"
+                                       if low else f"No length fits at batch {batch}"))
 
 
 def place_kv(units: Sequence[UnitSize], *, budget: int | None, layers: int, layer_nbytes: int, device: str,
