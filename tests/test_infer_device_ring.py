@@ -10,6 +10,8 @@ against the budget and are given back. The same runs on CUDA where there is one 
 
 from __future__ import annotations
 
+import re
+
 import contextlib
 import copy
 import shutil
@@ -328,8 +330,15 @@ def test_a_batch_whose_kv_cache_cannot_fit_the_device_names_it(models):
         ids, mask = prompts(4)
         with pytest.raises(BudgetError, match=r"max_memory\[0\]: .* \+ KV cache buffers .* \(one layer's cache for "
                                               r"batch 4 x 24 tokens; the cache itself is on the host\) .* "
-                                              r"lower the batch size or the number of tokens"):
+                                              r"lower the batch size or the number of tokens.*\. (At batch 4 at most "
+                                              r"([\d,]+) tokens fit|No length fits at batch 4)") as refused:
             engine.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD)
+        most = re.search(r"at most ([\d,]+) tokens", str(refused.value))
+        if most:  # that many fit on the device's plan (as generate asks it: the last position's logits), one more not
+            most = int(most.group(1).replace(",", ""))
+            with pytest.raises(BudgetError, match=f"batch 4 x {most + 1} tokens"):
+                engine.reserve(4, most + 1, logits=1)
+            engine.reserve(4, most, logits=1)
         ids, mask = prompts(1)
         assert engine.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
                                pad_token_id=PAD).shape == (1, TOKENS)  # the engine still works

@@ -45,8 +45,9 @@ class DeviceReservation:
             except BudgetError:
                 if not kv:
                     raise
-                log.info("offload.infer: a KV cache of %s does not fit the device budget; it goes to the host",
-                         format_bytes(kv))
+                if apply:  # not for each length `reserve` tries after a refusal
+                    log.info("offload.infer: a KV cache of %s does not fit the device budget; it goes to the host",
+                             format_bytes(kv))
         if plan is None:
             plan = self._plan_host_kv(layers, kv, shape, parts, disk, activations, keep)
         total = host_memory().total  # the cgroup's limit where smaller
