@@ -3,6 +3,7 @@ device, its units matched to the checkpoint's tensors, the buffers, and the disk
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import time
@@ -284,17 +285,37 @@ def materialize_buffers(module: nn.Module, checkpoint: SafetensorsCheckpoint, ha
             raw = aligned_tensor(windows_nbytes(windows), torch.uint8)
             nbytes += sum(f.result() for f in read_windows(handle, windows, raw))
             owner._buffers[attr] = tensor_views(windows, raw)[key].to(device=device, dtype=buffer.dtype).clone()
-        else:
-            owner._buffers[attr] = torch.empty_like(buffer, device=device)
-            to_init.append(owner)
+        else:  # NaN until computed: a buffer no initialisation writes is found, not used as garbage
+            owner._buffers[attr] = torch.full_like(buffer, math.nan, device=device) if buffer.is_floating_point() \
+                else torch.empty_like(buffer, device=device)
+            to_init.append((name, owner))
     init = getattr(module, "_init_weights", None)
-    for owner in dict.fromkeys(to_init):
+    for owner in dict.fromkeys(owner for _, owner in to_init):
         # transformers' initialisation computes the buffers (rotary frequencies, Gemma's embedding scale); the
         # owner's parameters are meta placeholders here, which it leaves as they are (nothing to write to)
         if init is None or any(p.device.type != "meta" for p in owner.parameters(recurse=False)):
             raise ValueError(f"buffer of {type(owner).__name__} is neither in the checkpoint nor computable here")
         init(owner)
+    _init_from_ancestors(module, [name for name, _ in to_init], init)
     return nbytes
+
+
+def _init_from_ancestors(module: nn.Module, names: list[str], init) -> None:
+    """Buffers still NaN after their owner's initialisation are computed by an ancestor's (Falcon-H1's
+    ``mup_vector``: by the model's), nearest first; one that none computes is refused, naming it. Every
+    parameter is still a meta placeholder here, which initialisation leaves as it is."""
+    def unset(name: str) -> bool:
+        buffer = module.get_buffer(name)
+        return buffer.is_floating_point() and bool(buffer.isnan().any())
+
+    for name in names:
+        path = name.rpartition(".")[0]  # the owner's, already initialised
+        while unset(name) and path:
+            path = path.rpartition(".")[0]
+            init(module.get_submodule(path))
+        if unset(name):
+            raise ValueError(f"buffer {name!r} of {type(module).__name__} is neither in the checkpoint nor computed by "
+                             f"transformers' initialisation (of its module or of any module above it)")
 
 
 def measure_disk(handle: AioHandle, checkpoint: SafetensorsCheckpoint) -> tuple[float, str]:

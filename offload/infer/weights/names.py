@@ -34,6 +34,8 @@ class Conversion:
     layer: str
     """The first target key, as transformers' loading names the group."""
     sources: dict[str, tuple[str, ...]]
+    model: nn.Module | None = None
+    """The model whose parameters it makes: converters that split by the parameters' sizes read them."""
 
     @property
     def tensors(self) -> tuple[str, ...]:
@@ -52,6 +54,7 @@ class Conversion:
             collected: dict = {pattern: tensors[keys[0]].unsqueeze(0) for pattern, keys in self.sources.items()}
         else:
             collected = {pattern: [tensors[key] for key in keys] for pattern, keys in self.sources.items()}
+        model = model if model is not None else self.model
         config = getattr(model, "config", None)
         for op in converter.operations:
             collected = op.convert(collected, source_patterns=converter.source_patterns,
@@ -97,6 +100,8 @@ class CheckpointNames:
         converter_of: dict[tuple[int, str], object] = {}
         for key in shapes:
             target, pattern = _rename(key, renamings, converters, prefix, meta)
+            if target not in meta and key in meta:  # as transformers loads: a model key as it is is not renamed
+                target, pattern = _with_prefix(key, prefix, meta), None  # (DeepSeek-V4's `.norm.` -> `.kv_norm.`)
             if pattern is None:
                 self.direct.setdefault(target, key)
                 continue
@@ -106,7 +111,8 @@ class CheckpointNames:
             groups.setdefault(group, {p: [] for p in converter.source_patterns})[pattern].append(key)
         for group, sources in groups.items():
             converter, target = converter_of[group], group[1]
-            conversion = Conversion(converter, target, {p: tuple(sorted(k, key=_natural)) for p, k in sources.items() if k})
+            conversion = Conversion(converter, target, {p: tuple(sorted(k, key=_natural)) for p, k in sources.items() if k},
+                                    module)
             for made in _made_keys(conversion, shapes, module):
                 self.converted[made] = conversion
 
