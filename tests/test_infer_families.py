@@ -113,6 +113,8 @@ MORE_FAMILIES = {
     "gpt_neox_japanese": _tiny("gpt_neox_japanese"),
     "cwm": _tiny("cwm", head_dim=16),
     "vaultgemma": _tiny("vaultgemma", head_dim=16),
+    "gemma4_text": _tiny("gemma4_text", head_dim=16, vocab_size_per_layer_input=256),  # head_dim kept per layer
+    "gemma4_unified_text": _tiny("gemma4_unified_text", head_dim=16, vocab_size_per_layer_input=256),
     "diffllama": _tiny("diffllama"),
     "llama4_text": _tiny("llama4_text", num_local_experts=4, num_experts_per_tok=2, head_dim=16),
     "exaone_moe": _tiny("exaone_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1, head_dim=16),

@@ -14,7 +14,7 @@ import torch
 from offload.infer.plan.units import format_bytes
 
 __all__ = ["AUTO_ACTIVATION_TOKENS", "AUTO_PROCESS_MARGIN_BYTES", "RELEASE_PROMPT_TOKENS", "activation_bytes", "before_decode",
-           "prefill_chunk"]
+           "head_dim", "largest_of_layers", "prefill_chunk"]
 
 AUTO_ACTIVATION_TOKENS = 2048
 """The prompt "auto" keeps activation room for beside its budget: one sequence of this many tokens (or the
@@ -29,6 +29,19 @@ log = logging.getLogger("offload.infer")
 
 _SMALLEST_CHUNK = 16
 """Tokens of the smallest prefill chunk: below it a prompt is prefilled whole."""
+
+
+def largest_of_layers(text: Any, name: str) -> Any:
+    """``text.name`` (None where absent); for a setting the config keeps per layer (Gemma 4's ``head_dim``,
+    which the config refuses to give as one value), the largest of the layers': what an upper estimate needs."""
+    values = [getattr(layer, name, None) for layer in getattr(text, "per_layer_config", None) or ()]
+    values = [value for value in values if value is not None]
+    return max(values) if values else getattr(text, name, None)
+
+
+def head_dim(text: Any) -> int:
+    """The attention heads' width (the largest of the layers' where they differ)."""
+    return largest_of_layers(text, "head_dim") or text.hidden_size // text.num_attention_heads
 
 
 def activation_bytes(text: Any, attention: str | None, dtype: torch.dtype, batch: int, tokens: int, *,
@@ -46,10 +59,10 @@ def activation_bytes(text: Any, attention: str | None, dtype: torch.dtype, batch
     (`offload.infer.build.contiguous_head_input`). ``context``: the tokens attended to (the cache's and
     these; default ``tokens``), for a chunk of a prompt. Checked against the peak of live tensors in
     tests/test_infer_activations.py and `benchmarks.infer_long_prompt`."""
-    hidden, heads = text.hidden_size, text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or hidden // heads
-    inner = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
+    hidden, heads = text.hidden_size, largest_of_layers(text, "num_attention_heads")
+    kv_heads = largest_of_layers(text, "num_key_value_heads") or heads
+    width = head_dim(text)
+    inner = largest_of_layers(text, "intermediate_size") or getattr(text, "n_inner", None) or 4 * hidden
     itemsize = torch.empty((), dtype=dtype).element_size()
     context = tokens if context is None else max(context, tokens)
     # per token: every head's scores (in the compute dtype, their fp32 softmax and its cast back); or, with
@@ -59,8 +72,8 @@ def activation_bytes(text: Any, attention: str | None, dtype: torch.dtype, batch
     masked = batch > 1 or 1 < tokens < context
     eager = attention in (None, "eager")
     scores = heads * context * (4 + 3 * itemsize) if eager else (context * (1 + itemsize) if masked else 0)
-    repeats = kv_heads < heads and (eager or (attention == "sdpa" and (masked or head_dim > 256)))
-    repeated = 2 * context * heads * head_dim * itemsize if repeats else 0
+    repeats = kv_heads < heads and (eager or (attention == "sdpa" and (masked or width > 256)))
+    repeated = 2 * context * heads * width * itemsize if repeats else 0
     positions = tokens if logits is None else min(logits, tokens)
     return batch * (tokens * ((6 * hidden + 3 * inner) * itemsize + scores) + repeated
                     + 4 * positions * text.vocab_size)

@@ -17,7 +17,7 @@ from torch import nn
 from offload.device import AUTO_MARGIN_SHARE, Device, auto_budget, host_memory
 from offload.host_malloc import fix_mmap_threshold
 from offload.infer.activations import (AUTO_ACTIVATION_TOKENS, AUTO_PROCESS_MARGIN_BYTES, activation_bytes, before_decode,
-                                       prefill_chunk)
+                                       head_dim, prefill_chunk)
 from offload.infer.build import (CheckpointMismatchError, build_units, checkpoint_directory, compute_device_for,
                                   contiguous_head_input, decoder_blocks, device_budget, materialize_buffers,
                                   measure_disk, meta_skeleton)
@@ -434,9 +434,7 @@ class InferenceEngine(DeviceReservation):
                                                                  device_room=device))
         kv_quant = self.settings.kv_offload.quantization
         if kv_quant is not None:
-            text = self._text_config()
-            head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-            group = kv_quant.group_size or min(64, head_dim)  # as KVCodec takes it (which checks it, in reserve)
+            group = kv_quant.group_size or min(64, head_dim(self._text_config()))  # as KVCodec takes it
             plan = dataclasses.replace(plan, kv_quantization=f"int{kv_quant.num_bits} (group {group}, "
                                                              f"{'symmetric' if kv_quant.symmetric else 'asymmetric'})")
         if self._unquantized_sizes is None:

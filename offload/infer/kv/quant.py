@@ -21,6 +21,7 @@ import torch
 import torch.ao.quantization.fx._decomposed  # noqa: F401 - registers torch.ops.quantized_decomposed
 from transformers.cache_utils import DynamicLayer
 
+from offload.infer.activations import head_dim, largest_of_layers
 from offload.infer.config import KVQuantization
 
 __all__ = ["KVCodec", "QuantizedLayer", "kv_cache_bytes"]
@@ -103,10 +104,9 @@ def kv_cache_bytes(text_config, quantization: KVQuantization | None, dtype: torc
     """Bytes of the KV cache (keys and values, every layer) of ``batch`` sequences of ``tokens`` tokens of a
     model of ``text_config``, stored by ``quantization`` (None: in ``dtype``). Raises ValueError naming its
     group size where that does not divide the head dimension."""
-    heads = text_config.num_attention_heads
-    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
-    row = KVCodec(quantization, head_dim, dtype).nbytes
+    kv_heads = largest_of_layers(text_config, "num_key_value_heads") or largest_of_layers(text_config,
+                                                                                        "num_attention_heads")
+    row = KVCodec(quantization, head_dim(text_config), dtype).nbytes
     return 2 * text_config.num_hidden_layers * batch * tokens * kv_heads * row
 
 
