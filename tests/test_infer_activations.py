@@ -27,9 +27,18 @@ with init_inference(root + "/llama", disk_gbps=1.0, block_schedule={"max_activat
     engine.module.config._attn_implementation = impl
     engine.generate(ids[:, :16], max_new_tokens=2, do_sample=False, pad_token_id=0)  # every lazy allocation made
     engine.wait_loaded()  # resident weights still loading in the background (a loaded machine) are not the growth
-    base = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, psutil.Process().memory_info().rss)
+    # the kernel's high-water mark reset to the RSS now: a peak before (with the libraries' pages all in, which
+    # memory pressure may have evicted since) does not hide the generate's; where it cannot be reset, ru_maxrss
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base = psutil.Process().memory_info().rss
+        high_water = lambda: int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM:")).split()[1]) * 1024
+    except OSError:
+        base = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, psutil.Process().memory_info().rss)
+        high_water = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     engine.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = high_water()
     print(json.dumps({"growth": peak - base, "estimate": engine.activation_bytes(1, tokens + 2, logits=1),
                       "kv": engine.kv_bytes(1, tokens + 2),
                       "issue_16k": engine.activation_bytes(1, 16384, logits=1)}))
@@ -42,7 +51,11 @@ def test_the_estimate_bounds_a_long_prompts_peak(impl, disk_dir):
     run = subprocess.run([sys.executable, "-c", _CHILD, "2048", impl, str(disk_dir)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     figures = json.loads(run.stdout.strip().splitlines()[-1])
-    assert figures["growth"] <= figures["estimate"] + figures["kv"]  # an upper bound, as the plan needs
+    # an upper bound, as the plan needs, with the margin "auto" keeps beside it for the allocator's own (RSS grows
+    # a few MiB past the tensors: docs/inference.md, "Memory bound")
+    from offload.infer.activations import AUTO_PROCESS_MARGIN_BYTES
+
+    assert figures["growth"] <= figures["estimate"] + figures["kv"] + AUTO_PROCESS_MARGIN_BYTES, figures
     if impl == "eager":  # every head's scores, held: the estimate is that, within 1.5x
         assert figures["estimate"] + figures["kv"] <= 1.5 * figures["growth"]
     else:  # tiled attention: a 16K-token prompt of this 32-head model takes well under a GiB
