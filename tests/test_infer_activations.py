@@ -8,15 +8,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-
 
 
 _CHILD = r'''
 import json, resource, shutil, sys, tempfile
 import psutil, torch, transformers
 from offload.infer import init_inference
+from benchmarks._common import high_water_mark, reset_high_water_mark
 tokens, impl, root = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 torch.manual_seed(0)
 config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=32,
@@ -29,12 +30,9 @@ with init_inference(root + "/llama", disk_gbps=1.0, block_schedule={"max_activat
     engine.wait_loaded()  # resident weights still loading in the background (a loaded machine) are not the growth
     # the kernel's high-water mark reset to the RSS now: a peak before (with the libraries' pages all in, which
     # memory pressure may have evicted since) does not hide the generate's; where it cannot be reset, ru_maxrss
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        base = psutil.Process().memory_info().rss
-        high_water = lambda: int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM:")).split()[1]) * 1024
-    except OSError:
+    if reset_high_water_mark():
+        base, high_water = psutil.Process().memory_info().rss, high_water_mark
+    else:
         base = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, psutil.Process().memory_info().rss)
         high_water = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     engine.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
@@ -48,7 +46,8 @@ with init_inference(root + "/llama", disk_gbps=1.0, block_schedule={"max_activat
 @pytest.mark.subprocess
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_the_estimate_bounds_a_long_prompts_peak(impl, disk_dir):
-    run = subprocess.run([sys.executable, "-c", _CHILD, "2048", impl, str(disk_dir)], capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-c", _CHILD, "2048", impl, str(disk_dir)], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 0, run.stderr
     figures = json.loads(run.stdout.strip().splitlines()[-1])
     # an upper bound, as the plan needs, with the margin "auto" keeps beside it for the allocator's own (RSS grows

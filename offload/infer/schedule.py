@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from offload.infer.kv.cache import OffloadedKVCache
+from offload.infer.largest import largest_where
 
 __all__ = ["BlockSchedule", "micro_batch_size"]
 
@@ -32,11 +33,7 @@ def micro_batch_size(batch: int, activation_bytes: Callable[[int], int], limit: 
     micro-batches are equal. At least 1. (The activations grow with the size: found by halving.)"""
     largest = min(batch, requested) if requested else batch
     if requested is None and activation_bytes(largest) > limit:
-        low, high = 1, largest  # low: 1 or within the limit; high: over it
-        while high - low > 1:
-            middle = (low + high) // 2
-            low, high = (middle, high) if activation_bytes(middle) <= limit else (low, middle)
-        largest = low
+        largest = largest_where(lambda size: activation_bytes(size) <= limit, 1, largest)  # 1: the least; largest: over
     return next(size for size in range(largest, 0, -1) if batch % size == 0)
 
 

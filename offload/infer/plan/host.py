@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from offload.infer.largest import largest_where
 from offload.infer.plan.experts import ExpertPlan
 from offload.infer.plan.units import BudgetError, UnitSize, format_bytes, spread_order, unit_names
 
@@ -73,15 +74,14 @@ def with_longest_fit(error: BudgetError, plan_for: Callable[[int], object], batc
     """``error`` (``tokens`` tokens at ``batch`` do not fit) with the most tokens that would: the largest
     length under ``tokens`` for which ``plan_for(length)`` raises no BudgetError, found by halving (what
     fits only gets harder as the cache and the activations grow)."""
-    low, high = 0, tokens  # low fits (0 trivially), high does not
-    while high - low > 1:
-        middle = (low + high) // 2
+    def fits(length: int) -> bool:
         try:
-            plan_for(middle)
+            plan_for(length)
         except BudgetError:
-            high = middle
-        else:
-            low = middle
+            return False
+        return True
+
+    low = largest_where(fits, 0, tokens)  # 0 fits trivially, tokens does not
     return BudgetError(f"{error}. " + (f"At batch {batch} at most {low:,} tokens fit (prompt and new tokens together)"
                                        if low else f"No length fits at batch {batch}"))
 
