@@ -50,12 +50,13 @@ def test_1024_requests_in_flight_finish(disk_dir, backend):
 
 
 @pytest.mark.parametrize("file_bytes", [5 * 4096, 5 * 4096 + 100])
-def test_a_file_ending_inside_a_batch_is_a_named_short_read(disk_dir, file_bytes):
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_a_file_ending_inside_a_batch_is_a_named_short_read(disk_dir, file_bytes, direct):
     # Pieces of one batch past the end of the file complete short or empty: the read fails, naming it.
     path = disk_dir / "short.bin"
     path.write_bytes(os.urandom(file_bytes))
     back = tensorio.aligned_tensor(16 * 4096, torch.uint8)
-    with AioHandle(block_size=4096, queue_depth=16, direct=True) as handle:
+    with AioHandle(block_size=4096, queue_depth=16, direct=direct) as handle:
         with pytest.raises(TensorIOError) as info:
             handle.read(back, path).result()
     assert "short read" in str(info.value) and str(path) in str(info.value)

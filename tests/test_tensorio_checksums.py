@@ -16,11 +16,12 @@ from tensorio import AioHandle, ChecksumError, Checksums, TensorIOError
 from tensorio.testing import FlipBit, flip_bit, inject_faults
 
 
-@pytest.fixture(params=["threads", "io_uring"])
+@pytest.fixture(params=["threads", "io_uring", "io_uring-buffered"])
 def handle(request):
-    if request.param == "io_uring" and not tensorio.probe_io_uring()[0]:
+    backend, _, buffered = request.param.partition("-")  # buffered: every piece through the page cache
+    if backend == "io_uring" and not tensorio.probe_io_uring()[0]:
         pytest.skip(f"io_uring cannot run here: {tensorio.probe_io_uring()[1]}")
-    with AioHandle(block_size=1 << 16, queue_depth=4, backend=request.param) as h:
+    with AioHandle(block_size=1 << 16, queue_depth=4, backend=backend, direct=False if buffered else "auto") as h:
         yield h
 
 

@@ -55,14 +55,16 @@ def test_round_trip_dtypes_and_sizes(disk_dir, backend, dtype, numel):
 @pytest.mark.parametrize("single_submit", [False, True])
 @pytest.mark.parametrize("overlap_events", [False, True])
 @pytest.mark.parametrize("thread_count", [1, 3])
-def test_options_and_offsets(disk_dir, backend, offset, single_submit, overlap_events, thread_count):
-    # Small blocks and queues so one request is many pieces and more pieces than the queues hold.
+@pytest.mark.parametrize("direct", ["auto", False], ids=["direct-auto", "buffered"])
+def test_options_and_offsets(disk_dir, backend, offset, single_submit, overlap_events, thread_count, direct):
+    # Small blocks and queues so one request is many pieces and more pieces than the queues hold; without
+    # O_DIRECT every piece goes through the page cache (io_uring batches them as it does direct ones).
     tensor = random_tensor(3 * 8192 + 1001, torch.uint8, seed=offset)
     path = disk_dir / "t.bin"
     before = os.urandom(offset + tensor.numel() + 5000)
     path.write_bytes(before)  # independent writer: the bytes around the request must survive
     with AioHandle(block_size=4096, queue_depth=2, single_submit=single_submit, overlap_events=overlap_events,
-                   thread_count=thread_count, backend=backend) as handle:
+                   thread_count=thread_count, backend=backend, direct=direct) as handle:
         handle.write(tensor, path, offset).result()
         expected = before[:offset] + as_bytes(tensor) + before[offset + tensor.numel():]
         assert path.read_bytes() == expected
