@@ -65,11 +65,12 @@ def test_pieces_cover_the_request_in_order_and_map_each_byte_as_the_layout_says(
         first, last = offset + start, offset + start + piece.length - 1
         for byte in (first, last, *range(-(-first // stripe) * stripe, last, stripe)):  # every unit it touches
             assert _where(byte, stripe, reduced) == (piece.drive, piece.file_offset + byte - first)  # one drive, in a row
-        if chunk:
-            assert start // chunk == (start + piece.length - 1) // chunk  # never across a checksum chunk
-        if index:  # cut only where the drive's run or a chunk ends: requests as large as the layout allows
-            assert pieces[index - 1].drive != piece.drive or (offset + start) % (stripe * sum(reduced)) == 0 or \
-                (chunk and start % chunk == 0)
+        if chunk:  # its drive's file checksums the request's chunks: it starts at one's start, or stays in one
+            assert start % chunk == 0 or start // chunk == (start + piece.length - 1) // chunk
+        if index:  # cut only where the drive's run ends or where a piece begun inside a chunk reaches its end:
+            before = pieces[index - 1]  # requests as large as the layout allows
+            assert before.drive != piece.drive or (offset + start) % (stripe * sum(reduced)) == 0 or \
+                (chunk and start % chunk == 0 and before.start % chunk != 0)
         start += piece.length
     end = offset + nbytes  # each drive's file ends after the last byte of [0, end) it holds: each unit's last
     ends = [0] * len(weights)
@@ -98,6 +99,7 @@ def test_a_weighted_drive_gets_its_share_as_one_piece_per_cycle():
     layout = StripeLayout(1 << 20, (3, 1))
     pieces = layout.pieces(0, 16 << 20)
     assert [(p.drive, p.length >> 20) for p in pieces] == [(0, 3), (1, 1)] * 4
+    assert layout.pieces(0, 16 << 20, chunk=1 << 20) == pieces  # checksummed in 1 MiB chunks: still a piece per run
     assert [p.file_offset >> 20 for p in pieces] == [0, 0, 3, 1, 6, 2, 9, 3]
     assert [layout.drive_bytes(16 << 20, d) >> 20 for d in (0, 1)] == [12, 4]
 
@@ -175,11 +177,12 @@ def test_bytes_land_on_every_drive_and_read_back(drives, nbytes, verify, weights
 
 
 @pytest.mark.parametrize("weights", [(1, 1), (1, 3)])
-def test_chunks_read_alone_verify_and_a_flipped_byte_names_the_drives_file(drives, weights):
-    """As the optimizer does: a slot written whole in chunks (its state regions), one chunk read alone."""
+@pytest.mark.parametrize("chunk", [3 * 4096 + 512, 2 * STRIPE], ids=["unaligned", "two-units"])
+def test_chunks_read_alone_verify_and_a_flipped_byte_names_the_drives_file(drives, weights, chunk):
+    """As the optimizer does: a slot written whole in chunks (its state regions), one chunk read alone. The
+    chunks are regions not aligned to the stripe, or two units each (a drive's run holds several)."""
     file = StripedSwapFile(drives, AioConfig(), kind="adam", stripe_bytes=STRIPE, weights=weights)
     try:
-        chunk = 3 * 4096 + 512  # regions not aligned to the stripe
         offset = file.allocate(4 * chunk)
         values = torch.arange(chunk // 4, dtype=torch.float32)  # four regions of chunk bytes each
         state = torch.cat([values + 10000 * r for r in range(4)])

@@ -14,9 +14,11 @@ drives busy, and a fast drive gets its share of a request as one large piece.
 
 Everything a `SwapFile` guarantees holds per drive: the files are named, locked, removed and reclaimed
 as `SwapFile`'s are; extents and the A/B slots are offsets in the striped space (`allocate`);
-`preallocate` reserves each drive's share and names the drive's file on ENOSPC. Checksums are kept per
-piece by the drive's file: a write is also split at its checksum chunks (a piece never spans two), so
-that a read of the same chunks splits into the same pieces and each is verified against its write.
+`preallocate` reserves each drive's share and names the drive's file on ENOSPC. Checksums are kept by
+the drive's file, in the request's checksum chunks: a piece that starts inside a chunk is cut at that
+chunk's end, so that every other piece starts at a chunk's start, and a read of the same chunks (all of
+them or some) splits into pieces whose chunks its drive's file checksummed at the write. A drive's run
+of units stays one piece whatever the chunks: one handle request per run, not one per chunk.
 """
 
 from __future__ import annotations
@@ -96,8 +98,11 @@ class StripeLayout:
 
     def pieces(self, offset: int, nbytes: int, chunk: int | None = None) -> list[StripePiece]:
         """The pieces of a request of ``nbytes`` at ``offset``, in order, cut where the drive changes (at the
-        end of each drive's run of units) and (``chunk``) at every multiple of ``chunk`` from the request's
-        start. Raises ValueError for a negative offset or size, or a chunk below 1."""
+        end of each drive's run of units) and (``chunk``) where a piece that starts inside a checksum chunk
+        (counted in ``chunk`` bytes from the request's start) reaches that chunk's end: every piece lies in one
+        chunk or starts at a chunk's start, so that its drive's file, given the same ``chunk``, checksums the
+        request's chunks (or the parts of them on that drive) and not others. Raises ValueError for a negative
+        offset or size, or a chunk below 1."""
         if offset < 0 or nbytes < 0:
             raise ValueError(f"StripeLayout.pieces: offset {offset} and size {nbytes} must be at least 0")
         if chunk is not None and chunk < 1:
@@ -110,7 +115,7 @@ class StripeLayout:
             cycle, unit = divmod(at // stripe, self.cycle)
             drive = bisect.bisect_right(starts, unit) - 1
             run_end = (cycle * self.cycle + starts[drive] + weights[drive]) * stripe  # the drive's run ends here
-            end = min(nbytes, run_end - offset, (start // chunk + 1) * chunk if chunk else nbytes)
+            end = min(nbytes, run_end - offset, (start // chunk + 1) * chunk if chunk and start % chunk else nbytes)
             file_offset = (cycle * weights[drive] + unit - starts[drive]) * stripe + at % stripe
             pieces.append(StripePiece(drive=drive, file_offset=file_offset, start=start, length=end - start))
             start = end
@@ -234,15 +239,17 @@ class StripedSwapFile(PooledBuffers):
         pieces = self._pieces(buffer, offset, chunk)  # checked first: a byte view of anything else would be a copy
         data = _bytes_of(buffer)
         return self._start(pieces, lambda p: self.files[p.drive].read(data[p.start:p.start + p.length], p.file_offset,
-                                                                      what=what))
+                                                                      chunk=chunk, what=what))
 
     def write(self, tensor: torch.Tensor, offset: int, *, chunk: int | None = None) -> IOFuture:
         """Start writing ``tensor`` (contiguous, CPU) at ``offset`` of the striped space, every drive's part at
-        once; keep it unchanged until done. With `verify`, each piece's checksum is recorded by its drive's
-        file (a piece never spans two ``chunk``s, so reads in the same chunks verify piece by piece)."""
+        once; keep it unchanged until done. With `verify`, each piece's checksums are recorded by its drive's
+        file in the request's ``chunk``s (`StripeLayout.pieces`: a piece starts at a chunk's start or stays in
+        one chunk), so reads in the same chunks, of the whole or of some chunks, verify piece by piece."""
         pieces = self._pieces(tensor, offset, chunk)
         data = _bytes_of(tensor)
-        return self._start(pieces, lambda p: self.files[p.drive].write(data[p.start:p.start + p.length], p.file_offset))
+        return self._start(pieces, lambda p: self.files[p.drive].write(data[p.start:p.start + p.length], p.file_offset,
+                                                                       chunk=chunk))
 
     @staticmethod
     def _start(pieces: list[StripePiece], move: Callable[[StripePiece], IOFuture]) -> IOFuture:
