@@ -3,11 +3,10 @@
 Each of ``thread_count`` workers is one thread driving its own ring with ``queue_depth`` slots.
 The worker sleeps in a read of an eventfd that the ring signals on every completion and that
 ``submit`` signals on new work: liburing's own waits hold the GIL, an eventfd read releases it.
-Entries are written and completions read in whole batches (`RingQueues`): the pieces of a request's
-run that move the caller's memory itself (DIRECT ones, and every piece on a file without O_DIRECT, a
-tmpfs's) go in with a few numpy operations per batch and complete in bulk once every one's byte count
-is checked, with no Python object per piece; staged pieces, the unaligned head and tail of a request
-on an O_DIRECT file, and any piece that fails or comes back short, are carried one by one as `Task`s. Submission is liburing's C
+Entries are written and completions read in whole batches (`RingQueues`): the DIRECT pieces of a
+request's run go in with a few numpy operations per batch and complete in bulk once every one's byte
+count is checked, with no Python object per piece; staged and buffered pieces, and any piece that
+fails or comes back short, are carried one by one as `Task`s. Submission is liburing's C
 ``io_uring_submit`` called by ctypes (`RingSubmit`), which releases the GIL: the kernel issues the I/O
 inside that call, and the package's binding of it would hold the GIL meanwhile, stopping every other
 Python thread of the process (a training loop's included).
@@ -119,7 +118,7 @@ _INDEX = 0xFFFFFFFF  # a span piece's tag: its index in the flight
 
 
 class _Flight:
-    """A span's pieces that move the caller's memory itself (`_batched`), pushed in batches: where they start (tags count pieces from there)
+    """A span's DIRECT pieces, pushed in batches: where they start (tags count pieces from there)
     and how many are in flight."""
 
     __slots__ = ("span", "origin", "inflight")
@@ -133,7 +132,7 @@ class _Flight:
         """Piece ``index`` of the flight."""
         span = self.span
         offset = self.origin + index * span.piece_bytes
-        return Piece(offset, offset - span.request.offset, min(span.piece_bytes, span.end - offset), span.mode)
+        return Piece(offset, offset - span.request.offset, min(span.piece_bytes, span.end - offset), Mode.DIRECT)
 
     def ranges(self, indices: np.ndarray) -> list[tuple[int, int]]:
         """The [first, end) ranges of the request's memory that pieces ``indices`` of the flight cover,
@@ -289,8 +288,8 @@ class _Worker(threading.Thread):
         """Prepare entries for continuations and new pieces while the queue has room; returns how many
         are left for ``submit`` (none with single_submit, which submits each at once).
 
-        ``freed``: completions posted but not yet reaped, counted as room; ``spans_only``: only batched
-        span pieces (`_batched`: they need no staging slot), up to the first other item. Before a reap, the disk gets
+        ``freed``: completions posted but not yet reaped, counted as room; ``spans_only``: only DIRECT
+        span pieces (they need no staging slot), up to the first other item. Before a reap, the disk gets
         its next pieces without waiting for the completions' bookkeeping (a 16 KiB queue of 32 completes
         all at once: the reap's 33 us were the disk's idle time, 10% of a batch). Pieces in the kernel
         and completions not yet reaped (`_inflight`), with the continuations to come, never exceed the
@@ -313,7 +312,7 @@ class _Worker(threading.Thread):
                 else:
                     item.finish(None)
                 continue
-            if isinstance(item, Span) and _batched(item):
+            if isinstance(item, Span) and item.mode is Mode.DIRECT:
                 count = min(room, item.remaining)
                 self._push_span(item, count)
                 room -= count
@@ -388,14 +387,6 @@ class _Worker(threading.Thread):
                 flight.span.request.pieces_finished(flight.inflight, _error_for(flight.span, error))
         for item in stranded:
             _fail(item, error)
-
-
-def _batched(span: Span) -> bool:
-    """Whether ``span``'s pieces go in as batches of entries over the caller's memory: DIRECT ones, and
-    BUFFERED ones on a file opened without O_DIRECT (a tmpfs: its one descriptor is the buffered one). The
-    unaligned head and tail of a request on an O_DIRECT file (BUFFERED, a piece each, on a second
-    descriptor) and STAGED pieces (a staging slot each) go as Tasks."""
-    return span.mode is Mode.DIRECT or (span.mode is Mode.BUFFERED and not span.request.file.direct)
 
 
 def _error_for(span: Span, exc: BaseException):
