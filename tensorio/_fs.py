@@ -98,15 +98,21 @@ _direct_cache: dict[str, tuple[bool, str]] = {}
 _cache_lock = threading.Lock()
 
 
-def direct_supported(directory: str) -> bool:
-    """Cached ``probe_direct`` for the I/O path; warns once per directory when it falls back."""
+def probed_direct(directory: str) -> tuple[bool, str]:
+    """``probe_direct(directory)``, probed once per directory and process (the I/O path asks on every
+    request). Raises FileNotFoundError for a missing directory, as the probe does."""
     with _cache_lock:
         cached = _direct_cache.get(directory)
     if cached is None:
         cached = probe_direct(directory)
         with _cache_lock:
             _direct_cache[directory] = cached
-    supported, reason = cached
+    return cached
+
+
+def direct_supported(directory: str) -> bool:
+    """`probed_direct`'s answer for the I/O path; warns once per directory when it falls back."""
+    supported, reason = probed_direct(directory)
     if not supported and directory not in _warned_dirs:
         _warned_dirs.add(directory)
         log.warning("tensorio: no O_DIRECT in %s (%s); using buffered I/O there", directory, reason)

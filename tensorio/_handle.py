@@ -20,7 +20,7 @@ from ._checksum import Checksums
 from ._config import MiB, AioConfig
 from ._errors import TensorIOError
 from ._files import FileTable, OpenFile
-from ._fs import DIRECT_ALIGN, direct_supported, open_error, probe_direct
+from ._fs import DIRECT_ALIGN, direct_supported, open_error, probed_direct
 from ._plan import Mode, piece_size, plan_runs
 from ._request import IOFuture, Request, Span
 from ._threads import ThreadBackend
@@ -188,15 +188,16 @@ class AioHandle:
         if mode is False:
             return False
         directory = os.path.dirname(os.path.abspath(name))
-        if not os.path.isdir(directory):
-            raise open_error(errno.ENOENT, name, write=write, offset=offset, length=nbytes)
-        if mode is True:
-            supported, reason = probe_direct(directory)
-            if not supported:
-                raise TensorIOError(errno.EINVAL, "direct=True but O_DIRECT is unavailable", path=name,
-                                    offset=offset, length=nbytes, hint=f"{reason}; use direct=\"auto\" or False")
-            return True
-        return direct_supported(directory)
+        try:  # probed once per directory; a directory gone since is named by the open that follows
+            if mode is True:
+                supported, reason = probed_direct(directory)
+                if not supported:
+                    raise TensorIOError(errno.EINVAL, "direct=True but O_DIRECT is unavailable", path=name,
+                                        offset=offset, length=nbytes, hint=f"{reason}; use direct=\"auto\" or False")
+                return True
+            return direct_supported(directory)
+        except FileNotFoundError:  # the directory is missing (or a file): not probed, named as the open would
+            raise open_error(errno.ENOENT, name, write=write, offset=offset, length=nbytes) from None
 
     # ---- the DeepSpeed aio_handle surface ---------------------------------------------------------
 

@@ -222,3 +222,25 @@ def test_a_failed_io_worker_is_named_not_blamed_on_the_device(disk_dir, monkeypa
             h.write(torch.zeros(4 * 4096, dtype=torch.uint8), disk_dir / "w.bin").result(timeout=60)
     assert "the I/O worker failed (RuntimeError('worker bug'))" in str(info.value)
     assert "device reported" not in str(info.value) and info.value.errno == errno.EIO
+
+
+@pytest.mark.parametrize("direct", ["auto", True])
+def test_a_directory_removed_after_its_probe_is_named_and_probed_once(disk_dir, direct, monkeypatch):
+    """O_DIRECT is probed once per directory (a probe writes a file); a directory removed after that is
+    still named by the next request, as a missing one is before."""
+    import tensorio._fs as fs
+
+    probes = []
+    real_probe = fs.probe_direct
+    monkeypatch.setattr(fs, "probe_direct", lambda d: probes.append(d) or real_probe(d))
+    monkeypatch.setattr(fs, "_direct_cache", {})
+    directory = disk_dir / "gone"
+    directory.mkdir()
+    with AioHandle(backend="threads", direct=direct) as h:
+        for offset in (0, 4096, 8192):
+            h.write(torch.ones(1024), directory / "x.bin", offset).result()
+        assert probes == [str(directory)]
+        shutil.rmtree(directory)
+        with pytest.raises(TensorIOError) as info:
+            h.write(torch.ones(1024), directory / "x.bin")
+    assert info.value.errno == errno.ENOENT and f"create {directory} first" in str(info.value)
