@@ -1,6 +1,7 @@
 """One rank's swap traffic striped over several drives, against the sum of fio on each drive.
 
-Each round writes then reads ``--size`` bytes of one swap file in ``--request-size`` requests,
+Each round writes (after one untimed write that lays the file out, as the engine's first step and fio
+do) then reads ``--size`` bytes of one swap file in ``--request-size`` requests,
 ``--in-flight`` of them at a time (as the engine's partitions and sub-groups move), first through a
 `SwapFile` on each directory alone, then through one `StripedSwapFile` over all of them (stripes weighted
 by ``--weights``: measured by default, as the engine does; with ``--compare-even`` also even stripes);
@@ -52,11 +53,14 @@ def _stream(file: SwapFile | StripedSwapFile, buffers: list[torch.Tensor], total
 
 
 def _swap_round(make, buffers: list[torch.Tensor], total: int) -> tuple[float, float]:
-    """(write GB/s, read GB/s) of a fresh swap file from ``make()``."""
+    """(write GB/s, read GB/s) of a fresh swap file from ``make()``, written once first (untimed): a
+    preallocated file's first write also converts its extents (ext4: unwritten to written), which the
+    engine pays once, at its first step, and fio once, laying out its file before its timed loop."""
     file = make()
     try:
         file.allocate(total)
         file.preallocate()
+        _stream(file, buffers, total, write=True)
         return _stream(file, buffers, total, write=True), _stream(file, buffers, total, write=False)
     finally:
         file.close()
