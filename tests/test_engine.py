@@ -616,15 +616,24 @@ def test_tied_weights_are_one_record(disk_dir):
     engine.close()
 
 
+def _checkpoint_activations(model, reentrant: bool) -> None:
+    """transformers' activation checkpointing: ``activation_checkpointing_enable``, or in older transformers
+    ``gradient_checkpointing_enable`` (deprecated where the new name exists)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_activation_checkpointing(disk_dir, reentrant):
     build, data, loss_fn = MODELS["gpt2"]
     batches = data(4)
     model = build()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    _checkpoint_activations(model, reentrant)
     ref_losses, ref_params = reference(model, batches, loss_fn, 1)
     model = build()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    _checkpoint_activations(model, reentrant)
     engine, *_ = initialize(model=model, config=engine_config(disk_dir, "nvme", "nvme", micro=2))
     engine.train()
     losses = train(engine, batches, loss_fn)

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 from offload.infer import init_inference
 from offload.infer.config import InferenceConfig, KVQuantization
-from offload.infer.kv.cache import OffloadedKVCache
+from offload.infer.kv.cache import CACHE_KEYWORD, OffloadedKVCache
 from offload.infer.kv.quant import KVCodec
 from tensorio import AioHandle
 
@@ -58,11 +58,11 @@ def teacher_forced_logits(model, cache, ids: torch.Tensor, mask: torch.Tensor, s
     tokens = torch.randint(3, 256, (ids.shape[0], steps), generator=generator)
     out = []
     with torch.no_grad():
-        logits = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+        logits = model(ids, attention_mask=mask, use_cache=True, **{CACHE_KEYWORD: cache}).logits
         out.append(logits[:, -1])
         for step in range(steps):
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            logits = model(tokens[:, step:step + 1], attention_mask=mask, past_key_values=cache, use_cache=True).logits
+            logits = model(tokens[:, step:step + 1], attention_mask=mask, use_cache=True, **{CACHE_KEYWORD: cache}).logits
             out.append(logits[:, -1])
     return torch.stack(out, dim=1)
 
