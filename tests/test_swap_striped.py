@@ -205,6 +205,30 @@ def test_chunks_read_alone_verify_and_a_flipped_byte_names_the_drives_file(drive
         file.close()
 
 
+@pytest.mark.parametrize("weights", [(1, 1), (1, 3), (3, 2)])
+@pytest.mark.parametrize("chunk", [3 * 4096 + 512, 2 * STRIPE, 5 * STRIPE], ids=["unaligned", "two-units", "five-units"])
+def test_chunks_written_one_by_one_verify_when_read_whole_and_the_other_way(drives, weights, chunk):
+    """As the optimizer's swapper does (a slot's regions written one request each, or its fixed buffer as one,
+    read back either way): the pieces of one write and of the other read differ, the chunks they verify don't."""
+    file = StripedSwapFile(drives, AioConfig(), kind="adam", stripe_bytes=STRIPE, weights=weights)
+    try:
+        regions = [torch.arange(chunk // 4, dtype=torch.float32) + 10000 * r for r in range(5)]
+        whole = torch.cat(regions)
+        first, second = file.allocate(whole.nbytes), file.allocate(whole.nbytes)
+        for r, region in enumerate(regions):  # one write per region; read back whole
+            file.write(region, first + r * chunk, chunk=chunk).result()
+        back = torch.empty_like(whole)
+        file.read(back, first, chunk=chunk).result()
+        assert torch.equal(back, whole)
+        file.write(whole, second, chunk=chunk).result()  # written whole; read back a region at a time
+        for r, region in enumerate(regions):
+            part = torch.empty_like(region)
+            file.read(part, second + r * chunk, chunk=chunk).result()
+            assert torch.equal(part, region)
+    finally:
+        file.close()
+
+
 def test_a_missing_drive_is_named_and_nothing_is_left_on_the_others(drives):
     missing = os.path.join(drives[1], "gone")
     with pytest.raises(FileNotFoundError, match=rf"nvme_path '{missing}' does not exist"):
