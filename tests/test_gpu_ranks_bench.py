@@ -1,0 +1,35 @@
+"""The several-GPU check (benchmarks/gpu/ranks.py) runs end to end on a node of two simulated devices at a
+tiny size, so that the next machine with several GPUs runs it as it is; it refuses where CUDA has fewer
+GPUs than ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from offload.device import cuda_available
+
+pytestmark = [pytest.mark.bench, pytest.mark.simulated, pytest.mark.multiprocess]
+
+
+def test_two_ranks_each_on_its_own_index_give_world_size_ones_losses(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from benchmarks.gpu import ranks
+
+    figures = ranks.main(["--dir", str(tmp_path), "--device", "simulated", "--nproc", "2", "--tiny", "--steps", "3",
+                          "--json", str(tmp_path / "ranks.json")])
+    out = capsys.readouterr().out
+    assert [(r["rank"], r["local_rank"], r["device"]) for r in figures["ranks"]] == [(0, 0, "simgpu:0"),
+                                                                                    (1, 1, "simgpu:1")]
+    assert [list(r["device_memory"]) for r in figures["ranks"]] == [["0"], ["1"]]  # each rank's memory: its index
+    assert figures["world_size_1"]["device"] == "simgpu:0"
+    assert len(figures["mean_losses"]) == 3 and figures["largest_relative_difference"] <= 1e-5, figures
+    assert "rank 1 (LOCAL_RANK 1) computed on simgpu:1" in out and "largest relative difference" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ranks.json"]  # swap files and the ranks' output removed
+
+
+@pytest.mark.skipif(cuda_available(), reason="checks the refusal where CUDA is missing")
+def test_it_refuses_without_the_gpus_it_needs(tmp_path):
+    from benchmarks.gpu import ranks
+
+    with pytest.raises(SystemExit, match=r"CUDA is not available here; this row needs 2 GPUs"):
+        ranks.main(["--dir", str(tmp_path)])
