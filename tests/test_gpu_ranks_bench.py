@@ -33,3 +33,19 @@ def test_it_refuses_without_the_gpus_it_needs(tmp_path):
 
     with pytest.raises(SystemExit, match=r"CUDA is not available here; this row needs 2 GPUs"):
         ranks.main(["--dir", str(tmp_path)])
+
+
+def test_the_stop_check_sees_every_rank_stop_naming_the_one_that_failed(tmp_path, capsys):
+    """--stop-at: rank 1 raises in its forward at step 2; rank 0 stops at once with RanksStopped naming it
+    (over gloo on the simulated device here; over NCCL, the same check on a machine with several GPUs)."""
+    pytest.importorskip("transformers")
+    from benchmarks.gpu import ranks
+
+    figures = ranks.main(["--dir", str(tmp_path), "--device", "simulated", "--nproc", "2", "--tiny", "--steps", "3",
+                          "--stop-at", "2"])
+    first, second = figures["ranks"]
+    assert first["stopped"]["error"] == "RanksStopped" and first["stopped"]["step"] == 2
+    assert "rank 1 failed in forward at step 2: ValueError: bad batch" in first["stopped"]["message"]
+    assert second["stopped"]["error"] == "ValueError" and second["stopped"]["step"] == 2
+    assert len(first["losses"]) == len(second["losses"]) == 1  # step 1 trained, step 2 stopped on both
+    assert figures["stopped_together"] and "every rank stopped at step 2, naming rank 1" in capsys.readouterr().out

@@ -16,6 +16,12 @@ peak RSS and its losses. Printed: a line per
 rank, the mean losses beside world size 1's and their largest relative difference. It refuses, saying so,
 where CUDA is missing or sees fewer GPUs than ``--nproc`` (``--device cuda``): a GPU's figures cannot be
 simulated; ``--device simulated`` runs the same path on CPU processes for the test that keeps it working.
+
+``--stop-at K`` checks the stop instead (NCCL's on GPUs: the default group aborted; gloo's on the simulated
+device): rank 1's model raises in its forward at step K, outside the ranks' agreement; every rank must
+stop at once, rank 1 with its own error and the others with `RanksStopped` naming rank 1, rather than wait
+in their next collective until the process group's timeout. Printed: each rank's error and the seconds
+from the start of step K to it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -71,12 +78,26 @@ def _rank(spec: dict[str, Any]) -> None:
     device = engine.device
     tokens = torch.randint(0, spec["model"]["vocab_size"], (spec["steps"], spec["batch"], spec["seq"]),
                            generator=torch.Generator().manual_seed(1))
-    losses = []
-    for batch in tokens:
+    stop_at = spec.get("stop_at")
+    if stop_at is not None and rank == 1:
+        def fault(module, args, output):
+            if engine.global_steps + 1 == stop_at:
+                raise ValueError(f"bad batch (injected on rank 1 at step {stop_at})")
+        model.transformer.h[0].register_forward_hook(fault)
+    losses, stopped = [], None
+    for step, batch in enumerate(tokens, start=1):
         share = batch.chunk(world_size)[rank]
-        loss = engine(share, labels=share).loss
-        engine.backward(loss)
-        engine.step()
+        began = time.perf_counter()
+        try:
+            loss = engine(share, labels=share).loss
+            engine.backward(loss)
+            engine.step()
+        except Exception as error:  # noqa: BLE001 - --stop-at: reported, the check is what it says
+            if stop_at is None:
+                raise
+            stopped = {"error": type(error).__name__, "message": str(error)[:400], "step": step,
+                       "seconds": time.perf_counter() - began}
+            break
         losses.append(loss.item())
     if device.torch_device.type == "cuda":
         memory = {i: torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())}
@@ -84,8 +105,12 @@ def _rank(spec: dict[str, Any]) -> None:
         memory = {device.torch_device.index or 0: device.allocated_bytes}
     figures = {"rank": rank, "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "device": str(device.torch_device),
                "device_memory": memory, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-               "losses": losses}
-    engine.close()
+               "losses": losses, "stopped": stopped}
+    try:
+        engine.close()
+    except Exception:  # noqa: BLE001 - after a stop its process group is gone; the figures are what count
+        if stopped is None:
+            raise
     with open(os.path.join(spec["out"], f"rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump(figures, f)
 
@@ -119,6 +144,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--batch", type=int, default=8, help="sequences per global batch (a multiple of --nproc)")
     ap.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer GPT-2 of width 64 (the test's size)")
+    ap.add_argument("--stop-at", type=int, default=None, metavar="K",
+                    help="check the stop instead: rank 1 raises in its forward at step K (at most --steps)")
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("--rank-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -135,10 +162,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  f"memory meaning nothing)")
     if nproc < 2 or args.batch % nproc:
         ap.error(f"--nproc {nproc} and --batch {args.batch}: use 2 or more ranks and a batch they divide")
+    if args.stop_at is not None and not 1 <= args.stop_at <= args.steps:
+        ap.error(f"--stop-at {args.stop_at}: a step from 1 to --steps ({args.steps})")
     seq = min(args.seq, 32) if args.tiny else args.seq
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-ranks-") as directory:
         spec = {"dir": directory, "device": args.device, "model": TINY if args.tiny else GPT2_SMALL,
-                "steps": args.steps, "batch": args.batch, "seq": seq}
+                "steps": args.steps, "batch": args.batch, "seq": seq, "stop_at": args.stop_at}
+        if args.stop_at is not None:
+            return _report_stop(_launch(spec, nproc), args)
         one = _launch(spec, 1)[0]
         ranks = _launch(spec, nproc)
     mean = [sum(r["losses"][s] for r in ranks) / nproc for s in range(args.steps)]
@@ -154,6 +185,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"  largest relative difference {worst:.2e}: {'within' if worst <= LOSS_RTOL else 'NOT within'} "
           f"{LOSS_RTOL:g} (fp32: only the order of the reductions differs)")
     figures = {"world_size_1": one, "ranks": ranks, "mean_losses": mean, "largest_relative_difference": worst}
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1))
+    return figures
+
+
+def _report_stop(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """Print and return how each rank stopped at ``--stop-at``: every one must, rank 1 with its own error and
+    the others with RanksStopped naming it."""
+    print(f"stop: rank 1 raises in its forward at step {args.stop_at} ({args.device}, {len(ranks)} ranks)")
+    for r in ranks:
+        how = r["stopped"]
+        print(f"  rank {r['rank']} on {r['device']}: " + (f"{how['error']} after {how['seconds']:.2f} s at step "
+                                                        f"{how['step']}: {how['message']}" if how else "did not stop"))
+    agreed = all(r["stopped"] and r["stopped"]["step"] == args.stop_at for r in ranks) and all(
+        r["stopped"]["error"] == ("ValueError" if r["rank"] == 1 else "RanksStopped") and "rank 1" in r["stopped"]["message"]
+        for r in ranks)
+    print(f"  {'every rank stopped at step %d, naming rank 1' % args.stop_at if agreed else 'NOT every rank stopped as it should'}")
+    figures = {"ranks": ranks, "stopped_together": agreed}
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))
     return figures
