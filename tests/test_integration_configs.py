@@ -20,12 +20,16 @@ transformers = pytest.importorskip("transformers")
 pl = pytest.importorskip("lightning.pytorch")
 accelerate = pytest.importorskip("accelerate")
 
+from bench.cli import DEFAULT_CONFIG_OUT  # noqa: E402
 from offload.integrations.accelerate import OffloadAccelerator  # noqa: E402
 from offload.integrations.lightning import OffloadStrategy  # noqa: E402
 from offload.integrations.transformers import OffloadTrainer  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIGS = sorted(p for p in (REPO / "configs").glob("*.json") if p.name != "inference_nvme.json")
+
+CONFIGS = sorted(p for p in (REPO / "configs").glob("*.json")
+                 if p.name not in ("inference_nvme.json", DEFAULT_CONFIG_OUT.name))
+"""The shipped training configs: not the sweep's own output, which a run of tensorio-bench leaves (git-ignored)."""
 FAST = ("zero3_auto.json",)
 """The examples the fast tier runs through each integration; the slow tier runs them all."""
 EACH_CONFIG = [pytest.param(p, marks=() if p.name in FAST else pytest.mark.slow, id=p.name) for p in CONFIGS]
