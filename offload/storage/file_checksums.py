@@ -137,7 +137,7 @@ def header_checksum(path: str) -> tuple[int, int]:
 
 
 VERIFY_AHEAD = 4
-"""Chunks `verify_file` reads ahead of the one it hashes (each a buffer of `FileChecksums.chunk` bytes and two
+"""Chunks `verify_file` reads ahead of the one it hashes (each a buffer of the file's largest chunk and two
 pages: 32 MiB at the default chunk)."""
 
 
