@@ -149,6 +149,18 @@ class ChildError(RuntimeError):
         return f"exit status {self.returncode}: {lines[-1] if lines else 'no error output'}"
 
 
+RANK_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What a launcher (torchrun) sets for its ranks: a child started afresh must not inherit an outer launch's."""
+
+
+def child_env(drop: Sequence[str] = ()) -> dict[str, str]:
+    """This process's environment for a child: without the variables ``drop`` names, and with the clone first
+    on PYTHONPATH (so that ``python -m benchmarks.NAME`` imports there)."""
+    env = {key: value for key, value in os.environ.items() if key not in drop}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
 def run_child(module: str, args: Sequence[str], *, mmap_threshold: int | None = None,
               cgroup: Any = None) -> dict[str, Any]:
     """Run ``python -m module *args`` in a fresh interpreter (so that its peak RSS is its own) and
@@ -160,11 +172,9 @@ def run_child(module: str, args: Sequence[str], *, mmap_threshold: int | None = 
     memory cgroup it runs in. Raises `ChildError` (a RuntimeError), with the end of the child's error
     output, when it fails.
     """
-    env = dict(os.environ)
-    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    env = child_env(drop=("MALLOC_MMAP_THRESHOLD_",))
     if mmap_threshold is not None:
         env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     command = [sys.executable, "-m", module, *args]
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False,
                           preexec_fn=cgroup.enter if cgroup is not None else None)

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._cgroup import UNBOUNDED, MemoryCgroup
-from benchmarks._common import REPO, free_port
+from benchmarks._common import RANK_VARIABLES, REPO, child_env, free_port
 
 MODELS = {  # GPT2Config keywords
     "gpt2-medium": {"n_layer": 24, "n_embd": 1024, "n_head": 16, "vocab_size": 50257, "n_positions": 1024},
@@ -160,12 +160,10 @@ def launch(ranks: int, payload: dict, out_dir: Path, group: MemoryCgroup | None)
     out_dir.mkdir(parents=True, exist_ok=True)
     payload_file = out_dir / "payload.json"
     payload_file.write_text(json.dumps({**payload, "out": str(out_dir)}))
-    env = dict(os.environ)
-    for key in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MALLOC_MMAP_THRESHOLD_"):
-        env.pop(key, None)  # torchrun's and the engine's defaults, as a user's plain launch gets them
+    # torchrun's and the engine's defaults, as a user's plain launch gets them
+    env = child_env(drop=(*RANK_VARIABLES, "OMP_NUM_THREADS", "MALLOC_MMAP_THRESHOLD_"))
     if payload.get("mmap_threshold") is not None:
         env["MALLOC_MMAP_THRESHOLD_"] = str(payload["mmap_threshold"])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     torchrun = Path(sys.executable).with_name("torchrun")
     command = ([str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]) + [
         "--nnodes", "1", "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",

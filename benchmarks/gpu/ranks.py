@@ -39,10 +39,10 @@ from typing import Any
 
 import torch
 
+from benchmarks._common import RANK_VARIABLES, REPO, child_env
 from benchmarks.node_memory import LOSS_RTOL
 from offload.device import cuda_available
 
-_REPO = Path(__file__).resolve().parents[2]
 GPT2_SMALL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
 TINY = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 128, "n_positions": 32}
 
@@ -122,12 +122,10 @@ def _launch(spec: dict[str, Any], nproc: int) -> list[dict[str, Any]]:
     child = [sys.executable, "-m"] + (["torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m"]
                                       if nproc > 1 else []) + ["benchmarks.gpu.ranks", "--rank-child",
                                                               json.dumps({**spec, "out": out})]
-    env = {k: v for k, v in os.environ.items()  # no rank of an outer launch: torchrun's (or world size 1's) own
-           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), os.environ.get("PYTHONPATH")]))
+    env = child_env(drop=RANK_VARIABLES)  # no rank of an outer launch: torchrun's (or world size 1's) own
     if spec["device"] == "simulated":
         env["OFFLOAD_SIMGPU_COUNT"] = str(nproc)  # a node of nproc simulated devices
-    run = subprocess.run(child, env=env, cwd=_REPO, capture_output=True, text=True)
+    run = subprocess.run(child, env=env, cwd=REPO, capture_output=True, text=True)
     if run.returncode:
         raise RuntimeError(f"world size {nproc} failed (exit {run.returncode}):\n{(run.stdout + run.stderr)[-4000:]}")
     return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(nproc)]
@@ -198,9 +196,14 @@ def _report_stop(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[
         how = r["stopped"]
         print(f"  rank {r['rank']} on {r['device']}: " + (f"{how['error']} after {how['seconds']:.2f} s at step "
                                                         f"{how['step']}: {how['message']}" if how else "did not stop"))
-    agreed = all(r["stopped"] and r["stopped"]["step"] == args.stop_at for r in ranks) and all(
-        r["stopped"]["error"] == ("ValueError" if r["rank"] == 1 else "RanksStopped") and "rank 1" in r["stopped"]["message"]
-        for r in ranks)
+    def as_it_should(r: dict[str, Any]) -> bool:  # at step K: rank 1 by its own error, the others naming rank 1
+        how = r["stopped"]
+        if not how or how["step"] != args.stop_at:
+            return False
+        return how["error"] == "ValueError" if r["rank"] == 1 else (
+            how["error"] == "RanksStopped" and "rank 1 failed" in how["message"])
+
+    agreed = all(as_it_should(r) for r in ranks)
     print(f"  {'every rank stopped at step %d, naming rank 1' % args.stop_at if agreed else 'NOT every rank stopped as it should'}")
     figures = {"ranks": ranks, "stopped_together": agreed}
     if args.json:

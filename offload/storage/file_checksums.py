@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from tensorio import CHECKSUM_ALGORITHM, checksum
+from tensorio import CHECKSUM_ALGORITHM, AioHandle, ChecksumError, aligned_tensor, checksum
 
 __all__ = ["CHUNK", "FileChecksums", "TensorHasher", "header_checksum", "verify_file"]
 
@@ -148,8 +148,6 @@ def verify_file(path: str, record: FileChecksums) -> int:
     flight while this thread hashes the one before. Raises tensorio.ChecksumError naming the file, the tensor
     (or the header), the offset and both checksums; ValueError for a file whose header does not list the
     tensors the record has; OSError for a file that cannot be read (tensorio's error names a short one)."""
-    from tensorio import ChecksumError
-
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         prefix = _pread_all(fd, 8, 0, path)
@@ -180,8 +178,6 @@ def _verify_chunks(path: str, size: int, chunks: list[tuple[int, int, str, int]]
     (``size`` bytes long); the bytes checked. Each is read from the page boundary below it, so that the
     read is O_DIRECT's, into one of `VERIFY_AHEAD` buffers; every read in flight is waited for before an
     error is raised (no buffer is dropped under a read)."""
-    from tensorio import AioHandle, ChecksumError, aligned_tensor
-
     page = 4096
     pending: deque = deque()
     upcoming = iter(chunks)
